@@ -1,0 +1,3 @@
+from zerodist.cli.main import main
+
+raise SystemExit(main())
