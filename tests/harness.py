@@ -1,0 +1,227 @@
+"""A pytest-native multi-process harness (in the spirit of DeepSpeed's DistributedTest).
+
+    @distributed_test(world_size=[1, 2, 4])
+    def test_something():              # the body runs on every rank
+        ...
+
+    results = run_distributed(fn, 2, arg)   # fn runs on each of 2 ranks; returns [rank0, rank1]
+
+Ranks are real processes on gloo over loopback, initialised through zerodist's own launch path
+(torchrun variables). Process start-up (importing torch) dominates on small machines, so one
+pool of workers per world size lives for the whole session and runs test after test. A pool
+that saw a failure is torn down, since its ranks may be stuck in a collective or out of step,
+and the next test gets a fresh one.
+
+A test fails when any rank raises, any rank dies, or the deadline passes; the error carries
+every failed rank's traceback and names the ranks that never answered. It never hangs: ranks
+still running after a failure are given a short grace, then killed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 90.0
+GRACE_AFTER_FAILURE_S = 3.0
+COLLECTIVE_TIMEOUT_S = "60"
+
+_BODIES: dict[tuple[str, str], Callable[..., Any]] = {}
+
+
+class DistributedTestFailure(AssertionError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ZERODIST_TIMEOUT=COLLECTIVE_TIMEOUT_S,
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        import zerodist.comm
+
+        zerodist.comm.init_distributed()
+        results.put((rank, None, "ready", None))
+    except BaseException:
+        results.put((rank, None, "error", traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        task_id, target, args, kwargs = task
+        try:
+            value = _resolve(target)(*args, **kwargs)
+            results.put((rank, task_id, "ok", value))
+        except BaseException:
+            results.put((rank, task_id, "error", traceback.format_exc()))
+
+
+def _resolve(target: Any) -> Callable[..., Any]:
+    if isinstance(target, tuple):
+        module, name = target
+        importlib.import_module(module)
+        return _BODIES[(module, name)]
+    return target
+
+
+class WorkerPool:
+    """`world_size` worker processes that run one task at a time, all ranks together."""
+
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.task_queues = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self.processes = [
+            ctx.Process(target=_worker_main, args=(r, world_size, port, self.task_queues[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.processes:
+            p.start()
+        self.next_id = 0
+        self._collect(None, timeout=120.0, what="start-up")
+
+    def run(self, target: Any, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        self.next_id += 1
+        for q in self.task_queues:
+            q.put((self.next_id, target, args, kwargs))
+        return self._collect(self.next_id, timeout, what=_describe(target))
+
+    def _collect(self, task_id: int | None, timeout: float, what: str) -> list[Any]:
+        values: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(values) + len(errors) < self.world_size:
+            now = time.monotonic()
+            if now > deadline:
+                break
+            try:
+                rank, tid, status, payload = self.results.get(timeout=0.1)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.processes) if not p.is_alive() and r not in values and r not in errors]
+                for r in dead:
+                    errors[r] = f"rank {r} process died (exit code {self.processes[r].exitcode})"
+                continue
+            if tid != task_id:
+                continue  # a stale answer from an earlier, abandoned task
+            if status == "ok" or status == "ready":
+                values[rank] = payload
+            else:
+                errors[rank] = payload
+                deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
+        missing = [r for r in range(self.world_size) if r not in values and r not in errors]
+        if errors or missing:
+            raise DistributedTestFailure(_report(what, self.world_size, errors, missing, timeout))
+        return [values[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for q in self.task_queues:
+            try:
+                q.put(None)
+            except Exception:
+                pass
+        deadline = time.monotonic() + 2.0
+        for p in self.processes:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+
+
+def _describe(target: Any) -> str:
+    if isinstance(target, tuple):
+        return ".".join(target)
+    return f"{target.__module__}.{target.__qualname__}"
+
+
+def _report(what: str, world_size: int, errors: dict[int, str], missing: list[int], timeout: float) -> str:
+    lines = [f"{what} failed on {len(errors)} of {world_size} rank(s)"]
+    if missing:
+        lines[0] += f"; rank(s) {missing} did not finish (deadline {timeout:.0f}s or grace after a failure) and were killed"
+    for rank in sorted(errors):
+        lines.append(f"---- rank {rank} ----\n{errors[rank]}")
+    return "\n".join(lines)
+
+
+_pools: dict[int, WorkerPool] = {}
+
+
+def run_distributed(target: Any, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+    """Run `target(*args, **kwargs)` on `world_size` ranks; return each rank's value, rank order.
+
+    `target` is a module-level function (sent by reference). Any rank's failure fails the call
+    on all ranks with its traceback, within `timeout` seconds.
+    """
+    return _run(target, world_size, args, kwargs, timeout)
+
+
+def _run(target: Any, world_size: int, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+    pool = _pools.get(world_size)
+    if pool is None:
+        pool = _pools[world_size] = WorkerPool(world_size)
+    try:
+        return pool.run(target, args, kwargs, timeout)
+    except BaseException:
+        _pools.pop(world_size, None)
+        pool.close()
+        raise
+
+
+def close_pools() -> None:
+    for pool in list(_pools.values()):
+        pool.close()
+    _pools.clear()
+
+
+def distributed_test(world_size: int | list[int] = 2, *, timeout: float = DEFAULT_TIMEOUT_S) -> Callable:
+    """Turn a function whose body runs on every rank into a test parametrized by world size.
+
+    The body may take `world_size` and any other parameters given by stacked
+    `@pytest.mark.parametrize` decorators.
+    """
+    import pytest
+
+    sizes = [world_size] if isinstance(world_size, int) else list(world_size)
+
+    def decorate(body: Callable[..., Any]) -> Callable[..., Any]:
+        key = (body.__module__, body.__qualname__)
+        _BODIES[key] = body
+        body_params = inspect.signature(body).parameters
+        takes_world_size = "world_size" in body_params
+
+        @functools.wraps(body)
+        def test(world_size: int, **params: Any) -> None:
+            if takes_world_size:
+                params["world_size"] = world_size
+            _run(key, world_size, (), params, timeout)
+
+        others = [p for name, p in body_params.items() if name != "world_size"]
+        test.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter("world_size", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + others
+        )
+        del test.__wrapped__  # pytest must see our signature, not the body's
+        return pytest.mark.parametrize("world_size", sizes)(test)
+
+    return decorate

@@ -1,0 +1,215 @@
+"""Collectives: torch.distributed's signatures, one safe path.
+
+Each function (1) initialises the world on first use through `init_distributed()`, (2) runs
+any pre-collective checks (the desync guard), (3) issues the collective inside
+`record_function("zerodist::<op>")` so it is labelled in profiles, (4) records it in active
+traces, and (5) returns a `CommHandle`: the result tensor and, for `async_op=True`, the work
+handle to `wait()` on. Synchronous calls return an already-completed handle.
+
+torch's API churn stays here: torch 2.13 deprecates `all_gather_into_tensor` /
+`reduce_scatter_tensor` in favour of `all_gather_single` / `reduce_scatter_single`, and older
+torch has only the former. gloo has no `ReduceOp.AVG`; we emulate it as SUM then divide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+from zerodist.comm import tracer
+from zerodist.comm.init import ensure_initialized
+
+ReduceOp = dist.ReduceOp
+ProcessGroup = dist.ProcessGroup
+
+_all_gather_impl = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_impl = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Checks run before every collective (op name, tensor or None, group); the desync guard
+# registers here. Empty by default, so the cost is one truthiness test.
+pre_collective_hooks: list[Callable[[str, torch.Tensor | None, Any], None]] = []
+
+
+class CommHandle:
+    """The result of a collective: `tensor` (or None) and its pending work, if any."""
+
+    __slots__ = ("tensor", "_work", "_after_wait")
+
+    def __init__(self, tensor: torch.Tensor | None, work: Any = None, after_wait: Callable[[], None] | None = None):
+        self.tensor = tensor
+        self._work = work
+        self._after_wait = after_wait
+        if work is None and after_wait is not None:
+            after_wait()
+            self._after_wait = None
+
+    def wait(self) -> torch.Tensor | None:
+        """Block until the collective is done; returns the result tensor. Safe to call twice."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if self._after_wait is not None:
+                self._after_wait()
+                self._after_wait = None
+        return self.tensor
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def _needs_avg_emulation(op: Any, group: Any) -> bool:
+    return op == ReduceOp.AVG and dist.get_backend(group) == "gloo"
+
+
+def _issue(
+    op_name: str,
+    tensor: torch.Tensor | None,
+    numel: int,
+    group: Any,
+    async_op: bool,
+    launch: Callable[[bool], Any],
+    after_wait: Callable[[], None] | None = None,
+) -> CommHandle:
+    ensure_initialized()
+    if pre_collective_hooks:
+        for hook in pre_collective_hooks:
+            hook(op_name, tensor, group)
+    if not tracer.active_traces:
+        with record_function(f"zerodist::{op_name}"):
+            work = launch(async_op)
+        return CommHandle(tensor, work if async_op else None, after_wait)
+    group_size = dist.get_world_size(group)
+    if not tracer.timing_requested():
+        with record_function(f"zerodist::{op_name}"):
+            work = launch(async_op)
+        tracer.record(op_name, tensor, numel, group_size, None)
+        return CommHandle(tensor, work if async_op else None, after_wait)
+    start = tracer.now()
+    with record_function(f"zerodist::{op_name}"):
+        work = launch(True)
+        if work is not None:
+            work.wait()
+    if tensor is not None and tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    tracer.record(op_name, tensor, numel, group_size, tracer.now() - start)
+    return CommHandle(tensor, None, after_wait)
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> CommHandle:
+    """Reduce `tensor` in place across `group`."""
+    ensure_initialized()
+    after = None
+    if _needs_avg_emulation(op, group):
+        op, after = ReduceOp.SUM, _divide_by_group_size(tensor, group)
+    return _issue(
+        "all_reduce", tensor, tensor.numel(), group, async_op,
+        lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), after,
+    )
+
+
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> CommHandle:
+    """Reduce `input` (group_size * output.numel() elements) and keep this rank's slice in `output`."""
+    ensure_initialized()
+    _check_sizes("reduce_scatter", input.numel(), output.numel(), group, "input", "output")
+    after = None
+    if _needs_avg_emulation(op, group):
+        op, after = ReduceOp.SUM, _divide_by_group_size(output, group)
+    return _issue(
+        "reduce_scatter", output, input.numel(), group, async_op,
+        lambda a: _reduce_scatter_impl(output, input, op=op, group=group, async_op=a), after,
+    )
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False) -> CommHandle:
+    """Concatenate every rank's `input` into `output` (group_size * input.numel() elements)."""
+    ensure_initialized()
+    _check_sizes("all_gather", output.numel(), input.numel(), group, "output", "input")
+    return _issue(
+        "all_gather", output, output.numel(), group, async_op,
+        lambda a: _all_gather_impl(output, input, group=group, async_op=a),
+    )
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: Any = None,
+    async_op: bool = False,
+) -> CommHandle:
+    """Split `input` along dim 0, send split i to rank i, receive into `output`."""
+    return _issue(
+        "all_to_all", output, input.numel(), group, async_op,
+        lambda a: dist.all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, group=group, async_op=a
+        ),
+    )
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> CommHandle:
+    """Copy `tensor` from global rank `src` to every rank of `group`."""
+    return _issue(
+        "broadcast", tensor, tensor.numel(), group, async_op,
+        lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a),
+    )
+
+
+def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> CommHandle:
+    """Reduce `tensor` onto global rank `dst` (other ranks' tensors are left unspecified)."""
+    ensure_initialized()
+    after = None
+    if _needs_avg_emulation(op, group):
+        op = ReduceOp.SUM
+        divide = _divide_by_group_size(tensor, group)
+        after = (lambda: divide() if dist.get_rank() == dst else None)
+    return _issue(
+        "reduce", tensor, tensor.numel(), group, async_op,
+        lambda a: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=a), after,
+    )
+
+
+def barrier(group: Any = None, async_op: bool = False) -> CommHandle:
+    """Wait until every rank of `group` arrives."""
+    return _issue("barrier", None, 0, group, async_op, lambda a: dist.barrier(group=group, async_op=a))
+
+
+def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+    """`object_list[i]` becomes rank i's `obj` (pickled; for small metadata, not tensors)."""
+    _issue("all_gather_object", None, 0, group, False, lambda a: dist.all_gather_object(object_list, obj, group=group))
+
+
+def broadcast_object_list(object_list: list[Any], src: int = 0, group: Any = None) -> None:
+    """Replace `object_list`'s items with those of global rank `src`."""
+    _issue(
+        "broadcast_object_list", None, 0, group, False,
+        lambda a: dist.broadcast_object_list(object_list, src=src, group=group),
+    )
+
+
+def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, group: Any = None) -> None:
+    """Collect every rank's `obj` into `object_gather_list` on global rank `dst`."""
+    _issue(
+        "gather_object", None, 0, group, False,
+        lambda a: dist.gather_object(obj, object_gather_list, dst=dst, group=group),
+    )
+
+
+def _divide_by_group_size(tensor: torch.Tensor, group: Any) -> Callable[[], None]:
+    size = dist.get_world_size(group)
+    return lambda: tensor.div_(size)
+
+
+def _check_sizes(op: str, big: int, small: int, group: Any, big_name: str, small_name: str) -> None:
+    size = dist.get_world_size(group)
+    if big != small * size:
+        raise ValueError(
+            f"{op}: {big_name} has {big} elements but must have group size ({size}) x "
+            f"{small_name} ({small}) = {small * size}"
+        )

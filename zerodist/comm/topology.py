@@ -1,0 +1,170 @@
+"""The parallel topology: one validated, immutable object that hands out process groups.
+
+The world is a mesh of three axes, outermost first: `data`, `expert`, `tensor`
+(rank = (data_index * expert + expert_index) * tensor + tensor_index). `tensor` is innermost
+so tensor-parallel peers are neighbouring ranks, normally on one node.
+
+Which group reduces what:
+- non-expert parameters are replicated over `("data", "expert")`: their gradients are
+  reduced (and ZeRO-sharded) over that group;
+- an expert's parameters exist once per `("expert",)` group: their gradients are reduced over
+  `("data",)` only (DeepSpeed's "expert-data-parallel" group);
+- `("tensor",)` carries tensor-parallel all-reduces.
+
+All groups are created when the Topology is built, on every rank in the same order, so
+asking for a group later can never deadlock. The arithmetic (degrees, coordinates,
+partitions) is pure and tested without processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch.distributed as dist
+
+from zerodist.comm.collectives import all_gather_object
+from zerodist.comm.errors import TopologyError
+from zerodist.comm.init import ensure_initialized
+
+AXES = ("data", "expert", "tensor")
+
+
+def resolve_degrees(world_size: int, *, data: int | None = None, expert: int = 1, tensor: int = 1) -> dict[str, int]:
+    """Degrees of every axis; `data=None` takes what the other axes leave of the world."""
+    given = {"data": data, "expert": expert, "tensor": tensor}
+    for axis, degree in given.items():
+        if degree is not None and (not isinstance(degree, int) or degree < 1):
+            raise TopologyError(f"{axis} degree must be a positive integer, got {degree!r}")
+    if data is None:
+        if world_size % (expert * tensor):
+            raise TopologyError(
+                f"world size {world_size} is not divisible by expert ({expert}) x tensor ({tensor}) "
+                f"= {expert * tensor}, so no data degree fits"
+            )
+        data = world_size // (expert * tensor)
+    product = data * expert * tensor
+    if product != world_size:
+        raise TopologyError(
+            f"data ({data}) x expert ({expert}) x tensor ({tensor}) = {product}, "
+            f"but the world size is {world_size}; the degrees must multiply to the world size"
+        )
+    return {"data": data, "expert": expert, "tensor": tensor}
+
+
+def coords_of(rank: int, degrees: Mapping[str, int]) -> dict[str, int]:
+    """This rank's index along each axis."""
+    coords = {}
+    for axis in reversed(AXES):
+        coords[axis] = rank % degrees[axis]
+        rank //= degrees[axis]
+    return {axis: coords[axis] for axis in AXES}
+
+
+def rank_of(coords: Mapping[str, int], degrees: Mapping[str, int]) -> int:
+    rank = 0
+    for axis in AXES:
+        rank = rank * degrees[axis] + coords[axis]
+    return rank
+
+
+def axis_partition(degrees: Mapping[str, int], axes: tuple[str, ...]) -> list[list[int]]:
+    """The world split into groups whose ranks differ only along `axes`, in rank order."""
+    others = [a for a in AXES if a not in axes]
+    groups = []
+    for fixed in itertools.product(*(range(degrees[a]) for a in others)):
+        base = dict(zip(others, fixed))
+        members = []
+        for varying in itertools.product(*(range(degrees[a]) for a in axes)):
+            members.append(rank_of({**base, **dict(zip(axes, varying))}, degrees))
+        groups.append(sorted(members))
+    return sorted(groups)
+
+
+def _make_group(partition: list[list[int]], timeout: Any, backend: str) -> Any:
+    if len(partition) == 1:
+        return dist.group.WORLD
+    mine, _ = dist.new_subgroups_by_enumeration(partition, timeout=timeout, backend=backend)
+    return mine
+
+
+def _canonical(axes: tuple[str, ...]) -> tuple[str, ...]:
+    unknown = [a for a in axes if a not in AXES]
+    if unknown or not axes:
+        raise TopologyError(f"unknown axis {unknown or axes}; the axes are {', '.join(AXES)}")
+    return tuple(a for a in AXES if a in axes)
+
+
+class Topology:
+    """Degrees of the parallel axes and their process groups. Build it on every rank.
+
+    `Topology(data=None, expert=1, tensor=1)`: `data=None` means "the rest of the world".
+    Ranks that ask for different degrees get a `TopologyError` naming each rank's request.
+    """
+
+    __slots__ = ("_degrees", "_coords", "_groups", "_partitions", "rank", "world_size")
+
+    def __init__(self, *, data: int | None = None, expert: int = 1, tensor: int = 1, group_timeout: Any = None):
+        info = ensure_initialized()
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        requests: list[Any] = [None] * world_size
+        all_gather_object(requests, (data, expert, tensor))
+        if len(set(requests)) > 1:
+            listed = "; ".join(f"rank {r}: data={d} expert={e} tensor={t}" for r, (d, e, t) in enumerate(requests))
+            raise TopologyError(f"ranks asked for different topologies: {listed}")
+        degrees = resolve_degrees(world_size, data=data, expert=expert, tensor=tensor)
+        groups: dict[tuple[str, ...], Any] = {}
+        partitions: dict[tuple[str, ...], list[list[int]]] = {}
+        made: dict[tuple[tuple[int, ...], ...], Any] = {}
+        for count in range(1, len(AXES) + 1):
+            for axes in itertools.combinations(AXES, count):
+                partition = axis_partition(degrees, axes)
+                key = tuple(tuple(g) for g in partition)
+                if key not in made:
+                    made[key] = _make_group(partition, group_timeout, info.backend)
+                groups[axes] = made[key]
+                partitions[axes] = partition
+        for name, value in [
+            ("rank", rank), ("world_size", world_size), ("_degrees", MappingProxyType(degrees)),
+            ("_coords", MappingProxyType(coords_of(rank, degrees))), ("_groups", groups), ("_partitions", partitions),
+        ]:
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Topology is immutable; build a new one instead of setting {name!r}")
+
+    @property
+    def degrees(self) -> Mapping[str, int]:
+        return self._degrees
+
+    @property
+    def coords(self) -> Mapping[str, int]:
+        return self._coords
+
+    def group(self, *axes: str) -> Any:
+        """The process group of this rank over `axes` (e.g. `group("data", "expert")`)."""
+        return self._groups[_canonical(axes)]
+
+    def size(self, *axes: str) -> int:
+        """Number of ranks in this rank's group over `axes`."""
+        size = 1
+        for axis in _canonical(axes):
+            size *= self._degrees[axis]
+        return size
+
+    def ranks(self, *axes: str) -> list[int]:
+        """Global ranks in this rank's group over `axes`, ascending."""
+        for members in self._partitions[_canonical(axes)]:
+            if self.rank in members:
+                return list(members)
+        raise AssertionError(f"rank {self.rank} missing from its own partition over {axes}")
+
+    def axis_rank(self, *axes: str) -> int:
+        """This rank's index within its group over `axes`."""
+        return self.ranks(*axes).index(self.rank)
+
+    def __repr__(self) -> str:
+        degrees = ", ".join(f"{a}={d}" for a, d in self._degrees.items())
+        return f"Topology({degrees}; rank {self.rank} at {dict(self._coords)})"

@@ -1,0 +1,186 @@
+"""The communication tracer: what each collective moved, and how fast.
+
+    with zerodist.comm.trace(timing=True) as t:
+        train_step()
+    print(t.format_summary())
+
+Every collective issued through `zerodist.comm` is recorded while a trace is active. When no
+trace is active the cost is one truthiness check of a module-level list per collective.
+
+[Note: bandwidth conventions] We follow nccl-tests (PERFORMANCE.md there):
+- `size` is the full logical buffer: the tensor for all_reduce / broadcast / reduce, the
+  *gathered* output for all_gather, the *unreduced* input for reduce_scatter, the input for
+  all_to_all.
+- algorithm bandwidth `algbw = size / time`.
+- bus bandwidth `busbw = algbw * factor`, the factor making it comparable with link speed:
+  all_reduce 2(n-1)/n; reduce_scatter, all_gather and all_to_all (n-1)/n; broadcast and reduce 1.
+- "bus elements" = numel * factor is what one rank sends in a bandwidth-optimal algorithm;
+  it is the quantity DESIGN.md's ZeRO communication formulas count (2Ψ(n-1)/n for stages 0-2).
+DeepSpeed's comms logger reports all_reduce "throughput" as 2S/t (factor 2 instead of
+2(n-1)/n), which overstates bus bandwidth by n/(n-1): 2x on two ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from zerodist.utils import format_bytes, get_logger
+
+logger = get_logger(__name__)
+
+_BUS_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+
+
+def bus_factor(op: str, group_size: int) -> float:
+    """nccl-tests' bus-bandwidth factor for `op` over `group_size` ranks (0 for ops that move no tensor)."""
+    factor = _BUS_FACTORS.get(op)
+    return factor(group_size) if factor is not None else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective as issued on this rank."""
+
+    op: str
+    dtype: torch.dtype | None
+    numel: int
+    num_bytes: int
+    group_size: int
+    duration_s: float | None = None
+    label: str | None = None
+
+    @property
+    def bus_elements(self) -> float:
+        return self.numel * bus_factor(self.op, self.group_size)
+
+    @property
+    def bus_bytes(self) -> float:
+        return self.num_bytes * bus_factor(self.op, self.group_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSummary:
+    """Totals of one op within a trace. Bandwidths are None unless the trace was timed."""
+
+    op: str
+    count: int
+    numel: int
+    num_bytes: int
+    bus_bytes: float
+    time_s: float | None
+    algbw_gbps: float | None
+    busbw_gbps: float | None
+
+
+class Trace:
+    """Records collectives between `__enter__` and `__exit__` (use `trace()`)."""
+
+    def __init__(self, *, timing: bool = False, ops: Iterable[str] | None = None, verbose: bool = False):
+        self.timing = timing
+        self.ops = frozenset(ops) if ops else None
+        self.verbose = verbose
+        self.records: list[CollectiveRecord] = []
+
+    def wants(self, op: str) -> bool:
+        return self.ops is None or op in self.ops
+
+    def add(self, record: CollectiveRecord) -> None:
+        self.records.append(record)
+        if self.verbose:
+            logger.info(
+                "%s %s x%d (%s) group=%d%s", record.op, record.dtype, record.numel,
+                format_bytes(record.num_bytes), record.group_size,
+                "" if record.duration_s is None else f" {record.duration_s * 1e3:.3f} ms",
+            )
+
+    def count(self, op: str | None = None) -> int:
+        return sum(1 for r in self.records if op is None or r.op == op)
+
+    def total_bytes(self, op: str | None = None) -> int:
+        return sum(r.num_bytes for r in self.records if op is None or r.op == op)
+
+    def total_numel(self, op: str | None = None) -> int:
+        return sum(r.numel for r in self.records if op is None or r.op == op)
+
+    def bus_elements(self, op: str | None = None) -> float:
+        """Elements this rank sends under nccl-tests' convention (see [Note: bandwidth conventions])."""
+        return sum(r.bus_elements for r in self.records if op is None or r.op == op)
+
+    def summary(self) -> dict[str, OpSummary]:
+        """Per-op totals, in first-seen order."""
+        by_op: dict[str, list[CollectiveRecord]] = {}
+        for record in self.records:
+            by_op.setdefault(record.op, []).append(record)
+        return {op: _summarise(op, records) for op, records in by_op.items()}
+
+    def format_summary(self) -> str:
+        header = f"{'op':<18}{'count':>7}{'bytes':>13}{'bus bytes':>13}{'time ms':>10}{'algbw GB/s':>12}{'busbw GB/s':>12}"
+        lines = [header]
+        for s in self.summary().values():
+            ms = "-" if s.time_s is None else f"{s.time_s * 1e3:.2f}"
+            alg = "-" if s.algbw_gbps is None else f"{s.algbw_gbps:.3f}"
+            bus = "-" if s.busbw_gbps is None else f"{s.busbw_gbps:.3f}"
+            lines.append(
+                f"{s.op:<18}{s.count:>7}{format_bytes(s.num_bytes):>13}"
+                f"{format_bytes(s.bus_bytes):>13}{ms:>10}{alg:>12}{bus:>12}"
+            )
+        return "\n".join(lines)
+
+
+def _summarise(op: str, records: list[CollectiveRecord]) -> OpSummary:
+    num_bytes = sum(r.num_bytes for r in records)
+    bus_bytes = sum(r.bus_bytes for r in records)
+    timed = all(r.duration_s is not None for r in records)
+    time_s = sum(r.duration_s for r in records) if timed else None  # type: ignore[misc]
+    algbw = num_bytes / time_s / 1e9 if time_s else None
+    busbw = bus_bytes / time_s / 1e9 if time_s else None
+    return OpSummary(op, len(records), sum(r.numel for r in records), num_bytes, bus_bytes, time_s, algbw, busbw)
+
+
+# Traces currently recording, innermost last. Collectives test this list's truthiness only.
+active_traces: list[Trace] = []
+
+
+@contextmanager
+def trace(*, timing: bool = False, ops: Iterable[str] | None = None, verbose: bool = False) -> Iterator[Trace]:
+    """Record every collective issued through zerodist in this block.
+
+    `timing=True` measures each collective's duration, which makes async collectives wait
+    where they are issued: use it to measure, not while overlapping. `ops` restricts recording
+    to those op names; `verbose` logs each record as it happens.
+    """
+    current = Trace(timing=timing, ops=ops, verbose=verbose)
+    active_traces.append(current)
+    try:
+        yield current
+    finally:
+        active_traces.remove(current)
+
+
+def timing_requested() -> bool:
+    return any(t.timing for t in active_traces)
+
+
+def record(op: str, tensor: torch.Tensor | None, numel: int, group_size: int, duration_s: float | None) -> None:
+    dtype = None if tensor is None else tensor.dtype
+    num_bytes = 0 if tensor is None else numel * tensor.element_size()
+    entry = CollectiveRecord(op, dtype, numel, num_bytes, group_size, duration_s)
+    for current in active_traces:
+        if current.wants(op):
+            current.add(entry)
+
+
+def now() -> float:
+    return time.perf_counter()
