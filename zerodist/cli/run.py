@@ -1,0 +1,82 @@
+"""`zerodist run`: a thin layer over torch.distributed.run (the elastic agent).
+
+We never write our own launcher: this builds torchrun's argument list from a smaller, plainer
+one and hands over. One machine: `zerodist run --nproc 2 train.py`. Many machines: the same
+command on each node with `--nnodes N --rdzv-endpoint HOST:PORT` (elastic rendezvous) or
+`--nnodes N --node-rank R --master-addr HOST` (static).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() or 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("run", help="launch a script on N ranks per node (over torchrun)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_launch_arguments(p)
+    p.add_argument("--module", "-m", action="store_true", help="run SCRIPT as a module (python -m)")
+    p.add_argument("script", help="the training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(handler=run)
+
+
+def add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, default=None, help="ranks per node (default: GPUs per node, or 1 on CPU)")
+    p.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX for elastic jobs (default 1)")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's rank (static rendezvous)")
+    p.add_argument("--master-addr", default=None, help="rank 0's host (static rendezvous)")
+    p.add_argument("--master-port", type=int, default=None, help="rank 0's port (static rendezvous)")
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous (elastic)")
+    p.add_argument("--rdzv-id", default="zerodist", help="job id shared by all nodes (elastic)")
+    p.add_argument("--max-restarts", type=int, default=0, help="restart the whole group up to K times when a rank fails")
+
+
+def torchrun_argv(args: argparse.Namespace, script: str, script_args: list[str], module: bool = False) -> list[str]:
+    """torchrun's argument list for our launch arguments."""
+    nproc = args.nproc if args.nproc is not None else default_nproc()
+    if nproc < 1:
+        raise SystemExit(f"zerodist run: --nproc must be >= 1, got {nproc}")
+    argv = [f"--nproc-per-node={nproc}", f"--max-restarts={args.max_restarts}"]
+    if args.rdzv_endpoint:
+        argv += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
+                 f"--rdzv-id={args.rdzv_id}"]
+    elif args.master_addr or args.node_rank is not None or args.nnodes != "1":
+        if args.master_addr is None or args.node_rank is None:
+            raise SystemExit("zerodist run: a multi-node static launch needs --master-addr and --node-rank "
+                             "(or use --rdzv-endpoint HOST:PORT for an elastic launch)")
+        argv += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
+                 f"--master-port={args.master_port or 29500}"]
+    else:
+        argv.append("--standalone")  # one node: torchrun picks a free port itself
+    if module:
+        argv.append("--module")
+    return argv + [script] + list(script_args)
+
+
+def launch(argv: list[str]) -> int:
+    """Run torchrun in this process; returns its exit status instead of raising."""
+    import os
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    nproc = int(next(a for a in argv if a.startswith("--nproc-per-node=")).split("=")[1])
+    # torchrun would set 1 thread per rank and warn; share the cores out instead.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    try:
+        torchrun_main(argv)
+    except ChildFailedError:
+        return 1  # torchrun has already printed which rank failed and why
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
+    return launch(torchrun_argv(args, args.script, script_args, module=args.module))
