@@ -1,0 +1,349 @@
+"""The typed config: one frozen pydantic model per section of DeepSpeed's JSON format.
+
+Keys, nesting and defaults follow DeepSpeed so its configs load unchanged; the one exception
+is the ``zerodist`` section for settings DeepSpeed has no key for. Every field carries a
+one-line ``description``: ``docs/config.md`` is generated from it (see ``markdown.py``).
+
+Models are frozen because the config is validated once and then sliced: the engine hands
+``config.zero_optimization`` to ZeRO, ``config.fp16`` to the loss scaler, and no component
+may change what another one sees.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from zerodist.config.batch import BatchSizes, resolve_batch_sizes
+from zerodist.config.errors import ConfigError
+from zerodist.config.problems import validation_problems
+from zerodist.config.source import read_source
+
+
+class Section(BaseModel):
+    """Base of every section.
+
+    strict: JSON ``"true"`` or ``1`` for a boolean, or ``"3"`` for a stage, is a mistake to
+    report, not to coerce. allow_inf_nan: Python's json module accepts ``Infinity``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+def _reject_auto(value: Any) -> Any:
+    # HF Trainer configs put "auto" inside optimizer params; only the Trainer can resolve it.
+    if isinstance(value, str) and value == "auto":
+        raise ValueError("auto")
+    return value
+
+
+ConstructorArgument = Annotated[Any, AfterValidator(_reject_auto)]
+
+# An element count that may also be "auto" (resolved to the field's default on validation).
+# DeepSpeed configs write these as 5e8, which JSON parses as a float, so integral floats pass.
+ElementCount = Annotated[
+    int,
+    Field(ge=0),
+    WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 0}, {"const": "auto"}]}),
+]
+
+# A batch-size count; "auto" and absent (None) both mean "derive it" (see batch.py).
+BatchCount = Annotated[
+    Annotated[int, Field(ge=1)] | None,
+    WithJsonSchema(
+        {"anyOf": [{"type": "integer", "minimum": 1}, {"const": "auto"}, {"type": "null"}]}
+    ),
+]
+
+_ELEMENT_COUNT_FIELDS = (
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_max_live_parameters",
+)
+_BATCH_FIELDS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+)
+
+
+class OptimizerConfig(Section):
+    type: str = Field(
+        min_length=1,
+        description='Optimizer class name, e.g. "AdamW"; the engine checks it against torch.optim.',
+    )
+    params: dict[str, ConstructorArgument] = Field(
+        default_factory=dict, description='Keyword arguments of the optimizer, e.g. {"lr": 0.001}.'
+    )
+
+
+class SchedulerConfig(Section):
+    type: str = Field(min_length=1, description='Learning-rate scheduler name, e.g. "WarmupLR".')
+    params: dict[str, ConstructorArgument] = Field(
+        default_factory=dict, description="Keyword arguments of the scheduler."
+    )
+
+
+class Fp16Config(Section):
+    enabled: bool = Field(
+        False,
+        description="Train with fp16 weights and gradients, fp32 master weights and loss scaling.",
+    )
+    loss_scale: float = Field(
+        0.0, ge=0, description="Static loss scale; 0 selects dynamic loss scaling."
+    )
+    initial_scale_power: int = Field(
+        16, ge=0, description="Dynamic loss scaling starts at 2**initial_scale_power."
+    )
+    loss_scale_window: int = Field(
+        1000, ge=1, description="Overflow-free steps before the dynamic scale doubles."
+    )
+    hysteresis: int = Field(
+        2, ge=1, description="Overflows tolerated before the dynamic scale halves."
+    )
+    min_loss_scale: float = Field(
+        1.0, gt=0, description="The dynamic scale never drops below this."
+    )
+
+
+class Bf16Config(Section):
+    enabled: bool = Field(
+        False, description="Train with bf16 weights and gradients and fp32 master weights."
+    )
+
+
+class ZeroConfig(Section):
+    stage: int = Field(
+        0,
+        ge=0,
+        le=3,
+        description="1 shards optimizer state, 2 also gradients, 3 also parameters; 0 none.",
+    )
+    reduce_scatter: bool = Field(
+        True, description="Reduce gradients with reduce-scatter; false runs all-reduce."
+    )
+    overlap_comm: bool = Field(
+        True, description="Reduce each gradient bucket while backward is still running."
+    )
+    contiguous_gradients: bool = Field(
+        True, description="Copy gradients into one flat buffer as they are produced."
+    )
+    reduce_bucket_size: ElementCount = Field(
+        500_000_000, description="Elements per gradient-reduction bucket."
+    )
+    allgather_bucket_size: ElementCount = Field(
+        500_000_000, description="Elements per parameter all-gather bucket (stages 1 and 2)."
+    )
+    stage3_prefetch_bucket_size: ElementCount = Field(
+        50_000_000, description="Stage 3: parameter elements gathered ahead of use."
+    )
+    stage3_param_persistence_threshold: ElementCount = Field(
+        100_000, description="Stage 3: parameters smaller than this stay unsharded."
+    )
+    stage3_max_live_parameters: ElementCount = Field(
+        1_000_000_000, description="Stage 3: most gathered parameter elements alive at once."
+    )
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False, description="Stage 3: gather full 16-bit weights when saving the model."
+    )
+
+    @field_validator(*_ELEMENT_COUNT_FIELDS, mode="before")
+    @classmethod
+    def _resolve_element_count(cls, value: Any, info: Any) -> Any:
+        if isinstance(value, str) and value == "auto":
+            return cls.model_fields[info.field_name].default
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
+
+
+class CommsLoggerConfig(Section):
+    enabled: bool = Field(
+        False, description="Record every collective: op, bytes, time and bandwidth."
+    )
+    verbose: bool = Field(
+        False, description="Log each collective as it runs, not only the summary."
+    )
+    prof_all: bool = Field(True, description="Record all collectives; false records only prof_ops.")
+    prof_ops: list[str] = Field(
+        default_factory=list,
+        description='Collectives recorded when prof_all is false, e.g. ["all_reduce"].',
+    )
+
+
+class CheckpointConfig(Section):
+    tag_validation: Literal["Ignore", "Warn", "Fail"] = Field(
+        "Warn", description="What happens when ranks save under different tags."
+    )
+    auto_resume: bool = Field(
+        False, description="Resume from the newest complete checkpoint in save_dir at start-up."
+    )
+    save_interval: int = Field(
+        0, ge=0, description="Save every this many optimizer steps; 0 never saves on its own."
+    )
+    save_dir: str | None = Field(
+        None,
+        description="Directory for checkpoints saved by save_interval and read by auto_resume.",
+    )
+    keep_last: int = Field(
+        0, ge=0, description="Keep only this many newest checkpoints in save_dir; 0 keeps all."
+    )
+
+
+class MonitorConfig(Section):
+    enabled: bool = Field(
+        False, description="Write loss, learning rate and loss scale with this monitor."
+    )
+    output_path: str = Field(
+        "", description="Directory the monitor writes under; empty means the working directory."
+    )
+    job_name: str = Field("DeepSpeedJobName", description="Subdirectory for this run.")
+
+
+class DebugConfig(Section):
+    collective_guard: bool = Field(
+        False, description="Before each collective, check all ranks call the same op and shapes."
+    )
+    nan_check: bool = Field(
+        False, description="Raise at the first NaN or Inf in a loss or gradient, naming it."
+    )
+
+
+class ZerodistConfig(Section):
+    timeout: Annotated[float, Field(gt=0)] | None = Field(
+        None,
+        description="Seconds a collective may wait before failing; null keeps torch's default.",
+    )
+    debug: DebugConfig = Field(
+        default_factory=DebugConfig, description="Checks that trade speed for early, named errors."
+    )
+
+
+def precision_conflict(fp16_enabled: Any, bf16_enabled: Any) -> str | None:
+    """The error for fp16 and bf16 both on, or None. Shared by validation and ``load``."""
+    if fp16_enabled is True and bf16_enabled is True:
+        return "'fp16.enabled' and 'bf16.enabled' are both true; choose one precision"
+    return None
+
+
+class Config(Section):
+    """The whole config. Build it with ``Config.load``; read sections as attributes."""
+
+    train_batch_size: BatchCount = Field(
+        None, description="Samples per optimizer step over all data-parallel ranks."
+    )
+    train_micro_batch_size_per_gpu: BatchCount = Field(
+        None, description="Samples per rank in one forward and backward."
+    )
+    gradient_accumulation_steps: BatchCount = Field(
+        None, description="Micro-batches accumulated per optimizer step."
+    )
+    optimizer: OptimizerConfig | None = Field(
+        None, description="Optimizer the engine builds; absent when you pass your own."
+    )
+    scheduler: SchedulerConfig | None = Field(
+        None, description="Learning-rate scheduler the engine builds; absent for none."
+    )
+    gradient_clipping: float = Field(
+        0.0, ge=0, description="Clip gradients to this global L2 norm; 0 turns clipping off."
+    )
+    steps_per_print: int = Field(
+        10, ge=1, description="Log progress every this many optimizer steps."
+    )
+    wall_clock_breakdown: bool = Field(
+        False, description="Time forward, backward and step and log the breakdown."
+    )
+    memory_breakdown: bool = Field(
+        False, description="Log allocated and peak device memory at each log step."
+    )
+    fp16: Fp16Config = Field(
+        default_factory=Fp16Config, description="fp16 mixed precision with loss scaling."
+    )
+    bf16: Bf16Config = Field(default_factory=Bf16Config, description="bf16 mixed precision.")
+    zero_optimization: ZeroConfig = Field(
+        default_factory=ZeroConfig, description="ZeRO sharding and gradient buckets."
+    )
+    comms_logger: CommsLoggerConfig = Field(
+        default_factory=CommsLoggerConfig, description="The communication tracer."
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoint saving and resuming."
+    )
+    csv_monitor: MonitorConfig = Field(
+        default_factory=MonitorConfig, description="Training metrics as CSV files."
+    )
+    tensorboard: MonitorConfig = Field(
+        default_factory=MonitorConfig, description="Training metrics as TensorBoard events."
+    )
+    zerodist: ZerodistConfig = Field(
+        default_factory=ZerodistConfig, description="zerodist settings DeepSpeed has no key for."
+    )
+
+    @field_validator(*_BATCH_FIELDS, mode="before")
+    @classmethod
+    def _auto_means_absent(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and value == "auto" else value
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> Config:
+        conflict = precision_conflict(self.fp16.enabled, self.bf16.enabled)
+        if conflict:
+            raise ValueError(conflict)
+        return self
+
+    @classmethod
+    def load(cls, source: Config | Mapping[str, Any] | str | os.PathLike[str]) -> Config:
+        """Validate a dict, or a JSON file at a path; a Config is returned as is.
+
+        Raises ConfigError listing every problem, one line each; never pydantic's raw error.
+        """
+        if isinstance(source, Config):
+            return source
+        raw, source_name = read_source(source)
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as error:
+            problems = validation_problems(error, cls)
+            # A failed field skips the model validator; check the raw sections so the
+            # conflict is still reported in the same round.
+            conflict = precision_conflict(_raw_enabled(raw, "fp16"), _raw_enabled(raw, "bf16"))
+            if conflict:
+                problems.append(conflict)
+            raise ConfigError(list(dict.fromkeys(problems)), source=source_name) from None
+
+    def batch_sizes(self, world_size: int, *, world_size_source: str) -> BatchSizes:
+        """The batch triple resolved for ``world_size`` data-parallel ranks (see batch.py).
+
+        ``world_size_source`` says where the number came from (``"WORLD_SIZE=2"``) so an
+        inconsistent triple's error can say which number to change.
+        """
+        return resolve_batch_sizes(
+            self.train_batch_size,
+            self.train_micro_batch_size_per_gpu,
+            self.gradient_accumulation_steps,
+            world_size=world_size,
+            world_size_source=world_size_source,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every key with its value, defaults filled in, as JSON-compatible types."""
+        return self.model_dump(mode="json")
+
+
+def _raw_enabled(raw: Mapping[str, Any], section: str) -> Any:
+    value = raw.get(section)
+    return value.get("enabled") if isinstance(value, Mapping) else None
