@@ -26,4 +26,4 @@ def show_config(
     resolved["train_batch_size"] = batch.train_batch_size
     resolved["train_micro_batch_size_per_gpu"] = batch.micro_batch_size
     resolved["gradient_accumulation_steps"] = batch.gradient_accumulation_steps
-    return json.dumps(resolved, indent=2) + "\n"
+    return json.dumps(resolved, indent=2)
