@@ -1,0 +1,8 @@
+"""Byte-level training data read from the Python standard library's own sources.
+
+Nothing distributed here: the engine wraps :class:`TokenDataset` in a distributed sampler.
+"""
+
+from zerodist.data.corpus import MIN_CORPUS_BYTES, TokenDataset, split_corpus, stdlib_corpus
+
+__all__ = ["MIN_CORPUS_BYTES", "TokenDataset", "split_corpus", "stdlib_corpus"]

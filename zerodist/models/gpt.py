@@ -1,0 +1,172 @@
+"""A small decoder-only transformer (GPT-2 shape, pre-LayerNorm), byte-level by default.
+
+Layout matters to the layers that wrap it: the transformer blocks live in ``GPT.blocks``
+(an ``nn.ModuleList``) so ZeRO-3 can gather and free one block at a time, and every matmul is
+a named ``nn.Linear`` (``attn.qkv``, ``attn.proj``, ``mlp.fc_in``, ``mlp.fc_out``) so tensor
+parallelism can swap them for column/row parallel layers by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerodist.models.toy import count_parameters
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a :class:`GPT`. ``d_ff=None`` means ``4 * d_model`` (resolved at construction)."""
+
+    vocab_size: int = 256
+    seq_len: int = 128
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int | None = None
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"GPTConfig: d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.d_ff is None:
+            # Frozen: resolving the default once keeps every reader (and the repr) on one number.
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+        elif not isinstance(self.d_ff, int) or self.d_ff < 1:
+            raise ValueError(f"GPTConfig.d_ff must be a positive int or None, got {self.d_ff!r}")
+
+
+# "small" is the default config (about 0.88M parameters); "bench" is an alias kept separate so
+# benchmark numbers stay comparable if the demo default ever changes.
+GPT_PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(seq_len=32, d_model=32, n_layers=2, n_heads=2),
+    "small": GPTConfig(),
+    "bench": GPTConfig(),
+    "bench-25m": GPTConfig(d_model=512, n_layers=8, n_heads=8),
+}
+
+
+def gpt_config(name: str, **overrides: object) -> GPTConfig:
+    """The preset ``name`` ("tiny", "small", "bench", "bench-25m"), with optional field overrides."""
+    if name not in GPT_PRESETS:
+        raise ValueError(f"unknown GPT preset {name!r}; choose one of: {', '.join(GPT_PRESETS)}")
+    return dataclasses.replace(GPT_PRESETS[name], **overrides)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention over (batch, seq, d_model)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, d_model = x.shape
+        # (B, T, 3C) -> three (B, heads, T, C/heads)
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_heads, d_model // self.n_heads).permute(2, 0, 3, 1, 4)
+        dropout_p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        y = y.transpose(1, 2).reshape(batch, seq, d_model)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    """Linear -> GELU -> Linear, d_model -> d_ff -> d_model."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        assert config.d_ff is not None  # resolved by GPTConfig.__post_init__
+        self.fc_in = nn.Linear(config.d_model, config.d_ff)
+        self.act = nn.GELU()
+        self.fc_out = nn.Linear(config.d_ff, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc_out(self.act(self.fc_in(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer. ``forward(idx)`` -> logits (B, T, vocab);
+    ``forward(idx, targets)`` -> mean cross-entropy loss (a scalar), as a training loop wants."""
+
+    def __init__(self, config: GPTConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or GPTConfig()
+        c = self.config
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.pos_emb = nn.Embedding(c.seq_len, c.d_model)
+        self.emb_dropout = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.ln_f = nn.LayerNorm(c.d_model)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 init: weights ~ N(0, 0.02), biases 0, LayerNorm (1, 0); the projections that
+        write into the residual stream get std 0.02 / sqrt(2 * n_layers) so its variance does
+        not grow with depth. Draws only from torch's global RNG, in module order, so the same
+        ``torch.manual_seed`` gives the same weights."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith(("attn.proj", "mlp.fc_out")) else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if idx.dim() != 2:
+            raise ValueError(f"GPT expects token ids of shape (batch, seq), got {tuple(idx.shape)}")
+        seq = idx.shape[1]
+        if seq > self.config.seq_len:
+            raise ValueError(f"sequence length {seq} exceeds the model's seq_len={self.config.seq_len}")
+        idx = idx.long()
+        positions = torch.arange(seq, device=idx.device)
+        x = self.emb_dropout(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long())
+
+    def num_parameters(self) -> int:
+        """Number of distinct parameters (a tied embedding counts once)."""
+        return count_parameters(self)
