@@ -1,7 +1,8 @@
 """Layer 3: the only code that calls torch.distributed.
 
 Initialisation (`init_distributed`), collectives with torch.distributed's signatures, the
-`Topology` of parallel axes, and the communication tracer (`trace`).
+`Topology` of parallel axes, the communication tracer (`trace`) and the desync guard
+(`enable_collective_guard`, on for any program with `ZERODIST_COLLECTIVE_GUARD=1`).
 """
 
 from zerodist.comm.collectives import (
@@ -20,6 +21,14 @@ from zerodist.comm.collectives import (
     reduce_scatter,
 )
 from zerodist.comm.errors import DistributedInitError, TopologyError
+
+# Importing the guard turns it on when ZERODIST_COLLECTIVE_GUARD=1, for any program.
+from zerodist.comm.guard import (
+    CollectiveMismatchError,
+    collective_guard,
+    disable_collective_guard,
+    enable_collective_guard,
+)
 from zerodist.comm.init import (
     WorldInfo,
     device_for_rank,
@@ -34,9 +43,10 @@ from zerodist.comm.topology import Topology
 from zerodist.comm.tracer import CollectiveRecord, OpSummary, Trace, bus_factor, trace
 
 __all__ = [
-    "CollectiveRecord", "CommHandle", "DistributedInitError", "OpSummary", "ProcessGroup", "ReduceOp",
-    "Topology", "TopologyError", "Trace", "WorldInfo", "all_gather", "all_gather_object", "all_reduce",
-    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "bus_factor", "device_for_rank",
-    "ensure_initialized", "gather_object", "get_local_rank", "get_rank", "get_world_size",
-    "init_distributed", "is_initialized", "reduce", "reduce_scatter", "trace",
+    "CollectiveMismatchError", "CollectiveRecord", "CommHandle", "DistributedInitError", "OpSummary",
+    "ProcessGroup", "ReduceOp", "Topology", "TopologyError", "Trace", "WorldInfo", "all_gather",
+    "all_gather_object", "all_reduce", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list",
+    "bus_factor", "collective_guard", "device_for_rank", "disable_collective_guard", "enable_collective_guard",
+    "ensure_initialized", "gather_object", "get_local_rank", "get_rank", "get_world_size", "init_distributed",
+    "is_initialized", "reduce", "reduce_scatter", "trace",
 ]
