@@ -1,3 +1,30 @@
-"""zerodist: ZeRO-partitioned multi-process training for PyTorch, small, exact and hard to misuse."""
+"""zerodist: ZeRO-partitioned multi-process training for PyTorch, small, exact and hard to misuse.
+
+    engine, optimizer, dataloader, lr_scheduler = zerodist.initialize(model=model, config="ds_config.json")
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+# Lazy attributes: `import zerodist` stays cheap (no torch import) for the CLI and config tools.
+_EXPORTS = {
+    "initialize": ("zerodist.engine", "initialize"),
+    "Engine": ("zerodist.engine", "Engine"),
+    "init_distributed": ("zerodist.comm", "init_distributed"),
+    "Config": ("zerodist.config", "Config"),
+    "ConfigError": ("zerodist.config", "ConfigError"),
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'zerodist' has no attribute {name!r}")
+    import importlib
+
+    module_name, attribute = _EXPORTS[name]
+    return getattr(importlib.import_module(module_name), attribute)

@@ -33,6 +33,7 @@ from zerodist.comm.init import (
     WorldInfo,
     device_for_rank,
     ensure_initialized,
+    get_global_rank,
     get_local_rank,
     get_rank,
     get_world_size,
@@ -47,6 +48,6 @@ __all__ = [
     "ProcessGroup", "ReduceOp", "Topology", "TopologyError", "Trace", "WorldInfo", "all_gather",
     "all_gather_object", "all_reduce", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list",
     "bus_factor", "collective_guard", "device_for_rank", "disable_collective_guard", "enable_collective_guard",
-    "ensure_initialized", "gather_object", "get_local_rank", "get_rank", "get_world_size", "init_distributed",
+    "ensure_initialized", "gather_object", "get_global_rank", "get_local_rank", "get_rank", "get_world_size", "init_distributed",
     "is_initialized", "reduce", "reduce_scatter", "trace",
 ]

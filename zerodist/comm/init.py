@@ -267,3 +267,11 @@ def device_for_rank() -> torch.device:
     """The device this rank computes on: its GPU under NCCL, else the CPU."""
     info = ensure_initialized()
     return torch.device("cuda", info.local_rank) if info.backend == "nccl" else torch.device("cpu")
+
+
+def get_global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of `group`'s member number `group_rank`."""
+    ensure_initialized()
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)

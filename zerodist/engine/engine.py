@@ -1,0 +1,190 @@
+"""The Engine: forward, backward, step for a model under ZeRO. It composes, it does not implement.
+
+    engine(batch) -> loss;  engine.backward(loss);  engine.step()
+
+`step()` is called every micro-step; it steps the optimizer only at the gradient
+accumulation boundary, which `is_gradient_accumulation_boundary()` states and
+`set_gradient_accumulation_boundary()` can override.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+import zerodist.comm as comm
+from zerodist.config import BatchSizes, Config
+from zerodist.precision import PrecisionPolicy
+from zerodist.utils import get_logger, log_rank0
+from zerodist.zero import FlatParamGroup, GradReducer, StepResult, ZeroOptimizer
+
+logger = get_logger(__name__)
+
+
+class Engine:
+    """Made by `zerodist.initialize()`; wraps the user's module without changing its attributes."""
+
+    def __init__(self, module: torch.nn.Module, *, config: Config, batch: BatchSizes, policy: PrecisionPolicy,
+                 groups: list[FlatParamGroup], reducer: GradReducer, optimizer: ZeroOptimizer, lr_scheduler: Any,
+                 topology: comm.Topology):
+        self.module, self.config, self.batch, self.policy = module, config, batch, policy
+        self.groups, self.reducer, self.optimizer, self.lr_scheduler = groups, reducer, optimizer, lr_scheduler
+        self.topology = topology
+        self.stage = config.zero_optimization.stage
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.last_step: StepResult | None = None
+        self._boundary_override: bool | None = None
+        self._no_sync = False
+        self._backward_pending = False
+        self._trace = None
+        self._step_started = time.perf_counter()
+        if config.comms_logger.enabled:
+            ops = None if config.comms_logger.prof_all else config.comms_logger.prof_ops
+            self._trace = comm.trace(ops=ops, verbose=config.comms_logger.verbose)
+            self.comms_trace = self._trace.__enter__()
+
+    # ------------------------------------------------------------------ accumulation boundary
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Force (True/False) or restore (None) the boundary decision for the next micro-steps."""
+        self._boundary_override = is_boundary
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside accumulates locally without reducing (stages 0 and 1 only)."""
+        if self.stage >= 2:
+            raise RuntimeError(f"no_sync() is not available at ZeRO stage {self.stage}: gradients are reduced into "
+                               "shards as they are produced; use gradient_accumulation_steps instead")
+        self._no_sync, previous = True, self._no_sync
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    # ------------------------------------------------------------------ the training step
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.policy.needs_master_copy:
+            args, kwargs = _cast_floating((args, kwargs), self.policy.param_dtype)
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` scaled for accumulation (and fp16 loss scaling); gradients are
+        reduced as buckets fill when this micro-step syncs."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward() takes the scalar loss, got {type(loss).__name__} "
+                             f"{tuple(getattr(loss, 'shape', ()))}")
+        self.reducer.sync_enabled = self.stage >= 2 or (self.is_gradient_accumulation_boundary() and not self._no_sync)
+        scale = self.optimizer.scaler.scale / self.gradient_accumulation_steps
+        scaled = loss.float() * scale if scale != 1.0 else loss
+        seen = self.reducer.grads_seen
+        scaled.backward()
+        self.reducer.end_backward()
+        if self.reducer.grads_seen == seen:
+            raise RuntimeError("engine.backward(): the loss produced no gradient for any trained parameter; "
+                               "is it computed from engine(...)'s output?")
+        self._backward_pending = True
+
+    def step(self) -> None:
+        """One micro-step done; at the accumulation boundary, the optimizer steps."""
+        if not self._backward_pending:
+            raise RuntimeError("engine.step() without engine.backward(loss) since the last step: call "
+                               "engine.backward(loss) (not loss.backward()) so gradients are scaled and reduced")
+        self._backward_pending = False
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        result = self.optimizer.step()
+        self.last_step = result
+        self.global_steps += 1
+        if result.overflow:
+            self.skipped_steps += 1
+            log_rank0(logger, "step %d: gradient overflow on some rank; every rank skipped the step, loss scale now %g",
+                      self.global_steps, self.optimizer.scaler.scale)
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self._report()
+
+    def _report(self) -> None:
+        every = self.config.steps_per_print
+        if not every or self.global_steps % every:
+            return
+        elapsed = time.perf_counter() - self._step_started
+        self._step_started = time.perf_counter()
+        if self.config.wall_clock_breakdown:
+            log_rank0(logger, "step %d: %.1f ms per step over the last %d", self.global_steps, elapsed * 1e3 / every, every)
+        log_rank0(logger, "step %d: lr %s, grad norm %.4g, loss scale %g", self.global_steps, self.get_lr(),
+                  self.get_global_grad_norm() or 0.0, self.optimizer.scaler.scale)
+        if self._trace is not None:
+            log_rank0(logger, "communication so far:\n%s", self.comms_trace.format_summary())
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (the engine already does this after each optimizer step)."""
+        self.optimizer.zero_grad()
+
+    # ------------------------------------------------------------------ queries
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        self.module.eval()
+        return self
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last optimizer step (before clipping), None before any step."""
+        return None if self.last_step is None else self.last_step.grad_norm
+
+    @property
+    def loss_scale(self) -> float:
+        return self.optimizer.scaler.scale
+
+    def module_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """The plain model's `state_dict()` (same keys), cloned; None off rank 0 with `rank0_only`."""
+        if rank0_only and comm.get_rank() != 0:
+            return None
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of model state on this rank: parameters, gradients, optimizer (master + states)."""
+        params = sum(g.state_bytes()["params"] for g in self.groups)
+        grads = sum(g.state_bytes()["grads"] for g in self.groups)
+        optimizer = self.optimizer.state_bytes()
+        return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+
+    def destroy(self) -> None:
+        """Remove hooks and stop the comms trace; the module keeps working as a plain module."""
+        self.reducer.remove_hooks()
+        if self._trace is not None:
+            self._trace.__exit__(None, None, None)
+            self._trace = None
+
+
+def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floating(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,14 @@
+"""Layer 5: ZeRO. Pure layout arithmetic, flat buffers, buckets, the sharded optimizer.
+
+One design for every stage (DESIGN.md: stages are knobs): a stage only decides which buffers
+are full or sharded and when gradients are reduced.
+"""
+
+from zerodist.zero.bucket import Bucket, BucketState, GradSyncPlan
+from zerodist.zero.flat_group import FlatParamGroup
+from zerodist.zero.layout import FlatLayout, plan_layout
+from zerodist.zero.optimizer import StepResult, ZeroOptimizer
+from zerodist.zero.reducer import GradReducer
+
+__all__ = ["Bucket", "BucketState", "FlatLayout", "FlatParamGroup", "GradReducer", "GradSyncPlan", "StepResult",
+           "ZeroOptimizer", "plan_layout"]

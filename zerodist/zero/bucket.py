@@ -1,0 +1,140 @@
+"""A gradient bucket and its lifecycle.
+
+    FILLING --register_grad_ready() x num_params--> (complete)
+            --start_grad_sync()--> SYNCING --finish_grad_sync()--> SYNCED --reset()--> FILLING
+
+What a sync moves depends on the stage, set once in `GradSyncPlan`:
+- stages 0 and 1 accumulate every micro-step's gradient into a persistent full-size bucket
+  view and reduce it at the accumulation boundary; stage 0 then all-gathers the reduced
+  shards so every rank holds the full averaged gradient;
+- stage 2 copies each micro-step's gradient into a transient staging buffer, reduces it
+  straight into this rank's shard and frees the staging buffer.
+The collective is the one configured: reduce-scatter (`reduce_scatter: true`) or all-reduce.
+The sum is divided by the group size after reduction, in the same way in every stage
+([Note: alignment] in layout.py says why that matters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import torch
+
+import zerodist.comm as comm
+from zerodist.zero.layout import BucketSpan
+
+
+class BucketState(enum.Enum):
+    FILLING = "filling"
+    SYNCING = "syncing"
+    SYNCED = "synced"
+
+
+@dataclasses.dataclass(frozen=True)
+class GradSyncPlan:
+    use_reduce_scatter: bool
+    persistent_full_grad: bool  # stages 0/1: a full-size gradient buffer lives across micro-steps
+    keep_full_grad: bool  # stage 0: every rank ends with the whole reduced gradient
+
+
+class Bucket:
+    """One bucket of one `FlatParamGroup`: its gradient views, its pending collective."""
+
+    span: BucketSpan
+    num_params: int
+    num_ready: int
+    state: BucketState
+    grad_full: torch.Tensor | None  # persistent full view (stages 0/1)
+    grad_owned: torch.Tensor  # where this rank's reduced shard ends up
+    staging: torch.Tensor | None  # stage 2's transient full-size buffer
+    accumulated: bool  # stage 2: grad_owned already holds an earlier micro-step
+
+    def __init__(self, span: BucketSpan, *, plan: GradSyncPlan, grad_full: torch.Tensor | None,
+                 grad_owned: torch.Tensor, group: Any, rank: int, label: str):
+        self.span, self.plan, self.group, self.rank, self.label = span, plan, group, rank, label
+        self.num_params = len(span.param_indices)
+        self.grad_full, self.grad_owned = grad_full, grad_owned
+        self.group_size = comm.get_world_size(group)
+        self.staging = None
+        self.accumulated = False
+        self._pending: tuple[comm.CommHandle, torch.Tensor] | None = None
+        self.reset()
+
+    def grad_target(self) -> torch.Tensor:
+        """The full-size buffer that backward's gradients are added into."""
+        if self.plan.persistent_full_grad:
+            assert self.grad_full is not None
+            return self.grad_full
+        if self.staging is None:
+            self.staging = torch.zeros(self.span.numel, dtype=self.grad_owned.dtype, device=self.grad_owned.device)
+        return self.staging
+
+    @property
+    def is_complete(self) -> bool:
+        return self.num_ready == self.num_params
+
+    def register_grad_ready(self) -> bool:
+        """Count one parameter's gradient in; True when the bucket is complete."""
+        assert self.state is BucketState.FILLING, f"{self.label}: gradient arrived while {self.state.value}"
+        assert self.num_ready < self.num_params, (
+            f"{self.label}: {self.num_ready + 1} gradients for {self.num_params} parameters in one backward"
+        )
+        self.num_ready += 1
+        return self.is_complete
+
+    def start_grad_sync(self) -> None:
+        """Issue the configured collective (async) over the full bucket."""
+        assert self.state is BucketState.FILLING, f"{self.label}: start_grad_sync while {self.state.value}"
+        source = self.grad_target()
+        lo = self.rank * self.span.shard_numel
+        if self.plan.use_reduce_scatter:
+            direct = self.plan.persistent_full_grad or not self.accumulated
+            out = self.grad_owned if direct else torch.empty_like(self.grad_owned)
+            handle = comm.reduce_scatter(out, source, group=self.group, async_op=True)
+        else:
+            handle = comm.all_reduce(source, group=self.group, async_op=True)
+            out = source[lo: lo + self.span.shard_numel]
+        self._pending = (handle, out)
+        self.state = BucketState.SYNCING
+
+    def finish_grad_sync(self) -> None:
+        """Wait, average, and land the result in `grad_owned` (and the full view for stage 0)."""
+        assert self.state is BucketState.SYNCING and self._pending is not None, (
+            f"{self.label}: finish_grad_sync while {self.state.value}"
+        )
+        handle, out = self._pending
+        handle.wait()
+        self._pending = None
+        if self.plan.use_reduce_scatter:
+            out.div_(self.group_size)
+        else:
+            self.grad_target().div_(self.group_size)
+        if not self.plan.persistent_full_grad:
+            if out is not self.grad_owned:
+                if self.accumulated:
+                    self.grad_owned.add_(out)
+                else:
+                    self.grad_owned.copy_(out)
+            self.accumulated = True
+            self.staging = None
+        elif self.plan.keep_full_grad and self.plan.use_reduce_scatter:
+            comm.all_gather(self.grad_full, self.grad_owned, group=self.group)
+        self.state = BucketState.SYNCED
+
+    def reset(self) -> None:
+        """Ready for the next backward (gradients already reduced stay where they are)."""
+        assert self._pending is None, f"{self.label}: reset with a collective still in flight"
+        self.num_ready = 0
+        self.state = BucketState.FILLING
+        self.staging = None
+
+    def clear_gradients(self) -> None:
+        """After the optimizer step: the next accumulation starts from zero."""
+        self.reset()
+        self.accumulated = False
+        if self.grad_full is not None:
+            self.grad_full.zero_()
+        if not self.plan.persistent_full_grad:
+            self.grad_owned.zero_()

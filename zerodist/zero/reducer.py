@@ -1,0 +1,82 @@
+"""Gradient hooks and the order in which buckets are synchronised.
+
+Every rank must issue its bucket collectives in the same order, or they pair up wrongly and
+hang (or silently mix data). Autograd's order can differ between ranks when control flow does
+(a parameter unused on one rank), so buckets are started in one fixed order derived from the
+model's structure, never in the order they happen to fill: bucket k starts only once buckets
+0..k-1 have started. The order sorts buckets by the position of their earliest parameter,
+latest first, which is about the order backward fills them.
+
+A bucket that is not complete when backward ends (unused parameters) is started then; its
+missing gradients are zeros.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import torch
+
+from zerodist.zero.bucket import Bucket
+from zerodist.zero.flat_group import FlatParamGroup
+
+
+class GradReducer:
+    """Owns the gradient hooks of all groups and starts/finishes their buckets in order."""
+
+    def __init__(self, groups: list[FlatParamGroup], positions: list[list[int]], *, max_in_flight: int | None):
+        self.groups = groups
+        keyed = []
+        for group, group_positions in zip(groups, positions):
+            for bucket in group.buckets:
+                earliest = min(group_positions[i] for i in bucket.span.param_indices)
+                keyed.append((earliest, bucket))
+        self.order: list[Bucket] = [b for _, b in sorted(keyed, key=lambda kb: -kb[0])]
+        self.max_in_flight = max_in_flight
+        self.sync_enabled = True
+        self.grads_seen = 0
+        self._next = 0
+        self._in_flight: collections.deque[Bucket] = collections.deque()
+        self._handles = [
+            param.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, group, index))
+            for group in groups
+            for index, param in enumerate(group.params)
+        ]
+
+    def _on_grad_ready(self, group: FlatParamGroup, index: int, param: torch.Tensor) -> None:
+        if param.grad is None:
+            return
+        bucket = group.add_grad(index, param.grad)
+        param.grad = None  # the gradient now lives in the bucket; free autograd's copy
+        self.grads_seen += 1
+        if bucket.register_grad_ready() and self.sync_enabled:
+            self._start_complete_buckets()
+
+    def _start_complete_buckets(self, force: bool = False) -> None:
+        while self._next < len(self.order) and (force or self.order[self._next].is_complete):
+            bucket = self.order[self._next]
+            bucket.start_grad_sync()
+            self._in_flight.append(bucket)
+            self._next += 1
+            if self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
+                self._in_flight.popleft().finish_grad_sync()
+
+    def end_backward(self) -> None:
+        """After autograd returns: sync what is left (if syncing), then ready for the next backward."""
+        if self.sync_enabled:
+            self._start_complete_buckets(force=True)
+            while self._in_flight:
+                self._in_flight.popleft().finish_grad_sync()
+        for bucket in self.order:
+            bucket.reset()
+        self._next = 0
+
+    def clear_gradients(self) -> None:
+        for bucket in self.order:
+            bucket.clear_gradients()
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
