@@ -1,0 +1,25 @@
+"""Layer 6: checks and tools that turn distributed "mysteries" into numbers and named errors.
+
+- `reduce_loss`: the loss of the global batch (mean over ranks, token-weighted).
+- `StepTimer` / `straggler_report`: which rank is slow.
+- `estimate_memory` / `estimate_all_stages`: per-rank bytes under each ZeRO stage (pure).
+
+The collective desync guard lives in `zerodist.comm.guard` (it sits under every collective);
+it is re-exported here for discovery.
+"""
+
+from zerodist.comm.guard import (
+    CollectiveMismatchError,
+    collective_guard,
+    disable_collective_guard,
+    enable_collective_guard,
+)
+from zerodist.debug.estimate import MemoryEstimate, estimate_all_stages, estimate_memory, parse_count
+from zerodist.debug.loss import reduce_loss
+from zerodist.debug.straggler import RankStepTimes, StepTimer, StragglerReport, straggler_report
+
+__all__ = [
+    "CollectiveMismatchError", "MemoryEstimate", "RankStepTimes", "StepTimer", "StragglerReport",
+    "collective_guard", "disable_collective_guard", "enable_collective_guard", "estimate_all_stages",
+    "estimate_memory", "parse_count", "reduce_loss", "straggler_report",
+]
