@@ -1,0 +1,59 @@
+"""`zerodist estimate`: per-rank memory of a model under each ZeRO stage, before you run it.
+
+    zerodist estimate --params 7B --world-size 64 --dtype bf16
+    zerodist estimate --params 125M --world-size 2 --stage 2 --hidden 768 --layers 12 --seq-len 1024 --micro-batch 8
+
+Pure arithmetic (no GPU, no processes): the formulas are in zerodist/debug/estimate.py and
+docs/debugging.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("estimate", help="per-rank memory for each ZeRO stage (pure formulas)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--params", required=True, help="number of parameters, e.g. 7B, 125M, 1.5T, 350000")
+    p.add_argument("--world-size", type=int, required=True, help="number of data-parallel ranks")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None, help="one stage (default: all)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="parameter/gradient dtype; bf16/fp16 mean mixed precision with fp32 master weights")
+    p.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam", help="(sgd: with momentum)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (for activations)")
+    p.add_argument("--layers", type=int, default=None, help="transformer layers (for activations)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (for activations)")
+    p.add_argument("--micro-batch", type=int, default=None, help="micro-batch size per rank (for activations)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (default hidden/64)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="keep only each layer's input")
+    p.add_argument("--reduce-bucket-size", default="5e8", help="gradient bucket, elements (default 5e8)")
+    p.add_argument("--allgather-bucket-size", default="5e8", help="parameter bucket, elements (default 5e8)")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from zerodist.debug.estimate import estimate_memory, format_table, parse_count
+
+    try:
+        num_params = parse_count(args.params)
+        buckets = parse_count(args.reduce_bucket_size), parse_count(args.allgather_bucket_size)
+        stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
+        estimates = [
+            estimate_memory(
+                num_params, world_size=args.world_size, stage=stage, dtype=args.dtype, optimizer=args.optimizer,
+                hidden=args.hidden, layers=args.layers, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                heads=args.heads, activation_checkpointing=args.activation_checkpointing,
+                reduce_bucket_size=buckets[0], allgather_bucket_size=buckets[1],
+            )
+            for stage in stages
+        ]
+    except ValueError as err:
+        raise SystemExit(f"zerodist estimate: {err}") from None
+    precision = "fp32 training" if args.dtype == "fp32" else f"{args.dtype} mixed precision (fp32 master weights)"
+    print(f"{num_params:,} parameters (Ψ) on {args.world_size:,} ranks (N), {precision}, {args.optimizer}; "
+          f"bytes per rank:")
+    print(format_table(estimates))
+    if estimates[0].activations is None:
+        print("activations: give --hidden --layers --seq-len --micro-batch to include them")
+    return 0

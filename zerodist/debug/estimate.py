@@ -1,0 +1,208 @@
+"""Per-rank memory for a model under each ZeRO stage: pure arithmetic, no torch, no processes.
+
+[Note: memory model] Ψ parameters on N ranks; a sharded buffer holds ceil(Ψ/N) elements on
+every rank (the padding of the last shard is counted). Which buffer is sharded at which stage
+is DESIGN.md's table: optimizer state from stage 1, gradients from stage 2, parameters at 3.
+
+                      parameters   gradients   optimizer state
+  mixed (bf16, fp16)  2Ψ           2Ψ          12Ψ = fp32 master 4Ψ + Adam's two states 8Ψ
+  fp32                4Ψ           4Ψ           8Ψ = Adam's two states (the master weights
+                                                     ARE the parameters: no extra 4Ψ)
+
+which gives 16Ψ at stage 0 and 16Ψ/N at stage 3 in both cases; stage 1: 4Ψ + 12Ψ/N (mixed),
+8Ψ + 8Ψ/N (fp32); stage 2: 2Ψ + 14Ψ/N (mixed), 4Ψ + 12Ψ/N (fp32). SGD with momentum keeps one
+state (4Ψ) instead of Adam's two.
+
+Communication buckets (transient, an upper bound): one gradient bucket of
+min(reduce_bucket_size, Ψ) elements at every stage, plus at stages 1-3 one parameter bucket of
+min(allgather_bucket_size, Ψ) elements for the all-gather. Bucket sizes are element counts,
+as in DeepSpeed's config (default 5e8 each: 2 GB of fp32 gradients).
+
+Activations (when hidden, layers, seq_len and micro_batch are given) follow Korthikanti et
+al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2, generalised
+to an activation element size of e bytes (e = 2 gives their s*b*h*(34 + 5*a*s/h)):
+
+    per layer = s*b*h*(16e + 2) + a*s^2*b*(2e + 1)
+
+(s sequence length, b micro-batch, h hidden, a heads; the "+2" and "+1" are 1-byte dropout
+masks). With full activation checkpointing only each layer's input (s*b*h*e) is kept, plus
+one layer's full activations while it is recomputed. Embeddings, logits and the loss are not
+counted, nor are attention kernels that never materialise the s^2 scores (flash attention
+drops the a*s^2*b term).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import decimal
+import re
+
+from zerodist.utils import format_bytes
+
+PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 1}  # fp32 states per parameter (sgd: momentum)
+STAGES = (0, 1, 2, 3)
+_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank for one stage. `activations` is None when the model shape was not given."""
+
+    num_params: int
+    world_size: int
+    stage: int
+    dtype: str
+    optimizer: str
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    buckets: int
+    activations: int | None
+
+    @property
+    def model_states(self) -> int:
+        """Parameters + gradients + optimizer state: DESIGN.md's table."""
+        return self.parameters + self.gradients + self.optimizer_states
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.buckets + (self.activations or 0)
+
+
+def shard_numel(num_params: int, world_size: int) -> int:
+    """Elements of one rank's shard: ceil(Ψ/N), the last shard padded."""
+    return -(-num_params // world_size)
+
+
+def estimate_memory(
+    num_params: int,
+    *,
+    world_size: int,
+    stage: int,
+    dtype: str = "fp32",
+    optimizer: str = "adam",
+    hidden: int | None = None,
+    layers: int | None = None,
+    seq_len: int | None = None,
+    micro_batch: int | None = None,
+    heads: int | None = None,
+    activation_checkpointing: bool = False,
+    reduce_bucket_size: float = 5e8,
+    allgather_bucket_size: float = 5e8,
+) -> MemoryEstimate:
+    """Per-rank bytes of `num_params` parameters on `world_size` ranks at ZeRO `stage`.
+
+    See [Note: memory model] for every formula.
+    """
+    _check(num_params, world_size, stage, dtype, optimizer)
+    full, shard = num_params, shard_numel(num_params, world_size)
+    element = PARAM_BYTES[dtype]
+    master = 4 if element != 4 else 0  # fp32 training updates the parameters themselves
+    optimizer_per_param = master + 4 * OPTIMIZER_STATES[optimizer]
+    buckets = min(int(reduce_bucket_size), full) * element
+    if stage >= 1:
+        buckets += min(int(allgather_bucket_size), full) * element
+    shape = (hidden, layers, seq_len, micro_batch)
+    activations = None
+    if any(v is not None for v in shape):
+        activations = activation_bytes(
+            hidden=hidden, layers=layers, seq_len=seq_len, micro_batch=micro_batch, heads=heads,
+            dtype=dtype, checkpointing=activation_checkpointing,
+        )
+    return MemoryEstimate(
+        num_params, world_size, stage, dtype, optimizer,
+        parameters=(shard if stage >= 3 else full) * element,
+        gradients=(shard if stage >= 2 else full) * element,
+        optimizer_states=(shard if stage >= 1 else full) * optimizer_per_param,
+        buckets=buckets,
+        activations=activations,
+    )
+
+
+def estimate_all_stages(num_params: int, **kwargs) -> list[MemoryEstimate]:
+    """`estimate_memory` for stages 0-3 (same keyword arguments, without `stage`)."""
+    return [estimate_memory(num_params, stage=stage, **kwargs) for stage in STAGES]
+
+
+def activation_bytes(
+    *,
+    hidden: int | None,
+    layers: int | None,
+    seq_len: int | None,
+    micro_batch: int | None,
+    heads: int | None = None,
+    dtype: str = "bf16",
+    checkpointing: bool = False,
+) -> int:
+    """Activation bytes of a transformer's layers on one rank (see [Note: memory model])."""
+    given = {"hidden": hidden, "layers": layers, "seq_len": seq_len, "micro_batch": micro_batch}
+    missing = [name for name, value in given.items() if value is None]
+    if missing:
+        raise ValueError(f"activation estimate needs hidden, layers, seq_len and micro_batch; missing {', '.join(missing)}")
+    bad = [f"{name}={value}" for name, value in given.items() if not isinstance(value, int) or value < 1]
+    if bad:
+        raise ValueError(f"activation estimate: {', '.join(bad)} must be positive integers")
+    heads = heads if heads is not None else max(1, hidden // 64)  # head dim 64 when not given
+    e, s, b, h = PARAM_BYTES[dtype], seq_len, micro_batch, hidden
+    per_layer = s * b * h * (16 * e + 2) + heads * s * s * b * (2 * e + 1)
+    if checkpointing:
+        return layers * s * b * h * e + per_layer
+    return layers * per_layer
+
+
+def parse_count(text: str | int | float) -> int:
+    """'7B' -> 7_000_000_000, '125M', '1.5T', '350k', '7e9', '1_000' (decimal suffixes K M B/G T)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = decimal.Decimal(text)
+    else:
+        match = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([kmbgt]?)\s*", str(text).lower())
+        if match is None:
+            raise ValueError(f"cannot read {text!r} as a count: use a number with an optional K, M, B or T suffix (e.g. 7B)")
+        # Decimal, so '1.1B' is 1_100_000_000 and not a float's 1_100_000_000.0000002
+        value = decimal.Decimal(match.group(1).replace("_", "")) * _SUFFIXES[match.group(2)]
+    if value < 1 or value != value.to_integral_value():
+        raise ValueError(f"a parameter count must be a positive whole number, got {text!r}")
+    return int(value)
+
+
+def formula(stage: int, dtype: str, optimizer: str = "adam") -> str:
+    """The per-rank model-state formula, e.g. '4Ψ + 12Ψ/N' (stage 1, mixed precision, Adam)."""
+    element = PARAM_BYTES[dtype]
+    optimizer_per_param = (4 if element != 4 else 0) + 4 * OPTIMIZER_STATES[optimizer]
+    replicated = sharded = 0
+    for per_param, first_sharded_stage in ((element, 3), (element, 2), (optimizer_per_param, 1)):
+        if stage >= first_sharded_stage:
+            sharded += per_param
+        else:
+            replicated += per_param
+    parts = ([f"{replicated}Ψ"] if replicated else []) + ([f"{sharded}Ψ/N"] if sharded else [])
+    return " + ".join(parts)
+
+
+def format_table(estimates: list[MemoryEstimate]) -> str:
+    """A table of per-rank bytes in binary units, one row per estimate."""
+    header = (f"{'stage':>5}  {'params':>10}  {'grads':>10}  {'optimizer':>10}  {'buckets':>10}  "
+              f"{'activations':>11}  {'total':>10}  model states")
+    lines = [header]
+    for e in estimates:
+        activations = "-" if e.activations is None else format_bytes(e.activations)
+        lines.append(
+            f"{e.stage:>5}  {format_bytes(e.parameters):>10}  {format_bytes(e.gradients):>10}  "
+            f"{format_bytes(e.optimizer_states):>10}  {format_bytes(e.buckets):>10}  {activations:>11}  "
+            f"{format_bytes(e.total):>10}  {formula(e.stage, e.dtype, e.optimizer)} = {format_bytes(e.model_states)}"
+        )
+    return "\n".join(lines)
+
+
+def _check(num_params: int, world_size: int, stage: int, dtype: str, optimizer: str) -> None:
+    if not isinstance(num_params, int) or num_params < 1:
+        raise ValueError(f"num_params must be a positive integer, got {num_params!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if stage not in STAGES:
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if dtype not in PARAM_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(PARAM_BYTES)}, got {dtype!r}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
