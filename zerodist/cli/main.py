@@ -16,6 +16,7 @@ COMMANDS = [
     ("run", "zerodist.cli.run"),
     ("doctor", "zerodist.cli.doctor"),
     ("config", "zerodist.cli.config"),
+    ("estimate", "zerodist.cli.estimate"),
 ]
 
 
