@@ -17,6 +17,7 @@ COMMANDS = [
     ("doctor", "zerodist.cli.doctor"),
     ("config", "zerodist.cli.config"),
     ("estimate", "zerodist.cli.estimate"),
+    ("bench", "zerodist.cli.bench"),
 ]
 
 
