@@ -1,0 +1,199 @@
+"""The training loop `zerodist train` runs on every rank: a byte-level GPT on the stdlib corpus.
+
+    plan -> model (same seed on every rank) -> zerodist.initialize -> steps under the comm
+    tracer, loss averaged over ranks for the progress bar -> per-rank memory gathered ->
+    rank 0 writes metrics.csv, loss.png, config.json, summary.txt and prints the summary.
+
+Only rank 0 prints; every rank runs every collective (the loss averaging and the memory
+gather included), so no rank waits on one that skipped a step.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+import zerodist
+import zerodist.comm as comm
+from zerodist.data import TokenDataset, split_corpus, stdlib_corpus
+from zerodist.engine import Engine
+from zerodist.models import GPT, count_parameters, gpt_config
+from zerodist.train.metrics import StepRecord, peak_rss_bytes, plot_loss, rss_bytes, write_csv
+from zerodist.train.options import TrainPlan
+from zerodist.train.report import RankMemory, RunSummary, expected_bus_bytes, format_summary
+
+try:  # the debug layer's reduction, token-weighted and checked on every rank
+    from zerodist.debug import reduce_loss
+except ImportError:  # an older tree without zerodist.debug.reduce_loss: the plain mean is the same here
+    def reduce_loss(loss: torch.Tensor) -> torch.Tensor:
+        averaged = loss.detach().float().clone()
+        comm.all_reduce(averaged, op=comm.ReduceOp.AVG)
+        return averaged
+
+
+def build_dataset(plan: TrainPlan, seq_len: int) -> TokenDataset:
+    train_bytes, _ = split_corpus(stdlib_corpus(max_bytes=plan.corpus_bytes, seed=plan.seed))
+    return TokenDataset(train_bytes, seq_len)
+
+
+def endless(loader: Any) -> Iterator[Any]:
+    """Batch after batch; each new pass over the loader is a new, reshuffled epoch."""
+    while True:
+        yield from loader
+
+
+def micro_steps(engine: Engine, batches: Iterator[Any], device: torch.device) -> torch.Tensor:
+    """One optimizer step (all its micro-steps); returns this rank's mean loss over them."""
+    losses = []
+    for _ in range(engine.gradient_accumulation_steps):
+        inputs, targets = next(batches)
+        loss = engine(inputs.to(device), targets.to(device))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().float())
+    return torch.stack(losses).mean()
+
+
+class ProgressBar:
+    """tqdm on rank 0 (nothing elsewhere): loss, tokens/s over the last 10 steps, RSS."""
+
+    def __init__(self, steps: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=steps, unit="step", dynamic_ncols=True, mininterval=0.5)
+        self.recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=10)
+
+    def update(self, record: StepRecord, tokens: int, seconds: float) -> None:
+        self.recent.append((tokens, seconds))
+        if self.bar is None:
+            return
+        rate = sum(t for t, _ in self.recent) / max(1e-9, sum(s for _, s in self.recent))
+        self.bar.set_postfix_str(f"loss {record.loss:.3f}, {rate:,.0f} tok/s, rss {record.rss_bytes / 2**20:.0f} MiB",
+                                 refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int) -> tuple[list[StepRecord], float, Any, Any]:
+    """Train `steps` optimizer steps; returns (records, seconds, tracer of everything, tracer of
+    the loss averaging alone). The loss averaging runs in a nested trace so the summary can
+    tell the engine's traffic from the progress bar's."""
+    device = comm.device_for_rank()
+    tokens = engine.batch.train_batch_size * seq_len
+    batches = endless(loader)
+    bar = ProgressBar(steps, enabled=comm.get_rank() == 0)
+    records, logging_traces = [], []
+    started = time.perf_counter()
+    with comm.trace() as everything, _logs_beside(bar):
+        for step in range(1, steps + 1):
+            step_started = time.perf_counter()
+            lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves it on in engine.step()
+            local_loss = micro_steps(engine, batches, device)
+            with comm.trace() as logging_trace:
+                loss = float(reduce_loss(local_loss))
+            logging_traces.append(logging_trace)
+            seconds = time.perf_counter() - step_started
+            record = StepRecord(step, loss, lr, tokens / seconds, rss_bytes())
+            records.append(record)
+            bar.update(record, tokens, seconds)
+    bar.close()
+    elapsed = time.perf_counter() - started
+    return records, elapsed, everything, logging_traces
+
+
+def _logs_beside(bar: ProgressBar) -> Any:
+    """The engine's log lines printed above the bar instead of through it."""
+    if bar.bar is None:
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm(loggers=[logging.getLogger("zerodist")])
+
+
+def gather_memory(engine: Engine) -> list[RankMemory]:
+    """Every rank's model-state bytes and peak RSS (a collective: every rank calls it)."""
+    everyone: list[Any] = [None] * comm.get_world_size()
+    comm.all_gather_object(everyone, RankMemory(comm.get_rank(), engine.model_state_bytes(), peak_rss_bytes()))
+    return everyone
+
+
+def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everything: Any, logging_traces: list[Any],
+              memory: list[RankMemory], seq_len: int) -> RunSummary:
+    zero = engine.config.zero_optimization
+    world = engine.topology.size("data", "expert")
+    psi = sum(g.layout.total_numel for g in engine.groups)
+    tokens = len(records) * engine.batch.train_batch_size * seq_len
+    return RunSummary(
+        steps=len(records), world_size=world, stage=zero.stage, precision=engine.policy.name, elapsed_s=elapsed,
+        losses=[r.loss for r in records], tokens_per_s=tokens / elapsed, psi=psi, memory=memory,
+        comm_table=everything.format_summary(), comm_bytes=everything.total_bytes(),
+        comm_bus_bytes=sum(r.bus_bytes for r in everything.records),
+        logging_bytes=sum(t.total_bytes() for t in logging_traces),
+        logging_bus_bytes=sum(r.bus_bytes for t in logging_traces for r in t.records),
+        expected_bus_bytes_per_step=expected_bus_bytes(
+            stage=zero.stage, psi=psi, world_size=world, accumulation_steps=engine.gradient_accumulation_steps,
+            reduce_scatter=zero.reduce_scatter, element_bytes=engine.groups[0].param_buffer.element_size()),
+    )
+
+
+def print_header(plan: TrainPlan, engine: Engine, model: GPT) -> None:
+    batch = engine.batch
+    print(f"zerodist train: GPT {plan.model!r} ({count_parameters(model):,} parameters, seq {model.config.seq_len}), "
+          f"{plan.steps} steps on {comm.get_world_size()} rank(s), batch {batch.train_batch_size} = micro "
+          f"{batch.micro_batch_size} x accumulation {batch.gradient_accumulation_steps} x ranks "
+          f"{engine.topology.size('data', 'expert')}, seed {plan.seed}, output {plan.out}", flush=True)
+    print("config:\n" + json.dumps(plan.config, indent=2), flush=True)
+
+
+def write_outputs(plan: TrainPlan, records: list[StepRecord], summary: RunSummary) -> list[str]:
+    """Rank 0's files; returns the lines that say what was written (or skipped)."""
+    plan.out.mkdir(parents=True, exist_ok=True)
+    write_csv(records, plan.out / "metrics.csv")
+    (plan.out / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n", encoding="utf-8")
+    text = format_summary(summary)
+    (plan.out / "summary.txt").write_text(text + "\n", encoding="utf-8")
+    lines = [f"wrote {plan.out / 'metrics.csv'}, {plan.out / 'config.json'}, {plan.out / 'summary.txt'}"]
+    skipped = plot_loss(records, plan.out / "loss.png", f"GPT {plan.model}, ZeRO stage {summary.stage}, "
+                        f"{summary.world_size} rank(s)")
+    lines.append(f"loss curve not written: {skipped}" if skipped else f"wrote {plan.out / 'loss.png'}")
+    return lines
+
+
+def train(plan: TrainPlan) -> int:
+    """Train on this rank; 0 when the run finished with a finite loss, 1 otherwise."""
+    torch.manual_seed(plan.seed)  # every rank builds the same weights (rank 0's are broadcast anyway)
+    model = GPT(gpt_config(plan.model))
+    seq_len = model.config.seq_len
+    dataset = build_dataset(plan, seq_len)
+    engine, _, loader, _ = zerodist.initialize(model=model, config=plan.config, training_data=dataset)
+    rank0 = comm.get_rank() == 0
+    if rank0:
+        print_header(plan, engine, model)
+    try:
+        records, elapsed, everything, logging_traces = run_steps(engine, loader, plan.steps, seq_len)
+        memory = gather_memory(engine)
+    finally:
+        engine.destroy()
+    summary = summarize(engine, records, elapsed, everything, logging_traces, memory, seq_len)
+    if rank0:
+        print(format_summary(summary), flush=True)
+        for line in write_outputs(plan, records, summary):
+            print(line, flush=True)
+    if not all(math.isfinite(r.loss) for r in records[-1:]):
+        if rank0:
+            print("zerodist train: the loss is not finite at the last step; lower --lr or use --bf16", flush=True)
+        return 1
+    return 0

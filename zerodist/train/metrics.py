@@ -1,0 +1,75 @@
+"""Per-step metrics of a training run, process memory, and the files a run leaves behind.
+
+    metrics.csv   step, loss (averaged over ranks), lr, tokens_per_s (all ranks), rss_mib (rank 0)
+    loss.png      the loss curve (needs matplotlib; skipped with a message when missing)
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+import resource
+import sys
+from pathlib import Path
+
+CSV_FIELDS = ("step", "loss", "lr", "tokens_per_s", "rss_mib")
+MIB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step as seen by rank 0 (the loss is already the mean over ranks)."""
+
+    step: int
+    loss: float
+    lr: float
+    tokens_per_s: float
+    rss_bytes: int
+
+    def csv_row(self) -> dict[str, str]:
+        return {"step": str(self.step), "loss": f"{self.loss:.6f}", "lr": f"{self.lr:.6g}",
+                "tokens_per_s": f"{self.tokens_per_s:.1f}", "rss_mib": f"{self.rss_bytes / MIB:.1f}"}
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc; elsewhere the peak, the best available)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def write_csv(records: list[StepRecord], path: Path) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(r.csv_row() for r in records)
+
+
+def plot_loss(records: list[StepRecord], path: Path, title: str) -> str | None:
+    """Write the loss curve to `path`; returns why it was skipped, or None when written."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib is not installed (pip install 'zerodist[plot]'); no loss curve written"
+    matplotlib.use("Agg")  # no display on a training node; must precede pyplot's import
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.plot([r.step for r in records], [r.loss for r in records], linewidth=1.2)
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("loss (mean over ranks)")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return None

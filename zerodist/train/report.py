@@ -1,0 +1,127 @@
+"""The end-of-run summary: measured numbers set beside DESIGN.md's formulas.
+
+Model state per rank for Ψ parameters on N ranks with Adam (two fp32 states):
+
+    stage   fp32          mixed precision (2-byte params and grads)
+    0       16Ψ           16Ψ
+    1       8Ψ + 8Ψ/N     4Ψ + 12Ψ/N
+    2       4Ψ + 12Ψ/N    2Ψ + 14Ψ/N
+    3       16Ψ/N         16Ψ/N
+
+Ψ is the padded element count (`sum(g.layout.total_numel for g in engine.groups)`): every
+bucket is padded to split evenly, so Ψ/N is a whole number and the formula is exact.
+
+Communication per optimizer step, in bus elements (what one rank sends, nccl-tests' factors):
+a reduce-scatter moves Ψ(N-1)/N, an all-reduce 2Ψ(N-1)/N, an all-gather Ψ(N-1)/N. Stages 0-2
+with reduce-scatter move 2Ψ(N-1)/N (reduce, then gather gradients at stage 0 or parameters at
+stages 1/2); stage 2 reduces every micro-step, so accumulation adds Ψ(N-1)/N per extra micro-step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+
+from zerodist.utils import format_bytes
+
+# (constant, per-rank) multiples of Ψ bytes, by (stage, mixed precision).
+_STATE_TERMS = {
+    (0, False): (16, 0), (1, False): (8, 8), (2, False): (4, 12), (3, False): (0, 16),
+    (0, True): (16, 0), (1, True): (4, 12), (2, True): (2, 14), (3, True): (0, 16),
+}
+
+
+def state_formula(stage: int, mixed_precision: bool) -> str:
+    constant, sharded = _STATE_TERMS[(stage, mixed_precision)]
+    terms = ([f"{constant}Ψ"] if constant else []) + ([f"{sharded}Ψ/N"] if sharded else [])
+    return " + ".join(terms)
+
+
+def state_formula_bytes(stage: int, mixed_precision: bool, psi: int, world_size: int) -> int:
+    constant, sharded = _STATE_TERMS[(stage, mixed_precision)]
+    return int(constant * psi + Fraction(sharded * psi, world_size))
+
+
+def expected_bus_bytes(*, stage: int, psi: int, world_size: int, accumulation_steps: int, reduce_scatter: bool,
+                       element_bytes: int) -> int:
+    """Bytes one rank sends per optimizer step for gradients and parameters (module docstring)."""
+    syncs = accumulation_steps if stage >= 2 else 1
+    per_sync = 1 if reduce_scatter else 2
+    gathers = 0 if stage == 0 and not reduce_scatter else 1
+    return int(Fraction(psi * (world_size - 1), world_size) * (syncs * per_sync + gathers) * element_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMemory:
+    """One rank's model-state bytes (from `engine.model_state_bytes()`) and peak RSS."""
+
+    rank: int
+    state: dict[str, int]
+    peak_rss: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    steps: int
+    world_size: int
+    stage: int
+    precision: str
+    elapsed_s: float
+    losses: list[float]
+    tokens_per_s: float
+    psi: int
+    memory: list[RankMemory]
+    comm_table: str  # the tracer's format_summary() on rank 0
+    comm_bytes: int  # every collective on rank 0 while training
+    comm_bus_bytes: float
+    logging_bytes: int  # of which: the loss averaging for the progress bar
+    logging_bus_bytes: float
+    expected_bus_bytes_per_step: int
+
+
+def loss_line(losses: list[float]) -> str:
+    first, last = losses[0], losses[-1]
+    tail = losses[-10:]
+    fell = 100.0 * (1.0 - last / first) if first else 0.0
+    return (f"loss {first:.3f} -> {last:.3f} (mean of the last {len(tail)} steps {sum(tail) / len(tail):.3f}; "
+            f"fell {fell:.0f}%)")
+
+
+def memory_lines(summary: RunSummary) -> list[str]:
+    mixed = summary.precision != "fp32"
+    formula = state_formula(summary.stage, mixed)
+    expected = state_formula_bytes(summary.stage, mixed, summary.psi, summary.world_size)
+    lines = [f"model state per rank (Ψ = {summary.psi:,} padded parameters, N = {summary.world_size}, Adam; "
+             f"DESIGN.md: {formula} = {format_bytes(expected)}):"]
+    for m in summary.memory:
+        total = m.state["total"]
+        verdict = "matches" if total == expected else f"differs by {format_bytes(total - expected)}"
+        lines.append(f"  rank {m.rank}: params {format_bytes(m.state['params'])} + grads {format_bytes(m.state['grads'])}"
+                     f" + optimizer {format_bytes(m.state['optimizer'])} = {format_bytes(total)} ({verdict}); "
+                     f"peak RSS {format_bytes(m.peak_rss)}")
+    return lines
+
+
+def comm_lines(summary: RunSummary) -> list[str]:
+    steps = max(1, summary.steps)
+    training_bytes = (summary.comm_bytes - summary.logging_bytes) / steps
+    training_bus = (summary.comm_bus_bytes - summary.logging_bus_bytes) / steps
+    lines = [f"communication on rank 0 over {summary.steps} steps (tracer):"]
+    lines += ["  " + line for line in summary.comm_table.splitlines()]
+    lines.append(f"  per step: {format_bytes(training_bytes)} issued, {format_bytes(training_bus)} bus bytes for "
+                 f"training; DESIGN.md expects {format_bytes(summary.expected_bus_bytes_per_step)} bus bytes for "
+                 "gradients and parameters (plus a few bytes of norm/overflow all_reduce)")
+    lines.append(f"  loss averaging for the progress bar adds {format_bytes(summary.logging_bytes / steps)} per step "
+                 "(included in the table)")
+    return lines
+
+
+def format_summary(summary: RunSummary) -> str:
+    lines = [
+        f"summary: {summary.steps} steps on {summary.world_size} rank(s), ZeRO stage {summary.stage}, "
+        f"{summary.precision}, {summary.elapsed_s:.1f} s",
+        "  " + loss_line(summary.losses),
+        f"  throughput {summary.tokens_per_s:,.0f} tokens/s (all ranks)",
+    ]
+    lines += ["  " + line for line in memory_lines(summary) + comm_lines(summary)]
+    return "\n".join(lines)
