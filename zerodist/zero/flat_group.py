@@ -35,6 +35,7 @@ class FlatParamGroup:
         order = list(reversed(range(len(params))))
         self.params = [params[i] for i in order]
         self.names = [names[i] for i in order]
+        self.param_shapes = [tuple(p.shape) for p in self.params]
         self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
         self.layout: FlatLayout = plan_layout([p.numel() for p in self.params], bucket_numel=bucket_numel,
                                               world_size=world_size)
@@ -104,6 +105,16 @@ class FlatParamGroup:
             assert bucket.grad_full is not None
             return bucket.grad_full
         return bucket.grad_owned
+
+    def owned_part(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of bucket `index` within an optimizer-space tensor (one shaped like
+        `optimizer_tensors[index]`: the whole bucket at stage 0, the shard otherwise). The
+        pieces it holds are listed, in order, by `layout.owned_slices(rank)` for that bucket."""
+        if self.stage != 0:
+            return tensor
+        span = self.layout.buckets[index]
+        start = span.shard_offset(self.rank) - span.offset
+        return tensor[start: start + span.shard_numel]
 
     def owned_grads(self) -> list[torch.Tensor]:
         """This rank's shard of every bucket's reduced gradient: disjoint across ranks."""
