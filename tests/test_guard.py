@@ -121,7 +121,7 @@ def test_shape_mismatch_fails_on_every_rank_naming_rank_shapes_and_call_site(wor
     assert re.search(r"rank 1: #1 all_reduce float32 shape \(5,\) at tests/test_guard\.py:\d+", message)
     assert "<lambda>" in message
     if world_size == 4:
-        assert "diverging rank(s): 1 (rank(s) 0, 2-3 agree)" in message
+        assert "diverging rank(s): 1 (ranks 0, 2-3 agree)" in message
     else:
         assert "no majority" in message
 

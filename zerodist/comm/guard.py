@@ -161,8 +161,13 @@ class CollectiveGuard:
         self._groups: dict[Any, _GroupState] = {}
         self._store: Any = None
         self._store_waits = False  # True when the store could not be cloned with our timeout
+        self._announced = False
 
     def __call__(self, op: str, tensor: torch.Tensor | None, group: Any) -> None:
+        if not self._announced:  # the first guarded collective, when the world exists
+            self._announced = True
+            log_rank0(logger, "collective guard on (timeout %g s): every collective is checked across ranks",
+                      self.timeout_s)
         state = self._group_state(group)
         if len(state.ranks) == 1:
             return
@@ -199,7 +204,8 @@ class CollectiveGuard:
         if state is None:
             pg = dist.group.WORLD if group is None else group
             ranks = dist.get_process_group_ranks(pg)
-            state = self._groups[group] = _GroupState(pg.group_name, ranks, dist.get_rank())
+            name = "world" if pg is dist.group.WORLD else pg.group_name  # torch names the same group alike on every rank
+            state = self._groups[group] = _GroupState(name, ranks, dist.get_rank())
         return state
 
     def _get_store(self) -> Any:
@@ -269,11 +275,11 @@ def _mismatch_message(state: _GroupState, seq: int, fingerprints: dict[int, Fing
     for r, f in sorted(fingerprints.items()):
         by_text.setdefault(f.describe(), []).append(r)
     for text, ranks in by_text.items():
-        lines.append(f"  rank {format_ranks(ranks)}: {text}")
+        lines.append(f"  {'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(ranks)}: {text}")
     if sizes[0] > sizes[1]:
         majority = max(classes, key=len)
         diverging = sorted(r for c in classes if c is not majority for r in c)
-        lines.append(f"diverging rank(s): {format_ranks(diverging)} (rank(s) {format_ranks(majority)} agree)")
+        lines.append(f"diverging rank(s): {format_ranks(diverging)} (ranks {format_ranks(majority)} agree)")
     else:
         lines.append("diverging rank(s): no majority; " + " vs ".join(format_ranks(c) for c in classes))
     lines.append(
@@ -327,7 +333,6 @@ def enable_collective_guard(timeout_s: float | None = None) -> CollectiveGuard:
     _active = CollectiveGuard(timeout, _sessions)
     _sessions += 1
     pre_collective_hooks.append(_active)
-    log_rank0(logger, "collective guard on (timeout %g s): every collective is checked across ranks", timeout)
     return _active
 
 
