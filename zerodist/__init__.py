@@ -21,7 +21,14 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
+_SUBPACKAGES = {"comm", "config", "zero", "engine", "debug", "models", "data", "precision", "checkpoint"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"zerodist.{name}")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'zerodist' has no attribute {name!r}")
     import importlib

@@ -65,6 +65,40 @@ def gpt_config(name: str, **overrides: object) -> GPTConfig:
     return dataclasses.replace(GPT_PRESETS[name], **overrides)
 
 
+class InitLinear(nn.Linear):
+    """``nn.Linear`` whose ``reset_parameters()`` is the GPT-2 init, N(0, std) and zero bias.
+
+    [Note: per-module init] Every random draw of the GPT's initialisation happens inside some
+    module's own ``reset_parameters()``, called by that module's constructor, in construction
+    (= ``modules()``) order. Replaying those calls in that order from the same RNG state gives
+    the same values, which is how ZeRO-3 materialises a model built on the meta device one unit
+    at a time (``zerodist.zero.Init``) and still matches an eager build bit for bit.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, std: float = 0.02) -> None:
+        self.std = std  # read by reset_parameters(), which nn.Linear.__init__ calls
+        super().__init__(in_features, out_features, bias)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class InitEmbedding(nn.Embedding):
+    """``nn.Embedding`` initialised N(0, 0.02) (see [Note: per-module init])."""
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
+def _residual_std(config: GPTConfig) -> float:
+    # Projections that write into the residual stream: variance must not grow with depth.
+    return 0.02 / math.sqrt(2 * config.n_layers)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention over (batch, seq, d_model)."""
 
@@ -72,8 +106,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_heads = config.n_heads
         self.dropout = config.dropout
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
-        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.qkv = InitLinear(config.d_model, 3 * config.d_model)
+        self.proj = InitLinear(config.d_model, config.d_model, std=_residual_std(config))
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,9 +126,9 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         assert config.d_ff is not None  # resolved by GPTConfig.__post_init__
-        self.fc_in = nn.Linear(config.d_model, config.d_ff)
+        self.fc_in = InitLinear(config.d_model, config.d_ff)
         self.act = nn.GELU()
-        self.fc_out = nn.Linear(config.d_ff, config.d_model)
+        self.fc_out = InitLinear(config.d_ff, config.d_model, std=_residual_std(config))
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,32 +158,21 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config or GPTConfig()
         c = self.config
-        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
-        self.pos_emb = nn.Embedding(c.seq_len, c.d_model)
+        self.tok_emb = InitEmbedding(c.vocab_size, c.d_model)
+        self.pos_emb = InitEmbedding(c.seq_len, c.d_model)
         self.emb_dropout = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.ln_f = nn.LayerNorm(c.d_model)
-        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.lm_head = InitLinear(c.d_model, c.vocab_size, bias=False)
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 init: weights ~ N(0, 0.02), biases 0, LayerNorm (1, 0); the projections that
-        write into the residual stream get std 0.02 / sqrt(2 * n_layers) so its variance does
-        not grow with depth. Draws only from torch's global RNG, in module order, so the same
-        ``torch.manual_seed`` gives the same weights."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = residual_std if name.endswith(("attn.proj", "mlp.fc_out")) else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+        """Re-draw every weight: GPT-2 init (see [Note: per-module init]); LayerNorm (1, 0)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if idx.dim() != 2:

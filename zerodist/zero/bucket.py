@@ -136,5 +136,3 @@ class Bucket:
         self.accumulated = False
         if self.grad_full is not None:
             self.grad_full.zero_()
-        if not self.plan.persistent_full_grad:
-            self.grad_owned.zero_()

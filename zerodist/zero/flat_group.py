@@ -16,6 +16,7 @@ changes their storage, not their identity or attributes (no attribute is set on 
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -44,23 +45,78 @@ class FlatParamGroup:
         if param_dtype != initial.dtype:
             # Mixed precision: the fp32 master starts from the fp32 values, not from their casts.
             self.master = torch.cat([self._stepped_view(initial, i) for i in range(len(self.layout.buckets))])
-        self.param_buffer = initial.to(param_dtype)
-        for param, slot in zip(self.params, self.layout.slots):
-            param.data = self.param_buffer[slot.offset: slot.offset + slot.numel].view_as(param)
+        self.device, self.param_dtype = initial.device, param_dtype
+        self.param_shard: torch.Tensor | None = None
+        self.param_buffer: torch.Tensor | None = None
+        if stage == 3:
+            # Only this rank's shard persists; the full buffer exists between unshard() and reshard().
+            self.param_shard = torch.cat([self._stepped_view(initial, i) for i in range(len(self.layout.buckets))]).to(param_dtype)
+            self.reshard()
+        else:
+            self.param_buffer = initial.to(param_dtype)
+            self._point_params_at(self.param_buffer)
         self.plan = GradSyncPlan(use_reduce_scatter, persistent_full_grad=stage in (0, 1), keep_full_grad=stage == 0)
-        dtype, device = self.param_buffer.dtype, self.param_buffer.device
-        self.grad_buffer = torch.zeros_like(self.param_buffer) if stage in (0, 1) else None
-        self.grad_shard = None if stage in (0, 1) else torch.zeros(self.layout.shard_numel, dtype=dtype, device=device)
+        self.grad_buffer = torch.zeros_like(initial, dtype=param_dtype) if stage in (0, 1) else None
+        # Stages 2/3: the first sync of each accumulation overwrites the shard (Bucket.accumulated),
+        # so it needs no zeros, and untouched pages cost no memory until backward writes them.
+        self.grad_shard = None if stage in (0, 1) else torch.empty(self.layout.shard_numel, dtype=param_dtype,
+                                                                    device=self.device)
         self.buckets = [self._make_bucket(i) for i in range(len(self.layout.buckets))]
         self.optimizer_tensors = self._optimizer_views()
 
+    def _point_params_at(self, buffer: torch.Tensor) -> None:
+        for param, slot in zip(self.params, self.layout.slots):
+            param.data = buffer[slot.offset: slot.offset + slot.numel].view_as(param)
+
+    # ------------------------------------------------------------------ stage 3: SHARDED <-> UNSHARDED
+    @property
+    def is_unsharded(self) -> bool:
+        return self.param_buffer is not None
+
+    def start_unshard(self) -> list[comm.CommHandle]:
+        """Allocate the full buffer and all-gather every rank's shard into it (async)."""
+        assert self.stage == 3 and self.param_buffer is None and self.param_shard is not None, (
+            f"start_unshard on {self.names[0]}...: stage {self.stage}, already unsharded: {self.param_buffer is not None}"
+        )
+        self.param_buffer = torch.empty(self.layout.total_numel, dtype=self.param_dtype, device=self.device)
+        return [
+            comm.all_gather(self._bucket_range(i, self.param_buffer, owned=False), self._shard_range(i, self.param_shard),
+                            group=self.group, async_op=True)
+            for i in range(len(self.layout.buckets))
+        ]
+
+    def finish_unshard(self, handles: list[comm.CommHandle]) -> None:
+        for handle in handles:
+            handle.wait()
+        assert self.param_buffer is not None
+        self._point_params_at(self.param_buffer)
+
+    def reshard(self) -> None:
+        """Free the full buffer; parameters become placeholders of their full shape.
+
+        [Note: sharded placeholder] A sharded parameter keeps its full logical shape, so code that
+        inspects shapes keeps working, but holds no values: its data is one NaN broadcast to the
+        shape (zero strides, no memory). Reading it gives NaN, never a stale or partial value;
+        writing to it raises. torch does not let `param.data` become a meta or subclass tensor,
+        so this is the closest a parameter object can get to "no data" without replacing it."""
+        assert self.stage == 3
+        placeholder = torch.full((1,), float("nan"), dtype=self.param_dtype, device=self.device)
+        for param in self.params:
+            param.data = placeholder.expand(param.shape)
+        self.param_buffer = None
+
     def _gather_initial_values(self) -> torch.Tensor:
-        """The parameters' values in flat layout, identical on every rank (rank 0's win, as in DDP)."""
+        """The parameters' values in flat layout, identical on every rank (rank 0's win, as in DDP).
+        At stage 3 each parameter's own storage is released as soon as it is copied, so building
+        a unit needs about one unit of extra memory, not two."""
         first = self.params[0]
         buffer = torch.zeros(self.layout.total_numel, dtype=first.dtype, device=first.device)
+        placeholder = torch.full((1,), float("nan"), dtype=first.dtype, device=first.device)
         for param, slot in zip(self.params, self.layout.slots):
             buffer[slot.offset: slot.offset + slot.numel].copy_(param.detach().reshape(-1))
-        comm.broadcast(buffer, src=comm.get_global_rank(self.group, 0), group=self.group)
+            if self.stage == 3:
+                param.data = placeholder.expand(param.shape)
+        _agree_or_broadcast(buffer, self.group)
         return buffer
 
     def _bucket_range(self, index: int, tensor: torch.Tensor, owned: bool) -> torch.Tensor:
@@ -89,11 +145,15 @@ class FlatParamGroup:
                       group=self.group, rank=self.rank, label=label)
 
     def _optimizer_views(self) -> list[torch.Tensor]:
+        if self.master is None and self.param_shard is not None:
+            return [self._shard_range(i, self.param_shard) for i in range(len(self.buckets))]
         if self.master is None:
+            assert self.param_buffer is not None
             return [self._stepped_view(self.param_buffer, i) for i in range(len(self.buckets))]
         views, start = [], 0
         for i in range(len(self.buckets)):
-            numel = self._stepped_view(self.param_buffer, i).numel()
+            span = self.layout.buckets[i]
+            numel = span.numel if self.stage == 0 else span.shard_numel
             views.append(self.master[start: start + numel])
             start += numel
         return views
@@ -132,12 +192,28 @@ class FlatParamGroup:
         if self.master is None:
             return
         for i, tensor in enumerate(self.optimizer_tensors):
-            self._stepped_view(self.param_buffer, i).copy_(tensor)
+            if self.param_shard is not None:
+                self._shard_range(i, self.param_shard).copy_(tensor)
+            else:
+                assert self.param_buffer is not None
+                self._stepped_view(self.param_buffer, i).copy_(tensor)
+
+    def take_shard_from_full(self) -> None:
+        """After the full parameters were changed in place (GatheredParameters with a modifier
+        rank): take this rank's shard and master weights from them again."""
+        assert self.param_buffer is not None
+        for i in range(len(self.buckets)):
+            stepped = self._stepped_view(self.param_buffer, i)
+            if self.param_shard is not None:
+                self._shard_range(i, self.param_shard).copy_(stepped)
+            if self.master is not None:
+                self.optimizer_tensors[i].copy_(stepped)
 
     def gather_params(self) -> None:
         """Stages 1/2: every rank's updated shards back into the full parameter buffer."""
-        if self.stage == 0:
-            return
+        if self.stage in (0, 3):
+            return  # stage 0 steps the full buffer; stage 3 gathers lazily, per unit
+        assert self.param_buffer is not None
         handles = [
             comm.all_gather(self._bucket_range(i, self.param_buffer, owned=False),
                             self._bucket_range(i, self.param_buffer, owned=True), group=self.group, async_op=True)
@@ -150,5 +226,19 @@ class FlatParamGroup:
         """Bytes of model state held by this group on this rank, by kind."""
         def size(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
-        return {"params": size(self.param_buffer), "grads": size(self.grad_buffer) + size(self.grad_shard),
+        params = size(self.param_shard) if self.stage == 3 else size(self.param_buffer)
+        return {"params": params, "grads": size(self.grad_buffer) + size(self.grad_shard),
                 "master": size(self.master)}
+
+
+def _agree_or_broadcast(buffer: torch.Tensor, group: Any) -> None:
+    """Make `buffer` equal to the group's first rank's. Ranks built with the same seed already
+    agree: compare a digest (16 bytes each) and move the values only if some rank differs."""
+    if buffer.is_cuda:
+        comm.broadcast(buffer, src=comm.get_global_rank(group, 0), group=group)
+        return
+    digest = hashlib.blake2b(memoryview(buffer.view(torch.uint8).numpy()), digest_size=16).digest()
+    digests: list[Any] = [None] * comm.get_world_size(group)
+    comm.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) > 1:
+        comm.broadcast(buffer, src=comm.get_global_rank(group, 0), group=group)

@@ -55,7 +55,7 @@ class ZeroOptimizer:
         return [g for group in self.groups for g in group.owned_grads()]
 
     def _any_overflow(self) -> bool:
-        flag = torch.zeros(1, device=self.groups[0].param_buffer.device)
+        flag = torch.zeros(1, device=self.groups[0].device)
         for grad in self._owned_grads():
             if not torch.isfinite(grad).all():
                 flag.fill_(1.0)
@@ -66,7 +66,7 @@ class ZeroOptimizer:
     def global_grad_norm(self) -> float:
         """L2 norm of the whole (scaled) gradient: each rank's shards are disjoint, so the sum of
         their squares over the group is the square of the norm."""
-        squares = torch.zeros((), dtype=torch.float32, device=self.groups[0].param_buffer.device)
+        squares = torch.zeros((), dtype=torch.float32, device=self.groups[0].device)
         for grad in self._owned_grads():
             squares += grad.float().pow(2).sum()
         comm.all_reduce(squares, group=self.norm_group)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -34,6 +35,12 @@ class GradReducer:
                 keyed.append((earliest, bucket))
         self.order: list[Bucket] = [b for _, b in sorted(keyed, key=lambda kb: -kb[0])]
         self.max_in_flight = max_in_flight
+        # Debug observers (zerodist.debug: NaN hunt, gradient sync check): fn(group, index, grad) sees each
+        # parameter's local gradient before it is added to its bucket. Empty: no cost.
+        self.grad_observers: list[Callable[[FlatParamGroup, int, torch.Tensor], None]] = []
+        # Stage 3 listens: to check unit order before each sync and to reshard complete units.
+        self.before_sync: Callable[[Bucket], None] | None = None
+        self.on_complete: Callable[[Bucket], None] | None = None
         self.sync_enabled = True
         self.grads_seen = 0
         self._next = 0
@@ -47,15 +54,22 @@ class GradReducer:
     def _on_grad_ready(self, group: FlatParamGroup, index: int, param: torch.Tensor) -> None:
         if param.grad is None:
             return
+        for observe in self.grad_observers:
+            observe(group, index, param.grad)
         bucket = group.add_grad(index, param.grad)
         param.grad = None  # the gradient now lives in the bucket; free autograd's copy
         self.grads_seen += 1
-        if bucket.register_grad_ready() and self.sync_enabled:
-            self._start_complete_buckets()
+        if bucket.register_grad_ready():
+            if self.sync_enabled:
+                self._start_complete_buckets()
+            if self.on_complete is not None:
+                self.on_complete(bucket)
 
     def _start_complete_buckets(self, force: bool = False) -> None:
         while self._next < len(self.order) and (force or self.order[self._next].is_complete):
             bucket = self.order[self._next]
+            if self.before_sync is not None:
+                self.before_sync(bucket)
             bucket.start_grad_sync()
             self._in_flight.append(bucket)
             self._next += 1

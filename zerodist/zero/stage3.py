@@ -1,0 +1,317 @@
+"""ZeRO stage 3: parameters sharded across ranks, gathered per module unit around its use.
+
+    forward:  pre-hook   unit SHARDED -> all-gather -> UNSHARDED (and prefetch the next units)
+              post-hook  UNSHARDED -> SHARDED (not the root unit), and arm a backward pre-hook
+    backward: pre-hook   (first gradient reaching the unit's outputs) gather again, prefetch
+              the unit's gradients complete (bucket full) -> reduce-scatter -> reshard
+    end of backward: everything still gathered (the root, units with unused parameters) reshards
+
+A unit is a module whose parameters are gathered together (by default each `nn.ModuleList`
+item holding at least 5% of the parameters, e.g. each transformer block); the root unit holds
+every parameter outside them and stays gathered from its forward to the end of backward.
+All hooks go through PyTorch's own registration API; no attribute is set on any module or
+parameter. Which parameter belongs to which unit is kept in this module's own registry.
+
+[Note: unit order check] Stage 3 issues collectives from hooks, so ranks whose control flow
+differs (a block run twice on one rank, an early exit) would pair different collectives and
+hang. Before each of its collectives every rank exchanges a three-number fingerprint (what,
+which unit, how many times) in one tiny all-gather; the first divergence is therefore always
+between two fingerprint exchanges, which then raise on every rank naming the unit and what
+each rank did.
+"""
+
+from __future__ import annotations
+
+import enum
+from torch.utils.weak import WeakIdKeyDictionary
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+import zerodist.comm as comm
+from zerodist.zero.bucket import Bucket
+from zerodist.zero.flat_group import FlatParamGroup
+
+DEFAULT_UNIT_FRACTION = 0.05
+
+
+class Stage3ControlFlowError(RuntimeError):
+    """Ranks ran different units, or in a different order (see [Note: unit order check])."""
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    UNSHARDED = "unsharded"
+
+
+class Unit:
+    """One module whose parameters (in one or more flat groups) are gathered together."""
+
+    def __init__(self, index: int, name: str, module: torch.nn.Module, groups: list[FlatParamGroup]):
+        self.index, self.name, self.module, self.groups = index, name or "<root>", module, groups
+        self.state = UnitState.SHARDED
+        self.numel = sum(g.layout.total_numel for g in groups)
+        self._handles: list[list[comm.CommHandle]] = []
+
+    def start_unshard(self) -> None:
+        """Issue the all-gathers (async); a unit without parameters is gathered at once."""
+        assert self.state is UnitState.SHARDED, f"unit {self.name}: start_unshard while {self.state.value}"
+        self._handles = [g.start_unshard() for g in self.groups]
+        self.state = UnitState.GATHERING
+
+    def finish_unshard(self) -> None:
+        assert self.state is UnitState.GATHERING, f"unit {self.name}: finish_unshard while {self.state.value}"
+        for group, handles in zip(self.groups, self._handles):
+            group.finish_unshard(handles)
+        self._handles = []
+        self.state = UnitState.UNSHARDED
+
+    def reshard(self) -> None:
+        if self.state is UnitState.GATHERING:
+            self.finish_unshard()
+        if self.state is UnitState.UNSHARDED:
+            for group in self.groups:
+                group.reshard()
+            self.state = UnitState.SHARDED
+
+
+def select_unit_modules(model: torch.nn.Module, unit_classes: Iterable[str]) -> list[tuple[str, torch.nn.Module]]:
+    """The unit modules, outermost first in `modules()` order; a unit never contains another."""
+    classes = set(unit_classes)
+    total = sum(p.numel() for p in model.parameters())
+    list_items = {id(child) for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m}
+    chosen: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():
+        if module is model or any(name.startswith(prefix + ".") for prefix, _ in chosen):
+            continue
+        if classes:
+            picked = type(module).__name__ in classes
+        else:
+            numel = sum(p.numel() for p in module.parameters())
+            picked = id(module) in list_items and numel >= DEFAULT_UNIT_FRACTION * total and numel > 0
+        if picked:
+            chosen.append((name, module))
+    return chosen
+
+
+class _OrderCheck:
+    """Fingerprint exchange before each stage-3 collective ([Note: unit order check])."""
+
+    KINDS = ("gather for forward", "gather for backward", "reduce gradients of", "step after")
+
+    def __init__(self, units: list[Unit], group: Any, enabled: bool, device: torch.device):
+        self.units, self.group, self.enabled, self.device = units, group, enabled, device
+        self.counts: dict[tuple[int, int], int] = {}
+
+    def __call__(self, kind: int, unit: Unit) -> None:
+        if not self.enabled:
+            return
+        key = (kind, unit.index)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        mine = torch.tensor([kind, unit.index, self.counts[key]], dtype=torch.int64, device=self.device)
+        size = comm.get_world_size(self.group)
+        everyone = torch.empty(3 * size, dtype=torch.int64, device=mine.device)
+        comm.all_gather(everyone, mine, group=self.group)
+        rows = everyone.view(size, 3).tolist()
+        if any(row != rows[0] for row in rows):
+            ranks = [comm.get_global_rank(self.group, r) for r in range(size)]
+            did = "; ".join(
+                f"rank {rank} would {self.KINDS[k]} unit '{self.units[u].name}' (time {c})"
+                for rank, (k, u, c) in zip(ranks, rows)
+            )
+            raise Stage3ControlFlowError(
+                f"ZeRO-3 ranks diverged: {did}. Every rank must run the same units the same number of times "
+                "in the same order (same control flow); make data-dependent branches agree across ranks."
+            )
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+
+# parameter -> (runtime or None, unit or None, group): zerodist's own bookkeeping, never on the
+# parameter. Replicated parameters (stages 0-2, stage 3's persistent ones) have no unit.
+_REGISTRY: WeakIdKeyDictionary[torch.Tensor, tuple[Stage3Runtime | None, Unit | None, FlatParamGroup]] = (
+    WeakIdKeyDictionary()
+)
+
+
+def register_replicated(groups: list[FlatParamGroup], runtime: Stage3Runtime | None = None) -> None:
+    """Record parameters whose values every rank holds, so GatheredParameters can publish changes."""
+    for group in groups:
+        for param in group.params:
+            _REGISTRY[param] = (runtime, None, group)
+
+
+class Stage3Runtime:
+    """Hooks, prefetch and live-memory bound for the units of one model."""
+
+    def __init__(self, model: torch.nn.Module, units: list[Unit], root: Unit, persistent: list[FlatParamGroup], *,
+                 group: Any, prefetch_numel: int, max_live_numel: int, order_check: bool, device: torch.device):
+        self.model, self.units, self.root, self.persistent = model, units, root, persistent
+        self.order = [u for u in units if u is not root]  # forward order of the non-root units
+        self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
+        self.check = _OrderCheck(units, group, order_check, device)
+        self.live_numel = 0
+        self.peak_live_numel = 0
+        self._bucket_owner = {id(b): u for u in units for g in u.groups for b in g.buckets}
+        self._handles = [root.module.register_forward_pre_hook(self._pre_forward_root)]
+        for unit in self.order:
+            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+        for unit in units:
+            for group_ in unit.groups:
+                for param in group_.params:
+                    _REGISTRY[param] = (self, unit, group_)
+        register_replicated(persistent, self)
+
+    # ------------------------------------------------------------------ gathering
+    def _issue(self, unit: Unit, kind: int) -> None:
+        if unit.groups:  # a unit without parameters (a root whose parameters all sit in units) moves nothing
+            self.check(kind, unit)
+        unit.start_unshard()
+        self.live_numel += unit.numel
+        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+
+    def _require(self, unit: Unit, kind: int) -> None:
+        """Make `unit` gathered now (issuing the gather if no prefetch did)."""
+        if unit.state is UnitState.SHARDED:
+            self._issue(unit, kind)
+        if unit.state is UnitState.GATHERING:
+            unit.finish_unshard()
+
+    def _prefetch(self, unit: Unit | None, step: int, kind: int) -> None:
+        """Gather the units after (step=+1) or before (step=-1) `unit` (None: from the first)
+        within the prefetch budget and the live-parameter bound."""
+        budget = self.prefetch_numel
+        index = 0 if unit is None else self.order.index(unit) + step
+        while 0 <= index < len(self.order):
+            candidate = self.order[index]
+            if candidate.state is UnitState.SHARDED:
+                if candidate.numel > budget or self.live_numel + candidate.numel > self.max_live_numel:
+                    return
+                self._issue(candidate, kind)
+                budget -= candidate.numel
+            index += step
+
+    def _release(self, unit: Unit) -> None:
+        if unit.state is not UnitState.SHARDED:
+            unit.reshard()
+            self.live_numel -= unit.numel
+
+    # ------------------------------------------------------------------ hooks
+    def _pre_forward_root(self, module: torch.nn.Module, args: Any) -> None:
+        self._require(self.root, 0)
+        self._prefetch(None, +1, 0)
+
+    def _make_pre_forward(self, unit: Unit):
+        def pre_forward(module: torch.nn.Module, args: Any) -> None:
+            self._require(unit, 0)
+            self._prefetch(unit, +1, 0)
+        return pre_forward
+
+    def _make_post_forward(self, unit: Unit):
+        def post_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+            self._release(unit)
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors and torch.is_grad_enabled():
+                torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._pre_backward(unit), mode="any")
+        return post_forward
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self._require(unit, 1)
+        self._prefetch(unit, -1, 1)
+
+    def on_bucket_complete(self, bucket: Bucket) -> None:
+        """A unit's gradients are all in: its parameters are no longer needed in this backward."""
+        unit = self._bucket_owner.get(id(bucket))
+        if unit is not None and unit is not self.root and all(b.is_complete for g in unit.groups for b in g.buckets):
+            self._release(unit)
+
+    def before_grad_sync(self, bucket: Bucket) -> None:
+        unit = self._bucket_owner.get(id(bucket))
+        if unit is not None:
+            self.check(2, unit)
+
+    def before_step(self) -> None:
+        self.check(3, self.root)
+
+    def end_backward(self) -> None:
+        for unit in self.units:
+            self._release(unit)
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _owners(params: Iterable[torch.Tensor]) -> list[tuple[Any, Unit | None, FlatParamGroup, torch.Tensor]]:
+    found = []
+    for param in params:
+        entry = _REGISTRY.get(param)
+        if entry is not None:
+            found.append((*entry, param))
+    return found
+
+
+def is_sharded(param: torch.Tensor) -> bool:
+    """Whether `param` is a ZeRO-3 parameter currently without its values (outside a gather)."""
+    entry = _REGISTRY.get(param)
+    return entry is not None and entry[1] is not None and entry[1].state is not UnitState.UNSHARDED
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The logical (unsharded) shape of a parameter, gathered or not. A sharded parameter is a
+    meta tensor of exactly this shape, so `param.shape` agrees; its values need a gather."""
+    return param.shape
+
+
+class GatheredParameters:
+    """Full parameters inside the block, on every rank (all ranks must enter it together).
+
+    With `modifier_rank=r`, rank r's changes made inside the block are broadcast on exit and
+    partitioned again (master weights included); otherwise changes are discarded.
+
+        with zerodist.zero.GatheredParameters(model.head.weight, modifier_rank=0):
+            if rank == 0:
+                model.head.weight.zero_()
+    """
+
+    def __init__(self, params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None,
+                 enabled: bool = True):
+        self.params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self._gathered: list[tuple[Stage3Runtime, Unit]] = []
+
+    def __enter__(self) -> GatheredParameters:
+        if not self.enabled:
+            return self
+        units: dict[int, tuple[Stage3Runtime, Unit]] = {}
+        for runtime, unit, _, _ in _owners(self.params):
+            if unit is not None and unit.state is not UnitState.UNSHARDED:
+                units.setdefault(id(unit), (runtime, unit))
+        self._gathered = sorted(units.values(), key=lambda ru: ru[1].index)
+        for runtime, unit in self._gathered:
+            runtime._require(unit, 0)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled:
+            return
+        if self.modifier_rank is not None and exc[0] is None:
+            with torch.no_grad():
+                self._publish_changes()
+        for runtime, unit in self._gathered:
+            runtime._release(unit)
+        self._gathered = []
+
+    def _publish_changes(self) -> None:
+        groups = {id(g): g for _, _, g, _ in _owners(self.params)}
+        for group in groups.values():
+            assert group.param_buffer is not None, "a gathered group has its full buffer"
+            comm.broadcast(group.param_buffer, src=self.modifier_rank, group=group.group)
+            group.take_shard_from_full()
