@@ -34,7 +34,8 @@ def _version(name: str) -> str:
 
 def environment_report() -> list[str]:
     import torch
-    import torch.distributed as dist
+
+    from zerodist.comm.init import available_backends
 
     lines = [
         f"python      {sys.version.split()[0]} ({platform.platform()})",
@@ -43,7 +44,7 @@ def environment_report() -> list[str]:
         f"pydantic    {_version('pydantic')}",
         f"deepspeed   {_version('deepspeed')}",
         "backends    " + ", ".join(
-            f"{b}={'yes' if dist.is_backend_available(b) else 'no'}" for b in ("gloo", "nccl", "mpi")
+            f"{name}={'yes' if ok else 'no'}" for name, ok in available_backends().items()
         ),
         f"cuda        {torch.cuda.device_count()} device(s)" if torch.cuda.is_available() else "cuda        none",
     ]

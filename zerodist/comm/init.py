@@ -150,6 +150,11 @@ def _validated(env, rank, world, local, source, need_master, default_port=None) 
     return LaunchEnv(rank, world, local, env.get("MASTER_ADDR"), port, source)
 
 
+def available_backends() -> dict[str, bool]:
+    """Which process-group backends this torch build offers."""
+    return {name: dist.is_backend_available(name) for name in ("gloo", "nccl", "mpi")}
+
+
 def resolve_timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
     """The collective timeout: the argument, else `ZERODIST_TIMEOUT` seconds, else torch's default (None)."""
     if isinstance(timeout, datetime.timedelta):
