@@ -27,6 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch", type=int, default=None, help="micro-batch size per rank (for activations)")
     p.add_argument("--heads", type=int, default=None, help="attention heads (default hidden/64)")
     p.add_argument("--activation-checkpointing", action="store_true", help="keep only each layer's input")
+    p.add_argument("--flash-attention", action="store_true",
+                   help="attention never materialises the seq x seq scores (flash, or scaled_dot_product_attention on CPU)")
     p.add_argument("--reduce-bucket-size", default="5e8", help="gradient bucket, elements (default 5e8)")
     p.add_argument("--allgather-bucket-size", default="5e8", help="parameter bucket, elements (default 5e8)")
     p.set_defaults(handler=run)
@@ -44,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
                 num_params, world_size=args.world_size, stage=stage, dtype=args.dtype, optimizer=args.optimizer,
                 hidden=args.hidden, layers=args.layers, seq_len=args.seq_len, micro_batch=args.micro_batch,
                 heads=args.heads, activation_checkpointing=args.activation_checkpointing,
+                flash_attention=args.flash_attention,
                 reduce_bucket_size=buckets[0], allgather_bucket_size=buckets[1],
             )
             for stage in stages

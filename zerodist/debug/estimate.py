@@ -27,8 +27,9 @@ to an activation element size of e bytes (e = 2 gives their s*b*h*(34 + 5*a*s/h)
 (s sequence length, b micro-batch, h hidden, a heads; the "+2" and "+1" are 1-byte dropout
 masks). With full activation checkpointing only each layer's input (s*b*h*e) is kept, plus
 one layer's full activations while it is recomputed. Embeddings, logits and the loss are not
-counted, nor are attention kernels that never materialise the s^2 scores (flash attention
-drops the a*s^2*b term).
+counted. Attention kernels that never materialise the s^2 scores (flash attention, and
+PyTorch's `scaled_dot_product_attention` on CPU, which the benchmark GPT uses) drop the
+a*s^2*b term: `flash_attention=True`.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def estimate_memory(
     micro_batch: int | None = None,
     heads: int | None = None,
     activation_checkpointing: bool = False,
+    flash_attention: bool = False,
     reduce_bucket_size: float = 5e8,
     allgather_bucket_size: float = 5e8,
 ) -> MemoryEstimate:
@@ -108,7 +110,7 @@ def estimate_memory(
     if any(v is not None for v in shape):
         activations = activation_bytes(
             hidden=hidden, layers=layers, seq_len=seq_len, micro_batch=micro_batch, heads=heads,
-            dtype=dtype, checkpointing=activation_checkpointing,
+            dtype=dtype, checkpointing=activation_checkpointing, flash_attention=flash_attention,
         )
     return MemoryEstimate(
         num_params, world_size, stage, dtype, optimizer,
@@ -134,6 +136,7 @@ def activation_bytes(
     heads: int | None = None,
     dtype: str = "bf16",
     checkpointing: bool = False,
+    flash_attention: bool = False,
 ) -> int:
     """Activation bytes of a transformer's layers on one rank (see [Note: memory model])."""
     given = {"hidden": hidden, "layers": layers, "seq_len": seq_len, "micro_batch": micro_batch}
@@ -145,7 +148,7 @@ def activation_bytes(
         raise ValueError(f"activation estimate: {', '.join(bad)} must be positive integers")
     heads = heads if heads is not None else max(1, hidden // 64)  # head dim 64 when not given
     e, s, b, h = PARAM_BYTES[dtype], seq_len, micro_batch, hidden
-    per_layer = s * b * h * (16 * e + 2) + heads * s * s * b * (2 * e + 1)
+    per_layer = s * b * h * (16 * e + 2) + (0 if flash_attention else heads * s * s * b * (2 * e + 1))
     if checkpointing:
         return layers * s * b * h * e + per_layer
     return layers * per_layer
