@@ -1,0 +1,296 @@
+"""Are the replicas still replicas? Gradients and weights compared across data-parallel ranks.
+
+    check_weight_sync(engine_or_model)          any time; parameters must be bitwise equal
+    check_gradient_sync(engine_or_model)        after backward at the accumulation boundary,
+                                                before engine.step() (which clears gradients)
+
+What is comparable depends on where the reduced gradient lives:
+
+- a plain model (DDP-style `.grad`s) and ZeRO stage 0: every rank holds the whole reduced
+  gradient, so the ranks are compared directly, bitwise by default;
+- ZeRO stages 1-3: each rank holds only its own shard of the reduced gradient, so no two ranks
+  hold the same numbers. What can be checked is each shard against a *reference reduction*: a
+  `GradSyncWatch` keeps a copy of this rank's unreduced gradients (from the reducer's one
+  gradient hook, before they enter the buckets), the check all-reduces those copies through a
+  different collective (all_reduce, not the buckets' reduce-scatter) and compares every rank's
+  owned shard with its slice of that result, within a tolerance for the different summation
+  order. It costs one fp32 copy of the gradients: a debugging tool, not a production default.
+
+[Note: comparing replicas] Each rank sends per parameter an L2 norm and a position-weighted
+checksum of the raw bits (an all_gather of 2 numbers per parameter). Ranks are grouped by
+checksum; the largest group (ties: the one holding the lowest rank) is the reference, and only
+for parameters where groups differ is the reference rank's tensor broadcast so that every rank
+can report its max abs difference. In-sync parameters cost O(1) communication each.
+
+All functions are collectives over the data-parallel group: call them on every rank.
+The engine is taken duck-typed (`.groups`, `.stage`, `.module`): this layer never imports it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+import zerodist.comm as comm
+from zerodist.debug.sync_report import (GradientSyncError, ParamSync, SyncReport, WeightSyncError,
+                                        reference_label)
+from zerodist.utils import get_logger
+
+logger = get_logger(__name__)
+
+_MISSING = -(2**62) + 7  # checksum of "this rank has no tensor here" (no real sum is this by chance)
+_INT_VIEWS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+# Shards against the reference reduction: relative to the parameter's largest |gradient|,
+# since the two reductions add the same numbers in a different order.
+DEFAULT_RTOL = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+Named = list[tuple[str, int, "torch.Tensor | None"]]  # (name, numel, tensor or None)
+
+
+def _is_engine(obj: Any) -> bool:
+    return hasattr(obj, "groups") and hasattr(obj, "stage") and hasattr(obj, "module")
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """Order-sensitive checksum of `tensor`'s bits: sum of bits * (2i + 1), modulo 2^64."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    bits = flat.view(_INT_VIEWS[flat.element_size()]).to(torch.int64)
+    weights = torch.arange(1, 2 * bits.numel() + 1, 2, dtype=torch.int64, device=bits.device)
+    return int((bits * weights).sum())  # int64 arithmetic wraps: modular, so order-independent
+
+
+def group_ranks(group: Any) -> list[int]:
+    return [comm.get_global_rank(group, i) for i in range(comm.get_world_size(group))]
+
+
+def _gather(values: torch.Tensor, group: Any) -> torch.Tensor:
+    """[size, *values.shape]: every rank's `values`."""
+    out = torch.empty(comm.get_world_size(group) * values.numel(), dtype=values.dtype, device=values.device)
+    comm.all_gather(out, values.reshape(-1), group=group)
+    return out.view(-1, *values.shape)
+
+
+def compare_replicated(named: Named, group: Any, *, atol: float = 0.0) -> tuple[ParamSync, ...]:
+    """Compare tensors that every rank of `group` should hold identically (see [Note: comparing
+    replicas]). `atol` > 0 accepts differences up to it."""
+    device = next((t.device for _, _, t in named if t is not None), comm.device_for_rank())
+    norms = torch.full((len(named),), math.nan, dtype=torch.float64, device=device)
+    sums = torch.full((len(named),), _MISSING, dtype=torch.int64, device=device)
+    for i, (_, _, tensor) in enumerate(named):
+        if tensor is not None:
+            norms[i] = tensor.detach().double().norm()
+            sums[i] = checksum(tensor)
+    all_norms, all_sums = _gather(norms, group).cpu(), _gather(sums, group).cpu()
+    ranks = group_ranks(group)
+    references: dict[int, int] = {}  # parameter -> group rank whose values are the reference
+    labels: dict[int, str] = {}
+    for i in range(len(named)):
+        by_sum: dict[int, list[int]] = {}
+        for r, value in enumerate(all_sums[:, i].tolist()):
+            by_sum.setdefault(value, []).append(r)
+        if len(by_sum) > 1:
+            members = max(by_sum.values(), key=lambda m: (len(m), -m[0]))
+            references[i], labels[i] = members[0], reference_label(ranks, members)
+    diffs = _diffs_from_references(named, references, group, device)
+    result = []
+    for i, (name, _, _) in enumerate(named):
+        column = diffs.get(i)
+        differing = () if column is None else tuple(
+            ranks[r] for r, d in enumerate(column) if math.isnan(d) or d > atol)
+        worst = 0.0 if column is None else max(column, key=lambda d: math.inf if math.isnan(d) else d)
+        result.append(ParamSync(name, tuple(all_norms[:, i].tolist()), worst, differing, labels.get(i, ""),
+                                tolerance=atol))
+    return tuple(result)
+
+
+def _diffs_from_references(named: Named, references: dict[int, int], group: Any,
+                           device: torch.device) -> dict[int, list[float]]:
+    """For each parameter in `references`: every rank's max |mine - reference's| (nan where a
+    rank or the reference has no tensor). One broadcast per distinct reference rank."""
+    result: dict[int, list[float]] = {}
+    for ref in sorted(set(references.values())):
+        indices = [i for i in sorted(references) if references[i] == ref]
+        mine = [named[i][2] for i in indices]
+        flat = torch.cat([torch.zeros(named[i][1], dtype=torch.float64, device=device) if t is None
+                          else t.detach().reshape(-1).double() for i, t in zip(indices, mine)])
+        present = torch.tensor([t is not None for t in mine], dtype=torch.float64, device=device)
+        reference, present_ref = flat.clone(), present.clone()
+        for tensor in (reference, present_ref):
+            comm.broadcast(tensor, src=comm.get_global_rank(group, ref), group=group)
+        local = torch.empty(len(indices), dtype=torch.float64, device=device)
+        start = 0
+        for k, i in enumerate(indices):
+            numel = named[i][1]
+            piece = (flat[start:start + numel] - reference[start:start + numel]).abs()
+            local[k] = piece.max() if numel else 0.0
+            if not (present[k] and present_ref[k]):
+                local[k] = math.nan
+            start += numel
+        gathered = _gather(local, group).cpu()
+        for k, i in enumerate(indices):
+            result[i] = gathered[:, k].tolist()
+    return result
+
+
+# ---------------------------------------------------------------------------------------- gradients
+
+class GradSyncWatch:
+    """Keeps this rank's unreduced gradients, as the reference for `check_gradient_sync` at ZeRO
+    stages 1-3 (and a second opinion at stage 0). Create it before the backward you check:
+
+        watch = GradSyncWatch(engine)
+        engine.backward(loss)
+        watch.check(raise_on_mismatch=True)     # = check_gradient_sync(engine, reference=watch)
+        engine.step()
+
+    Observes the reducer's single gradient hook (no hook of its own); costs one fp32 copy of
+    the gradients. Accumulation follows the engine: the copy restarts after each optimizer step.
+    """
+
+    def __init__(self, engine: Any):
+        if not _is_engine(engine):
+            raise TypeError(f"GradSyncWatch takes a zerodist engine, got {type(engine).__name__}")
+        self.engine = engine
+        self.local = {id(g): torch.zeros(g.layout.total_numel, dtype=torch.float32, device=g.param_buffer.device)
+                      for g in engine.groups}
+        self._step = engine.global_steps
+        engine.reducer.grad_observers.append(self._on_grad)
+
+    def _on_grad(self, group: Any, index: int, grad: torch.Tensor) -> None:
+        if self._step != self.engine.global_steps:  # an optimizer step cleared the buckets
+            for buffer in self.local.values():
+                buffer.zero_()
+            self._step = self.engine.global_steps
+        slot = group.layout.slots[index]
+        self.local[id(group)][slot.offset: slot.offset + slot.numel].add_(grad.detach().reshape(-1))
+
+    def check(self, *, raise_on_mismatch: bool = False, rtol: float | None = None) -> SyncReport:
+        return check_gradient_sync(self.engine, raise_on_mismatch=raise_on_mismatch, reference=self, rtol=rtol)
+
+    def close(self) -> None:
+        observers = self.engine.reducer.grad_observers
+        if self._on_grad in observers:
+            observers.remove(self._on_grad)
+        self.local = {}
+
+
+def check_gradient_sync(model_or_engine: Any, *, raise_on_mismatch: bool = False, atol: float = 0.0,
+                        reference: GradSyncWatch | None = None, rtol: float | None = None,
+                        group: Any = None) -> SyncReport:
+    """Compare across data-parallel ranks every gradient that should agree after reduction.
+
+    Engine: call after `engine.backward(loss)` at the accumulation boundary and before
+    `engine.step()`. Stage 0 compares the replicated reduced gradient bitwise (`atol` to relax);
+    with `reference` (any stage, required from stage 1) each rank's owned shard is compared with
+    a reference reduction of the watched local gradients, within `rtol` of the parameter's
+    largest |gradient| (default by dtype). A plain model: its `.grad`s over `group` (default
+    world), as DDP leaves them. Returns a `SyncReport`; raises `GradientSyncError` on every rank
+    with `raise_on_mismatch` when any parameter differs. Collective.
+    """
+    if _is_engine(model_or_engine):
+        report = _engine_gradients(model_or_engine, atol, reference, rtol)
+    else:
+        named = [(n, p.numel(), p.grad) for n, p in model_or_engine.named_parameters() if p.requires_grad]
+        params = compare_replicated(named, group, atol=atol)
+        note = "no parameter has a gradient" if all(t is None for _, _, t in named) else ""
+        report = SyncReport("gradients", "each rank's .grad compared " + _how(atol),
+                            tuple(group_ranks(group)), params, note)
+    if not report.ok:
+        logger.warning("check_gradient_sync: %s", report.format())
+        if raise_on_mismatch:
+            raise GradientSyncError(report, "check_gradient_sync")
+    return report
+
+
+def _how(atol: float) -> str:
+    return "bitwise" if atol == 0 else f"within {atol:g}"
+
+
+def _engine_gradients(engine: Any, atol: float, reference: GradSyncWatch | None, rtol: float | None) -> SyncReport:
+    stage, group = engine.stage, engine.groups[0].group
+    if stage > 0 and reference is None:
+        raise ValueError(f"check_gradient_sync: at ZeRO stage {stage} each rank holds only its own shard of the "
+                         "reduced gradient, so there is nothing replicated to compare; create "
+                         "zerodist.debug.GradSyncWatch(engine) before backward and pass it as reference=")
+    if stage < 2 and not engine.is_gradient_accumulation_boundary():
+        raise ValueError(f"check_gradient_sync: at ZeRO stage {stage} gradients are reduced only at the "
+                         "accumulation boundary; call it after the boundary micro-step's engine.backward(loss)")
+    if reference is not None:
+        params = _compare_with_reference(engine, reference, rtol)
+        method = f"ZeRO stage {stage}: each rank's owned shard against a reference all_reduce of the local gradients"
+    else:
+        named = [(name, slot.numel, g.grad_buffer[slot.offset: slot.offset + slot.numel])
+                 for g in engine.groups for name, slot in zip(g.names, g.layout.slots)]
+        params = compare_replicated(named, group, atol=atol)
+        method = "ZeRO stage 0: the reduced gradient is replicated, compared " + _how(atol)
+    zero = all(float(g.norm()) == 0.0 for grp in engine.groups for g in grp.owned_grads())
+    note = "every gradient is zero: called after engine.step(), which clears them?" if zero else ""
+    return SyncReport("gradients", method, tuple(group_ranks(group)), params, note)
+
+
+def _compare_with_reference(engine: Any, watch: GradSyncWatch, rtol: float | None) -> tuple[ParamSync, ...]:
+    """Each rank's owned shard of every bucket against its slice of all_reduce(local) / N."""
+    results = []
+    for flat in engine.groups:
+        group, rank, size = flat.group, flat.rank, flat.world_size
+        expected = watch.local[id(flat)].clone()
+        comm.all_reduce(expected, group=group)
+        expected.div_(size)
+        tol = rtol if rtol is not None else DEFAULT_RTOL.get(flat.param_buffer.dtype, 1e-5)
+        # per parameter: squared norm of the owned part, max |owned - expected|, owns any
+        local = torch.zeros(len(flat.params), 3, dtype=torch.float64, device=expected.device)
+        for bucket in flat.buckets:
+            lo = bucket.span.shard_offset(rank)
+            owned = bucket.grad_owned.double()
+            for index in bucket.span.param_indices:
+                slot = flat.layout.slots[index]
+                start, end = max(lo, slot.offset), min(lo + bucket.span.shard_numel, slot.offset + slot.numel)
+                if start >= end:
+                    continue
+                mine = owned[start - lo: end - lo]
+                local[index] = torch.stack([mine.pow(2).sum(), (mine - expected[start:end].double()).abs().max(),
+                                            torch.ones((), dtype=torch.float64)])
+        everyone = _gather(local, group).cpu()
+        ranks = group_ranks(group)
+        for index, (name, slot) in enumerate(zip(flat.names, flat.layout.slots)):
+            full = expected[slot.offset: slot.offset + slot.numel].double()
+            threshold = tol * float(full.abs().max())
+            owners = [r for r in range(size) if everyone[r, index, 2] > 0]
+            diffs = [float(everyone[r, index, 1]) for r in owners]
+            differing = tuple(ranks[r] for r, d in zip(owners, diffs) if math.isnan(d) or d > threshold)
+            norms = tuple(math.sqrt(everyone[r, index, 0]) if everyone[r, index, 2] > 0 else math.nan
+                          for r in range(size))
+            results.append(ParamSync(name, norms, max(diffs, default=0.0), differing, "the reference reduction",
+                                     reference_norm=float(full.norm()), tolerance=threshold))
+    return tuple(results)
+
+
+# ---------------------------------------------------------------------------------------- weights
+
+def check_weight_sync(model_or_engine: Any, *, raise_on_mismatch: bool = False, atol: float = 0.0,
+                      buffers: bool = False, group: Any = None) -> SyncReport:
+    """Compare every parameter (and, with `buffers`, every buffer) across data-parallel ranks,
+    bitwise unless `atol` is given: replicas that drifted apart (a missed sync, a rank-dependent
+    update) are named with the ranks that differ. Raises `WeightSyncError` on every rank with
+    `raise_on_mismatch`. Collective over the engine's data-parallel group, or `group` (default
+    world) for a plain model.
+    """
+    module = model_or_engine
+    if _is_engine(model_or_engine):
+        if model_or_engine.stage >= 3:
+            raise ValueError("check_weight_sync: at ZeRO stage 3 each rank holds a shard of the parameters; "
+                             "nothing is replicated to compare")
+        module, group = model_or_engine.module, model_or_engine.groups[0].group
+    named = [(n, p.numel(), p.detach()) for n, p in module.named_parameters()]
+    if buffers:
+        named += [(n, b.numel(), b) for n, b in module.named_buffers()]
+    params = compare_replicated(named, group, atol=atol)
+    what = "parameters and buffers" if buffers else "parameters"
+    report = SyncReport(what, "compared " + _how(atol), tuple(group_ranks(group)), params)
+    if not report.ok:
+        logger.warning("check_weight_sync: %s", report.format())
+        if raise_on_mismatch:
+            raise WeightSyncError(report, "check_weight_sync")
+    return report
