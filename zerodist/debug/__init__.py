@@ -4,6 +4,7 @@
 - `StepTimer` / `straggler_report`: which rank is slow.
 - `estimate_memory` / `estimate_all_stages`: per-rank bytes under each ZeRO stage (pure).
 - `check_gradient_sync` / `GradSyncWatch` / `check_weight_sync`: replicas that drifted apart.
+- `NanHunter`: the first NaN/Inf (rank, module output, loss or parameter gradient).
 
 The collective desync guard lives in `zerodist.comm.guard` (it sits under every collective);
 it is re-exported here for discovery.
@@ -17,13 +18,15 @@ from zerodist.comm.guard import (
 )
 from zerodist.debug.estimate import MemoryEstimate, estimate_all_stages, estimate_memory, parse_count
 from zerodist.debug.loss import reduce_loss
+from zerodist.debug.nan import NanHunter, NonFiniteError
 from zerodist.debug.straggler import RankStepTimes, StepTimer, StragglerReport, straggler_report
 from zerodist.debug.sync import GradSyncWatch, check_gradient_sync, check_weight_sync
 from zerodist.debug.sync_report import GradientSyncError, ParamSync, SyncError, SyncReport, WeightSyncError
 
 __all__ = [
-    "CollectiveMismatchError", "GradSyncWatch", "GradientSyncError", "MemoryEstimate", "ParamSync", "RankStepTimes",
-    "StepTimer", "StragglerReport", "SyncError", "SyncReport", "WeightSyncError", "check_gradient_sync",
-    "check_weight_sync", "collective_guard", "disable_collective_guard", "enable_collective_guard",
-    "estimate_all_stages", "estimate_memory", "parse_count", "reduce_loss", "straggler_report",
+    "CollectiveMismatchError", "GradSyncWatch", "GradientSyncError", "MemoryEstimate", "NanHunter", "NonFiniteError",
+    "ParamSync", "RankStepTimes", "StepTimer", "StragglerReport", "SyncError", "SyncReport", "WeightSyncError",
+    "check_gradient_sync", "check_weight_sync", "collective_guard", "disable_collective_guard",
+    "enable_collective_guard", "estimate_all_stages", "estimate_memory", "parse_count", "reduce_loss",
+    "straggler_report",
 ]

@@ -18,6 +18,7 @@ import torch
 
 import zerodist.comm as comm
 from zerodist.config import BatchSizes, Config
+from zerodist.debug import NanHunter
 from zerodist.precision import PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, StepResult, ZeroOptimizer
@@ -44,6 +45,7 @@ class Engine:
         self._backward_pending = False
         self._trace = None
         self._step_started = time.perf_counter()
+        self.nan_hunter = NanHunter(self) if config.zerodist.debug.nan_check else None
         if config.comms_logger.enabled:
             ops = None if config.comms_logger.prof_all else config.comms_logger.prof_ops
             self._trace = comm.trace(ops=ops, verbose=config.comms_logger.verbose)
@@ -99,6 +101,8 @@ class Engine:
         if self.reducer.grads_seen == seen:
             raise RuntimeError("engine.backward(): the loss produced no gradient for any trained parameter; "
                                "is it computed from engine(...)'s output?")
+        if self.nan_hunter is not None:
+            self.nan_hunter.check(loss)  # collective: every rank raises together, naming the first NaN/Inf
         self._backward_pending = True
 
     def step(self) -> None:
@@ -175,6 +179,8 @@ class Engine:
     def destroy(self) -> None:
         """Remove hooks and stop the comms trace; the module keeps working as a plain module."""
         self.reducer.remove_hooks()
+        if self.nan_hunter is not None:
+            self.nan_hunter.close()
         if self._trace is not None:
             self._trace.__exit__(None, None, None)
             self._trace = None
