@@ -5,6 +5,7 @@
 - `estimate_memory` / `estimate_all_stages`: per-rank bytes under each ZeRO stage (pure).
 - `check_gradient_sync` / `GradSyncWatch` / `check_weight_sync`: replicas that drifted apart.
 - `NanHunter`: the first NaN/Inf (rank, module output, loss or parameter gradient).
+- `memory_report` / `LeakWatch` / `estimate_for_engine`: memory per rank, steady growth.
 
 The collective desync guard lives in `zerodist.comm.guard` (it sits under every collective);
 it is re-exported here for discovery.
@@ -18,15 +19,18 @@ from zerodist.comm.guard import (
 )
 from zerodist.debug.estimate import MemoryEstimate, estimate_all_stages, estimate_memory, parse_count
 from zerodist.debug.loss import reduce_loss
+from zerodist.debug.memory import (LeakWatch, MemoryMonitor, MemoryReport, estimate_for_engine, heap_in_use,
+                                   memory_report, padded_num_params)
 from zerodist.debug.nan import NanHunter, NonFiniteError
 from zerodist.debug.straggler import RankStepTimes, StepTimer, StragglerReport, straggler_report
 from zerodist.debug.sync import GradSyncWatch, check_gradient_sync, check_weight_sync
 from zerodist.debug.sync_report import GradientSyncError, ParamSync, SyncError, SyncReport, WeightSyncError
 
 __all__ = [
-    "CollectiveMismatchError", "GradSyncWatch", "GradientSyncError", "MemoryEstimate", "NanHunter", "NonFiniteError",
-    "ParamSync", "RankStepTimes", "StepTimer", "StragglerReport", "SyncError", "SyncReport", "WeightSyncError",
-    "check_gradient_sync", "check_weight_sync", "collective_guard", "disable_collective_guard",
-    "enable_collective_guard", "estimate_all_stages", "estimate_memory", "parse_count", "reduce_loss",
+    "CollectiveMismatchError", "GradSyncWatch", "GradientSyncError", "LeakWatch", "MemoryEstimate", "MemoryMonitor",
+    "MemoryReport", "NanHunter", "NonFiniteError", "ParamSync", "RankStepTimes", "StepTimer", "StragglerReport",
+    "SyncError", "SyncReport", "WeightSyncError", "check_gradient_sync", "check_weight_sync", "collective_guard",
+    "disable_collective_guard", "enable_collective_guard", "estimate_all_stages", "estimate_for_engine",
+    "estimate_memory", "heap_in_use", "memory_report", "padded_num_params", "parse_count", "reduce_loss",
     "straggler_report",
 ]

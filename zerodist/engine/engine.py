@@ -18,7 +18,7 @@ import torch
 
 import zerodist.comm as comm
 from zerodist.config import BatchSizes, Config
-from zerodist.debug import NanHunter
+from zerodist.debug import MemoryMonitor, NanHunter
 from zerodist.precision import PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, StepResult, ZeroOptimizer
@@ -46,6 +46,7 @@ class Engine:
         self._trace = None
         self._step_started = time.perf_counter()
         self.nan_hunter = NanHunter(self) if config.zerodist.debug.nan_check else None
+        self.memory_monitor = MemoryMonitor(self) if config.memory_breakdown else None
         if config.comms_logger.enabled:
             ops = None if config.comms_logger.prof_all else config.comms_logger.prof_ops
             self._trace = comm.trace(ops=ops, verbose=config.comms_logger.verbose)
@@ -127,6 +128,8 @@ class Engine:
         self._report()
 
     def _report(self) -> None:
+        if self.memory_monitor is not None:
+            self.memory_monitor.on_step(self.global_steps)
         every = self.config.steps_per_print
         if not every or self.global_steps % every:
             return
