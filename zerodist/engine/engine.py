@@ -18,7 +18,7 @@ import torch
 
 import zerodist.comm as comm
 from zerodist.config import BatchSizes, Config
-from zerodist.debug import MemoryMonitor, NanHunter
+from zerodist.debug import MemoryMonitor, NanHunter, reduce_loss
 from zerodist.precision import PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, StepResult, ZeroOptimizer
@@ -45,6 +45,7 @@ class Engine:
         self._backward_pending = False
         self._trace = None
         self._step_started = time.perf_counter()
+        self._micro_losses: list[torch.Tensor] = []  # this optimizer step's losses, for the logged mean
         self.nan_hunter = NanHunter(self) if config.zerodist.debug.nan_check else None
         self.memory_monitor = MemoryMonitor(self) if config.memory_breakdown else None
         if config.comms_logger.enabled:
@@ -102,6 +103,7 @@ class Engine:
         if self.reducer.grads_seen == seen:
             raise RuntimeError("engine.backward(): the loss produced no gradient for any trained parameter; "
                                "is it computed from engine(...)'s output?")
+        self._micro_losses.append(loss.detach())
         if self.nan_hunter is not None:
             self.nan_hunter.check(loss)  # collective: every rank raises together, naming the first NaN/Inf
         self._backward_pending = True
@@ -128,6 +130,7 @@ class Engine:
         self._report()
 
     def _report(self) -> None:
+        losses, self._micro_losses = self._micro_losses, []
         if self.memory_monitor is not None:
             self.memory_monitor.on_step(self.global_steps)
         every = self.config.steps_per_print
@@ -137,8 +140,12 @@ class Engine:
         self._step_started = time.perf_counter()
         if self.config.wall_clock_breakdown:
             log_rank0(logger, "step %d: %.1f ms per step over the last %d", self.global_steps, elapsed * 1e3 / every, every)
-        log_rank0(logger, "step %d: lr %s, grad norm %.4g, loss scale %g", self.global_steps, self.get_lr(),
-                  self.get_global_grad_norm() or 0.0, self.optimizer.scaler.scale)
+        # The global batch's loss (mean over the data-parallel ranks and this step's micro-batches), not
+        # rank 0's own: one scalar all_reduce, on print steps only.
+        loss = reduce_loss(torch.stack(losses).float().mean(), group=self.topology.group("data", "expert"))
+        log_rank0(logger, "step %d: loss %.6g (mean over ranks), lr %s, grad norm %.4g, loss scale %g",
+                  self.global_steps, loss.item(), self.get_lr(), self.get_global_grad_norm() or 0.0,
+                  self.optimizer.scaler.scale)
         if self._trace is not None:
             log_rank0(logger, "communication so far:\n%s", self.comms_trace.format_summary())
 
