@@ -23,12 +23,13 @@ each rank did.
 from __future__ import annotations
 
 import enum
-from torch.utils.weak import WeakIdKeyDictionary
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 import zerodist.comm as comm
 from zerodist.zero.bucket import Bucket
@@ -131,18 +132,32 @@ class _OrderCheck:
         self.counts.clear()
 
 
-# parameter -> (runtime or None, unit or None, group): zerodist's own bookkeeping, never on the
-# parameter. Replicated parameters (stages 0-2, stage 3's persistent ones) have no unit.
-_REGISTRY: WeakIdKeyDictionary[torch.Tensor, tuple[Stage3Runtime | None, Unit | None, FlatParamGroup]] = (
+# parameter -> weak (runtime or None, unit or None, group): zerodist's own bookkeeping, never on
+# the parameter. Replicated parameters (stages 0-2, stage 3's persistent ones) have no unit.
+# The values are weak too: a group holds its parameters, so a strong value would keep its own key
+# (and every buffer of a destroyed engine) alive forever.
+_REGISTRY: WeakIdKeyDictionary[torch.Tensor, tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]]] = (
     WeakIdKeyDictionary()
 )
+
+
+def _weak(obj: Any) -> Callable[[], Any]:
+    return (lambda: None) if obj is None else weakref.ref(obj)
+
+
+def _lookup(param: torch.Tensor) -> tuple[Stage3Runtime | None, Unit | None, FlatParamGroup] | None:
+    entry = _REGISTRY.get(param)
+    if entry is None:
+        return None
+    runtime, unit, group = (ref() for ref in entry)
+    return None if group is None else (runtime, unit, group)
 
 
 def register_replicated(groups: list[FlatParamGroup], runtime: Stage3Runtime | None = None) -> None:
     """Record parameters whose values every rank holds, so GatheredParameters can publish changes."""
     for group in groups:
         for param in group.params:
-            _REGISTRY[param] = (runtime, None, group)
+            _REGISTRY[param] = (_weak(runtime), _weak(None), _weak(group))
 
 
 class Stage3Runtime:
@@ -164,7 +179,7 @@ class Stage3Runtime:
         for unit in units:
             for group_ in unit.groups:
                 for param in group_.params:
-                    _REGISTRY[param] = (self, unit, group_)
+                    _REGISTRY[param] = (_weak(self), _weak(unit), _weak(group_))
         register_replicated(persistent, self)
 
     # ------------------------------------------------------------------ gathering
@@ -251,7 +266,7 @@ class Stage3Runtime:
 def _owners(params: Iterable[torch.Tensor]) -> list[tuple[Any, Unit | None, FlatParamGroup, torch.Tensor]]:
     found = []
     for param in params:
-        entry = _REGISTRY.get(param)
+        entry = _lookup(param)
         if entry is not None:
             found.append((*entry, param))
     return found
@@ -259,7 +274,7 @@ def _owners(params: Iterable[torch.Tensor]) -> list[tuple[Any, Unit | None, Flat
 
 def is_sharded(param: torch.Tensor) -> bool:
     """Whether `param` is a ZeRO-3 parameter currently without its values (outside a gather)."""
-    entry = _REGISTRY.get(param)
+    entry = _lookup(param)
     return entry is not None and entry[1] is not None and entry[1].state is not UnitState.UNSHARDED
 
 
