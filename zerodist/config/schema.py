@@ -221,6 +221,11 @@ class DebugConfig(Section):
     nan_check: bool = Field(
         False, description="Raise at the first NaN or Inf in a loss or gradient, naming it."
     )
+    unit_order_check: bool = Field(
+        True,
+        description="Stage 3: ranks compare which unit each collective is for, so divergent "
+        "control flow is a named error instead of a hang.",
+    )
 
 
 class ZerodistConfig(Section):
@@ -230,6 +235,11 @@ class ZerodistConfig(Section):
     )
     debug: DebugConfig = Field(
         default_factory=DebugConfig, description="Checks that trade speed for early, named errors."
+    )
+    stage3_unit_classes: list[str] = Field(
+        default_factory=list,
+        description="Stage 3: module class names that each form one gather unit; empty picks each "
+        "ModuleList item holding at least 5% of the parameters.",
     )
 
 

@@ -22,6 +22,7 @@ from zerodist.debug import MemoryMonitor, NanHunter, reduce_loss
 from zerodist.precision import PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, StepResult, ZeroOptimizer
+from zerodist.zero.stage3 import GatheredParameters, Stage3Runtime
 
 logger = get_logger(__name__)
 
@@ -31,10 +32,11 @@ class Engine:
 
     def __init__(self, module: torch.nn.Module, *, config: Config, batch: BatchSizes, policy: PrecisionPolicy,
                  groups: list[FlatParamGroup], reducer: GradReducer, optimizer: ZeroOptimizer, lr_scheduler: Any,
-                 topology: comm.Topology):
+                 topology: comm.Topology, stage3: Stage3Runtime | None = None):
         self.module, self.config, self.batch, self.policy = module, config, batch, policy
         self.groups, self.reducer, self.optimizer, self.lr_scheduler = groups, reducer, optimizer, lr_scheduler
         self.topology = topology
+        self.stage3 = stage3  # the ZeRO-3 hooks and units, None at stages 0-2
         self.stage = config.zero_optimization.stage
         self.global_steps = 0
         self.micro_steps = 0
@@ -100,6 +102,8 @@ class Engine:
         seen = self.reducer.grads_seen
         scaled.backward()
         self.reducer.end_backward()
+        if self.stage3 is not None:
+            self.stage3.end_backward()
         if self.reducer.grads_seen == seen:
             raise RuntimeError("engine.backward(): the loss produced no gradient for any trained parameter; "
                                "is it computed from engine(...)'s output?")
@@ -118,6 +122,8 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
+        if self.stage3 is not None:
+            self.stage3.before_step()
         result = self.optimizer.step()
         self.last_step = result
         self.global_steps += 1
@@ -174,10 +180,13 @@ class Engine:
         return self.optimizer.scaler.scale
 
     def module_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
-        """The plain model's `state_dict()` (same keys), cloned; None off rank 0 with `rank0_only`."""
+        """The plain model's `state_dict()` (same keys), cloned; None off rank 0 with `rank0_only`.
+        At stage 3 the parameters are gathered for it (all ranks must call it together)."""
+        with GatheredParameters(list(self.module.parameters()), enabled=self.stage3 is not None):
+            state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         if rank0_only and comm.get_rank() != 0:
             return None
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        return state
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state on this rank: parameters, gradients, optimizer (master + states)."""
@@ -191,6 +200,8 @@ class Engine:
         self.reducer.remove_hooks()
         if self.nan_hunter is not None:
             self.nan_hunter.close()
+        if self.stage3 is not None:
+            self.stage3.remove_hooks()
         if self._trace is not None:
             self._trace.__exit__(None, None, None)
             self._trace = None

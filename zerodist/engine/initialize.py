@@ -23,6 +23,8 @@ from zerodist.engine.schedulers import build_scheduler
 from zerodist.precision import LossScaler, PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, ZeroOptimizer
+from zerodist.zero.partition import build_stage3
+from zerodist.zero.stage3 import Stage3Runtime, register_replicated
 
 logger = get_logger(__name__)
 
@@ -55,26 +57,24 @@ def initialize(
     data_size = topology.size("data", "expert")
     batch = config.batch_sizes(data_size, world_size_source=f"{info.source}, WORLD_SIZE={info.world_size}")
     _check_ranks_agree(model, config)
-    if info.backend == "nccl":
+    if info.backend == "nccl" and not any(p.is_meta for p in model.parameters()):
         model.to(comm.device_for_rank())
     policy = PrecisionPolicy.from_config(config)
     specs, build_optimizer = resolve_optimizer(model, model_parameters, optimizer, config)
     names = check_groups_cover_model(model, specs)
     specs = [s for s in specs if s.params]
     positions = {id(p): i for i, p in enumerate(model.parameters())}
-    zero = config.zero_optimization
-    bucket_numel = zero.reduce_bucket_size if zero.stage == 0 else min(zero.reduce_bucket_size, zero.allgather_bucket_size)
-    groups = [
-        FlatParamGroup(s.params, [names[id(p)] for p in s.params], stage=zero.stage, bucket_numel=max(1, bucket_numel),
-                       group=topology.group("data", "expert"), rank=topology.axis_rank("data", "expert"),
-                       world_size=data_size, use_reduce_scatter=zero.reduce_scatter, param_dtype=policy.param_dtype)
-        for s in specs
-    ]
+    groups_by_spec, runtime = _flatten(model, specs, names, config, topology, policy)
+    groups = [g for spec_groups in groups_by_spec for g in spec_groups]
     _sync_untrained_state(model, {id(p) for s in specs for p in s.params})
     model.to(policy.param_dtype)  # the rest of the floating state; flattened parameters already are
+    zero = config.zero_optimization
     reducer = GradReducer(groups, [[positions[id(p)] for p in g.params] for g in groups],
                           max_in_flight=None if zero.stage < 2 else 2)
-    inner = build_optimizer([{"params": g.optimizer_tensors, **s.options} for g, s in zip(groups, specs)])
+    if runtime is not None:
+        reducer.before_sync, reducer.on_complete = runtime.before_grad_sync, runtime.on_bucket_complete
+    inner = build_optimizer([{"params": [t for g in spec_groups for t in g.optimizer_tensors], **s.options}
+                             for spec_groups, s in zip(groups_by_spec, specs)])
     scaler = LossScaler.from_fp16_config(config.fp16) if policy.loss_scaling else LossScaler.disabled()
     sharded = ZeroOptimizer(groups, reducer, inner, scaler=scaler, gradient_clipping=config.gradient_clipping,
                             check_overflow=policy.loss_scaling, norm_group=topology.group("data", "expert"))
@@ -84,10 +84,30 @@ def initialize(
         loader = EngineDataLoader(training_data, batch_size=batch.micro_batch_size, num_replicas=data_size,
                                   rank=topology.axis_rank("data", "expert"), collate_fn=collate_fn)
     engine = Engine(model, config=config, batch=batch, policy=policy, groups=groups, reducer=reducer,
-                    optimizer=sharded, lr_scheduler=scheduler, topology=topology)
+                    optimizer=sharded, lr_scheduler=scheduler, topology=topology, stage3=runtime)
     _INITIALIZED.add(model)
     _log_summary(engine, info)
     return engine, sharded, loader, scheduler
+
+
+def _flatten(model: torch.nn.Module, specs: list[Any], names: dict[int, str], config: Config,
+             topology: comm.Topology, policy: PrecisionPolicy) -> tuple[list[list[FlatParamGroup]], Stage3Runtime | None]:
+    """One flat group per optimizer param group (stages 0-2), or per unit and group (stage 3)."""
+    zero = config.zero_optimization
+    group, rank, size = topology.group("data", "expert"), topology.axis_rank("data", "expert"), topology.size("data", "expert")
+    if zero.stage == 3:
+        build = build_stage3(model, specs, names, config=config, group=group, rank=rank, world_size=size,
+                             param_dtype=policy.param_dtype, device=comm.device_for_rank())
+        return build.groups_by_spec, build.runtime
+    bucket_numel = zero.reduce_bucket_size if zero.stage == 0 else min(zero.reduce_bucket_size, zero.allgather_bucket_size)
+    groups = [
+        [FlatParamGroup(s.params, [names[id(p)] for p in s.params], stage=zero.stage, bucket_numel=max(1, bucket_numel),
+                        group=group, rank=rank, world_size=size, use_reduce_scatter=zero.reduce_scatter,
+                        param_dtype=policy.param_dtype)]
+        for s in specs
+    ]
+    register_replicated([g for spec_groups in groups for g in spec_groups])
+    return groups, None
 
 
 def _fingerprint(model: torch.nn.Module, config: Config) -> tuple[str, str]:
