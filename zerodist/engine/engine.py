@@ -19,6 +19,7 @@ import torch
 import zerodist.comm as comm
 from zerodist.config import BatchSizes, Config
 from zerodist.debug import MemoryMonitor, NanHunter, reduce_loss
+from zerodist.engine.monitor import Monitors
 from zerodist.precision import PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, StepResult, ZeroOptimizer
@@ -50,6 +51,7 @@ class Engine:
         self._micro_losses: list[torch.Tensor] = []  # this optimizer step's losses, for the logged mean
         self.nan_hunter = NanHunter(self) if config.zerodist.debug.nan_check else None
         self.memory_monitor = MemoryMonitor(self) if config.memory_breakdown else None
+        self.monitors = Monitors(config)  # csv_monitor / tensorboard, written by rank 0
         if config.comms_logger.enabled:
             ops = None if config.comms_logger.prof_all else config.comms_logger.prof_ops
             self._trace = comm.trace(ops=ops, verbose=config.comms_logger.verbose)
@@ -139,6 +141,8 @@ class Engine:
         losses, self._micro_losses = self._micro_losses, []
         if self.memory_monitor is not None:
             self.memory_monitor.on_step(self.global_steps)
+        if self.monitors:
+            self._write_monitors(losses)
         every = self.config.steps_per_print
         if not every or self.global_steps % every:
             return
@@ -154,6 +158,13 @@ class Engine:
                   self.optimizer.scaler.scale)
         if self._trace is not None:
             log_rank0(logger, "communication so far:\n%s", self.comms_trace.format_summary())
+
+    def _write_monitors(self, losses: list[torch.Tensor]) -> None:
+        """Every optimizer step: the mean loss over ranks (one scalar all-reduce), written by rank 0."""
+        loss = reduce_loss(torch.stack(losses).float().mean(), group=self.topology.group("data", "expert"))
+        if comm.get_rank() == 0:
+            self.monitors.write(self.global_steps * self.batch.train_batch_size, loss=loss.item(),
+                                lr=self.get_lr()[0], loss_scale=self.optimizer.scaler.scale)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (the engine already does this after each optimizer step)."""
@@ -200,6 +211,7 @@ class Engine:
         self.reducer.remove_hooks()
         if self.nan_hunter is not None:
             self.nan_hunter.close()
+        self.monitors.close()
         if self.stage3 is not None:
             self.stage3.remove_hooks()
         if self._trace is not None:
