@@ -21,6 +21,7 @@ from zerodist.comm.collectives import (
     reduce_scatter,
 )
 from zerodist.comm.errors import DistributedInitError, TopologyError
+from zerodist.comm.exchange import ExchangeTimeoutError, exchange_with_deadline
 
 # Importing the guard turns it on when ZERODIST_COLLECTIVE_GUARD=1, for any program.
 from zerodist.comm.guard import (
@@ -44,10 +45,10 @@ from zerodist.comm.topology import Topology
 from zerodist.comm.tracer import CollectiveRecord, OpSummary, Trace, bus_factor, trace
 
 __all__ = [
-    "CollectiveMismatchError", "CollectiveRecord", "CommHandle", "DistributedInitError", "OpSummary",
+    "CollectiveMismatchError", "CollectiveRecord", "CommHandle", "DistributedInitError", "ExchangeTimeoutError", "OpSummary",
     "ProcessGroup", "ReduceOp", "Topology", "TopologyError", "Trace", "WorldInfo", "all_gather",
     "all_gather_object", "all_reduce", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list",
     "bus_factor", "collective_guard", "device_for_rank", "disable_collective_guard", "enable_collective_guard",
-    "ensure_initialized", "gather_object", "get_global_rank", "get_local_rank", "get_rank", "get_world_size", "init_distributed",
+    "ensure_initialized", "exchange_with_deadline", "gather_object", "get_global_rank", "get_local_rank", "get_rank", "get_world_size", "init_distributed",
     "is_initialized", "reduce", "reduce_scatter", "trace",
 ]
