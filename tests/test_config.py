@@ -355,6 +355,7 @@ def test_defaults_are_deepspeed_defaults():
         "save_interval": 0,
         "save_dir": None,
         "keep_last": 0,
+        "agreement_timeout": None,
     }
     for monitor in (config.csv_monitor, config.tensorboard):
         assert monitor.model_dump() == {

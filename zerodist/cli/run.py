@@ -70,6 +70,10 @@ def launch(argv: list[str]) -> int:
     nproc = int(next(a for a in argv if a.startswith("--nproc-per-node=")).split("=")[1])
     # torchrun would set 1 thread per rank and warn; share the cores out instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if "--max-restarts=0" not in argv:
+        # A restarted group must not share the agent's store with the attempt before it: torch then
+        # reads the dead attempt's rendezvous keys and the new ranks cannot connect (pytorch#135712).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         torchrun_main(argv)
     except ChildFailedError:

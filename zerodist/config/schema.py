@@ -202,6 +202,10 @@ class CheckpointConfig(Section):
     keep_last: int = Field(
         0, ge=0, description="Keep only this many newest checkpoints in save_dir; 0 keeps all."
     )
+    agreement_timeout: Annotated[float, Field(gt=0)] | None = Field(
+        None,
+        description="Seconds a save waits for every rank to call it; null means the collective timeout.",
+    )
 
 
 class MonitorConfig(Section):
@@ -313,6 +317,13 @@ class Config(Section):
         conflict = precision_conflict(self.fp16.enabled, self.bf16.enabled)
         if conflict:
             raise ValueError(conflict)
+        return self
+
+    @model_validator(mode="after")
+    def _checkpoint_needs_save_dir(self) -> Config:
+        wanted = [key for key in ("save_interval", "auto_resume") if getattr(self.checkpoint, key)]
+        if wanted and self.checkpoint.save_dir is None:
+            raise ValueError(f"'checkpoint.{wanted[0]}' is set but 'checkpoint.save_dir' is not; name the directory")
         return self
 
     @classmethod

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+import zerodist.checkpoint as checkpoint
 import zerodist.comm as comm
 from zerodist.config import BatchSizes, Config
 from zerodist.debug import MemoryMonitor, NanHunter, reduce_loss
@@ -30,6 +31,9 @@ logger = get_logger(__name__)
 
 class Engine:
     """Made by `zerodist.initialize()`; wraps the user's module without changing its attributes."""
+
+    # The loader initialize() returned, if any: checkpoints record and restore its position.
+    training_dataloader: Any = None
 
     def __init__(self, module: torch.nn.Module, *, config: Config, batch: BatchSizes, policy: PrecisionPolicy,
                  groups: list[FlatParamGroup], reducer: GradReducer, optimizer: ZeroOptimizer, lr_scheduler: Any,
@@ -136,6 +140,7 @@ class Engine:
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self._report()
+        self._save_at_interval()
 
     def _report(self) -> None:
         losses, self._micro_losses = self._micro_losses, []
@@ -169,6 +174,25 @@ class Engine:
     def zero_grad(self) -> None:
         """Drop accumulated gradients (the engine already does this after each optimizer step)."""
         self.optimizer.zero_grad()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Any = None, save_latest: bool = True) -> str:
+        """Save everything needed to resume under `save_dir/tag` (default tag `global_step{N}`);
+        collective: call it on every rank. Returns the checkpoint directory. See docs/checkpoints.md."""
+        return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[str | None, Any]:
+        """Load a checkpoint saved at any world size and ZeRO stage (default: the newest committed);
+        collective. Returns `(load_path, client_state)`, `(None, None)` when there is none."""
+        return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                                          load_lr_scheduler_states=load_lr_scheduler_states,
+                                          load_module_only=load_module_only)
+
+    def _save_at_interval(self) -> None:
+        settings = self.config.checkpoint
+        if settings.save_interval and self.global_steps % settings.save_interval == 0:
+            self.save_checkpoint(settings.save_dir)
 
     # ------------------------------------------------------------------ queries
     def train(self, mode: bool = True) -> Engine:

@@ -85,8 +85,11 @@ def initialize(
                                   rank=topology.axis_rank("data", "expert"), collate_fn=collate_fn)
     engine = Engine(model, config=config, batch=batch, policy=policy, groups=groups, reducer=reducer,
                     optimizer=sharded, lr_scheduler=scheduler, topology=topology, stage3=runtime)
+    engine.training_dataloader = loader
     _INITIALIZED.add(model)
     _log_summary(engine, info)
+    if config.checkpoint.auto_resume:  # e.g. after the elastic agent restarted the job
+        engine.load_checkpoint(config.checkpoint.save_dir)
     return engine, sharded, loader, scheduler
 
 

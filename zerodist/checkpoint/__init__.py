@@ -1,0 +1,28 @@
+"""Layer 6: checkpoints that survive crashes and change shape.
+
+Atomic sharded save (`save_checkpoint`), load at any world size and ZeRO stage
+(`load_checkpoint`), consolidation to one plain file (`consolidate_checkpoint`,
+`save_consolidated`), integrity reports (`inspect_checkpoints`). The engine's
+`save_checkpoint` / `load_checkpoint` delegate here. Format and guarantees: docs/checkpoints.md.
+"""
+
+from zerodist.checkpoint.consolidate import consolidate_checkpoint, save_consolidated, write_safetensors
+from zerodist.checkpoint.errors import (
+    CheckpointAgreementError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+)
+from zerodist.checkpoint.files import KILL_ENV, KILL_POINTS
+from zerodist.checkpoint.inspect import TagReport, inspect_checkpoints
+from zerodist.checkpoint.load import latest_tag, load_checkpoint
+from zerodist.checkpoint.manifest import Manifest, list_checkpoints, read_manifest
+from zerodist.checkpoint.save import save_checkpoint
+
+__all__ = [
+    "KILL_ENV", "KILL_POINTS", "CheckpointAgreementError", "CheckpointCorruptError", "CheckpointError",
+    "CheckpointNotFoundError", "CheckpointWriteError", "Manifest", "TagReport", "consolidate_checkpoint",
+    "inspect_checkpoints", "latest_tag", "list_checkpoints", "load_checkpoint", "read_manifest", "save_checkpoint",
+    "save_consolidated", "write_safetensors",
+]

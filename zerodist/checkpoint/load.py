@@ -1,0 +1,176 @@
+"""`load_checkpoint`: any committed checkpoint into an engine of any world size and ZeRO stage.
+
+    rank 0 picks the tag (skipping uncommitted ones, with a warning naming each) -> every rank
+    checks the files it will read against the manifest's sizes and checksums, and the ranks
+    agree on the result -> each rank copies the elements it owns -> optimizer, scheduler,
+    scaler, steps; RNG and data position too when the world size is the one saved
+
+Same world size and stage: training continues bitwise as if it had never stopped. Another
+world size or stage: parameters and optimizer state are exact (they are elementwise); the
+continued run matches the uninterrupted one to fp32 rounding (reductions add in another order).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import zerodist.comm as comm
+from zerodist.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from zerodist.checkpoint.files import RangeReader, file_problem, read_verified
+from zerodist.checkpoint.manifest import Manifest, list_checkpoints, read_manifest
+from zerodist.checkpoint.shards import check_parameters, files_needed, load_groups
+from zerodist.checkpoint.state import group_mapping, remap_scheduler_state, restore_optimizer, restore_rng
+from zerodist.utils import get_logger, log_rank0
+
+logger = get_logger(__name__)
+
+
+def choose_tag(load_dir: Path, tag: Any) -> tuple[str | None, str | None]:
+    """(tag to load or None, error) for `load_dir`; warns about every uncommitted tag."""
+    listing = list_checkpoints(load_dir)
+    for name, why in listing.incomplete.items():
+        logger.warning("skipping checkpoint %s in %s: %s", name, load_dir, why)
+    committed = [m.tag for m in listing.committed]
+    if tag is not None:
+        if listing.find(str(tag)) is None:
+            why = listing.incomplete.get(str(tag), "no such tag")
+            return None, (f"no committed checkpoint {str(tag)!r} in {load_dir} ({why}); committed tags: "
+                          f"{', '.join(committed) or 'none'}")
+        return str(tag), None
+    newest = max(listing.committed, key=lambda m: m.committed_at, default=None)
+    if newest is not None and listing.latest not in (None, newest.tag):
+        logger.warning("%s/latest names %s, but %s was committed after it (a save interrupted before updating "
+                       "latest); loading %s", load_dir, listing.latest, newest.tag, newest.tag)
+    return (newest.tag if newest else None), None
+
+
+def _verify(tag_dir: Path, manifest: Manifest, names: set[str]) -> list[str]:
+    problems = []
+    for name in sorted(names):
+        info = manifest.files.get(name)
+        if info is None:
+            problems.append(f"{tag_dir / name}: not listed in the manifest")
+            continue
+        problem = file_problem(tag_dir / name, info["bytes"], info["crc32"])
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def _read_state(tag_dir: Path, manifest: Manifest, rank: int) -> dict[str, Any]:
+    name = manifest.state_files[rank]
+    info = manifest.files[name]
+    data = read_verified(tag_dir / name, info["bytes"], info["crc32"])
+    # Our own file, its checksum just verified; it holds Python objects (RNG states, client state).
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+@torch.no_grad()
+def load_extra(module: torch.nn.Module, manifest: Manifest, reader: RangeReader) -> None:
+    """Buffers and frozen parameters, stored whole by rank 0."""
+    live = module.state_dict(keep_vars=True)
+    missing = [k for k in manifest.extra if k not in live]
+    if missing:
+        logger.warning("checkpoint %s holds %s, which this model does not have; ignored", manifest.tag, missing)
+    for key, info in manifest.extra.items():
+        if key not in live:
+            continue
+        saved = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
+        reader.read_into(info["file"], info["offset"], saved.reshape(-1))
+        live[key].data.copy_(saved)
+
+
+def restore_training_state(engine: Any, manifest: Manifest, common: dict[str, Any], own: dict[str, Any] | None,
+                           load_lr_scheduler_states: bool) -> None:
+    engine.global_steps, engine.micro_steps = common["global_steps"], common["micro_steps"]
+    engine.skipped_steps = common["skipped_steps"]
+    engine.optimizer.scaler.load_state_dict(common["loss_scaler"])
+    saved_scheduler = common["lr_scheduler"]
+    if load_lr_scheduler_states and saved_scheduler is not None:
+        if engine.lr_scheduler is None:
+            log_rank0(logger, "checkpoint %s has learning-rate scheduler state but this engine has no scheduler; "
+                      "ignored", manifest.tag, level=30)
+        else:
+            saved = common["optimizer"]
+            mapping = group_mapping(engine.groups, engine.optimizer.inner, saved)
+            engine.lr_scheduler.load_state_dict(remap_scheduler_state(saved_scheduler, mapping, len(saved["options"])))
+    loader = getattr(engine, "training_dataloader", None)
+    source = own if own is not None else common.get("rank0")
+    if loader is not None and source is not None and source.get("data") is not None:
+        loader.load_state_dict(source["data"])
+    if own is not None:
+        restore_rng(own["rng"])
+    else:
+        log_rank0(logger, "checkpoint %s was saved by %d ranks, this run has %d: random number streams start "
+                  "afresh (parameters, optimizer and data position are restored)", manifest.tag, manifest.world_size,
+                  comm.get_world_size())
+
+
+def _pick(load_dir: Path, tag: Any) -> Manifest | None:
+    """Rank 0 chooses and reads the manifest; every rank gets the same (never different tags)."""
+    choice: list[Any] = [None]
+    if comm.get_rank() == 0:
+        chosen, error = choose_tag(load_dir, tag)
+        try:
+            choice[0] = (read_manifest(load_dir / chosen) if chosen else None, error)
+        except CheckpointError as err:
+            choice[0] = (None, str(err))
+    comm.broadcast_object_list(choice, src=0)
+    manifest, error = choice[0]
+    if error:
+        raise CheckpointNotFoundError(error)
+    return manifest
+
+
+def load_checkpoint(engine: Any, load_dir: str | Path, tag: Any = None, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[str | None, Any]:
+    """Load `load_dir/tag` (default: the most recently committed) into `engine` (collective).
+
+    Returns `(checkpoint directory, client_state)`, or `(None, None)` when `load_dir` holds no
+    committed checkpoint (as DeepSpeed does)."""
+    load_dir = Path(load_dir).absolute()
+    manifest = _pick(load_dir, tag)
+    if manifest is None:
+        log_rank0(logger, "no committed checkpoint in %s; nothing loaded", load_dir, level=30)
+        return None, None
+    tag_dir = load_dir / manifest.tag
+    rank, world = comm.get_rank(), comm.get_world_size()
+    with_optimizer = load_optimizer_states and not load_module_only
+    check_parameters(engine.groups, manifest)
+    same_world = manifest.world_size == world
+    needed = files_needed(engine.groups, manifest, with_optimizer) | {i["file"] for i in manifest.extra.values()}
+    needed |= {manifest.state_files[0]} | ({manifest.state_files[rank]} if same_world else set())
+    problems: list[Any] = [None] * world
+    comm.all_gather_object(problems, _verify(tag_dir, manifest, needed))
+    found = sorted({p for ps in problems for p in ps})
+    if found:
+        raise CheckpointCorruptError(f"checkpoint {tag_dir} is damaged; nothing was loaded: " + "; ".join(found))
+    reader = RangeReader(tag_dir)
+    try:
+        elementwise = load_groups(engine.groups, manifest, reader, with_optimizer)
+        load_extra(engine.module, manifest, reader)
+    finally:
+        reader.close()
+    rank0 = _read_state(tag_dir, manifest, 0)
+    common = rank0["common"]
+    common["rank0"] = rank0
+    if with_optimizer:
+        restore_optimizer(engine.groups, engine.optimizer.inner, common["optimizer"], elementwise)
+    if not load_module_only:
+        own = (rank0 if rank == 0 else _read_state(tag_dir, manifest, rank)) if same_world else None
+        restore_training_state(engine, manifest, common, own, load_lr_scheduler_states)
+    log_rank0(logger, "loaded checkpoint %s (step %d, saved by %d rank(s) at ZeRO stage %d) into %d rank(s) at "
+              "stage %d", tag_dir, manifest.global_steps, manifest.world_size, manifest.stage, world, engine.stage)
+    return str(tag_dir), common["client_state"]
+
+
+def latest_tag(load_dir: str | Path) -> str | None:
+    """The tag `load_checkpoint(load_dir)` would load (no collective; for tools and tests)."""
+    tag, error = choose_tag(Path(load_dir), None)
+    if error:
+        raise CheckpointError(error)
+    return tag

@@ -1,0 +1,302 @@
+"""`save_checkpoint`: every rank writes its shard, rank 0 commits the manifest, then `latest`.
+
+    agree on the tag (store, with a deadline) -> each rank: shard file + state file, each atomic
+    -> gather every rank's report on rank 0 -> rank 0: manifest (the commit), `latest`, clean-up
+    -> rank 0 tells every rank the outcome -> every rank returns, or raises the same error
+
+A crash anywhere before the manifest's rename leaves the tag uncommitted (loads skip it, and
+the previous checkpoint is untouched); after it, the new checkpoint is complete. A rank that
+fails to write (no space, no permission) still reports to rank 0, so the error reaches every
+rank and nothing is committed, instead of the other ranks waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import zerodist
+import zerodist.comm as comm
+from zerodist.checkpoint.errors import CheckpointAgreementError, CheckpointError, CheckpointWriteError
+from zerodist.checkpoint.files import AtomicFile, kill_point, tensor_bytes, write_atomic
+from zerodist.checkpoint.manifest import (MANIFEST, Manifest, check_tag_name, list_checkpoints, write_latest,
+                                          write_manifest)
+from zerodist.checkpoint.shards import collect_chunks, collect_scalars
+from zerodist.checkpoint.state import capture_rng
+from zerodist.utils import get_logger, log_rank0
+
+logger = get_logger(__name__)
+DEFAULT_AGREEMENT_TIMEOUT_S = 1800.0  # torch's default collective timeout
+
+
+@dataclasses.dataclass
+class RankReport:
+    """What one rank wrote (or why it could not), sent to rank 0."""
+
+    rank: int
+    files: dict[str, dict[str, Any]]
+    pieces: list[tuple[str, str, str, int, int, str, int]]  # name, kind, dtype, start, length, file, offset
+    error: str | None = None
+    common: dict[str, Any] | None = None  # rank 0: model-wide facts for the manifest
+
+
+def agreement_timeout(engine: Any) -> float:
+    settings = getattr(engine.config.checkpoint, "agreement_timeout", None)
+    if settings:
+        return float(settings)
+    return comm.ensure_initialized().timeout_s or DEFAULT_AGREEMENT_TIMEOUT_S
+
+
+def agree_on_tag(engine: Any, tag: str, save_dir: Path) -> tuple[str, str]:
+    """Every rank must be saving now; returns the tag and save id every rank uses (rank 0's)."""
+    mine = json.dumps({"tag": tag, "step": engine.global_steps, "id": uuid.uuid4().hex[:12], "dir": str(save_dir)})
+    timeout = agreement_timeout(engine)
+    try:
+        everyone = [json.loads(v) for v in comm.exchange_with_deadline("checkpoint-save", mine, timeout)]
+    except comm.ExchangeTimeoutError as err:
+        raise CheckpointAgreementError(
+            f"save_checkpoint(tag={tag!r}) on rank {comm.get_rank()}: {err}. Every rank must call save_checkpoint "
+            "at the same point (it is collective); nothing was written") from None
+    tags = {d["tag"] for d in everyone}
+    if len(tags) > 1:
+        listed = ", ".join(f"rank {r}: {d['tag']!r}" for r, d in enumerate(everyone))
+        policy = engine.config.checkpoint.tag_validation
+        if policy == "Fail":
+            raise CheckpointAgreementError(f"save_checkpoint: the ranks passed different tags ({listed}); "
+                                           "checkpoint.tag_validation is Fail")
+        if policy == "Warn":
+            log_rank0(logger, "save_checkpoint: the ranks passed different tags (%s); saving under rank 0's %r",
+                      listed, everyone[0]["tag"], level=30)
+    return everyone[0]["tag"], everyone[0]["id"]
+
+
+def _module_facts(engine: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """State-dict keys, tied-weight aliases and the tensors outside the flat groups (buffers,
+    frozen parameters), which rank 0 stores whole."""
+    canonical = {id(p): name for g in engine.groups for p, name in zip(g.params, g.names)}
+    keys, aliases, extra = [], {}, {}
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        keys.append(key)
+        if id(value) in canonical:
+            if canonical[id(value)] != key:
+                aliases[key] = canonical[id(value)]
+        elif value.device.type == "meta":
+            raise CheckpointError(f"save_checkpoint: {key} has no values on this rank (a meta tensor)")
+        else:
+            extra[key] = value.detach()
+    return {"state_dict_keys": keys, "aliases": aliases}, extra
+
+
+def _rank_state(engine: Any, client_state: Any, rank: int) -> dict[str, Any]:
+    loader = getattr(engine, "training_dataloader", None)
+    state: dict[str, Any] = {"rank": rank, "rng": capture_rng(),
+                             "data": loader.state_dict() if loader is not None and hasattr(loader, "state_dict") else None}
+    if rank == 0:
+        state["common"] = {
+            "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps, "loss_scaler": engine.optimizer.scaler.state_dict(),
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "optimizer": collect_scalars(engine.groups, engine.optimizer.inner),
+            "client_state": client_state,
+        }
+    return state
+
+
+def write_rank_files(engine: Any, tag_dir: Path, save_id: str, rank: int, client_state: Any) -> RankReport:
+    """This rank's shard (raw tensor bytes) and state file, each written atomically."""
+    chunks, pieces = collect_chunks(engine.groups, engine.optimizer.inner.state)
+    common, extra = _module_facts(engine) if rank == 0 else (None, {})
+    shard_name, state_name = f"shard-r{rank:05d}-{save_id}.bin", f"state-r{rank:05d}-{save_id}.pt"
+    report = RankReport(rank, {}, [], common=common)
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    with AtomicFile(tag_dir / shard_name, points="shard") as out:
+        kill_point("shard-opened")
+        offsets = []
+        for number, (_, tensor) in enumerate(chunks):
+            offsets.append(out.write(tensor_bytes(tensor)))
+            if number == 0:
+                kill_point("shard-partial")
+        if common is not None:
+            common["extra"] = {key: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                                     "file": shard_name, "offset": out.write(tensor_bytes(t))}
+                               for key, t in extra.items()}
+        out.commit()
+    report.files[shard_name] = {"rank": rank, "bytes": out.nbytes, "crc32": out.checksum}
+    for p in pieces:
+        tensor = chunks[p.chunk][1]
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        report.pieces.append((p.name, p.kind, dtype, p.start, p.length, shard_name,
+                              offsets[p.chunk] + p.at * tensor.element_size()))
+    buffer = io.BytesIO()
+    torch.save(_rank_state(engine, client_state, rank), buffer)
+    nbytes, checksum = write_atomic(tag_dir / state_name, buffer.getvalue(), points="state")
+    report.files[state_name] = {"rank": rank, "bytes": nbytes, "crc32": checksum, "state": True}
+    return report
+
+
+def build_manifest(engine: Any, tag: str, reports: list[RankReport]) -> Manifest:
+    """Rank 0: one manifest from every rank's report, checking each parameter is covered once."""
+    common = reports[0].common
+    assert common is not None
+    shapes = {name: list(shape) for g in engine.groups for name, shape in zip(g.names, g.param_shapes)}
+    params: dict[str, dict[str, Any]] = {name: {"shape": shape, "kinds": {}} for name, shape in shapes.items()}
+    for report in reports:
+        for name, kind, dtype, start, length, file, offset in report.pieces:
+            entry = params[name]["kinds"].setdefault(kind, {"dtype": dtype, "slices": []})
+            entry["slices"].append([start, length, file, offset])
+    for name, record in params.items():
+        numel = 1
+        for d in record["shape"]:
+            numel *= d
+        for kind, entry in record["kinds"].items():
+            entry["slices"].sort()
+            cursor = 0
+            for start, length, file, _ in entry["slices"]:
+                if start != cursor:
+                    raise CheckpointError(f"internal: {kind} of {name} is not tiled by the ranks' shards at element "
+                                          f"{cursor} ({file} starts at {start})")
+                cursor = start + length
+            if cursor != numel:
+                raise CheckpointError(f"internal: {kind} of {name} covers {cursor} of {numel} elements")
+    files = {name: info for report in reports for name, info in report.files.items()}
+    return Manifest(
+        tag=tag, global_steps=engine.global_steps, world_size=comm.get_world_size(), stage=engine.stage,
+        precision=engine.policy.name, param_dtype=str(engine.policy.param_dtype).removeprefix("torch."),
+        committed_at=time.time(), versions={"zerodist": zerodist.__version__, "torch": torch.__version__},
+        files={k: {kk: vv for kk, vv in v.items() if kk != "state"} for k, v in files.items()},
+        state_files={v["rank"]: k for k, v in files.items() if v.get("state")},
+        params=params, extra=common["extra"], aliases=common["aliases"], state_dict_keys=common["state_dict_keys"],
+    )
+
+
+def check_visible(tag_dir: Path, manifest: Manifest) -> None:
+    """Rank 0 must see every rank's files: save_dir has to be storage shared by all ranks."""
+    for name, info in manifest.files.items():
+        path = tag_dir / name
+        if not path.is_file() or path.stat().st_size != info["bytes"]:
+            raise CheckpointError(f"rank 0 cannot see rank {info['rank']}'s {path} as written: save_dir must be a "
+                                  "directory every rank shares (a network or parallel filesystem)")
+
+
+def commit(engine: Any, save_dir: Path, tag: str, reports: list[RankReport], save_latest: bool) -> None:
+    """Rank 0: manifest (the commit point), then `latest`, then tidy up. Raises on failure."""
+    tag_dir = save_dir / tag
+    manifest = build_manifest(engine, tag, reports)
+    check_visible(tag_dir, manifest)
+    previous = (tag_dir / MANIFEST).read_bytes() if (tag_dir / MANIFEST).is_file() else None
+    write_manifest(tag_dir, manifest)
+    kill_point("manifest-committed")
+    if save_latest:
+        try:
+            write_latest(save_dir, tag)
+        except BaseException:
+            # Every rank is about to discard this save's files: the manifest must not point at them.
+            if previous is None:
+                (tag_dir / MANIFEST).unlink(missing_ok=True)
+            else:
+                write_atomic(tag_dir / MANIFEST, previous)
+            raise
+    kill_point("cleanup-started")
+    try:
+        remove_unreferenced(tag_dir, manifest)
+        prune(save_dir, engine.config.checkpoint.keep_last, keep=tag)
+    except OSError as err:  # the checkpoint is committed; tidying is best effort
+        logger.warning("checkpoint %s committed, but removing old files failed: %s", tag, err)
+
+
+def remove_unreferenced(tag_dir: Path, manifest: Manifest) -> None:
+    """Files in the tag directory left by earlier, interrupted saves of the same tag."""
+    keep = set(manifest.files) | {MANIFEST}
+    for path in sorted(tag_dir.iterdir()):
+        if path.name not in keep and path.is_file():
+            path.unlink(missing_ok=True)
+            kill_point("cleanup-partial")
+
+
+def prune(save_dir: Path, keep_last: int, keep: str) -> None:
+    """Delete the oldest committed checkpoints beyond `keep_last` (0 keeps all). Each loses its
+    manifest first, so a crash midway leaves an uncommitted tag, never a half-deleted committed one."""
+    if keep_last <= 0:
+        return
+    listing = list_checkpoints(save_dir)
+    protected = {keep, listing.latest}
+    surplus = len(listing.committed) - keep_last
+    for manifest in listing.committed:
+        if surplus <= 0:
+            break
+        if manifest.tag in protected:
+            continue
+        tag_dir = save_dir / manifest.tag
+        (tag_dir / MANIFEST).unlink(missing_ok=True)
+        kill_point("cleanup-partial")
+        shutil.rmtree(tag_dir, ignore_errors=True)
+        surplus -= 1
+        log_rank0(logger, "removed checkpoint %s (keep_last=%d)", manifest.tag, keep_last)
+
+
+def _discard(tag_dir: Path, rank: int, save_id: str) -> None:
+    """After a failed save (collective): every rank's files of this save, never a committed
+    checkpoint's; then the tag directory if that leaves it empty."""
+    for pattern in (f"*-r{rank:05d}-{save_id}.*", f".*-r{rank:05d}-{save_id}.*"):
+        for path in tag_dir.glob(pattern):
+            path.unlink(missing_ok=True)
+    comm.barrier()
+    if rank == 0:
+        try:
+            tag_dir.rmdir()  # only when empty: a directory this save created and nothing else uses
+        except OSError:
+            pass
+    comm.barrier()  # so every rank returns to a tidy directory
+
+
+def save_checkpoint(engine: Any, save_dir: str | Path, tag: Any = None, client_state: Any = None,
+                    save_latest: bool = True) -> str:
+    """Save the engine's full training state under `save_dir/tag` (collective: call on every rank).
+
+    Returns the checkpoint directory. Raises `CheckpointAgreementError` when not every rank
+    calls it, `CheckpointWriteError` (on every rank) when a rank cannot write."""
+    kill_point("save-start")
+    save_dir = Path(save_dir).absolute()
+    tag = check_tag_name(f"global_step{engine.global_steps}" if tag is None else tag)
+    tag, save_id = agree_on_tag(engine, tag, save_dir)
+    kill_point("tag-agreed")
+    rank, tag_dir = comm.get_rank(), save_dir / tag
+    started = time.perf_counter()
+    report, failure = None, None
+    try:
+        report = write_rank_files(engine, tag_dir, save_id, rank, client_state)
+    except Exception as err:  # reported to rank 0 so every rank fails together, not one of them hanging
+        failure = err
+        report = RankReport(rank, {}, [], error=f"rank {rank}: {type(err).__name__}: {err}")
+    kill_point("before-gather")
+    reports: list[Any] = [None] * comm.get_world_size() if rank == 0 else []
+    comm.gather_object(report, reports if rank == 0 else None, dst=0)
+    kill_point("after-gather")
+    outcome = [None]
+    if rank == 0:
+        errors = [r.error for r in reports if r.error]
+        if not errors:
+            try:
+                commit(engine, save_dir, tag, reports, save_latest)
+            except Exception as err:
+                failure = failure or err
+                errors.append(f"rank 0 committing: {type(err).__name__}: {err}")
+        outcome[0] = "; ".join(errors) or None
+    kill_point("before-outcome")
+    comm.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        _discard(tag_dir, rank, save_id)
+        raise CheckpointWriteError(f"save_checkpoint({tag!r}) failed and committed nothing (earlier checkpoints in "
+                                   f"{save_dir} are untouched): {outcome[0]}") from failure
+    kill_point("save-done")
+    log_rank0(logger, "saved checkpoint %s (step %d) in %.2f s", tag_dir, engine.global_steps,
+              time.perf_counter() - started)
+    return str(tag_dir)
