@@ -18,6 +18,7 @@ COMMANDS = [
     ("config", "zerodist.cli.config"),
     ("estimate", "zerodist.cli.estimate"),
     ("bench", "zerodist.cli.bench"),
+    ("checkpoint", "zerodist.cli.checkpoint"),
 ]
 
 
