@@ -36,6 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     precision.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
     p.add_argument("--seed", type=int, default=None, help="model and corpus seed (default 0)")
     p.add_argument("--out", default=None, help="output folder (default runs/train-<timestamp>)")
+    p.add_argument("--save-interval", type=_positive_int, default=None, metavar="N",
+                   help="save a checkpoint every N steps in OUT/checkpoints")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in OUT/checkpoints (give the earlier run's --out)")
     p.set_defaults(handler=run)
 
 
@@ -66,8 +70,10 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
         raise ValueError(f"unknown --model {model!r}; choose one of: {', '.join(GPT_PRESETS)}")
     steps = args.steps or DEFAULT_STEPS
     file_config = read_json_file(Path(args.config)) if args.config else None
+    out = Path(args.out or default_out()).resolve()
     overrides = Overrides(stage=args.stage, micro_batch=args.micro_batch, lr=args.lr, steps=args.steps,
-                          bf16=args.bf16, fp16=args.fp16)
+                          bf16=args.bf16, fp16=args.fp16, save_interval=args.save_interval, resume=args.resume,
+                          save_dir=str(out / "checkpoints"))
     config = merge_config(file_config, overrides, steps)
     source = f"{args.config} with the command-line flags" if args.config else None
     try:
@@ -77,7 +83,6 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
             optimizer_from_config(checked)
     except ConfigError as err:
         raise ConfigError(err.problems, source=source) from None
-    out = Path(args.out or default_out()).resolve()
     return TrainPlan(model=model, steps=steps, seed=DEFAULT_SEED if args.seed is None else args.seed, out=out,
                      config=config)
 
@@ -90,11 +95,13 @@ def worker_args(args: argparse.Namespace, out: Path) -> list[str]:
     """The same command for each rank, with the output folder fixed once (one timestamp for all)."""
     argv = ["train", "--out", str(out)]
     flags = {"--config": args.config, "--stage": args.stage, "--steps": args.steps, "--model": args.model,
-             "--micro-batch": args.micro_batch, "--lr": args.lr, "--seed": args.seed}
+             "--micro-batch": args.micro_batch, "--lr": args.lr, "--seed": args.seed,
+             "--save-interval": args.save_interval}
     for flag, value in flags.items():
         if value is not None:
             argv += [flag, str(value)]
-    return argv + (["--bf16"] if args.bf16 else []) + (["--fp16"] if args.fp16 else [])
+    return argv + (["--bf16"] if args.bf16 else []) + (["--fp16"] if args.fp16 else []) + (
+        ["--resume"] if args.resume else [])
 
 
 def launcher_args(nproc: int) -> argparse.Namespace:

@@ -94,11 +94,12 @@ def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int) -> tuple[li
     device = comm.device_for_rank()
     tokens = engine.batch.train_batch_size * seq_len
     batches = endless(loader)
-    bar = ProgressBar(steps, enabled=comm.get_rank() == 0)
+    first = engine.global_steps + 1  # after 1 when a checkpoint was resumed
+    bar = ProgressBar(steps - first + 1, enabled=comm.get_rank() == 0)
     records, logging_traces = [], []
     started = time.perf_counter()
     with comm.trace() as everything, _logs_beside(bar):
-        for step in range(1, steps + 1):
+        for step in range(first, steps + 1):
             step_started = time.perf_counter()
             lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves it on in engine.step()
             local_loss = micro_steps(engine, batches, device)

@@ -40,6 +40,9 @@ class Overrides:
     steps: int | None = None
     bf16: bool = False
     fp16: bool = False
+    save_interval: int | None = None  # checkpoint every N steps into save_dir
+    resume: bool = False  # continue from the newest checkpoint in save_dir
+    save_dir: str | None = None  # set by the CLI from --out; a file's checkpoint.save_dir wins
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +105,12 @@ def apply_overrides(config: dict[str, Any], overrides: Overrides) -> None:
             schedule["warmup_max_lr"] = overrides.lr
     if overrides.steps is not None and "total_num_steps" in _scheduler_params(config):
         _scheduler_params(config)["total_num_steps"] = overrides.steps
+    if overrides.save_interval is not None or overrides.resume:
+        checkpoint = _section(config, "checkpoint", {})
+        checkpoint.setdefault("save_dir", overrides.save_dir)
+        if overrides.save_interval is not None:
+            checkpoint["save_interval"] = overrides.save_interval
+        checkpoint["auto_resume"] = overrides.resume or checkpoint.get("auto_resume", False)
     if overrides.bf16 or overrides.fp16:
         _section(config, "bf16", {})["enabled"] = overrides.bf16
         _section(config, "fp16", {})["enabled"] = overrides.fp16
