@@ -86,7 +86,7 @@ RESHARDS = [
     ((1, 0), (3, 1)), ((3, 2), (4, 0)),
     pytest.param((2, 2), (1, 3), marks=needs_stage3), pytest.param((2, 2), (4, 3), marks=needs_stage3),
     pytest.param((2, 3), (1, 0), marks=needs_stage3), pytest.param((2, 3), (4, 1), marks=needs_stage3),
-    pytest.param((4, 3), (3, 3), marks=needs_stage3),
+    pytest.param((4, 3), (3, 3), marks=needs_stage3), pytest.param((1, 3), (2, 2), marks=needs_stage3),
 ]
 
 
@@ -143,3 +143,49 @@ def test_consolidated_file_loads_into_the_plain_model_without_zerodist(sources, 
 
     for key, value in safetensors.torch.load_file(outputs[0]).items():
         assert torch.equal(value, saved[key])
+
+
+class WithBuffers(torch.nn.Module):
+    """Trained layers, a frozen one, a BatchNorm (float and int64 buffers) and tied weights."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.embed = torch.nn.Linear(16, 32, bias=False)
+            self.frozen = torch.nn.Linear(32, 32)
+            self.norm = torch.nn.BatchNorm1d(32)
+            self.out = torch.nn.Linear(32, 16, bias=False)
+        self.frozen.requires_grad_(False)
+        self.head = torch.nn.Linear(16, 8)
+        self.tied = self.head  # the same module under two names: tied weights in state_dict()
+
+    def forward(self, x):
+        return self.head(self.out(self.norm(self.frozen(self.embed(x)))))
+
+
+def buffers_body(save_dir: str, stage: int, save: bool) -> dict[str, torch.Tensor]:
+    config = base_config(stage, train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu=None)
+    engine, *_ = zerodist.initialize(model=WithBuffers(seed=0 if save else 5), config=config)
+    if save:
+        _train(engine, SAVE_AT)
+        engine.save_checkpoint(save_dir)
+    else:
+        engine.load_checkpoint(save_dir)
+    return engine.module_state_dict()
+
+
+@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=needs_stage3)])
+def test_buffers_frozen_and_tied_weights_round_trip(tmp_path, stage):
+    saved = run_distributed(buffers_body, 2, str(tmp_path), 2, True)[0]
+    assert saved["norm.num_batches_tracked"] == SAVE_AT and saved["tied.weight"] is not None
+    consolidated = ckpt.consolidate_checkpoint(tmp_path)
+    assert list(consolidated) == list(saved)
+    for key in saved:
+        assert torch.equal(consolidated[key], saved[key]), key
+    assert consolidated["tied.weight"] is consolidated["head.weight"]
+    plain = WithBuffers(seed=9)
+    plain.load_state_dict(consolidated)
+    loaded = run_distributed(buffers_body, 1, str(tmp_path), stage, False)[0]
+    for key in saved:
+        assert torch.equal(loaded[key], saved[key]), key
