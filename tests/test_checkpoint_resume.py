@@ -9,6 +9,7 @@ import importlib.util
 import logging
 import os
 import random
+import re
 import time
 
 import numpy as np
@@ -234,8 +235,12 @@ def load_body(save_dir: str, tag: str | None = None) -> str:
         return f"{type(err).__name__}: {err}"
 
 
-def test_damaged_shards_are_reported_by_file_name(tmp_path):
+def test_damaged_shards_are_reported_by_file_name(tmp_path, capsys):
+    from zerodist.cli.main import main
+
     run_distributed(save_body, 2, str(tmp_path), 1)
+    assert main(["checkpoint", "inspect", str(tmp_path)]) == 0
+    assert re.search(r"global_step1 +1 +2 +2 +fp32 +\S+ +4 .* ok$", capsys.readouterr().out, re.M)
     shard = next((tmp_path / "global_step1").glob("shard-r00001-*.bin"))
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
@@ -247,6 +252,8 @@ def test_damaged_shards_are_reported_by_file_name(tmp_path):
         assert f"{shard.name}: truncated, 50 bytes instead of {len(data)}" in message
     (report,), _ = ckpt.inspect_checkpoints(tmp_path)
     assert report.problems and shard.name in report.problems[0]
+    assert main(["checkpoint", "inspect", str(tmp_path)]) == 1
+    assert "DAMAGED (1 file(s))" in capsys.readouterr().out
     with pytest.raises(ckpt.CheckpointCorruptError, match=shard.name):
         ckpt.consolidate_checkpoint(tmp_path)
 
