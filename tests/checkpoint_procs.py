@@ -31,7 +31,7 @@ import torch
 import zerodist  # noqa: F401  (preloaded in the forkserver)
 import zerodist.checkpoint  # noqa: F401
 
-GRACE_AFTER_DEATH_S = 1.0
+GRACE_AFTER_DEATH_S = 8.0
 _WARM_UP_ENV = "ZERODIST_TEST_FORKSERVER_WARM_UP"
 _context: Any = None
 

@@ -37,7 +37,8 @@ CASES = [(p, 0 if p in RANK0_ONLY else 1) for p in KILL_POINTS] + [
 def _config(save_dir: str | None) -> dict:
     return base_config(2, train_batch_size=8, train_micro_batch_size_per_gpu=None,
                        scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 0.01}},
-                       checkpoint={"keep_last": 2, "save_dir": save_dir} if save_dir else {})
+                       # A short agreement deadline: a survivor waiting for a killed peer's tag gives up soon.
+                       checkpoint={"keep_last": 2, "save_dir": save_dir, "agreement_timeout": 2} if save_dir else {})
 
 
 def _engine(save_dir: str | None):
