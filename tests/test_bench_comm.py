@@ -13,6 +13,7 @@ import pytest
 import zerodist.comm as comm
 from zerodist.bench.comm import BenchOptions, parse_bytes, power_of_two_sizes, run_comm_bench
 from tests.harness import distributed_test
+from tests.processes import run_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -50,7 +51,7 @@ def test_every_op_is_correct_and_follows_nccl_tests_conventions(world_size):
 def test_spawned_two_rank_run_writes_csv_json_png(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run(
+    out = run_group(
         [sys.executable, "-m", "zerodist", "bench", "comm", "--nproc", "2", "--min-bytes", "1K", "--max-bytes", "4K",
          "--trials", "3", "--warmups", "1", "--out", str(tmp_path), "--compare-raw"],
         env=env, capture_output=True, text=True, timeout=120, cwd=str(tmp_path),

@@ -23,6 +23,7 @@ from tests.checkpoint_procs import launch
 from tests.engine_helpers import base_config, global_batch
 from zerodist.checkpoint import KILL_ENV, KILL_POINTS, inspect_checkpoints
 from zerodist.models import make_mlp
+from tests.processes import run_group
 
 TOTAL_STEPS, PREVIOUS, SAVED = 8, 3, 6
 COMMIT_POINT = KILL_POINTS.index("manifest-renamed")  # from here on the new checkpoint is committed
@@ -130,7 +131,7 @@ def test_dead_rank_is_restarted_and_training_resumes_by_itself(tmp_path):
     out = tmp_path / "final.pt"
     command = [sys.executable, "-m", "zerodist", "run", "--nproc", "2", "--max-restarts", "1",
                script.__file__, str(tmp_path / "ckpt"), str(out), "5"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    done = run_group(command, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "final.pt.log").read_text().splitlines() == ["attempt 0 started at step 0",
                                                                     "attempt 1 started at step 4"]

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from tests.processes import run_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -14,7 +15,7 @@ def _zerodist(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                               "MASTER_PORT")}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "zerodist", *args], env=env, capture_output=True, text=True,
+    return run_group([sys.executable, "-m", "zerodist", *args], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=REPO)
 
 
@@ -45,7 +46,7 @@ def test_run_reports_a_failing_rank_with_nonzero_exit(tmp_path):
     script.write_text("import os, zerodist.comm as c\nc.barrier()\nif os.environ['RANK'] == '1':\n"
                       "    raise SystemExit('rank 1 gives up')\nc.barrier()\n")
     env_timeout = "5"
-    out = subprocess.run([sys.executable, "-m", "zerodist", "run", "--nproc", "2", str(script)], capture_output=True,
+    out = run_group([sys.executable, "-m", "zerodist", "run", "--nproc", "2", str(script)], capture_output=True,
                          text=True, timeout=120, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": REPO, "ZERODIST_TIMEOUT": env_timeout})
     assert out.returncode != 0

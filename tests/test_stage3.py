@@ -19,6 +19,7 @@ from zerodist.zero import GatheredParameters, Init, Stage3ControlFlowError, full
 from tests.engine_helpers import (assert_close_relative, base_config, global_batch, train_distributed,
                                   train_reference)
 from tests.harness import DistributedTestFailure, distributed_test, run_distributed
+from tests.processes import run_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNITS = {"zerodist": {"stage3_unit_classes": ["Linear"]},
@@ -252,7 +253,7 @@ def test_partitioned_construction_of_200m_parameters_stays_under_full_size():
     with open(path, "w") as handle:
         handle.write(script)
     try:
-        out = subprocess.run([sys.executable, "-m", "zerodist", "run", "--nproc", "2", path], env=env,
+        out = run_group([sys.executable, "-m", "zerodist", "run", "--nproc", "2", path], env=env,
                              capture_output=True, text=True, timeout=240)
     finally:
         os.remove(path)

@@ -14,6 +14,7 @@ import pytest
 
 from zerodist.train import Overrides, default_config, merge_config
 from zerodist.train.report import expected_bus_bytes, state_formula, state_formula_bytes
+from tests.processes import run_group
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 def run_train(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
-    return subprocess.run([sys.executable, "-m", "zerodist", "train", *args], cwd=REPO, env=env, capture_output=True,
+    return run_group([sys.executable, "-m", "zerodist", "train", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
