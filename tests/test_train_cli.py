@@ -23,7 +23,7 @@ def run_train(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[s
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
     return run_group([sys.executable, "-m", "zerodist", "train", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                     text=True, timeout=timeout)
 
 
 def read_losses(out: Path) -> list[float]:
