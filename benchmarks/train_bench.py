@@ -76,6 +76,11 @@ class Run:
         return f"{self.framework}{suffix}"
 
 
+# Stage 3 (zerodist and DeepSpeed alike): shard every parameter, as FSDP2 does per block; with
+# DeepSpeed's default persistence threshold (1e5 elements) nothing of the 0.9M model would shard.
+# Ignored by stages 0-2.
+STAGE3 = {"stage3_param_persistence_threshold": 0}
+
 SIZES = {
     "bench": Size("bench", micro_batch=8, warmup_steps=5, timed_steps=40, timeout_s=300),
     "bench-25m": Size("bench-25m", micro_batch=4, warmup_steps=2, timed_steps=12, timeout_s=600),
@@ -83,7 +88,8 @@ SIZES = {
 RUNS = [
     Run("ddp", 0),
     Run("zerodist", 0), Run("zerodist", 0, reduce_scatter=False), Run("zerodist", 1), Run("zerodist", 2),
-    Run("deepspeed", 0), Run("deepspeed", 1), Run("deepspeed", 2),
+    Run("zerodist", 3),
+    Run("deepspeed", 0), Run("deepspeed", 1), Run("deepspeed", 2), Run("deepspeed", 3),
     Run("fsdp2", 3),
 ]
 
@@ -152,7 +158,8 @@ class ZerodistTrainer:
             "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
             "gradient_clipping": CLIP, "steps_per_print": 10**6,
             "zero_optimization": {"stage": run.stage, "reduce_scatter": run.reduce_scatter,
-                                  "reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS},
+                                  "reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS,
+                                  **STAGE3},
         }
         self.engine, _, _, _ = zerodist.initialize(model=model, config=config)
         self.trace: Any = None
@@ -221,7 +228,7 @@ class DeepSpeedTrainer:
             "train_micro_batch_size_per_gpu": size.micro_batch, "gradient_accumulation_steps": 1,
             "gradient_clipping": CLIP, "steps_per_print": 10**6, "zero_allow_untested_optimizer": True,
             "zero_optimization": {"stage": run.stage, "reduce_bucket_size": BUCKET_ELEMENTS,
-                                  "allgather_bucket_size": BUCKET_ELEMENTS},
+                                  "allgather_bucket_size": BUCKET_ELEMENTS, **STAGE3},
         }
         optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
         self.model = model
