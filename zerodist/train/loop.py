@@ -26,7 +26,8 @@ import zerodist.comm as comm
 from zerodist.data import TokenDataset, split_corpus, stdlib_corpus
 from zerodist.engine import Engine
 from zerodist.models import GPT, count_parameters, gpt_config
-from zerodist.train.metrics import StepRecord, peak_rss_bytes, plot_loss, rss_bytes, write_csv
+from zerodist.debug.memory import peak_rss_bytes, rss_bytes
+from zerodist.train.metrics import StepRecord, plot_loss, write_csv
 from zerodist.train.options import TrainPlan
 from zerodist.train.report import RankMemory, RunSummary, expected_bus_bytes, format_summary
 

@@ -1,4 +1,4 @@
-"""Per-step metrics of a training run, process memory, and the files a run leaves behind.
+"""Per-step metrics of a training run and the files a run leaves behind (memory readers: zerodist.debug.memory).
 
     metrics.csv   step, loss (averaged over ranks), lr, tokens_per_s (all ranks), rss_mib (rank 0)
     loss.png      the loss curve (needs matplotlib; skipped with a message when missing)
@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import os
-import resource
-import sys
 from pathlib import Path
 
 CSV_FIELDS = ("step", "loss", "lr", "tokens_per_s", "rss_mib")
@@ -30,21 +27,6 @@ class StepRecord:
     def csv_row(self) -> dict[str, str]:
         return {"step": str(self.step), "loss": f"{self.loss:.6f}", "lr": f"{self.lr:.6g}",
                 "tokens_per_s": f"{self.tokens_per_s:.1f}", "rss_mib": f"{self.rss_bytes / MIB:.1f}"}
-
-
-def rss_bytes() -> int:
-    """This process's resident memory now (Linux /proc; elsewhere the peak, the best available)."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return peak_rss_bytes()
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def write_csv(records: list[StepRecord], path: Path) -> None:
