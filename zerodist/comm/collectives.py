@@ -84,7 +84,8 @@ def _issue(
             hook(op_name, tensor, group)
     if not tracer.active_traces:
         if not _profiler_enabled():  # the common case: no label, no tracing, just the call
-            return CommHandle(tensor, launch(async_op) if async_op else _sync(launch), after_wait)
+            work = launch(async_op)
+            return CommHandle(tensor, work if async_op else None, after_wait)
         with record_function(f"zerodist::{op_name}"):
             work = launch(async_op)
         return CommHandle(tensor, work if async_op else None, after_wait)
@@ -103,10 +104,6 @@ def _issue(
         torch.cuda.synchronize(tensor.device)
     tracer.record(op_name, tensor, numel, group_size, tracer.now() - start)
     return CommHandle(tensor, None, after_wait)
-
-
-def _sync(launch: Callable[[bool], Any]) -> None:
-    launch(False)
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> CommHandle:

@@ -5,11 +5,12 @@
 
 What a sync moves depends on the stage, set once in `GradSyncPlan`:
 - stages 0 and 1 accumulate every micro-step's gradient into a persistent full-size bucket
-  view and reduce it at the accumulation boundary; stage 0 then all-gathers the reduced
-  shards so every rank holds the full averaged gradient;
+  view and reduce it at the accumulation boundary (stage 0 always all-reduces, as DDP does,
+  so every rank holds the full averaged gradient);
 - stage 2 copies each micro-step's gradient into a transient staging buffer, reduces it
   straight into this rank's shard and frees the staging buffer.
-The collective is the one configured: reduce-scatter (`reduce_scatter: true`) or all-reduce.
+At stages 1-3 the collective is the one configured: reduce-scatter (`reduce_scatter: true`)
+or all-reduce.
 The sum is divided by the group size after reduction, in the same way in every stage
 ([Note: alignment] in layout.py says why that matters).
 """
@@ -36,7 +37,6 @@ class BucketState(enum.Enum):
 class GradSyncPlan:
     use_reduce_scatter: bool
     persistent_full_grad: bool  # stages 0/1: a full-size gradient buffer lives across micro-steps
-    keep_full_grad: bool  # stage 0: every rank ends with the whole reduced gradient
 
 
 class Bucket:
@@ -119,8 +119,6 @@ class Bucket:
                     self.grad_owned.copy_(out)
             self.accumulated = True
             self.staging = None
-        elif self.plan.keep_full_grad and self.plan.use_reduce_scatter:
-            comm.all_gather(self.grad_full, self.grad_owned, group=self.group)
         self.state = BucketState.SYNCED
 
     def reset(self) -> None:

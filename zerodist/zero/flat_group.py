@@ -58,8 +58,7 @@ class FlatParamGroup:
         # Stage 0 is data parallelism as DDP does it: one all-reduce per bucket. `reduce_scatter` is
         # a ZeRO 1-3 setting (as in DeepSpeed); at stage 0 a reduce-scatter would need an all-gather
         # after it, and gloo implements reduce-scatter as an all-reduce plus copies (1.5x the bytes).
-        self.plan = GradSyncPlan(use_reduce_scatter and stage > 0, persistent_full_grad=stage in (0, 1),
-                                 keep_full_grad=stage == 0)
+        self.plan = GradSyncPlan(use_reduce_scatter and stage > 0, persistent_full_grad=stage in (0, 1))
         self.grad_buffer = torch.zeros_like(initial, dtype=param_dtype) if stage in (0, 1) else None
         # Stages 2/3: the first sync of each accumulation overwrites the shard (Bucket.accumulated),
         # so it needs no zeros, and untouched pages cost no memory until backward writes them.
