@@ -146,30 +146,27 @@ class Engine:
         losses, self._micro_losses = self._micro_losses, []
         if self.memory_monitor is not None:
             self.memory_monitor.on_step(self.global_steps)
-        if self.monitors:
-            self._write_monitors(losses)
         every = self.config.steps_per_print
-        if not every or self.global_steps % every:
+        printing = bool(every) and self.global_steps % every == 0
+        if not (printing or self.monitors):
+            return
+        # The global batch's loss (mean over the data-parallel ranks and this step's micro-batches), not
+        # rank 0's own: one scalar all_reduce, only on steps that report it.
+        loss = reduce_loss(torch.stack(losses).float().mean(), group=self.topology.group("data", "expert")).item()
+        if self.monitors and comm.get_rank() == 0:
+            self.monitors.write(self.global_steps * self.batch.train_batch_size, loss=loss, lr=self.get_lr()[0],
+                                loss_scale=self.optimizer.scaler.scale)
+        if not printing:
             return
         elapsed = time.perf_counter() - self._step_started
         self._step_started = time.perf_counter()
         if self.config.wall_clock_breakdown:
             log_rank0(logger, "step %d: %.1f ms per step over the last %d", self.global_steps, elapsed * 1e3 / every, every)
-        # The global batch's loss (mean over the data-parallel ranks and this step's micro-batches), not
-        # rank 0's own: one scalar all_reduce, on print steps only.
-        loss = reduce_loss(torch.stack(losses).float().mean(), group=self.topology.group("data", "expert"))
         log_rank0(logger, "step %d: loss %.6g (mean over ranks), lr %s, grad norm %.4g, loss scale %g",
-                  self.global_steps, loss.item(), self.get_lr(), self.get_global_grad_norm() or 0.0,
+                  self.global_steps, loss, self.get_lr(), self.get_global_grad_norm() or 0.0,
                   self.optimizer.scaler.scale)
         if self._trace is not None:
             log_rank0(logger, "communication so far:\n%s", self.comms_trace.format_summary())
-
-    def _write_monitors(self, losses: list[torch.Tensor]) -> None:
-        """Every optimizer step: the mean loss over ranks (one scalar all-reduce), written by rank 0."""
-        loss = reduce_loss(torch.stack(losses).float().mean(), group=self.topology.group("data", "expert"))
-        if comm.get_rank() == 0:
-            self.monitors.write(self.global_steps * self.batch.train_batch_size, loss=loss.item(),
-                                lr=self.get_lr()[0], loss_scale=self.optimizer.scaler.scale)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (the engine already does this after each optimizer step)."""
