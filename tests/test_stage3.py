@@ -81,8 +81,11 @@ def test_mixed_precision_at_stage_3(precision):
 
 @distributed_test(world_size=[2, 4])
 def test_communication_is_three_psi(world_size):
+    """Without reuse (`stage3_max_reuse_distance: 0`) every unit but the root is gathered twice."""
     n = world_size
-    engine, _, _, _ = zerodist.initialize(model=make_mlp(), config=stage3_config())
+    config = stage3_config(zero_optimization={"stage3_max_reuse_distance": 0})
+    engine, _, _, _ = zerodist.initialize(model=make_mlp(), config=config)
+    assert engine.stage3.kept == set()
     x, y = global_batch(0, 4)
     engine.backward(F.mse_loss(engine(x), y)), engine.step()
     with comm.trace() as t:
@@ -98,9 +101,51 @@ def test_communication_is_three_psi(world_size):
     assert t.total_numel("reduce_scatter") == psi
     bus = sum(r.bus_elements for r in gathers) + t.bus_elements("reduce_scatter")
     assert bus == pytest.approx((3 * psi - root) * (n - 1) / n)
-    # one fingerprint exchange per stage-3 collective ([Note: unit order check]), plus the step's
-    assert len(checks) == len(gathers) + t.count("reduce_scatter") + 1
+    # one fingerprint exchange per batch of gathers (the root's forward hook gathers the root and
+    # prefetches every unit; the first backward hook gathers the rest), one per reduce-scatter
+    # (they can interleave with backward gathers), one after backward ([Note: unit order check])
+    assert len(checks) == 2 + t.count("reduce_scatter") + 1
     assert t.count("all_reduce") == 1 and t.total_numel("all_reduce") == 1
+
+
+@distributed_test(world_size=[2, 4])
+def test_units_reused_from_forward_to_backward_are_gathered_once(world_size):
+    """With DeepSpeed's default reuse distance a small model stays gathered from its forward to
+    its backward ([Note: reuse between forward and backward]): Ψ gathered, Ψ reduced, and only
+    two fingerprint exchanges (the forward's one batch, and after backward)."""
+    engine, _, _, _ = zerodist.initialize(model=make_mlp(), config=stage3_config())
+    assert engine.stage3.kept == {u.index for u in engine.stage3.units[1:]}
+    x, y = global_batch(0, 4)
+    engine.backward(F.mse_loss(engine(x), y)), engine.step()
+    with comm.trace() as t:
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+    psi = sum(u.numel for u in engine.stage3.units)
+    gathers = [r for r in t.records if r.op == "all_gather" and r.dtype != torch.int64]
+    checks = [r for r in t.records if r.op == "all_gather" and r.dtype == torch.int64]
+    assert sum(r.numel for r in gathers) == psi and t.total_numel("reduce_scatter") == psi
+    assert len(checks) == 2
+    assert all(u.state.value == "sharded" for u in engine.stage3.units)  # all freed after backward
+
+
+@distributed_test(world_size=2)
+def test_reuse_keeps_only_the_tail_that_fits_the_live_bound():
+    model = GPT(gpt_config("tiny", n_layers=4))
+    engine, _, _, _ = zerodist.initialize(model=model, config=base_config(3, zero_optimization={
+        "stage3_param_persistence_threshold": 0}))
+    root, blocks = engine.stage3.units[0], engine.stage3.units[1:]
+    unit = blocks[0].numel
+    for max_live, kept in [(root.numel + 3 * unit, 2), (root.numel + 5 * unit, 4), (root.numel + 2 * unit, 1)]:
+        for reuse, expected in [(10**9, kept), (2 * unit + 1, min(kept, 2)), (0, 0)]:
+            config = base_config(3, zero_optimization={"stage3_param_persistence_threshold": 0,
+                                                       "stage3_max_live_parameters": max_live,
+                                                       "stage3_max_reuse_distance": reuse})
+            other, _, _, _ = zerodist.initialize(model=GPT(gpt_config("tiny", n_layers=4)), config=config)
+            assert other.stage3.kept == {b.index for b in other.stage3.units[1:][4 - expected:]}, (max_live, reuse)
+            ids = torch.randint(0, 256, (2, 32))
+            other.backward(other(ids, ids))
+            other.step()
+            assert other.stage3.peak_live_numel <= max_live
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -183,21 +228,28 @@ class _TwiceOnRankOne(torch.nn.Module):
         return x
 
 
-def _run_divergent():
+def _run_divergent(reuse):
     engine, _, _, _ = zerodist.initialize(model=_TwiceOnRankOne(), config=base_config(
-        3, zero_optimization={"stage3_param_persistence_threshold": 0}))
+        3, zero_optimization={"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": reuse}))
     engine.backward(engine(torch.randn(2, 8)).pow(2).mean())
 
 
-def test_divergent_control_flow_is_an_error_on_every_rank():
+@pytest.mark.parametrize("reuse", [0, 10**9])
+def test_divergent_control_flow_is_an_error_on_every_rank(reuse):
     start = time.monotonic()
     with pytest.raises(DistributedTestFailure) as info:
-        run_distributed(_run_divergent, 2, timeout=60)
+        run_distributed(_run_divergent, 2, reuse, timeout=60)
     message = str(info.value)
     assert "failed on 2 of 2" in message and "Stage3ControlFlowError" in message
-    assert "rank 1 would gather for forward unit 'blocks.1' (time 2)" in message
-    # rank 0 ran blocks.2 (prefetched) and went on: its next gather is blocks.2's, in some phase
-    assert re.search(r"rank 0 would gather for (forward|backward) unit 'blocks.2' \(time 1\)", message)
+    if reuse == 0:
+        # the second run of blocks.1 on rank 1 needs a gather that rank 0 never makes
+        assert "rank 1 would gather for forward unit 'blocks.1' (time 2)" in message
+        # rank 0 ran blocks.2 (prefetched) and went on: its next gather is blocks.2's, in some phase
+        assert re.search(r"rank 0 would gather for (forward|backward) unit 'blocks.2' \(time 1\)", message)
+    else:
+        # everything stays gathered, so no collective differs: the check after backward names it
+        assert "rank 0 ran '<root>' x1, 'blocks.0' x1, 'blocks.1' x1, 'blocks.2' x1" in message
+        assert "rank 1 ran '<root>' x1, 'blocks.0' x1, 'blocks.1' x2, 'blocks.2' x1" in message
     assert time.monotonic() - start < 30
 
 

@@ -29,7 +29,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
         memory_efficient_linear mics_hierarchical_params_gather mics_shard_size
         offload_optimizer offload_param override_module_apply
         pipeline_loading_checkpoint round_robin_gradients
-        stage3_gather_fp16_weights_on_model_save stage3_max_reuse_distance
+        stage3_gather_fp16_weights_on_model_save
         stage3_model_persistence_threshold stage3_module_granularity_threshold
         sub_group_size use_multi_rank_bucket_allreduce zero_hpz_partition_size
         zero_quantized_gradients zero_quantized_nontrainable_weights

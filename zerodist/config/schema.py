@@ -73,6 +73,7 @@ _ELEMENT_COUNT_FIELDS = (
     "stage3_prefetch_bucket_size",
     "stage3_param_persistence_threshold",
     "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
 )
 _BATCH_FIELDS = (
     "train_batch_size",
@@ -156,6 +157,11 @@ class ZeroConfig(Section):
     )
     stage3_max_live_parameters: ElementCount = Field(
         1_000_000_000, description="Stage 3: most gathered parameter elements alive at once."
+    )
+    stage3_max_reuse_distance: ElementCount = Field(
+        1_000_000_000,
+        description="Stage 3: keep a unit gathered from its forward to its backward when fewer "
+        "parameter elements than this are used in between (0: always free it after forward).",
     )
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False, description="Stage 3: gather full 16-bit weights when saving the model."

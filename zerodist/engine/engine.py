@@ -128,8 +128,6 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        if self.stage3 is not None:
-            self.stage3.before_step()
         result = self.optimizer.step()
         self.last_step = result
         self.global_steps += 1

@@ -1,8 +1,9 @@
 """ZeRO stage 3: parameters sharded across ranks, gathered per module unit around its use.
 
     forward:  pre-hook   unit SHARDED -> all-gather -> UNSHARDED (and prefetch the next units)
-              post-hook  UNSHARDED -> SHARDED (not the root unit), and arm a backward pre-hook
-    backward: pre-hook   (first gradient reaching the unit's outputs) gather again, prefetch
+              post-hook  UNSHARDED -> SHARDED (not the root, not a unit kept for its backward:
+                         [Note: reuse between forward and backward]), arm a backward pre-hook
+    backward: pre-hook   (first gradient reaching the unit's outputs) gather again if freed, prefetch
               the unit's gradients complete (bucket full) -> reduce-scatter -> reshard
     end of backward: everything still gathered (the root, units with unused parameters) reshards
 
@@ -14,10 +15,15 @@ parameter. Which parameter belongs to which unit is kept in this module's own re
 
 [Note: unit order check] Stage 3 issues collectives from hooks, so ranks whose control flow
 differs (a block run twice on one rank, an early exit) would pair different collectives and
-hang. Before each of its collectives every rank exchanges a three-number fingerprint (what,
-which unit, how many times) in one tiny all-gather; the first divergence is therefore always
-between two fingerprint exchanges, which then raise on every rank naming the unit and what
-each rank did.
+hang (gloo aborts the process when the sizes differ). Before each batch of gathers (a hook's
+own unit and the units it prefetches) every rank exchanges a fingerprint (what, which unit, how
+many times, which batch) in one tiny all-gather, and so before each reduce-scatter when a gather
+can fall between them; the first divergence is therefore always at a fingerprint exchange, which
+then raises on every rank naming the unit and what each rank did. When no unit is gathered in
+backward, the reduce-scatters are the only collectives there and the reducer issues them in one
+fixed order, so they need no exchange. After each backward the ranks also compare which units'
+forwards ran, in which order: a divergence that moved no data (everything already gathered) is
+named there instead of passing silently.
 """
 
 from __future__ import annotations
@@ -99,34 +105,73 @@ def select_unit_modules(model: torch.nn.Module, unit_classes: Iterable[str]) -> 
 
 
 class _OrderCheck:
-    """Fingerprint exchange before each stage-3 collective ([Note: unit order check])."""
+    """Fingerprint exchange before stage-3 collectives ([Note: unit order check])."""
 
-    KINDS = ("gather for forward", "gather for backward", "reduce gradients of", "step after")
+    KINDS = ("gather for forward", "gather for backward", "reduce gradients of", "finish backward after")
 
     def __init__(self, units: list[Unit], group: Any, enabled: bool, device: torch.device):
         self.units, self.group, self.enabled, self.device = units, group, enabled, device
         self.counts: dict[tuple[int, int], int] = {}
 
-    def __call__(self, kind: int, unit: Unit) -> None:
+    def __call__(self, kind: int, unit: Unit, batch: list[Unit] | None = None) -> None:
+        """Every rank is about to issue `kind` for `unit` (and gathers for the rest of `batch`):
+        one 5-number all-gather; raises on every rank if any rank would do something else."""
         if not self.enabled:
             return
-        key = (kind, unit.index)
-        self.counts[key] = self.counts.get(key, 0) + 1
-        mine = torch.tensor([kind, unit.index, self.counts[key]], dtype=torch.int64, device=self.device)
-        size = comm.get_world_size(self.group)
-        everyone = torch.empty(3 * size, dtype=torch.int64, device=mine.device)
-        comm.all_gather(everyone, mine, group=self.group)
-        rows = everyone.view(size, 3).tolist()
+        batch = batch or [unit]
+        digest = 0
+        for member in batch:  # "time": how often this rank has done `kind` for the unit, prefetches included
+            key = (kind, member.index)
+            self.counts[key] = self.counts.get(key, 0) + 1
+            digest = (digest * 1_000_003 + member.index + 1) % (1 << 61)
+        rows = self._exchange([kind, unit.index, self.counts[(kind, unit.index)], len(batch), digest])
         if any(row != rows[0] for row in rows):
-            ranks = [comm.get_global_rank(self.group, r) for r in range(size)]
             did = "; ".join(
                 f"rank {rank} would {self.KINDS[k]} unit '{self.units[u].name}' (time {c})"
-                for rank, (k, u, c) in zip(ranks, rows)
+                + (f" with {n - 1} more unit(s) prefetched" if n > 1 else "")
+                for rank, (k, u, c, n, _) in zip(self._ranks(), rows)
             )
             raise Stage3ControlFlowError(
                 f"ZeRO-3 ranks diverged: {did}. Every rank must run the same units the same number of times "
                 "in the same order (same control flow); make data-dependent branches agree across ranks."
             )
+
+    def end_backward(self, runs: list[int]) -> None:
+        """After each backward: the ranks ran the same units' forwards, in the same order (`runs`:
+        unit indices in the order their forward started). Catches divergence that moved no data."""
+        if not self.enabled:
+            return
+        digest = 0
+        for index in runs:
+            digest = (digest * 1_000_003 + index + 1) % (1 << 61)
+        rows = self._exchange([3, 0, len(runs), digest, 0])
+        if all(row == rows[0] for row in rows):
+            return
+        everyone: list[Any] = [None] * comm.get_world_size(self.group)
+        comm.all_gather_object(everyone, runs, group=self.group)  # every rank saw the mismatch: all come
+        described = []
+        for rank, sequence in zip(self._ranks(), everyone):
+            counts: dict[int, int] = {}
+            for index in sequence:
+                counts[index] = counts.get(index, 0) + 1
+            listed = ", ".join(f"'{self.units[i].name}' x{n}" for i, n in sorted(counts.items()))
+            order = " -> ".join(f"'{self.units[i].name}'" for i in sequence)
+            described.append(f"rank {rank} ran {listed} (in order {order})")
+        raise Stage3ControlFlowError(
+            "ZeRO-3 ranks diverged in this forward/backward: " + "; ".join(described) + ". Every rank must run "
+            "the same units the same number of times in the same order (same control flow); make "
+            "data-dependent branches agree across ranks."
+        )
+
+    def _exchange(self, row: list[int]) -> list[list[int]]:
+        mine = torch.tensor(row, dtype=torch.int64, device=self.device)
+        size = comm.get_world_size(self.group)
+        everyone = torch.empty(len(row) * size, dtype=torch.int64, device=mine.device)
+        comm.all_gather(everyone, mine, group=self.group)
+        return everyone.view(size, len(row)).tolist()
+
+    def _ranks(self) -> list[int]:
+        return [comm.get_global_rank(self.group, r) for r in range(comm.get_world_size(self.group))]
 
     def reset(self) -> None:
         self.counts.clear()
@@ -161,16 +206,32 @@ def register_replicated(groups: list[FlatParamGroup], runtime: Stage3Runtime | N
 
 
 class Stage3Runtime:
-    """Hooks, prefetch and live-memory bound for the units of one model."""
+    """Hooks, prefetch, reuse and live-memory bound for the units of one model.
+
+    [Note: reuse between forward and backward] A unit's backward comes soon after its forward
+    when few parameters are used in between: the last units of the forward are the first of
+    the backward. As DeepSpeed's `stage3_max_reuse_distance`, a unit stays gathered from its
+    forward to its backward when fewer elements than that distance are used in between (twice
+    the units after it: their forward and their backward), and while the root, the kept units
+    and the largest other unit fit in `stage3_max_live_parameters`. Which units are kept is
+    decided once, from the forward order, so it is the same on every rank. With every unit kept
+    no gather happens in backward, and only the gradient reduce-scatters remain, which the
+    reducer issues in one fixed order: they need no fingerprint exchange.
+    """
 
     def __init__(self, model: torch.nn.Module, units: list[Unit], root: Unit, persistent: list[FlatParamGroup], *,
-                 group: Any, prefetch_numel: int, max_live_numel: int, order_check: bool, device: torch.device):
+                 group: Any, prefetch_numel: int, max_live_numel: int, order_check: bool, device: torch.device,
+                 max_reuse_numel: int = 0):
         self.model, self.units, self.root, self.persistent = model, units, root, persistent
         self.order = [u for u in units if u is not root]  # forward order of the non-root units
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
+        self.kept = self._units_kept(max_reuse_numel)
+        # backward gathers can only interleave with reduce-scatters when some unit is not kept
+        self._check_reductions = len(self.kept) < len(self.order)
         self.check = _OrderCheck(units, group, order_check, device)
         self.live_numel = 0
         self.peak_live_numel = 0
+        self._runs: list[int] = []  # unit indices in the order their forward started, this backward
         self._bucket_owner = {id(b): u for u in units for g in u.groups for b in g.buckets}
         self._handles = [root.module.register_forward_pre_hook(self._pre_forward_root)]
         for unit in self.order:
@@ -182,34 +243,57 @@ class Stage3Runtime:
                     _REGISTRY[param] = (_weak(self), _weak(unit), _weak(group_))
         register_replicated(persistent, self)
 
+    def _units_kept(self, max_reuse_numel: int) -> set[int]:
+        """The indices of the units that stay gathered from forward to backward: the longest
+        tail of the forward order within the reuse distance and the live bound."""
+        kept: set[int] = set()
+        after = 0  # elements of the units after the candidate
+        for position in range(len(self.order) - 1, -1, -1):
+            unit = self.order[position]
+            largest_other = max((u.numel for u in self.order[:position]), default=0)
+            if 2 * after >= max_reuse_numel or self.root.numel + after + unit.numel + largest_other > self.max_live_numel:
+                break
+            kept.add(unit.index)
+            after += unit.numel
+        return kept
+
     # ------------------------------------------------------------------ gathering
-    def _issue(self, unit: Unit, kind: int) -> None:
-        if unit.groups:  # a unit without parameters (a root whose parameters all sit in units) moves nothing
-            self.check(kind, unit)
-        unit.start_unshard()
-        self.live_numel += unit.numel
+    def _issue(self, units: list[Unit], kind: int) -> None:
+        """Start gathering `units` (all sharded), after one fingerprint exchange for all of them."""
+        moving = [u for u in units if u.groups]  # a unit without parameters moves nothing
+        if moving:
+            self.check(kind, moving[0], moving)
+        for unit in units:
+            unit.start_unshard()
+            self.live_numel += unit.numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
-    def _require(self, unit: Unit, kind: int) -> None:
-        """Make `unit` gathered now (issuing the gather if no prefetch did)."""
-        if unit.state is UnitState.SHARDED:
-            self._issue(unit, kind)
+    def _require(self, unit: Unit, kind: int, prefetch_step: int = 0) -> None:
+        """Make `unit` gathered now, issuing its gather (if no prefetch did) together with the
+        prefetch of the units after (+1) or before (-1) it."""
+        batch = [unit] if unit.state is UnitState.SHARDED else []
+        if prefetch_step:
+            batch += self._prefetch_candidates(unit, prefetch_step, self.live_numel + sum(u.numel for u in batch))
+        if batch:
+            self._issue(batch, kind)
         if unit.state is UnitState.GATHERING:
             unit.finish_unshard()
 
-    def _prefetch(self, unit: Unit | None, step: int, kind: int) -> None:
-        """Gather the units after (step=+1) or before (step=-1) `unit` (None: from the first)
-        within the prefetch budget and the live-parameter bound."""
-        budget = self.prefetch_numel
-        index = 0 if unit is None else self.order.index(unit) + step
+    def _prefetch_candidates(self, unit: Unit, step: int, live: int) -> list[Unit]:
+        """The units after (step=+1) or before (step=-1) `unit` (the root: from the first) to
+        gather ahead, within the prefetch budget and the live-parameter bound."""
+        budget, chosen = self.prefetch_numel, []
+        index = 0 if unit is self.root else self.order.index(unit) + step
         while 0 <= index < len(self.order):
             candidate = self.order[index]
             if candidate.state is UnitState.SHARDED:
-                if candidate.numel > budget or self.live_numel + candidate.numel > self.max_live_numel:
-                    return
-                self._issue(candidate, kind)
+                if candidate.numel > budget or live + candidate.numel > self.max_live_numel:
+                    break
+                chosen.append(candidate)
                 budget -= candidate.numel
+                live += candidate.numel
             index += step
+        return chosen
 
     def _release(self, unit: Unit) -> None:
         if unit.state is not UnitState.SHARDED:
@@ -217,27 +301,32 @@ class Stage3Runtime:
             self.live_numel -= unit.numel
 
     # ------------------------------------------------------------------ hooks
+    def _record_run(self, unit: Unit) -> None:
+        if torch.is_grad_enabled():  # a forward that a backward (and its check) may follow
+            self._runs.append(unit.index)
+
     def _pre_forward_root(self, module: torch.nn.Module, args: Any) -> None:
-        self._require(self.root, 0)
-        self._prefetch(None, +1, 0)
+        self._record_run(self.root)
+        self._require(self.root, 0, prefetch_step=+1)
 
     def _make_pre_forward(self, unit: Unit):
         def pre_forward(module: torch.nn.Module, args: Any) -> None:
-            self._require(unit, 0)
-            self._prefetch(unit, +1, 0)
+            self._record_run(unit)
+            self._require(unit, 0, prefetch_step=+1)
         return pre_forward
 
     def _make_post_forward(self, unit: Unit):
         def post_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
-            self._release(unit)
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors and torch.is_grad_enabled():
+            backward_follows = bool(tensors) and torch.is_grad_enabled()
+            if not (backward_follows and unit.index in self.kept):
+                self._release(unit)
+            if backward_follows:
                 torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._pre_backward(unit), mode="any")
         return post_forward
 
     def _pre_backward(self, unit: Unit) -> None:
-        self._require(unit, 1)
-        self._prefetch(unit, -1, 1)
+        self._require(unit, 1, prefetch_step=-1)
 
     def on_bucket_complete(self, bucket: Bucket) -> None:
         """A unit's gradients are all in: its parameters are no longer needed in this backward."""
@@ -247,15 +336,14 @@ class Stage3Runtime:
 
     def before_grad_sync(self, bucket: Bucket) -> None:
         unit = self._bucket_owner.get(id(bucket))
-        if unit is not None:
+        if unit is not None and self._check_reductions:
             self.check(2, unit)
-
-    def before_step(self) -> None:
-        self.check(3, self.root)
 
     def end_backward(self) -> None:
         for unit in self.units:
             self._release(unit)
+        runs, self._runs = self._runs, []
+        self.check.end_backward(runs)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
