@@ -317,3 +317,25 @@ def test_partitioned_construction_of_200m_parameters_stays_under_full_size():
         assert full > 190e6 * 4
         # this rank's fp32 shard (1/2) plus about one unit being built, well under the whole model
         assert growth < 0.7 * full, f"peak RSS grew by {growth / 2**20:.0f} MiB for a {full / 2**20:.0f} MiB model"
+
+
+def _run_skipping_a_backward():
+    engine, _, _, _ = zerodist.initialize(model=make_mlp(), config=stage3_config())
+    x, y = global_batch(0, 4)
+    for step in range(2):
+        loss = F.mse_loss(engine(x), y)
+        if step == 1 or comm.get_rank() == 0:  # rank-divergent: rank 1 skips the first backward
+            engine.backward(loss)
+            engine.step()
+
+
+def test_a_rank_skipping_a_backward_is_named():
+    """Everything stays gathered, so rank 1's second forward moves no data and the ranks'
+    reduce-scatters pair up; the run-order check after backward names the divergence."""
+    start = time.monotonic()
+    with pytest.raises(DistributedTestFailure) as info:
+        run_distributed(_run_skipping_a_backward, 2, timeout=60)
+    message = str(info.value)
+    assert "failed on 2 of 2" in message and "Stage3ControlFlowError" in message
+    assert "rank 1 ran '<root>' x2, '0' x2, '2' x2, '4' x2" in message
+    assert time.monotonic() - start < 30
