@@ -69,11 +69,16 @@ class Run:
     framework: str  # zerodist, ddp, deepspeed, fsdp2
     stage: int  # ZeRO stage (DDP: 0; FSDP2: 3, it shards parameters)
     reduce_scatter: bool = True  # zerodist only
+    reuse: bool = True  # stage 3 (zerodist, DeepSpeed): False sets stage3_max_reuse_distance to 0
 
     @property
     def name(self) -> str:
-        suffix = "" if self.reduce_scatter else " (all-reduce)"
+        suffix = ("" if self.reduce_scatter else " (all-reduce)") + ("" if self.reuse else " (no reuse)")
         return f"{self.framework}{suffix}"
+
+    @property
+    def stage3_options(self) -> dict[str, int]:
+        return {} if self.reuse else {"stage3_max_reuse_distance": 0}
 
 
 # Stage 3 (zerodist and DeepSpeed alike): shard every parameter, as FSDP2 does per block; with
@@ -87,9 +92,8 @@ SIZES = {
 }
 RUNS = [
     Run("ddp", 0),
-    Run("zerodist", 0), Run("zerodist", 0, reduce_scatter=False), Run("zerodist", 1), Run("zerodist", 2),
-    Run("zerodist", 3),
-    Run("deepspeed", 0), Run("deepspeed", 1), Run("deepspeed", 2), Run("deepspeed", 3),
+    Run("zerodist", 0), Run("zerodist", 1), Run("zerodist", 2), Run("zerodist", 3), Run("zerodist", 3, reuse=False),
+    Run("deepspeed", 0), Run("deepspeed", 1), Run("deepspeed", 2), Run("deepspeed", 3), Run("deepspeed", 3, reuse=False),
     Run("fsdp2", 3),
 ]
 
@@ -159,7 +163,7 @@ class ZerodistTrainer:
             "gradient_clipping": CLIP, "steps_per_print": 10**6,
             "zero_optimization": {"stage": run.stage, "reduce_scatter": run.reduce_scatter,
                                   "reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS,
-                                  **STAGE3},
+                                  **STAGE3, **run.stage3_options},
         }
         self.engine, _, _, _ = zerodist.initialize(model=model, config=config)
         self.trace: Any = None
@@ -228,7 +232,7 @@ class DeepSpeedTrainer:
             "train_micro_batch_size_per_gpu": size.micro_batch, "gradient_accumulation_steps": 1,
             "gradient_clipping": CLIP, "steps_per_print": 10**6, "zero_allow_untested_optimizer": True,
             "zero_optimization": {"stage": run.stage, "reduce_bucket_size": BUCKET_ELEMENTS,
-                                  "allgather_bucket_size": BUCKET_ELEMENTS, **STAGE3},
+                                  "allgather_bucket_size": BUCKET_ELEMENTS, **STAGE3, **run.stage3_options},
         }
         optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
         self.model = model
@@ -452,7 +456,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         peers = [r for r in rows if r["size"] == row["size"] and "step_ms" in r]
         ddp = next((r for r in peers if r["framework"] == "ddp"), None)
         ds_stage = 0 if row["framework"] == "ddp" else row["stage"]
-        ds = next((r for r in peers if r["framework"] == "deepspeed" and r["stage"] == ds_stage), None)
+        ds_name = "deepspeed (no reuse)" if row["framework"].endswith(" (no reuse)") else "deepspeed"
+        ds = next((r for r in peers if r["framework"] == ds_name and r["stage"] == ds_stage), None)
         for name, base in (("ddp", ddp), ("deepspeed", ds)):
             row[f"vs_{name}"] = row["step_ms"] / base["step_ms"] if base else None
             row[f"cpu_vs_{name}"] = sum(row["cpu_ms"]) / sum(base["cpu_ms"]) if base else None
