@@ -36,16 +36,17 @@ def test_communication_per_step_is_two_psi(world_size, stage):
     with comm.trace() as t:
         _one_step(engine)
     buckets = len(engine.groups[0].buckets)
-    if stage == 0:  # data parallelism as DDP does it: one all-reduce per bucket (+ the 1-element norm)
+    if stage == 0:  # data parallelism as DDP does it: one all-reduce per bucket (+ the step's 2 elements)
         assert t.count("reduce_scatter") == 0 and t.count("all_gather") == 0
-        assert t.count("all_reduce") == buckets + 1 and t.total_numel("all_reduce") == psi + 1
-        assert t.bus_elements("all_reduce") == pytest.approx(2 * (psi + 1) * (n - 1) / n)
+        assert t.count("all_reduce") == buckets + 1 and t.total_numel("all_reduce") == psi + 2
+        assert t.bus_elements("all_reduce") == pytest.approx(2 * (psi + 2) * (n - 1) / n)
         return
     grad_and_param = t.bus_elements("reduce_scatter") + t.bus_elements("all_gather")
     assert grad_and_param == pytest.approx(2 * psi * (n - 1) / n)
     assert t.total_numel("reduce_scatter") == psi and t.total_numel("all_gather") == psi
-    # The only all-reduce is the one-element global gradient norm: no gradient is all-reduced.
-    assert t.count("all_reduce") == 1 and t.total_numel("all_reduce") == 1
+    # The only all-reduce is the step's: the global gradient norm and the overflow flag; no
+    # gradient is all-reduced.
+    assert t.count("all_reduce") == 1 and t.total_numel("all_reduce") == 2
     assert t.count("reduce_scatter") == buckets
 
 
@@ -58,7 +59,7 @@ def test_reduce_scatter_false_all_reduces_gradients(stage):
     with comm.trace() as t:
         _one_step(engine)
     assert t.count("reduce_scatter") == 0
-    assert t.total_numel("all_reduce") == psi + 1  # gradients + the norm
+    assert t.total_numel("all_reduce") == psi + 2  # gradients + the norm and the overflow flag
     assert t.total_numel("all_gather") == (0 if stage == 0 else psi)
 
 

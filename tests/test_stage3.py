@@ -102,17 +102,19 @@ def test_communication_is_three_psi(world_size):
     bus = sum(r.bus_elements for r in gathers) + t.bus_elements("reduce_scatter")
     assert bus == pytest.approx((3 * psi - root) * (n - 1) / n)
     # one fingerprint exchange per batch of gathers (the root's forward hook gathers the root and
-    # prefetches every unit; the first backward hook gathers the rest), one per reduce-scatter
-    # (they can interleave with backward gathers), one after backward ([Note: unit order check])
-    assert len(checks) == 2 + t.count("reduce_scatter") + 1
-    assert t.count("all_reduce") == 1 and t.total_numel("all_reduce") == 1
+    # prefetches every unit; the first backward hook gathers the rest) and one per reduce-scatter
+    # (they can interleave with backward gathers) ([Note: unit order check]); the step's one
+    # all-reduce carries the norm, the overflow flag and the run-order digests
+    assert len(checks) == 2 + t.count("reduce_scatter")
+    assert t.count("all_reduce") == 1 and t.total_numel("all_reduce") == 2 + 2 * 3
 
 
 @distributed_test(world_size=[2, 4])
 def test_units_reused_from_forward_to_backward_are_gathered_once(world_size):
     """With DeepSpeed's default reuse distance a small model stays gathered from its forward to
-    its backward ([Note: reuse between forward and backward]): Ψ gathered, Ψ reduced, and only
-    two fingerprint exchanges (the forward's one batch, and after backward)."""
+    its backward ([Note: reuse between forward and backward]): Ψ gathered, Ψ reduced, and one
+    fingerprint exchange (the forward's one batch); the run-order check rides on the step's
+    all-reduce."""
     engine, _, _, _ = zerodist.initialize(model=make_mlp(), config=stage3_config())
     assert engine.stage3.kept == {u.index for u in engine.stage3.units[1:]}
     x, y = global_batch(0, 4)
@@ -124,7 +126,8 @@ def test_units_reused_from_forward_to_backward_are_gathered_once(world_size):
     gathers = [r for r in t.records if r.op == "all_gather" and r.dtype != torch.int64]
     checks = [r for r in t.records if r.op == "all_gather" and r.dtype == torch.int64]
     assert sum(r.numel for r in gathers) == psi and t.total_numel("reduce_scatter") == psi
-    assert len(checks) == 2
+    assert len(checks) == 1
+    assert t.count("all_reduce") == 1 and t.total_numel("all_reduce") == 2 + 2 * 3
     assert all(u.state.value == "sharded" for u in engine.stage3.units)  # all freed after backward
 
 
@@ -232,6 +235,7 @@ def _run_divergent(reuse):
     engine, _, _, _ = zerodist.initialize(model=_TwiceOnRankOne(), config=base_config(
         3, zero_optimization={"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": reuse}))
     engine.backward(engine(torch.randn(2, 8)).pow(2).mean())
+    engine.step()
 
 
 @pytest.mark.parametrize("reuse", [0, 10**9])
@@ -247,7 +251,7 @@ def test_divergent_control_flow_is_an_error_on_every_rank(reuse):
         # rank 0 ran blocks.2 (prefetched) and went on: its next gather is blocks.2's, in some phase
         assert re.search(r"rank 0 would gather for (forward|backward) unit 'blocks.2' \(time 1\)", message)
     else:
-        # everything stays gathered, so no collective differs: the check after backward names it
+        # everything stays gathered, so no collective differs: the step's run-order check names it
         assert "rank 0 ran '<root>' x1, 'blocks.0' x1, 'blocks.1' x1, 'blocks.2' x1" in message
         assert "rank 1 ran '<root>' x1, 'blocks.0' x1, 'blocks.1' x2, 'blocks.2' x1" in message
     assert time.monotonic() - start < 30
@@ -331,7 +335,7 @@ def _run_skipping_a_backward():
 
 def test_a_rank_skipping_a_backward_is_named():
     """Everything stays gathered, so rank 1's second forward moves no data and the ranks'
-    reduce-scatters pair up; the run-order check after backward names the divergence."""
+    reduce-scatters pair up; the run-order check in the step names the divergence."""
     start = time.monotonic()
     with pytest.raises(DistributedTestFailure) as info:
         run_distributed(_run_skipping_a_backward, 2, timeout=60)

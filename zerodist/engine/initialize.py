@@ -78,6 +78,8 @@ def initialize(
     scaler = LossScaler.from_fp16_config(config.fp16) if policy.loss_scaling else LossScaler.disabled()
     sharded = ZeroOptimizer(groups, reducer, inner, scaler=scaler, gradient_clipping=config.gradient_clipping,
                             check_overflow=policy.loss_scaling, norm_group=topology.group("data", "expert"))
+    if runtime is not None and config.zerodist.debug.unit_order_check:
+        sharded.step_checks.append(runtime.runs)
     scheduler = build_scheduler(config, inner, lr_scheduler)
     loader = None
     if training_data is not None:

@@ -1,7 +1,7 @@
 """The ZeRO optimizer step: agree on overflow, clip by the global norm, step the shards, gather.
 
-    reduced gradients (per bucket) -> overflow? (fp16; all ranks agree) -> global norm
-    (partial sums of squares of disjoint shards, all-reduced) -> scale by 1/loss_scale and the
+    reduced gradients (per bucket) -> one all-reduce: the global norm (partial sums of squares
+    of disjoint shards), overflow (fp16; all ranks agree) and step checks -> scale by 1/loss_scale and the
     clip coefficient -> torch optimizer steps this rank's tensors -> master -> params ->
     all-gather updated shards (stages 1/2)
 
@@ -42,6 +42,10 @@ class ZeroOptimizer:
         self.gradient_clipping = gradient_clipping
         self.check_overflow = check_overflow
         self.norm_group = norm_group
+        # Small integers every rank must agree on, compared inside the step's one all-reduce:
+        # objects with digests() -> list[int] (each < 2**20), explain() (raises) and reset().
+        # Stage 3's run-order check is one ([Note: unit order check]).
+        self.step_checks: list[Any] = []
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -54,30 +58,40 @@ class ZeroOptimizer:
     def _owned_grads(self) -> list[torch.Tensor]:
         return [g for group in self.groups for g in group.owned_grads()]
 
-    def _any_overflow(self) -> bool:
-        flag = torch.zeros(1, device=self.groups[0].device)
-        for grad in self._owned_grads():
-            if not torch.isfinite(grad).all():
-                flag.fill_(1.0)
-                break
-        comm.all_reduce(flag, op=comm.ReduceOp.MAX)  # every rank skips together
-        return bool(flag.item())
-
-    def global_grad_norm(self) -> float:
-        """L2 norm of the whole (scaled) gradient: each rank's shards are disjoint, so the sum of
-        their squares over the group is the square of the norm."""
+    def _reduce_step_stats(self) -> tuple[float, bool]:
+        """One all-reduce for what every rank must agree on before stepping: the sum of squares
+        of the (disjoint) owned gradients, i.e. the squared global norm; whether any rank's
+        gradients overflowed (fp16); and the step checks' digests, each sent with its square
+        (the sums equal n*d and n*d**2 on every rank only if every rank's d is the same)."""
+        grads = self._owned_grads()
         squares = torch.zeros((), dtype=torch.float32, device=self.groups[0].device)
-        for grad in self._owned_grads():
+        for grad in grads:
             squares += grad.float().pow(2).sum()
-        comm.all_reduce(squares, group=self.norm_group)
-        return math.sqrt(squares.item())
+        overflow = self.check_overflow and not all(bool(torch.isfinite(g).all()) for g in grads)
+        digests = [float(d) for check in self.step_checks for d in check.digests()]
+        stats = torch.tensor([0.0, float(overflow)] + [x for d in digests for x in (d, d * d)],
+                             dtype=torch.float64, device=squares.device)
+        stats[0] = squares
+        comm.all_reduce(stats, group=self.norm_group)
+        values = stats.tolist()
+        n = comm.get_world_size(self.norm_group)
+        position = 2
+        for check in self.step_checks:
+            mine = check.digests()
+            sums = values[position: position + 2 * len(mine)]
+            position += 2 * len(mine)
+            if any(sums[2 * i] != n * d or sums[2 * i + 1] != n * d * d for i, d in enumerate(mine)):
+                check.explain()
+            check.reset()
+        return values[0], values[1] > 0
 
     def step(self) -> StepResult:
-        if self.check_overflow and self._any_overflow():
+        squares, overflow = self._reduce_step_stats()
+        if overflow:
             self.scaler.update(True)
             self.zero_grad()
             return StepResult(math.inf, True, 1.0)
-        norm = self.global_grad_norm() / self.scaler.scale
+        norm = math.sqrt(squares) / self.scaler.scale
         clip_coef = 1.0
         if self.gradient_clipping > 0:
             clip_coef = min(1.0, self.gradient_clipping / (norm + _CLIP_EPS))

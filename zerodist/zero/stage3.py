@@ -21,9 +21,10 @@ many times, which batch) in one tiny all-gather, and so before each reduce-scatt
 can fall between them; the first divergence is therefore always at a fingerprint exchange, which
 then raises on every rank naming the unit and what each rank did. When no unit is gathered in
 backward, the reduce-scatters are the only collectives there and the reducer issues them in one
-fixed order, so they need no exchange. After each backward the ranks also compare which units'
-forwards ran, in which order: a divergence that moved no data (everything already gathered) is
-named there instead of passing silently.
+fixed order, so they need no exchange. At each optimizer step the ranks also compare which
+units' forwards ran since the last step, in which order (`RunCheck`, digests carried by the
+step's one all-reduce): a divergence that moved no data (everything already gathered) is named
+there instead of passing silently.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def select_unit_modules(model: torch.nn.Module, unit_classes: Iterable[str]) -> 
 class _OrderCheck:
     """Fingerprint exchange before stage-3 collectives ([Note: unit order check])."""
 
-    KINDS = ("gather for forward", "gather for backward", "reduce gradients of", "finish backward after")
+    KINDS = ("gather for forward", "gather for backward", "reduce gradients of")
 
     def __init__(self, units: list[Unit], group: Any, enabled: bool, device: torch.device):
         self.units, self.group, self.enabled, self.device = units, group, enabled, device
@@ -136,33 +137,6 @@ class _OrderCheck:
                 "in the same order (same control flow); make data-dependent branches agree across ranks."
             )
 
-    def end_backward(self, runs: list[int]) -> None:
-        """After each backward: the ranks ran the same units' forwards, in the same order (`runs`:
-        unit indices in the order their forward started). Catches divergence that moved no data."""
-        if not self.enabled:
-            return
-        digest = 0
-        for index in runs:
-            digest = (digest * 1_000_003 + index + 1) % (1 << 61)
-        rows = self._exchange([3, 0, len(runs), digest, 0])
-        if all(row == rows[0] for row in rows):
-            return
-        everyone: list[Any] = [None] * comm.get_world_size(self.group)
-        comm.all_gather_object(everyone, runs, group=self.group)  # every rank saw the mismatch: all come
-        described = []
-        for rank, sequence in zip(self._ranks(), everyone):
-            counts: dict[int, int] = {}
-            for index in sequence:
-                counts[index] = counts.get(index, 0) + 1
-            listed = ", ".join(f"'{self.units[i].name}' x{n}" for i, n in sorted(counts.items()))
-            order = " -> ".join(f"'{self.units[i].name}'" for i in sequence)
-            described.append(f"rank {rank} ran {listed} (in order {order})")
-        raise Stage3ControlFlowError(
-            "ZeRO-3 ranks diverged in this forward/backward: " + "; ".join(described) + ". Every rank must run "
-            "the same units the same number of times in the same order (same control flow); make "
-            "data-dependent branches agree across ranks."
-        )
-
     def _exchange(self, row: list[int]) -> list[list[int]]:
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)
         size = comm.get_world_size(self.group)
@@ -175,6 +149,55 @@ class _OrderCheck:
 
     def reset(self) -> None:
         self.counts.clear()
+
+
+class RunCheck:
+    """Which units' forwards ran since the last optimizer step, in which order: compared across
+    ranks inside the step's one all-reduce (`ZeroOptimizer.step_checks`), so a divergence that
+    moved no data (everything already gathered) is named too ([Note: unit order check])."""
+
+    _KEEP = 10_000  # runs remembered for the message; the digests cover them all
+
+    def __init__(self, units: list[Unit], group: Any):
+        self.units, self.group = units, group
+        self.runs: list[int] = []
+        self.count = 0
+        self._digests = [0, 0]
+
+    def record(self, unit: Unit) -> None:
+        self.count += 1
+        if len(self.runs) < self._KEEP:
+            self.runs.append(unit.index)
+        # two independent 20-bit digests: their squares stay exact when summed in float64
+        self._digests[0] = (self._digests[0] * 1_000_003 + unit.index + 1) % 1_048_573
+        self._digests[1] = (self._digests[1] * 999_983 + self.count * (unit.index + 7)) % 1_048_571
+
+    def digests(self) -> list[int]:
+        return [*self._digests, self.count % 1_048_573]
+
+    def reset(self) -> None:
+        self.runs, self.count, self._digests = [], 0, [0, 0]
+
+    def explain(self) -> None:
+        """Every rank found the digests differ: exchange the runs and raise, naming them."""
+        everyone: list[Any] = [None] * comm.get_world_size(self.group)
+        comm.all_gather_object(everyone, (self.count, self.runs), group=self.group)
+        described = []
+        for rank, (count, sequence) in enumerate(everyone):
+            counts: dict[int, int] = {}
+            for index in sequence:
+                counts[index] = counts.get(index, 0) + 1
+            listed = ", ".join(f"'{self.units[i].name}' x{n}" for i, n in sorted(counts.items()))
+            order = " -> ".join(f"'{self.units[i].name}'" for i in sequence[:50])
+            more = f" ({count - 50} more)" if count > 50 else ""
+            described.append(f"rank {comm.get_global_rank(self.group, rank)} ran {listed} "
+                             f"(in order {order}{more})")
+        self.reset()
+        raise Stage3ControlFlowError(
+            "ZeRO-3 ranks diverged since the last optimizer step: " + "; ".join(described) + ". Every rank "
+            "must run the same units the same number of times in the same order (same control flow); make "
+            "data-dependent branches agree across ranks."
+        )
 
 
 # parameter -> weak (runtime or None, unit or None, group): zerodist's own bookkeeping, never on
@@ -231,7 +254,7 @@ class Stage3Runtime:
         self.check = _OrderCheck(units, group, order_check, device)
         self.live_numel = 0
         self.peak_live_numel = 0
-        self._runs: list[int] = []  # unit indices in the order their forward started, this backward
+        self.runs = RunCheck(units, group)
         self._bucket_owner = {id(b): u for u in units for g in u.groups for b in g.buckets}
         self._handles = [root.module.register_forward_pre_hook(self._pre_forward_root)]
         for unit in self.order:
@@ -302,8 +325,8 @@ class Stage3Runtime:
 
     # ------------------------------------------------------------------ hooks
     def _record_run(self, unit: Unit) -> None:
-        if torch.is_grad_enabled():  # a forward that a backward (and its check) may follow
-            self._runs.append(unit.index)
+        if torch.is_grad_enabled():  # a forward that a backward (and a step) may follow
+            self.runs.record(unit)
 
     def _pre_forward_root(self, module: torch.nn.Module, args: Any) -> None:
         self._record_run(self.root)
@@ -342,8 +365,6 @@ class Stage3Runtime:
     def end_backward(self) -> None:
         for unit in self.units:
             self._release(unit)
-        runs, self._runs = self._runs, []
-        self.check.end_backward(runs)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
