@@ -137,17 +137,20 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
     zero = engine.config.zero_optimization
     world = engine.topology.size("data", "expert")
     psi = sum(g.layout.total_numel for g in engine.groups)
+    psi_by_stage: dict[int, int] = {}
+    for group in engine.groups:  # stage 3 keeps parameters under the persistence threshold in stage-2 groups
+        psi_by_stage[group.stage] = psi_by_stage.get(group.stage, 0) + group.layout.total_numel
     tokens = len(records) * engine.batch.train_batch_size * seq_len
     return RunSummary(
         steps=len(records), world_size=world, stage=zero.stage, precision=engine.policy.name, elapsed_s=elapsed,
-        losses=[r.loss for r in records], tokens_per_s=tokens / elapsed, psi=psi, memory=memory,
+        losses=[r.loss for r in records], tokens_per_s=tokens / elapsed, psi=psi, psi_by_stage=psi_by_stage, memory=memory,
         comm_table=everything.format_summary(), comm_bytes=everything.total_bytes(),
         comm_bus_bytes=sum(r.bus_bytes for r in everything.records),
         logging_bytes=sum(t.total_bytes() for t in logging_traces),
         logging_bus_bytes=sum(r.bus_bytes for t in logging_traces for r in t.records),
         expected_bus_bytes_per_step=expected_bus_bytes(
             stage=zero.stage, psi=psi, world_size=world, accumulation_steps=engine.gradient_accumulation_steps,
-            reduce_scatter=zero.reduce_scatter, element_bytes=engine.groups[0].param_buffer.element_size()),
+            reduce_scatter=zero.reduce_scatter, element_bytes=engine.policy.param_dtype.itemsize),
     )
 
 

@@ -70,6 +70,7 @@ class RunSummary:
     losses: list[float]
     tokens_per_s: float
     psi: int
+    psi_by_stage: dict[int, int]  # padded elements by the stage their group runs (stage 3: sharded vs persistent)
     memory: list[RankMemory]
     comm_table: str  # the tracer's format_summary() on rank 0
     comm_bytes: int  # every collective on rank 0 while training
@@ -89,10 +90,17 @@ def loss_line(losses: list[float]) -> str:
 
 def memory_lines(summary: RunSummary) -> list[str]:
     mixed = summary.precision != "fp32"
-    formula = state_formula(summary.stage, mixed)
-    expected = state_formula_bytes(summary.stage, mixed, summary.psi, summary.world_size)
-    lines = [f"model state per rank (Ψ = {summary.psi:,} padded parameters, N = {summary.world_size}, Adam; "
-             f"DESIGN.md: {formula} = {format_bytes(expected)}):"]
+    expected = sum(state_formula_bytes(stage, mixed, psi, summary.world_size)
+                   for stage, psi in summary.psi_by_stage.items())
+    if len(summary.psi_by_stage) == 1:
+        described = f"Ψ = {summary.psi:,} padded parameters, N = {summary.world_size}, Adam; " \
+                    f"DESIGN.md: {state_formula(summary.stage, mixed)}"
+    else:  # stage 3 with parameters under the persistence threshold: those are stage-2 groups
+        parts = [f"stage {stage}: {psi:,} ({state_formula(stage, mixed)})"
+                 for stage, psi in sorted(summary.psi_by_stage.items(), reverse=True)]
+        described = f"Ψ = {summary.psi:,} padded parameters, of which {'; '.join(parts)}, N = {summary.world_size}, " \
+                    "Adam; DESIGN.md"
+    lines = [f"model state per rank ({described} = {format_bytes(expected)}):"]
     for m in summary.memory:
         total = m.state["total"]
         verdict = "matches" if total == expected else f"differs by {format_bytes(total - expected)}"
