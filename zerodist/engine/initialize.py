@@ -149,9 +149,10 @@ def _log_summary(engine: Engine, info: comm.WorldInfo) -> None:
     log_rank0(
         logger,
         "initialized: %d rank(s) (%s), ZeRO stage %d, %s, batch %d = micro %d x accumulation %d x data-parallel %d, "
-        "gradient_clipping %s, reduce with %s, bucket %d elements",
+        "gradient_clipping %s, reduce with %s, %d flat group(s) in %d bucket(s) of at most %d elements",
         info.world_size, info.backend, zero.stage, engine.policy.name, engine.batch.train_batch_size,
         engine.batch.micro_batch_size, engine.batch.gradient_accumulation_steps, engine.topology.size("data", "expert"),
         engine.config.gradient_clipping or "0 (off)", "reduce-scatter" if zero.reduce_scatter else "all-reduce",
-        engine.groups[0].layout.buckets[0].numel if engine.groups else 0,
+        len(engine.groups), len(engine.reducer.order),
+        bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
     )
