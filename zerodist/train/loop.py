@@ -147,7 +147,7 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
         logging_bus_bytes=sum(r.bus_bytes for t in logging_traces for r in t.records),
         expected_bus_bytes_per_step=expected_bus_bytes(
             stage=zero.stage, psi=psi, world_size=world, accumulation_steps=engine.gradient_accumulation_steps,
-            reduce_scatter=zero.reduce_scatter, element_bytes=engine.groups[0].param_buffer.element_size()),
+            reduce_scatter=zero.reduce_scatter, element_bytes=engine.groups[0].param_dtype.itemsize),
     )
 
 
