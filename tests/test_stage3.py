@@ -22,12 +22,14 @@ from tests.harness import DistributedTestFailure, distributed_test, run_distribu
 from tests.processes import run_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-UNITS = {"zerodist": {"stage3_unit_classes": ["Linear"]},
-         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+# One unit per Linear, every parameter sharded. The flattening plan depends on both settings at
+# every stage ([Note: one plan for every stage]), so runs compared with stage 3 set them too.
+PER_LINEAR = {"zerodist": {"stage3_unit_classes": ["Linear"]},
+              "zero_optimization": {"stage3_param_persistence_threshold": 0}}
 
 
 def stage3_config(**overrides):
-    config = base_config(3, **UNITS)
+    config = base_config(3, **PER_LINEAR)
     for key, value in overrides.items():
         config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
     return config
@@ -41,25 +43,52 @@ def test_parity_with_single_process_reference(world_size):
     assert_close_relative(state, reference, 1e-6)
 
 
-@pytest.mark.parametrize("units", ["per-linear", "defaults"])
+@pytest.mark.parametrize("units", ["per-linear", "defaults", "per-linear-bf16", "per-linear-clipped"])
 @distributed_test(world_size=[2, 4])
 def test_bitwise_equal_to_stages_0_1_2(world_size, units):
-    """Bitwise where the reduction adds the same numbers in the same order: on 2 ranks always
-    (a + b is exact both ways round), and at any size when stage 3's buckets coincide with
-    stage 2's (defaults on this small model: every parameter is below the persistence
-    threshold). With per-unit buckets on more ranks, gloo's reduce-scatter adds a chunk's
-    contributions in an order that depends on the chunk's position: equal within 1e-6."""
-    stage3 = stage3_config() if units == "per-linear" else base_config(3)
-    _, reference = train_distributed(base_config(0), 10)
-    _, state = train_distributed(stage3, 10)
-    if world_size == 2 or units == "defaults":
+    """Every stage flattens by the same plan, so buckets coincide and gloo adds the same numbers
+    in the same order at every stage ([Note: one plan for every stage]): bitwise equal at any
+    world size, with per-unit buckets (per-linear) or without (defaults: this small model's
+    parameters are all below the persistence threshold), in fp32 and bf16, clipping on or off."""
+    overrides = {} if units == "defaults" else {**PER_LINEAR}
+    if units.endswith("bf16"):
+        overrides["bf16"] = {"enabled": True}
+    if units.endswith("clipped"):
+        overrides["gradient_clipping"] = 0.05  # active: the norm is summed in the same order too
+    engine, reference = train_distributed(base_config(3, **overrides), 10)
+    assert len(engine.stage3.units) == (1 if units == "defaults" else 4)
+    for stage in (0, 1, 2):
+        other_engine, other = train_distributed(base_config(stage, **overrides), 10)
+        assert len(other_engine.groups) == len(engine.groups)
         for key in reference:
-            assert torch.equal(state[key], reference[key]), key
-    else:
-        assert_close_relative(state, reference, 1e-6)
-    for stage in (1, 2):
-        _, other = train_distributed(base_config(stage), 10)
-        assert all(torch.equal(other[k], reference[k]) for k in reference)
+            assert torch.equal(other[key], reference[key]), f"stage {stage} differs from stage 3 at {key}"
+
+
+def _train_gpt(config, steps, model_config):
+    """Train a GPT on this rank's rows of seeded global batches of token ids."""
+    torch.manual_seed(0)  # the same initial weights in every run
+    engine, _, _, _ = zerodist.initialize(model=GPT(model_config), config=config)
+    n, rank, micro = comm.get_world_size(), comm.get_rank(), engine.batch.micro_batch_size
+    for step in range(steps):
+        ids = torch.randint(0, model_config.vocab_size, (n * micro, model_config.seq_len + 1),
+                            generator=torch.Generator().manual_seed(step))[rank * micro: (rank + 1) * micro]
+        engine.backward(engine(ids[:, :-1], ids[:, 1:]))
+        engine.step()
+    return engine, engine.module_state_dict()
+
+
+@distributed_test(world_size=4, timeout=150)
+def test_bitwise_equal_to_stages_0_1_2_with_default_units():
+    """Default settings on a GPT whose blocks hold weights above the persistence threshold: each
+    block is a unit with its own flat group, and stages 0-2 flatten the same groups."""
+    model_config = gpt_config("tiny", d_model=192, n_layers=2, n_heads=2, seq_len=16)
+    engine, reference = _train_gpt(base_config(3), 4, model_config)
+    assert [u.name for u in engine.stage3.units] == ["<root>", "blocks.0", "blocks.1"]
+    assert all(u.groups for u in engine.stage3.units[1:]) and engine.stage3.persistent
+    for stage in (0, 1, 2):
+        _, other = _train_gpt(base_config(stage), 4, model_config)
+        for key in reference:
+            assert torch.equal(other[key], reference[key]), f"stage {stage} differs from stage 3 at {key}"
 
 
 @distributed_test(world_size=2)

@@ -63,6 +63,17 @@ def test_one_rank_in_process_stage_1(tmp_path: Path) -> None:
     assert config["optimizer"]["params"]["lr"] == 1e-3
 
 
+def test_one_rank_stage_3_with_every_parameter_sharded(tmp_path: Path) -> None:
+    # The summary must not read a full buffer from the first flat group: here it is sharded.
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
+    result = run_train("--steps", "3", "--model", "tiny", "--nproc", "1", "--stage", "3", "--config", str(config),
+                       "--out", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "summary: 3 steps on 1 rank(s), ZeRO stage 3, fp32" in result.stdout
+    assert "16Ψ/N" in result.stdout and "(matches)" in result.stdout
+
+
 @pytest.mark.parametrize("content, expected", [
     ("{not json", "not valid JSON"),
     ('{"zero_optimization": {"stag": 2}}', "stage"),

@@ -144,16 +144,19 @@ class ZeroConfig(Section):
         True, description="Copy gradients into one flat buffer as they are produced."
     )
     reduce_bucket_size: ElementCount = Field(
-        500_000_000, description="Elements per gradient-reduction bucket."
+        500_000_000, description="Elements per gradient bucket, at every stage; buckets hold at most "
+        "min(reduce_bucket_size, allgather_bucket_size)."
     )
     allgather_bucket_size: ElementCount = Field(
-        500_000_000, description="Elements per parameter all-gather bucket (stages 1 and 2)."
+        500_000_000, description="Elements per parameter all-gather bucket; a bucket is gathered as it "
+        "was reduced, so this caps buckets at every stage too."
     )
     stage3_prefetch_bucket_size: ElementCount = Field(
         50_000_000, description="Stage 3: parameter elements gathered ahead of use."
     )
     stage3_param_persistence_threshold: ElementCount = Field(
-        100_000, description="Stage 3: parameters smaller than this stay unsharded."
+        100_000, description="Stage 3: parameters smaller than this stay unsharded. Every stage flattens "
+        "them apart from the units, so that its buckets match stage 3's."
     )
     stage3_max_live_parameters: ElementCount = Field(
         1_000_000_000, description="Stage 3: most gathered parameter elements alive at once."
@@ -249,7 +252,8 @@ class ZerodistConfig(Section):
     stage3_unit_classes: list[str] = Field(
         default_factory=list,
         description="Stage 3: module class names that each form one gather unit; empty picks each "
-        "ModuleList item holding at least 5% of the parameters.",
+        "ModuleList item holding at least 5% of the parameters. Every stage flattens one group per unit, "
+        "so that its buckets match stage 3's.",
     )
 
 

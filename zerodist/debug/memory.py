@@ -82,7 +82,7 @@ def peak_rss_bytes() -> int:
 def _cuda_device(engine: Any) -> torch.device | None:
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
-    if engine is not None and engine.groups and engine.groups[0].param_buffer.device.type != "cuda":
+    if engine is not None and engine.groups and engine.groups[0].device.type != "cuda":
         return None
     return torch.device("cuda", torch.cuda.current_device())
 

@@ -23,7 +23,8 @@ from zerodist.engine.schedulers import build_scheduler
 from zerodist.precision import LossScaler, PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, ZeroOptimizer
-from zerodist.zero.partition import build_stage3
+from zerodist.zero.partition import FlattenSettings, build_groups, build_stage3
+from zerodist.zero.plan import bucket_capacity, plan_groups
 from zerodist.zero.stage3 import Stage3Runtime, register_replicated
 
 logger = get_logger(__name__)
@@ -97,22 +98,23 @@ def initialize(
 
 def _flatten(model: torch.nn.Module, specs: list[Any], names: dict[int, str], config: Config,
              topology: comm.Topology, policy: PrecisionPolicy) -> tuple[list[list[FlatParamGroup]], Stage3Runtime | None]:
-    """One flat group per optimizer param group (stages 0-2), or per unit and group (stage 3)."""
+    """The flat groups of each optimizer param group, by one plan at every stage
+    ([Note: one plan for every stage]); at stage 3 also the runtime that gathers the units."""
     zero = config.zero_optimization
-    group, rank, size = topology.group("data", "expert"), topology.axis_rank("data", "expert"), topology.size("data", "expert")
+    group = topology.group("data", "expert")
+    plan = plan_groups(model, [s.params for s in specs], unit_classes=config.zerodist.stage3_unit_classes,
+                       persistence_threshold=zero.stage3_param_persistence_threshold,
+                       bucket_numel=bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size))
+    settings = FlattenSettings(stage=zero.stage, group=group, rank=topology.axis_rank("data", "expert"),
+                               world_size=topology.size("data", "expert"), use_reduce_scatter=zero.reduce_scatter,
+                               param_dtype=policy.param_dtype, device=comm.device_for_rank())
+    groups = build_groups(model, plan, names, settings)
+    runtime = None
     if zero.stage == 3:
-        build = build_stage3(model, specs, names, config=config, group=group, rank=rank, world_size=size,
-                             param_dtype=policy.param_dtype, device=comm.device_for_rank())
-        return build.groups_by_spec, build.runtime
-    bucket_numel = zero.reduce_bucket_size if zero.stage == 0 else min(zero.reduce_bucket_size, zero.allgather_bucket_size)
-    groups = [
-        [FlatParamGroup(s.params, [names[id(p)] for p in s.params], stage=zero.stage, bucket_numel=max(1, bucket_numel),
-                        group=group, rank=rank, world_size=size, use_reduce_scatter=zero.reduce_scatter,
-                        param_dtype=policy.param_dtype)]
-        for s in specs
-    ]
-    register_replicated([g for spec_groups in groups for g in spec_groups])
-    return groups, None
+        runtime = build_stage3(model, plan, groups, config=config, group=group, device=settings.device)
+    else:
+        register_replicated(groups)
+    return plan.by_spec(len(specs), groups), runtime
 
 
 def _fingerprint(model: torch.nn.Module, config: Config) -> tuple[str, str]:
@@ -149,9 +151,10 @@ def _log_summary(engine: Engine, info: comm.WorldInfo) -> None:
     log_rank0(
         logger,
         "initialized: %d rank(s) (%s), ZeRO stage %d, %s, batch %d = micro %d x accumulation %d x data-parallel %d, "
-        "gradient_clipping %s, reduce with %s, bucket %d elements",
+        "gradient_clipping %s, reduce with %s, %d flat group(s) in %d bucket(s) of at most %d elements",
         info.world_size, info.backend, zero.stage, engine.policy.name, engine.batch.train_batch_size,
         engine.batch.micro_batch_size, engine.batch.gradient_accumulation_steps, engine.topology.size("data", "expert"),
         engine.config.gradient_clipping or "0 (off)", "reduce-scatter" if zero.reduce_scatter else "all-reduce",
-        engine.groups[0].layout.buckets[0].numel if engine.groups else 0,
+        len(engine.groups), len(engine.reducer.order),
+        bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
     )

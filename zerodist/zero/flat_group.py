@@ -1,4 +1,4 @@
-"""One optimizer param group's parameters packed into flat buffers, one allocation per kind.
+"""One planned group of parameters (see plan.py) packed into flat buffers, one allocation per kind.
 
     param_buffer   all parameters, padded (the module's parameters become views into it)
     grad_buffer    stages 0/1: the full gradient, same layout

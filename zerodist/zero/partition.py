@@ -1,12 +1,13 @@
-"""Building ZeRO-3: pick units, materialise a meta-built model one unit at a time, shard it.
+"""Building the flat groups of a plan: materialise a meta-built model one unit at a time, flatten it.
 
 Partitioned construction (`zerodist.zero.Init`) builds the model on the meta device, so no
-rank ever holds it whole. `build_stage3()` then walks the modules in `modules()` order (the
+rank ever holds it whole. `build_groups()` then walks the modules in `modules()` order (the
 order their constructors ran), gives each module real storage and calls its own
 `reset_parameters()`, from the RNG state recorded when `Init` was entered: the same draws,
 in the same order, as an eager build (see [Note: per-module init] in zerodist/models/gpt.py).
-As soon as a unit's last module is materialised the unit is flattened and sharded, so the
-peak is the shards plus about one unit.
+As soon as a unit's last module is materialised the unit is flattened (and at stage 3
+sharded), so at stage 3 the peak is the shards plus about one unit. `build_stage3()` then
+makes the units and their runtime.
 
 Contract for models built under `Init`: all random initialisation happens in modules' own
 `reset_parameters()` (the convention of torch.nn's layers, which FSDP's meta-device init
@@ -24,7 +25,8 @@ from typing import Any
 import torch
 
 from zerodist.zero.flat_group import FlatParamGroup
-from zerodist.zero.stage3 import Stage3Runtime, Unit, register_replicated, select_unit_modules
+from zerodist.zero.plan import FlatPlan
+from zerodist.zero.stage3 import Stage3Runtime, Unit, register_replicated
 
 
 @dataclasses.dataclass
@@ -85,72 +87,58 @@ def _materialise(module: torch.nn.Module, name: str, device: torch.device) -> No
         module.reset_parameters()
 
 
-@dataclasses.dataclass
-class Stage3Build:
-    units: list[Unit]
-    persistent: list[FlatParamGroup]
-    groups_by_spec: list[list[FlatParamGroup]]
-    runtime: Stage3Runtime
+@dataclasses.dataclass(frozen=True)
+class FlattenSettings:
+    """What every flat group of one engine shares."""
+
+    stage: int
+    group: Any
+    rank: int
+    world_size: int
+    use_reduce_scatter: bool
+    param_dtype: torch.dtype
+    device: torch.device
 
 
-def _assign_units(model: torch.nn.Module, unit_modules: list[tuple[str, torch.nn.Module]]) -> dict[int, int]:
-    """Parameter id -> unit index (0 = root). A parameter reachable from two units (tied
-    weights) belongs to the root, which stays gathered for the whole step."""
-    owner: dict[int, int] = {}
-    for index, (_, module) in enumerate(unit_modules, start=1):
-        for param in module.parameters():
-            owner[id(param)] = index if owner.get(id(param), index) == index else 0
-    inside = {id(m) for _, unit in unit_modules for m in unit.modules()}
-    for module in model.modules():
-        if id(module) not in inside:
-            for param in module.parameters(recurse=False):
-                owner[id(param)] = 0
-    return owner
+def build_groups(model: torch.nn.Module, plan: FlatPlan, names: dict[int, str],
+                 settings: FlattenSettings) -> list[FlatParamGroup]:
+    """Materialise `model` (if meta-built) and flatten it by `plan`: one group per planned group,
+    in plan order, at every stage ([Note: one plan for every stage]). At stage 3 the unit groups
+    are sharded and the persistent ones are ordinary stage-2 groups.
 
+    A unit's groups are built as soon as its last module is materialised, so at stage 3 the
+    peak is the shards plus about one unit; the root's and the persistent groups come last."""
+    built: dict[int, FlatParamGroup] = {}
 
-def build_stage3(model: torch.nn.Module, specs: list[Any], names: dict[int, str], *, config: Any, group: Any,
-                 rank: int, world_size: int, param_dtype: torch.dtype, device: torch.device) -> Stage3Build:
-    """Materialise (if meta-built), flatten and shard `model` for stage 3."""
-    zero = config.zero_optimization
-    unit_modules = select_unit_modules(model, config.zerodist.stage3_unit_classes)
-    owner = _assign_units(model, unit_modules)
-    spec_of = {id(p): k for k, spec in enumerate(specs) for p in spec.params}
-    numels = {id(p): p.numel() for p in model.parameters()}
-    persistent_ids = {pid for pid in spec_of if numels[pid] < zero.stage3_param_persistence_threshold}
-    last_module = {id(list(module.modules())[-1]): index for index, (_, module) in enumerate(unit_modules, start=1)}
-    groups_by_spec: list[list[FlatParamGroup]] = [[] for _ in specs]
+    def flatten(indices: list[int]) -> None:
+        for i in indices:
+            planned = plan.groups[i]
+            stage = 2 if settings.stage == 3 and planned.persistent else settings.stage
+            built[i] = FlatParamGroup(list(planned.params), [names[id(p)] for p in planned.params], stage=stage,
+                                      bucket_numel=plan.bucket_numel, group=settings.group, rank=settings.rank,
+                                      world_size=settings.world_size, use_reduce_scatter=settings.use_reduce_scatter,
+                                      param_dtype=settings.param_dtype)
 
-    def flatten(params: list[torch.nn.Parameter], stage: int, bucket_numel: int) -> FlatParamGroup:
-        return FlatParamGroup(params, [names[id(p)] for p in params], stage=stage, bucket_numel=bucket_numel,
-                              group=group, rank=rank, world_size=world_size,
-                              use_reduce_scatter=zero.reduce_scatter, param_dtype=param_dtype)
-
-    def build_unit(index: int) -> list[FlatParamGroup]:
-        built = []
-        for k in range(len(specs)):
-            params = [p for p in model.parameters() if owner.get(id(p)) == index and spec_of.get(id(p)) == k
-                      and id(p) not in persistent_ids]
-            if params:
-                built.append(flatten(params, 3, max(1, sum(p.numel() for p in params))))
-                groups_by_spec[k].append(built[-1])
-        return built
-
-    unit_groups: dict[int, list[FlatParamGroup]] = {}
+    last_module = {id(list(module.modules())[-1]): unit
+                   for unit, (_, module) in enumerate(plan.unit_modules, start=1)}
     with _replayed_rng(model):
         for name, module in model.named_modules():
-            _materialise(module, name, device)
+            _materialise(module, name, settings.device)
             if id(module) in last_module:
-                unit_groups[last_module[id(module)]] = build_unit(last_module[id(module)])
-    unit_groups[0] = build_unit(0)
-    persistent = []
-    for k in range(len(specs)):
-        params = [p for p in model.parameters() if id(p) in persistent_ids and spec_of[id(p)] == k]
-        if params:
-            bucket = max(1, min(zero.reduce_bucket_size, zero.allgather_bucket_size))
-            persistent.append(flatten(params, 2, bucket))
-            groups_by_spec[k].append(persistent[-1])
-    units = [Unit(0, "", model, unit_groups[0])] + [
-        Unit(index, name, module, unit_groups[index]) for index, (name, module) in enumerate(unit_modules, start=1)
+                flatten(plan.unit_groups(last_module[id(module)]))
+    flatten(plan.unit_groups(0))
+    flatten([i for i, g in enumerate(plan.groups) if g.persistent])
+    return [built[i] for i in range(len(plan.groups))]
+
+
+def build_stage3(model: torch.nn.Module, plan: FlatPlan, groups: list[FlatParamGroup], *, config: Any, group: Any,
+                 device: torch.device) -> Stage3Runtime:
+    """The units and the runtime that gathers them, over groups built by `build_groups` at stage 3."""
+    zero = config.zero_optimization
+    persistent = [g for g, planned in zip(groups, plan.groups) if planned.persistent]
+    units = [
+        Unit(index, name, module, [groups[i] for i in plan.unit_groups(index)])
+        for index, (name, module) in enumerate((("", model), *plan.unit_modules))
     ]
     runtime = Stage3Runtime(model, units, units[0], persistent, group=group,
                             prefetch_numel=zero.stage3_prefetch_bucket_size,
@@ -158,7 +146,7 @@ def build_stage3(model: torch.nn.Module, specs: list[Any], names: dict[int, str]
                             max_reuse_numel=zero.stage3_max_reuse_distance,
                             order_check=config.zerodist.debug.unit_order_check, device=device)
     register_replicated(persistent, runtime)
-    return Stage3Build(units, persistent, groups_by_spec, runtime)
+    return runtime
 
 
 @contextlib.contextmanager
