@@ -155,7 +155,8 @@ def build_stage3(model: torch.nn.Module, specs: list[Any], names: dict[int, str]
     runtime = Stage3Runtime(model, units, units[0], persistent, group=group,
                             prefetch_numel=zero.stage3_prefetch_bucket_size,
                             max_live_numel=zero.stage3_max_live_parameters,
-                            order_check=config.zerodist.debug.unit_order_check, device=device)
+                            order_check=config.zerodist.debug.unit_order_check,
+                            access_check=config.zerodist.debug.sharded_access_check, device=device)
     register_replicated(persistent, runtime)
     return Stage3Build(units, persistent, groups_by_spec, runtime)
 

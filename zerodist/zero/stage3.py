@@ -164,7 +164,8 @@ class Stage3Runtime:
     """Hooks, prefetch and live-memory bound for the units of one model."""
 
     def __init__(self, model: torch.nn.Module, units: list[Unit], root: Unit, persistent: list[FlatParamGroup], *,
-                 group: Any, prefetch_numel: int, max_live_numel: int, order_check: bool, device: torch.device):
+                 group: Any, prefetch_numel: int, max_live_numel: int, order_check: bool, access_check: bool,
+                 device: torch.device):
         self.model, self.units, self.root, self.persistent = model, units, root, persistent
         self.order = [u for u in units if u is not root]  # forward order of the non-root units
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
@@ -180,6 +181,8 @@ class Stage3Runtime:
             for group_ in unit.groups:
                 for param in group_.params:
                     _REGISTRY[param] = (_weak(self), _weak(unit), _weak(group_))
+                if access_check:
+                    group_.enable_access_check()
         register_replicated(persistent, self)
 
     # ------------------------------------------------------------------ gathering
@@ -273,14 +276,16 @@ def _owners(params: Iterable[torch.Tensor]) -> list[tuple[Any, Unit | None, Flat
 
 
 def is_sharded(param: torch.Tensor) -> bool:
-    """Whether `param` is a ZeRO-3 parameter currently without its values (outside a gather)."""
+    """Whether `param` is a ZeRO-3 parameter currently without its values (outside a gather):
+    using its data then raises `ShardedParameterError` ([Note: sharded access check])."""
     entry = _lookup(param)
     return entry is not None and entry[1] is not None and entry[1].state is not UnitState.UNSHARDED
 
 
 def full_shape(param: torch.Tensor) -> torch.Size:
-    """The logical (unsharded) shape of a parameter, gathered or not. A sharded parameter is a
-    meta tensor of exactly this shape, so `param.shape` agrees; its values need a gather."""
+    """The logical (unsharded) shape of a parameter, gathered or not. A sharded parameter keeps
+    this shape ([Note: sharded placeholder]), so `param.shape`, `param.numel()` and the like
+    agree and stay allowed; its values need a gather (`GatheredParameters`)."""
     return param.shape
 
 
