@@ -23,6 +23,7 @@ each rank did.
 from __future__ import annotations
 
 import enum
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -32,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 import zerodist.comm as comm
+from zerodist.zero import sharded_access
 from zerodist.zero.bucket import Bucket
 from zerodist.zero.flat_group import FlatParamGroup
 
@@ -160,6 +162,14 @@ def register_replicated(groups: list[FlatParamGroup], runtime: Stage3Runtime | N
             _REGISTRY[param] = (_weak(runtime), _weak(None), _weak(group))
 
 
+def _unchecked(method: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(method)
+    def unchecked(*args: Any) -> None:
+        with sharded_access.suspended():
+            method(*args)
+    return unchecked
+
+
 class Stage3Runtime:
     """Hooks, prefetch and live-memory bound for the units of one model."""
 
@@ -186,6 +196,10 @@ class Stage3Runtime:
         register_replicated(persistent, self)
 
     # ------------------------------------------------------------------ gathering
+    # Gathering and resharding run without the access check ([Note: sharded access check]): they
+    # only touch gathered buffers and the check's own placeholders, and on a module called outside
+    # the engine every one of their torch calls would pay for it.
+    @_unchecked
     def _issue(self, unit: Unit, kind: int) -> None:
         if unit.groups:  # a unit without parameters (a root whose parameters all sit in units) moves nothing
             self.check(kind, unit)
@@ -193,6 +207,7 @@ class Stage3Runtime:
         self.live_numel += unit.numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
+    @_unchecked
     def _require(self, unit: Unit, kind: int) -> None:
         """Make `unit` gathered now (issuing the gather if no prefetch did)."""
         if unit.state is UnitState.SHARDED:
@@ -214,6 +229,7 @@ class Stage3Runtime:
                 budget -= candidate.numel
             index += step
 
+    @_unchecked
     def _release(self, unit: Unit) -> None:
         if unit.state is not UnitState.SHARDED:
             unit.reshard()
