@@ -233,7 +233,7 @@ class DebugConfig(Section):
     sharded_access_check: bool = Field(
         True,
         description="Stage 3: using a sharded parameter's values outside a gather raises an error "
-        "naming it, instead of reading NaN; costs 1-2 us per torch call made between engine calls.",
+        "naming it, instead of reading NaN; costs about 2 us per torch call made between engine calls.",
     )
 
 
