@@ -46,6 +46,10 @@ class FlatParamGroup:
         self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
         self.layout: FlatLayout = plan_layout([p.numel() for p in self.params], bucket_numel=bucket_numel,
                                               world_size=world_size)
+        # Stage 3: the parameters' data while sharded, made once ([Note: sharded placeholder]).
+        self.nans, self.placeholders = (
+            sharded_access.placeholders(self.param_shapes, param_dtype, self.params[0].device) if stage == 3 else (None, [])
+        )
         initial = self._gather_initial_values()
         self.master = None
         if param_dtype != initial.dtype:
@@ -107,18 +111,19 @@ class FlatParamGroup:
 
         [Note: sharded placeholder] A sharded parameter keeps its full logical shape, so code that
         inspects shapes keeps working (`zerodist.zero.full_shape(p)` says so explicitly), but holds
-        no values: its data is one NaN in a 1-element storage of its own, broadcast to the shape
-        (zero strides, no memory). torch does not let `param.data` become a meta or subclass tensor,
-        and zerodist never replaces the user's parameter objects, so this is the closest a
-        parameter can get to "no data". Using it is refused by the access check, which recognises
-        the placeholder (and every alias of it) by its address and raises an error naming the
-        parameter ([Note: sharded access check] in sharded_access.py). With the check off
-        (`zerodist.debug.sharded_access_check: false`) reading gives NaN, never a stale or partial
-        value, and writing in place raises torch's own error when the parameter has more than one
-        element (they share one memory location)."""
-        assert self.stage == 3
-        for param in self.params:
-            param.data = sharded_access.placeholder(param.shape, self.param_dtype, self.device)
+        no values: its data is one NaN broadcast to the shape (zero strides, no memory), at an
+        address of its own (one element of `self.nans`, made once per group). torch does not let
+        `param.data` become a meta or subclass tensor, and zerodist never replaces the user's
+        parameter objects, so this is the closest a parameter can get to "no data". Using it is
+        refused by the access check, which recognises the placeholder (and every alias of it) by
+        its address and raises an error naming the parameter ([Note: sharded access check] in
+        sharded_access.py). With the check off (`zerodist.debug.sharded_access_check: false`)
+        reading gives NaN, never a stale or partial value, and writing in place raises torch's
+        own error when the parameter has more than one element (they share one memory location)."""
+        assert self.stage == 3 and self.nans is not None
+        self.nans.fill_(float("nan"))  # NaN again, should a one-element parameter have been written to
+        for param, placeholder in zip(self.params, self.placeholders):
+            param.data = placeholder
         self.param_buffer = None
         self._register_placeholders()
 
@@ -132,8 +137,8 @@ class FlatParamGroup:
 
     def _register_placeholders(self) -> None:
         if self.registration is not None and self.param_buffer is None:
-            for param, name in zip(self.params, self.names):
-                self.registration.add(param.data, name)
+            for placeholder, name in zip(self.placeholders, self.names):
+                self.registration.add(placeholder, name)
 
     def _gather_initial_values(self) -> torch.Tensor:
         """The parameters' values in flat layout, identical on every rank (rank 0's win, as in DDP).
@@ -141,10 +146,10 @@ class FlatParamGroup:
         a unit needs about one unit of extra memory, not two."""
         first = self.params[0]
         buffer = torch.zeros(self.layout.total_numel, dtype=first.dtype, device=first.device)
-        for param, slot in zip(self.params, self.layout.slots):
+        for param, slot, placeholder in zip(self.params, self.layout.slots, self.placeholders or self.params):
             buffer[slot.offset: slot.offset + slot.numel].copy_(param.detach().reshape(-1))
             if self.stage == 3:
-                param.data = sharded_access.placeholder(param.shape, first.dtype, first.device)
+                param.data = placeholder
         _agree_or_broadcast(buffer, self.group)
         return buffer
 

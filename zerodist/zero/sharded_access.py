@@ -7,8 +7,8 @@ replaces, re-classes or sets attributes on the user's parameters, so the paramet
 itself cannot refuse to be read. What can is a `TorchFunctionMode`: it sees every torch call
 made from Python (functions, methods, property getters and setters) with its arguments.
 
-    identity   each sharded parameter's placeholder is one NaN in its own 1-element storage,
-               broadcast to the full shape (all strides 0). Every alias (`p.data`, `p.detach()`,
+    identity   each sharded parameter's placeholder is one NaN at an address of its own (one
+               element of its group's small storage), broadcast to the full shape (all strides 0). Every alias (`p.data`, `p.detach()`,
                `p[0]`, `p.t()`) therefore has the same `data_ptr()`, and the registry maps
                data_ptr -> (placeholder, qualified name, full shape). An entry holds its
                placeholder, so an address in the registry is never a freed one reused by an
@@ -54,9 +54,14 @@ class _Entry(NamedTuple):
 _ENTRIES: dict[int, _Entry] = {}
 
 
-def placeholder(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One NaN in its own storage, broadcast to `shape`: no memory, and an address of its own."""
-    return torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)
+def placeholders(shapes: list[tuple[int, ...]], dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One NaN per shape, broadcast to it (no memory), each at an address of its own: returns the
+    storage (`len(shapes)` NaNs) and the placeholders, views of one element each. One small
+    allocation per flat group, made once: resharding allocates nothing, and no tiny long-lived
+    allocation per parameter lands among the large ones freed while a model is built."""
+    nans = torch.full((len(shapes),), float("nan"), dtype=dtype, device=device)
+    return nans, [nans[i].expand(shape) for i, shape in enumerate(shapes)]
 
 
 class Registration:
