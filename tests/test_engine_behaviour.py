@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -346,6 +348,20 @@ def test_no_attribute_is_set_on_user_objects(stage):
     assert [e.id for e in model.experts] == [10, 11, 12]
     with pytest.raises(RuntimeError, match="initialize\\(\\) was already called"):
         zerodist.initialize(model=model, config=base_config(stage))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@distributed_test(world_size=2)
+def test_a_dropped_engine_is_freed(stage):
+    """Without destroy(): gradient hooks live on the parameters, where the garbage collector
+    cannot see them, so a hook holding the engine's state would keep it alive for good."""
+    model = make_mlp()
+    engine = zerodist.initialize(model=model, config=base_config(stage))[0]
+    _one_step(engine)
+    group = weakref.ref(engine.groups[0])
+    del engine, model
+    gc.collect()
+    assert group() is None
 
 
 @distributed_test(world_size=1)

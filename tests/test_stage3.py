@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import subprocess
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 import zerodist
 import zerodist.comm as comm
 from zerodist.models import GPT, gpt_config, make_mlp
-from zerodist.zero import GatheredParameters, Init, Stage3ControlFlowError, full_shape, is_sharded
+from zerodist.zero import (GatheredParameters, Init, ShardedParameterError, Stage3ControlFlowError, full_shape,
+                           is_sharded, sharded_access)
 from tests.engine_helpers import (assert_close_relative, base_config, global_batch, train_distributed,
                                   train_reference)
 from tests.harness import DistributedTestFailure, distributed_test, run_distributed
@@ -213,20 +215,72 @@ def test_gathered_working_set_is_bounded():
 
 @distributed_test(world_size=2)
 def test_sharded_parameters_outside_a_gather():
-    engine, _, _, _ = zerodist.initialize(model=make_mlp(), config=stage3_config())
+    model = make_mlp()
+    engine, _, _, _ = zerodist.initialize(model=model, config=stage3_config())
     weight = engine.module[0].weight
-    assert is_sharded(weight) and full_shape(weight) == weight.shape == (32, 16)
-    assert torch.isnan(weight).all()  # never a stale or partial value (see [Note: sharded placeholder])
-    with pytest.raises(RuntimeError):
-        weight.data.add_(1.0)
+    # metadata works (see [Note: sharded placeholder])
+    assert is_sharded(weight) and full_shape(weight) == weight.shape == (32, 16) and weight.numel() == 512
+    assert weight.dtype == torch.float32 and weight.requires_grad and weight.grad is None
+    assert "'0.weight'" in repr(weight) and "(32, 16)" in repr(weight) and "GatheredParameters" in repr(weight)
+    # using the values is a named error (see [Note: sharded access check]), through aliases too
+    data = weight.data
+    uses = {"w + 1": lambda: weight + 1, "sum": weight.sum, "data, then used": lambda: data * 2,
+            "detach": weight.detach, "cat": lambda: torch.cat([weight, weight]), "torch's state_dict": model.state_dict,
+            "tolist": weight.tolist, "set data": lambda: setattr(weight, "data", torch.zeros(32, 16)),
+            "write in place": lambda: data.add_(1.0), "as an argument": lambda: F.linear(torch.randn(2, 16), weight)}
+    for what, use in uses.items():
+        with pytest.raises(ShardedParameterError) as info:
+            use()
+        assert "'0.weight'" in str(info.value) and "GatheredParameters" in str(info.value), what
+    assert zerodist.ShardedParameterError is ShardedParameterError and isinstance(info.value, RuntimeError)
+    assert is_sharded(weight) and weight.shape == (32, 16)  # a refused `.data =` changed nothing
     with GatheredParameters(weight):
-        assert not is_sharded(weight) and torch.isfinite(weight).all()
-        expected = make_mlp()[0].weight
-        assert torch.equal(weight, expected)
+        assert not is_sharded(weight) and torch.equal(weight, make_mlp()[0].weight)
+        assert torch.equal(weight.detach() + 1, make_mlp()[0].weight.detach() + 1)
     assert is_sharded(weight)
     # a plain call of the module (not through the engine) gathers as it goes
     x = torch.randn(2, 16)
     assert torch.allclose(engine.module(x), make_mlp()(x), atol=1e-6)
+    # a torch-function mode entered around engine calls (torch.device) leaves the check in place
+    with torch.device("cpu"):
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    assert sharded_access.is_installed()
+    with pytest.raises(ShardedParameterError, match="'0.weight'"):
+        weight.sum()
+
+
+@distributed_test(world_size=2)
+def test_sharded_access_check_off_reads_nan():
+    engine, _, _, _ = zerodist.initialize(model=make_mlp(), config=stage3_config(
+        zerodist={"debug": {"sharded_access_check": False}}))
+    weight = engine.module[0].weight
+    assert is_sharded(weight) and engine.stage3.units[1].groups[0].registration is None
+    assert torch.isnan(weight).all()  # never a stale or partial value (see [Note: sharded placeholder])
+    with pytest.raises(RuntimeError):
+        weight.data.add_(1.0)  # not ShardedParameterError: torch's own (one element shared by all)
+    with GatheredParameters(weight):
+        assert torch.equal(weight, make_mlp()[0].weight)
+
+
+@distributed_test(world_size=2)
+def test_access_check_ends_with_its_engine():
+    gc.collect()  # engines of earlier tests in this worker process
+    assert sharded_access.num_registered() == 0
+    model = make_mlp()
+    engine = zerodist.initialize(model=model, config=stage3_config())[0]
+    weight = model[0].weight
+    assert sharded_access.num_registered() == 6 and sharded_access.is_installed()
+    del engine, model  # no destroy(): dropping the engine and the model is enough
+    gc.collect()
+    assert sharded_access.num_registered() == 0  # no stale entry is left for the next test
+    assert torch.isnan(weight + 1).all()  # no longer checked: its engine is gone
+    # the next engine call (a safe point) takes the idle check off the stack: ops cost nothing again
+    other = zerodist.initialize(model=make_mlp(), config=base_config(1))[0]
+    x, y = global_batch(0, 4)
+    other.backward(F.mse_loss(other(x[:2]), y[:2]))
+    other.step()
+    assert not sharded_access.is_installed()
 
 
 @distributed_test(world_size=2)

@@ -16,6 +16,7 @@ _EXPORTS = {
     "init_distributed": ("zerodist.comm", "init_distributed"),
     "Config": ("zerodist.config", "Config"),
     "ConfigError": ("zerodist.config", "ConfigError"),
+    "ShardedParameterError": ("zerodist.zero", "ShardedParameterError"),
 }
 
 __all__ = ["__version__", *_EXPORTS]

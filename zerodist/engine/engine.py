@@ -23,7 +23,7 @@ from zerodist.debug import MemoryMonitor, NanHunter, reduce_loss
 from zerodist.engine.monitor import Monitors
 from zerodist.precision import PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
-from zerodist.zero import FlatParamGroup, GradReducer, StepResult, ZeroOptimizer
+from zerodist.zero import FlatParamGroup, GradReducer, StepResult, ZeroOptimizer, sharded_access
 from zerodist.zero.stage3 import GatheredParameters, Stage3Runtime
 
 logger = get_logger(__name__)
@@ -91,14 +91,21 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
+    # forward, backward and step run without the stage-3 access check: they gather what they use,
+    # and a torch-function mode would cost every op (see [Note: sharded access check]).
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.policy.needs_master_copy:
-            args, kwargs = _cast_floating((args, kwargs), self.policy.param_dtype)
-        return self.module(*args, **kwargs)
+        with sharded_access.suspended():
+            if self.policy.needs_master_copy:
+                args, kwargs = _cast_floating((args, kwargs), self.policy.param_dtype)
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` scaled for accumulation (and fp16 loss scaling); gradients are
         reduced as buckets fill when this micro-step syncs."""
+        with sharded_access.suspended():
+            self._backward(loss)
+
+    def _backward(self, loss: torch.Tensor) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward() takes the scalar loss, got {type(loss).__name__} "
                              f"{tuple(getattr(loss, 'shape', ()))}")
@@ -120,6 +127,10 @@ class Engine:
 
     def step(self) -> None:
         """One micro-step done; at the accumulation boundary, the optimizer steps."""
+        with sharded_access.suspended():
+            self._step()
+
+    def _step(self) -> None:
         if not self._backward_pending:
             raise RuntimeError("engine.step() without engine.backward(loss) since the last step: call "
                                "engine.backward(loss) (not loss.backward()) so gradients are scaled and reduced")

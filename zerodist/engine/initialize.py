@@ -22,7 +22,7 @@ from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimiz
 from zerodist.engine.schedulers import build_scheduler
 from zerodist.precision import LossScaler, PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
-from zerodist.zero import FlatParamGroup, GradReducer, ZeroOptimizer
+from zerodist.zero import FlatParamGroup, GradReducer, ZeroOptimizer, sharded_access
 from zerodist.zero.partition import FlattenSettings, build_groups, build_stage3
 from zerodist.zero.plan import bucket_capacity, plan_groups
 from zerodist.zero.stage3 import Stage3Runtime, register_replicated
@@ -43,6 +43,16 @@ def initialize(
     collate_fn: Callable[..., Any] | None = None,
 ) -> tuple[Engine, ZeroOptimizer, EngineDataLoader | None, Any]:
     """Wrap `model` for distributed training: `engine, optimizer, dataloader, lr_scheduler`."""
+    # Unchecked while building (the model is moved and cast after stage 3 registered its
+    # placeholders); on leaving, the stage-3 access check is installed if any are registered.
+    with sharded_access.suspended():
+        return _initialize(model, model_parameters, optimizer, config, training_data, lr_scheduler, collate_fn)
+
+
+def _initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None, optimizer: Any,
+                config: Config | dict[str, Any] | str | None, training_data: torch.utils.data.Dataset | None,
+                lr_scheduler: Any, collate_fn: Callable[..., Any] | None,
+                ) -> tuple[Engine, ZeroOptimizer, EngineDataLoader | None, Any]:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize(model=...) takes a torch.nn.Module, got {type(model).__name__}")
     if model in _INITIALIZED:

@@ -10,7 +10,9 @@ from zerodist.zero.layout import FlatLayout, plan_layout
 from zerodist.zero.optimizer import StepResult, ZeroOptimizer
 from zerodist.zero.partition import Init
 from zerodist.zero.reducer import GradReducer
+from zerodist.zero.sharded_access import ShardedParameterError
 from zerodist.zero.stage3 import GatheredParameters, Stage3ControlFlowError, full_shape, is_sharded
 
 __all__ = ["Bucket", "BucketState", "FlatLayout", "FlatParamGroup", "GatheredParameters", "GradReducer", "GradSyncPlan",
-           "Init", "Stage3ControlFlowError", "StepResult", "ZeroOptimizer", "full_shape", "is_sharded", "plan_layout"]
+           "Init", "ShardedParameterError", "Stage3ControlFlowError", "StepResult", "ZeroOptimizer", "full_shape",
+           "is_sharded", "plan_layout"]

@@ -17,17 +17,23 @@ changes their storage, not their identity or attributes (no attribute is set on 
 from __future__ import annotations
 
 import hashlib
+import weakref
 from typing import Any
 
 import torch
 
 import zerodist.comm as comm
+from zerodist.zero import sharded_access
 from zerodist.zero.bucket import Bucket, GradSyncPlan
 from zerodist.zero.layout import FlatLayout, plan_layout
 
 
 class FlatParamGroup:
     """Flat buffers, buckets and optimizer tensors for one list of parameters."""
+
+    # Stage 3 with the access check on: this group's registered placeholders ([Note: sharded
+    # access check] in sharded_access.py); None when the check is off.
+    registration: sharded_access.Registration | None = None
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, stage: int, bucket_numel: int,
                  group: Any, rank: int, world_size: int, use_reduce_scatter: bool, param_dtype: torch.dtype):
@@ -40,6 +46,10 @@ class FlatParamGroup:
         self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
         self.layout: FlatLayout = plan_layout([p.numel() for p in self.params], bucket_numel=bucket_numel,
                                               world_size=world_size)
+        # Stage 3: the parameters' data while sharded, made once ([Note: sharded placeholder]).
+        self.nans, self.placeholders = (
+            sharded_access.placeholders(self.param_shapes, param_dtype, self.params[0].device) if stage == 3 else (None, [])
+        )
         initial = self._gather_initial_values()
         self.master = None
         if param_dtype != initial.dtype:
@@ -92,21 +102,43 @@ class FlatParamGroup:
         for handle in handles:
             handle.wait()
         assert self.param_buffer is not None
+        if self.registration is not None:
+            self.registration.clear()  # first: the access check refuses `param.data = ...` on a registered one
         self._point_params_at(self.param_buffer)
 
     def reshard(self) -> None:
         """Free the full buffer; parameters become placeholders of their full shape.
 
         [Note: sharded placeholder] A sharded parameter keeps its full logical shape, so code that
-        inspects shapes keeps working, but holds no values: its data is one NaN broadcast to the
-        shape (zero strides, no memory). Reading it gives NaN, never a stale or partial value;
-        writing to it raises. torch does not let `param.data` become a meta or subclass tensor,
-        so this is the closest a parameter object can get to "no data" without replacing it."""
-        assert self.stage == 3
-        placeholder = torch.full((1,), float("nan"), dtype=self.param_dtype, device=self.device)
-        for param in self.params:
-            param.data = placeholder.expand(param.shape)
+        inspects shapes keeps working (`zerodist.zero.full_shape(p)` says so explicitly), but holds
+        no values: its data is one NaN broadcast to the shape (zero strides, no memory), at an
+        address of its own (one element of `self.nans`, made once per group). torch does not let
+        `param.data` become a meta or subclass tensor, and zerodist never replaces the user's
+        parameter objects, so this is the closest a parameter can get to "no data". Using it is
+        refused by the access check, which recognises the placeholder (and every alias of it) by
+        its address and raises an error naming the parameter ([Note: sharded access check] in
+        sharded_access.py). With the check off (`zerodist.debug.sharded_access_check: false`)
+        reading gives NaN, never a stale or partial value, and writing in place raises torch's
+        own error when the parameter has more than one element (they share one memory location)."""
+        assert self.stage == 3 and self.nans is not None
+        self.nans.fill_(float("nan"))  # NaN again, should a one-element parameter have been written to
+        for param, placeholder in zip(self.params, self.placeholders):
+            param.data = placeholder
         self.param_buffer = None
+        self._register_placeholders()
+
+    def enable_access_check(self) -> None:
+        """Register this group's placeholders with the access check whenever it is sharded,
+        until the group is garbage collected."""
+        assert self.stage == 3 and self.registration is None
+        self.registration = sharded_access.Registration()
+        weakref.finalize(self, self.registration.clear)  # the callback holds the registration, not the group
+        self._register_placeholders()
+
+    def _register_placeholders(self) -> None:
+        if self.registration is not None and self.param_buffer is None:
+            for placeholder, name in zip(self.placeholders, self.names):
+                self.registration.add(placeholder, name)
 
     def _gather_initial_values(self) -> torch.Tensor:
         """The parameters' values in flat layout, identical on every rank (rank 0's win, as in DDP).
@@ -114,11 +146,10 @@ class FlatParamGroup:
         a unit needs about one unit of extra memory, not two."""
         first = self.params[0]
         buffer = torch.zeros(self.layout.total_numel, dtype=first.dtype, device=first.device)
-        placeholder = torch.full((1,), float("nan"), dtype=first.dtype, device=first.device)
-        for param, slot in zip(self.params, self.layout.slots):
+        for param, slot, placeholder in zip(self.params, self.layout.slots, self.placeholders or self.params):
             buffer[slot.offset: slot.offset + slot.numel].copy_(param.detach().reshape(-1))
             if self.stage == 3:
-                param.data = placeholder.expand(param.shape)
+                param.data = placeholder
         _agree_or_broadcast(buffer, self.group)
         return buffer
 

@@ -144,7 +144,8 @@ def build_stage3(model: torch.nn.Module, plan: FlatPlan, groups: list[FlatParamG
                             prefetch_numel=zero.stage3_prefetch_bucket_size,
                             max_live_numel=zero.stage3_max_live_parameters,
                             max_reuse_numel=zero.stage3_max_reuse_distance,
-                            order_check=config.zerodist.debug.unit_order_check, device=device)
+                            order_check=config.zerodist.debug.unit_order_check,
+                            access_check=config.zerodist.debug.sharded_access_check, device=device)
     register_replicated(persistent, runtime)
     return runtime
 

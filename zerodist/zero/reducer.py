@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -45,9 +46,13 @@ class GradReducer:
         self.grads_seen = 0
         self._next = 0
         self._in_flight: collections.deque[Bucket] = collections.deque()
+        # The hooks hold the reducer weakly: torch does not let the garbage collector see through a
+        # tensor's post-accumulate-grad hooks, so a strong reference back to the groups (which hold
+        # the parameters) would be a cycle never freed, keeping every dropped engine alive.
+        me = weakref.ref(self)
         self._handles = [
-            param.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, group, index))
-            for group in groups
+            param.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, position, index))
+            for position, group in enumerate(groups)
             for index, param in enumerate(group.params)
         ]
 
@@ -94,3 +99,9 @@ class GradReducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _grad_ready(reducer_ref: weakref.ref[GradReducer], position: int, index: int, param: torch.Tensor) -> None:
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer._on_grad_ready(reducer.groups[position], index, param)

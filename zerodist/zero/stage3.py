@@ -30,6 +30,7 @@ there instead of passing silently.
 from __future__ import annotations
 
 import enum
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -39,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 import zerodist.comm as comm
+from zerodist.zero import sharded_access
 from zerodist.zero.bucket import Bucket
 from zerodist.zero.flat_group import FlatParamGroup
 
@@ -228,6 +230,14 @@ def register_replicated(groups: list[FlatParamGroup], runtime: Stage3Runtime | N
             _REGISTRY[param] = (_weak(runtime), _weak(None), _weak(group))
 
 
+def _unchecked(method: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(method)
+    def unchecked(*args: Any, **kwargs: Any) -> None:
+        with sharded_access.suspended():
+            method(*args, **kwargs)
+    return unchecked
+
+
 class Stage3Runtime:
     """Hooks, prefetch, reuse and live-memory bound for the units of one model.
 
@@ -243,8 +253,8 @@ class Stage3Runtime:
     """
 
     def __init__(self, model: torch.nn.Module, units: list[Unit], root: Unit, persistent: list[FlatParamGroup], *,
-                 group: Any, prefetch_numel: int, max_live_numel: int, order_check: bool, device: torch.device,
-                 max_reuse_numel: int = 0):
+                 group: Any, prefetch_numel: int, max_live_numel: int, order_check: bool, access_check: bool,
+                 device: torch.device, max_reuse_numel: int = 0):
         self.model, self.units, self.root, self.persistent = model, units, root, persistent
         self.order = [u for u in units if u is not root]  # forward order of the non-root units
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
@@ -264,6 +274,8 @@ class Stage3Runtime:
             for group_ in unit.groups:
                 for param in group_.params:
                     _REGISTRY[param] = (_weak(self), _weak(unit), _weak(group_))
+                if access_check:
+                    group_.enable_access_check()
         register_replicated(persistent, self)
 
     def _units_kept(self, max_reuse_numel: int) -> set[int]:
@@ -281,6 +293,10 @@ class Stage3Runtime:
         return kept
 
     # ------------------------------------------------------------------ gathering
+    # Gathering and resharding run without the access check ([Note: sharded access check]): they
+    # only touch gathered buffers and the check's own placeholders, and on a module called outside
+    # the engine every one of their torch calls would pay for it.
+    @_unchecked
     def _issue(self, units: list[Unit], kind: int) -> None:
         """Start gathering `units` (all sharded), after one fingerprint exchange for all of them."""
         moving = [u for u in units if u.groups]  # a unit without parameters moves nothing
@@ -291,6 +307,7 @@ class Stage3Runtime:
             self.live_numel += unit.numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
+    @_unchecked
     def _require(self, unit: Unit, kind: int, prefetch_step: int = 0) -> None:
         """Make `unit` gathered now, issuing its gather (if no prefetch did) together with the
         prefetch of the units after (+1) or before (-1) it."""
@@ -318,6 +335,7 @@ class Stage3Runtime:
             index += step
         return chosen
 
+    @_unchecked
     def _release(self, unit: Unit) -> None:
         if unit.state is not UnitState.SHARDED:
             unit.reshard()
@@ -382,14 +400,16 @@ def _owners(params: Iterable[torch.Tensor]) -> list[tuple[Any, Unit | None, Flat
 
 
 def is_sharded(param: torch.Tensor) -> bool:
-    """Whether `param` is a ZeRO-3 parameter currently without its values (outside a gather)."""
+    """Whether `param` is a ZeRO-3 parameter currently without its values (outside a gather):
+    using its data then raises `ShardedParameterError` ([Note: sharded access check])."""
     entry = _lookup(param)
     return entry is not None and entry[1] is not None and entry[1].state is not UnitState.UNSHARDED
 
 
 def full_shape(param: torch.Tensor) -> torch.Size:
-    """The logical (unsharded) shape of a parameter, gathered or not. A sharded parameter is a
-    meta tensor of exactly this shape, so `param.shape` agrees; its values need a gather."""
+    """The logical (unsharded) shape of a parameter, gathered or not. A sharded parameter keeps
+    this shape ([Note: sharded placeholder]), so `param.shape`, `param.numel()` and the like
+    agree and stay allowed; its values need a gather (`GatheredParameters`)."""
     return param.shape
 
 

@@ -1,0 +1,261 @@
+"""Sharded parameters outside a gather: a named error instead of silently reading NaN.
+
+[Note: sharded access check] A ZeRO-3 parameter outside a gather keeps its full shape but has
+no values: its data is a placeholder (see [Note: sharded placeholder] in flat_group.py). torch
+lets a CPU parameter's data be neither a meta tensor nor a tensor subclass, and zerodist never
+replaces, re-classes or sets attributes on the user's parameters, so the parameter object
+itself cannot refuse to be read. What can is a `TorchFunctionMode`: it sees every torch call
+made from Python (functions, methods, property getters and setters) with its arguments.
+
+    identity   each sharded parameter's placeholder is one NaN at an address of its own (one
+               element of its group's small storage), broadcast to the full shape (all strides 0). Every alias (`p.data`, `p.detach()`,
+               `p[0]`, `p.t()`) therefore has the same `data_ptr()`, and the registry maps
+               data_ptr -> (placeholder, qualified name, full shape). An entry holds its
+               placeholder, so an address in the registry is never a freed one reused by an
+               unrelated tensor.
+    lifetime   `Registration` (one per flat group) adds entries when the group reshards and
+               removes them before it unshards, and when the group is garbage collected.
+    the check  a call whose arguments (top level, one level into lists/tuples, keyword values)
+               include a registered tensor raises `ShardedParameterError` naming the parameter,
+               unless it only reads metadata (`ALLOWED`); `repr()` describes the parameter.
+    cost       about 2 us per torch call made from Python while the mode is on the stack. The
+               engine's forward, backward and step, and `initialize()`, take it off
+               (`suspended()`), so training does not pay for it: user code between engine
+               calls is what is checked. The model's own forward, run by the engine, is not:
+               a forward reading a parameter of a unit other than the running one gets NaN.
+
+The mode lives on the torch-function mode stack of the thread that runs `initialize()` and the
+engine calls (torch keeps one stack per thread; other threads are not checked). It is put on,
+back, or off only when the outermost `suspended()` block is left (see [Note: mode stack]),
+never from a garbage-collection callback: code such as `torch.device.__exit__` pops the stack
+by position. When a group is collected its entries go at once; with no entry left the mode
+passes every call straight through until the next engine call takes it off the stack.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, NamedTuple
+
+import torch
+from torch.overrides import TorchFunctionMode, resolve_name
+
+
+class ShardedParameterError(RuntimeError):
+    """A ZeRO-3 sharded parameter's values were used outside a gather."""
+
+
+class _Entry(NamedTuple):
+    placeholder: torch.Tensor  # kept alive so its address stays this parameter's
+    name: str
+    shape: torch.Size
+
+
+_ENTRIES: dict[int, _Entry] = {}
+
+
+def placeholders(shapes: list[tuple[int, ...]], dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One NaN per shape, broadcast to it (no memory), each at an address of its own: returns the
+    storage (`len(shapes)` NaNs) and the placeholders, views of one element each. One small
+    allocation per flat group, made once: resharding allocates nothing, and no tiny long-lived
+    allocation per parameter lands among the large ones freed while a model is built."""
+    nans = torch.full((len(shapes),), float("nan"), dtype=dtype, device=device)
+    return nans, [nans[i].expand(shape) for i, shape in enumerate(shapes)]
+
+
+class Registration:
+    """The placeholders one flat group has registered."""
+
+    def __init__(self) -> None:
+        self.keys: list[int] = []
+
+    def add(self, tensor: torch.Tensor, name: str) -> None:
+        key = tensor.data_ptr()
+        _ENTRIES[key] = _Entry(tensor, name, tensor.shape)
+        self.keys.append(key)
+
+    def clear(self) -> None:
+        for key in self.keys:
+            _ENTRIES.pop(key, None)
+        self.keys = []
+
+
+def num_registered() -> int:
+    return len(_ENTRIES)
+
+
+def _entry_of(tensor: torch.Tensor) -> _Entry | None:
+    """The slow path: a tensor subclass, looked at without its own __torch_function__, or a
+    tensor without storage (sparse, mkldnn, a wrapper like DTensor), which has no entry."""
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            return _ENTRIES.get(tensor.data_ptr())
+    except RuntimeError:
+        return None
+
+
+def _find(args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any] | None, nested: bool = True) -> _Entry | None:
+    """The entry of the first registered tensor among `args`, one level into lists and tuples
+    (torch.cat([p, q])), and `kwargs`' values. Runs on every torch call: kept to type checks
+    and one dict lookup per tensor."""
+    for arg in (*args, *kwargs.values()) if kwargs else args:
+        cls = type(arg)
+        if cls is torch.Tensor or cls is torch.nn.Parameter:
+            try:
+                entry = _ENTRIES.get(arg.data_ptr())
+            except RuntimeError:
+                entry = None  # no storage: sparse, mkldnn
+        elif cls is list or cls is tuple:
+            entry = _find(arg, None, False) if nested else None
+        elif isinstance(arg, torch.Tensor):
+            entry = _entry_of(arg)
+        else:
+            continue
+        if entry is not None:
+            return entry
+    return None
+
+
+_METADATA_PROPERTIES = ("shape", "dtype", "device", "layout", "ndim", "requires_grad", "is_leaf", "grad", "_grad",
+                        "grad_fn", "_grad_fn", "retains_grad", "_backward_hooks", "_post_accumulate_grad_hooks",
+                        "itemsize", "nbytes", "output_nr", "_version", "_base", "data", "is_cuda", "is_cpu",
+                        "is_meta", "is_sparse", "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested", "is_xpu",
+                        "is_mps", "is_xla", "is_mtia", "is_ipu", "is_maia", "is_vulkan")
+_SETTABLE = ("grad", "_grad", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
+_METADATA_METHODS = ("size", "dim", "ndimension", "numel", "nelement", "element_size", "__len__", "__hash__",
+                     "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
+                     "is_floating_point", "is_complex", "is_signed", "get_device", "is_shared", "is_inference",
+                     "_is_view")
+
+# What passes for a sharded parameter: its metadata and gradient bookkeeping, never its values
+# nor its storage. The `.data` getter passes because the alias it returns has the placeholder's
+# address, so using that alias raises; setting `.data` does not (it would cut the parameter off
+# from its shards).
+ALLOWED: frozenset[Any] = frozenset(
+    [getattr(torch.Tensor, n).__get__ for n in _METADATA_PROPERTIES if hasattr(torch.Tensor, n)]
+    + [getattr(torch.Tensor, n).__set__ for n in _SETTABLE]
+    + [getattr(torch.Tensor, n) for n in _METADATA_METHODS if hasattr(torch.Tensor, n)]
+)
+_DESCRIBED = frozenset([torch.Tensor.__repr__, torch.Tensor.__format__])
+
+
+def describe(entry: _Entry) -> str:
+    return (f"tensor(sharded by zerodist ZeRO-3 as '{entry.name}': full shape {tuple(entry.shape)}, "
+            f"{entry.placeholder.dtype}; read it inside zerodist.zero.GatheredParameters)")
+
+
+def _what(func: Any) -> str:
+    name = resolve_name(func) or getattr(func, "__name__", repr(func))
+    if name.endswith(".__set__"):
+        return f"setting {name[:-len('.__set__')]} on it would cut it off from its shards"
+    name = name.removesuffix(".__get__")
+    in_place = name.endswith("_") and not name.endswith("__")
+    return f"{name} {'would write to' if in_place else 'read'} it"
+
+
+class ShardedAccessCheck(TorchFunctionMode):
+    """Raises `ShardedParameterError` when a call uses a registered placeholder's values."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if _ENTRIES:
+            entry = _find(args, kwargs)
+            if entry is not None and func not in ALLOWED:
+                if func in _DESCRIBED:
+                    return describe(entry)
+                raise ShardedParameterError(
+                    f"'{entry.name}' is a ZeRO-3 sharded parameter (full shape {tuple(entry.shape)}) and has no "
+                    f"values outside a gather: {_what(func)}. Read or change it inside 'with "
+                    "zerodist.zero.GatheredParameters(param[, modifier_rank=0])', or use engine.module_state_dict() "
+                    "for a full copy."
+                )
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+
+_MODE = ShardedAccessCheck()
+
+
+# [Note: mode stack] torch keeps one torch-function mode stack per thread, and the modes on it
+# leave by popping whatever is on top: TorchFunctionMode.__exit__ and `with torch.device(...)`
+# both do. So the check may only be taken off and put back exactly where it was, or put in at
+# the bottom, below every mode entered after it (just above the default-device context that
+# `torch.set_default_device` keeps at the very bottom). Anything else would make a later exit
+# pop the check instead of its own mode.
+def _stack() -> list[Any]:
+    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+
+
+def _set_stack(modes: list[Any]) -> None:
+    while torch._C._len_torch_function_stack():
+        torch._C._pop_torch_function_stack()
+    for mode in modes:
+        torch._C._push_on_torch_function_stack(mode)
+
+
+def _install_at_bottom(stack: list[Any]) -> None:
+    default_device = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+    bottom = 1 if stack and stack[0] is default_device else 0
+    _set_stack(stack[:bottom] + [_MODE] + stack[bottom:])
+
+
+def _remove(stack: list[Any]) -> tuple[int, list[Any]] | None:
+    """Take the check off; returns (where it was, the stack without it) to put it back, or None."""
+    if _MODE not in stack:
+        return None
+    index = stack.index(_MODE)
+    rest = stack[:index] + stack[index + 1:]
+    if index == len(stack) - 1:
+        torch._C._pop_torch_function_stack()  # the usual case: nothing above it
+    else:
+        _set_stack(rest)
+    return index, rest
+
+
+class _ThreadState(threading.local):
+    depth = 0  # nesting of suspended()
+    removed: tuple[int, list[Any]] | None = None  # where the outermost suspended() took the check from
+
+
+_STATE = _ThreadState()
+
+
+class suspended:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """Take the check off the stack inside the block (zerodist's own work: the engine's forward,
+    backward and step, `initialize()`). Leaving the outermost block is a safe point: the check
+    goes back where it was if parameters are registered, is installed if it was not there yet,
+    and stays off if none are registered (see [Note: mode stack])."""
+
+    def __enter__(self) -> None:
+        state = _STATE
+        state.depth += 1
+        if state.depth == 1:
+            length = torch._C._len_torch_function_stack()
+            if length == 1 and torch._C._get_function_stack_at(0) is _MODE:
+                torch._C._pop_torch_function_stack()  # the usual case, without building lists
+                state.removed = (0, [])
+            else:
+                state.removed = _remove(_stack()) if length else None
+
+    def __exit__(self, *exc: Any) -> None:
+        state = _STATE
+        state.depth -= 1
+        if state.depth:
+            return
+        removed, state.removed = state.removed, None
+        length = torch._C._len_torch_function_stack()
+        if _ENTRIES and removed == (0, []) and length == 0:
+            torch._C._push_on_torch_function_stack(_MODE)  # the usual case again
+            return
+        stack = _stack()
+        if not _ENTRIES:
+            _remove(stack)
+        elif removed is not None and stack == removed[1]:
+            index, rest = removed
+            _set_stack(rest[:index] + [_MODE] + rest[index:])
+        elif _MODE not in stack:
+            _install_at_bottom(stack)
+
+
+def is_installed() -> bool:
+    """Whether the check is on this thread's torch-function mode stack."""
+    return any(torch._C._get_function_stack_at(i) is _MODE for i in range(torch._C._len_torch_function_stack()))
