@@ -10,6 +10,7 @@ that DeepSpeed users get when `init_distributed()` was forgotten).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import os
@@ -204,6 +205,7 @@ def init_distributed(
     if dist.is_initialized():
         if _world is None:
             _world = _adopt()
+            _destroy_at_exit()
         return _world
     _world = None  # the user destroyed the group we recorded
     launch = read_launch_env(need_master=init_method is None)
@@ -230,7 +232,29 @@ def init_distributed(
         None if delta is None else delta.total_seconds(),
     )
     logger.debug("joined world: %s", _world)
+    _destroy_at_exit()
     return _world
+
+
+_EXIT_HANDLER_REGISTERED = False
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the default group while the interpreter is still whole. A process that exits
+    with a gloo group alive can abort in finalization ("terminate called without an active
+    exception": gloo's worker threads still hold tensors; pytorch#190489), after its work is done."""
+    global _EXIT_HANDLER_REGISTERED
+    if not _EXIT_HANDLER_REGISTERED:
+        _EXIT_HANDLER_REGISTERED = True
+        atexit.register(_destroy_if_alive)
+
+
+def _destroy_if_alive() -> None:
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as error:  # exiting anyway: say so, never mask the exit
+        logger.debug("destroy_process_group at exit failed: %s", error)
 
 
 def _adopt() -> WorldInfo:
