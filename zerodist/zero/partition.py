@@ -26,7 +26,7 @@ import torch
 
 from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.plan import FlatPlan
-from zerodist.zero.stage3 import Stage3Runtime, Unit, register_replicated
+from zerodist.zero.stage3 import Stage3Runtime, Stage3Settings, Unit, register_replicated
 
 
 @dataclasses.dataclass
@@ -134,18 +134,13 @@ def build_groups(model: torch.nn.Module, plan: FlatPlan, names: dict[int, str],
 def build_stage3(model: torch.nn.Module, plan: FlatPlan, groups: list[FlatParamGroup], *, config: Any, group: Any,
                  device: torch.device) -> Stage3Runtime:
     """The units and the runtime that gathers them, over groups built by `build_groups` at stage 3."""
-    zero = config.zero_optimization
     persistent = [g for g, planned in zip(groups, plan.groups) if planned.persistent]
     units = [
         Unit(index, name, module, [groups[i] for i in plan.unit_groups(index)])
         for index, (name, module) in enumerate((("", model), *plan.unit_modules))
     ]
-    runtime = Stage3Runtime(model, units, units[0], persistent, group=group,
-                            prefetch_numel=zero.stage3_prefetch_bucket_size,
-                            max_live_numel=zero.stage3_max_live_parameters,
-                            max_reuse_numel=zero.stage3_max_reuse_distance,
-                            order_check=config.zerodist.debug.unit_order_check,
-                            access_check=config.zerodist.debug.sharded_access_check, device=device)
+    runtime = Stage3Runtime(model, units, units[0], persistent, settings=Stage3Settings.from_config(config),
+                            group=group, device=device)
     register_replicated(persistent, runtime)
     return runtime
 

@@ -29,6 +29,7 @@ there instead of passing silently.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import weakref
@@ -238,6 +239,23 @@ def _unchecked(method: Callable[..., None]) -> Callable[..., None]:
     return unchecked
 
 
+@dataclasses.dataclass(frozen=True)
+class Stage3Settings:
+    """What the runtime takes from the config (`from_config`)."""
+
+    prefetch_numel: int  # zero_optimization.stage3_prefetch_bucket_size
+    max_live_numel: int  # zero_optimization.stage3_max_live_parameters
+    max_reuse_numel: int  # zero_optimization.stage3_max_reuse_distance
+    order_check: bool  # zerodist.debug.unit_order_check
+    access_check: bool  # zerodist.debug.sharded_access_check
+
+    @classmethod
+    def from_config(cls, config: Any) -> Stage3Settings:
+        zero, debug = config.zero_optimization, config.zerodist.debug
+        return cls(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters, zero.stage3_max_reuse_distance,
+                   debug.unit_order_check, debug.sharded_access_check)
+
+
 class Stage3Runtime:
     """Hooks, prefetch, reuse and live-memory bound for the units of one model.
 
@@ -253,15 +271,14 @@ class Stage3Runtime:
     """
 
     def __init__(self, model: torch.nn.Module, units: list[Unit], root: Unit, persistent: list[FlatParamGroup], *,
-                 group: Any, prefetch_numel: int, max_live_numel: int, order_check: bool, access_check: bool,
-                 device: torch.device, max_reuse_numel: int = 0):
+                 settings: Stage3Settings, group: Any, device: torch.device):
         self.model, self.units, self.root, self.persistent = model, units, root, persistent
         self.order = [u for u in units if u is not root]  # forward order of the non-root units
-        self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
-        self.kept = self._units_kept(max_reuse_numel)
+        self.prefetch_numel, self.max_live_numel = settings.prefetch_numel, settings.max_live_numel
+        self.kept = self._units_kept(settings.max_reuse_numel)
         # backward gathers can only interleave with reduce-scatters when some unit is not kept
         self._check_reductions = len(self.kept) < len(self.order)
-        self.check = _OrderCheck(units, group, order_check, device)
+        self.check = _OrderCheck(units, group, settings.order_check, device)
         self.live_numel = 0
         self.peak_live_numel = 0
         self.runs = RunCheck(units, group)
@@ -274,7 +291,7 @@ class Stage3Runtime:
             for group_ in unit.groups:
                 for param in group_.params:
                     _REGISTRY[param] = (_weak(self), _weak(unit), _weak(group_))
-                if access_check:
+                if settings.access_check:
                     group_.enable_access_check()
         register_replicated(persistent, self)
 
