@@ -50,17 +50,25 @@ class FlatParamGroup:
         self.nans, self.placeholders = (
             sharded_access.placeholders(self.param_shapes, param_dtype, self.params[0].device) if stage == 3 else (None, [])
         )
-        initial = self._gather_initial_values()
+        # Stage 3 builds only this rank's shard when the ranks already agree (no full buffer).
+        owned = self._initial_shard() if stage == 3 else None
+        initial = self._gather_initial_values() if owned is None else owned
+
+        def stepped() -> torch.Tensor:  # what this rank steps, as one tensor (a copy)
+            if owned is not None:
+                return owned
+            return torch.cat([self._stepped_view(initial, i) for i in range(len(self.layout.buckets))])
+
         self.master = None
         if param_dtype != initial.dtype:
             # Mixed precision: the fp32 master starts from the fp32 values, not from their casts.
-            self.master = torch.cat([self._stepped_view(initial, i) for i in range(len(self.layout.buckets))])
+            self.master = stepped()
         self.device, self.param_dtype = initial.device, param_dtype
         self.param_shard: torch.Tensor | None = None
         self.param_buffer: torch.Tensor | None = None
         if stage == 3:
             # Only this rank's shard persists; the full buffer exists between unshard() and reshard().
-            self.param_shard = torch.cat([self._stepped_view(initial, i) for i in range(len(self.layout.buckets))]).to(param_dtype)
+            self.param_shard = stepped().to(param_dtype)
             self.reshard()
         else:
             self.param_buffer = initial.to(param_dtype)
@@ -139,6 +147,37 @@ class FlatParamGroup:
         if self.registration is not None and self.param_buffer is None:
             for placeholder, name in zip(self.placeholders, self.names):
                 self.registration.add(placeholder, name)
+
+    def _initial_shard(self) -> torch.Tensor | None:
+        """Stage 3: this rank's shards of the initial values, concatenated, built without the full
+        flat buffer: a digest of every parameter (in layout order) is compared across ranks first,
+        and only if they agree is each parameter's owned part copied and its storage released.
+        None when the ranks differ (or on GPU): then rank 0's values are broadcast in full."""
+        first = self.params[0]
+        if first.is_cuda:
+            return None
+        digest = hashlib.blake2b(digest_size=16)
+        for param, slot in zip(self.params, self.layout.slots):
+            digest.update(slot.offset.to_bytes(8, "little"))
+            digest.update(memoryview(param.detach().reshape(-1).contiguous().view(torch.uint8).numpy()))
+        digests: list[Any] = [None] * comm.get_world_size(self.group)
+        comm.all_gather_object(digests, digest.digest(), group=self.group)
+        if len(set(digests)) > 1:
+            return None
+        owned, pieces, start = [], [], 0  # this rank's range of each bucket, and where it lands in the shard
+        for span in self.layout.buckets:
+            low = span.shard_offset(self.rank)
+            pieces.append((low, low + span.shard_numel, start))
+            start += span.shard_numel
+        shard = torch.zeros(self.layout.shard_numel, dtype=first.dtype, device=first.device)
+        for param, slot, placeholder in zip(self.params, self.layout.slots, self.placeholders):
+            flat = param.detach().reshape(-1)
+            for low, high, at in pieces:
+                begin, end = max(low, slot.offset), min(high, slot.offset + slot.numel)
+                if begin < end:
+                    shard[at + begin - low: at + end - low].copy_(flat[begin - slot.offset: end - slot.offset])
+            param.data = placeholder
+        return shard
 
     def _gather_initial_values(self) -> torch.Tensor:
         """The parameters' values in flat layout, identical on every rank (rank 0's win, as in DDP).
