@@ -385,7 +385,7 @@ def test_partitioned_construction_of_200m_parameters_stays_under_full_size():
         "engine, *_ = zerodist.initialize(model=model, config={'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}},"
         " 'zero_optimization': {'stage': 3, 'stage3_param_persistence_threshold': 0}})\n"
         "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
-        "print(f'RESULT {full} {after - before}')\n"
+        "print(f'\\nRESULT {full} {after - before}', flush=True)\n"
     )
     path = os.path.join(REPO, "tests", "_build_200m.py")
     env = {**os.environ, "PYTHONPATH": REPO}
@@ -397,7 +397,8 @@ def test_partitioned_construction_of_200m_parameters_stays_under_full_size():
     finally:
         os.remove(path)
     assert out.returncode == 0, out.stderr[-3000:]
-    results = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    # the two ranks share one stdout: their lines can run together, so match rather than split lines
+    results = re.findall(r"RESULT (\d+) (\d+)", out.stdout)
     assert len(results) == 2
     for full, growth in results:
         full, growth = int(full), int(growth)
