@@ -78,7 +78,10 @@ class Run:
 
     @property
     def stage3_options(self) -> dict[str, int]:
-        return {} if self.reuse else {"stage3_max_reuse_distance": 0}
+        """Stage-3 keys (zerodist and DeepSpeed alike); none at stages 0-2."""
+        if self.stage != 3:
+            return {}
+        return {**STAGE3, **({} if self.reuse else {"stage3_max_reuse_distance": 0})}
 
 
 # Stage 3 (zerodist and DeepSpeed alike): shard every parameter, as FSDP2 does per block; with
@@ -154,7 +157,19 @@ def storage_bytes(*roots: Any) -> int:
     return total
 
 
-class ZerodistTrainer:
+class EngineStep:
+    """zerodist's and DeepSpeed's engines share one training-step API."""
+
+    engine: Any
+
+    def step(self, inputs: Any, targets: Any) -> float:
+        loss = self.engine(inputs, targets)
+        self.engine.backward(loss)
+        self.engine.step()
+        return float(loss)
+
+
+class ZerodistTrainer(EngineStep):
     def __init__(self, model: Any, run: Run, size: Size):
         import zerodist
 
@@ -164,16 +179,10 @@ class ZerodistTrainer:
             "gradient_clipping": CLIP, "steps_per_print": 10**6,
             "zero_optimization": {"stage": run.stage, "reduce_scatter": run.reduce_scatter,
                                   "reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS,
-                                  **(STAGE3 if run.stage == 3 else {}), **run.stage3_options},
+                                  **run.stage3_options},
         }
         self.engine, _, _, _ = zerodist.initialize(model=model, config=config)
         self.trace: Any = None
-
-    def step(self, inputs: Any, targets: Any) -> float:
-        loss = self.engine(inputs, targets)
-        self.engine.backward(loss)
-        self.engine.step()
-        return float(loss)
 
     def state_bytes(self) -> int:
         return self.engine.model_state_bytes()["total"]
@@ -223,7 +232,7 @@ class FSDP2Trainer(DDPTrainer):
         self.optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
 
 
-class DeepSpeedTrainer:
+class DeepSpeedTrainer(EngineStep):
     def __init__(self, model: Any, run: Run, size: Size):
         import deepspeed
         import torch
@@ -233,17 +242,11 @@ class DeepSpeedTrainer:
             "train_micro_batch_size_per_gpu": size.micro_batch, "gradient_accumulation_steps": 1,
             "gradient_clipping": CLIP, "steps_per_print": 10**6, "zero_allow_untested_optimizer": True,
             "zero_optimization": {"stage": run.stage, "reduce_bucket_size": BUCKET_ELEMENTS,
-                                  "allgather_bucket_size": BUCKET_ELEMENTS, **(STAGE3 if run.stage == 3 else {}), **run.stage3_options},
+                                  "allgather_bucket_size": BUCKET_ELEMENTS, **run.stage3_options},
         }
         optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
         self.model = model
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-
-    def step(self, inputs: Any, targets: Any) -> float:
-        loss = self.engine(inputs, targets)
-        self.engine.backward(loss)
-        self.engine.step()
-        return float(loss)
 
     def state_bytes(self) -> int:
         """Parameters, gradients, the optimizer's state and every tensor the ZeRO wrapper holds

@@ -160,9 +160,7 @@ class FlatParamGroup:
         for param, slot in zip(self.params, self.layout.slots):
             digest.update(slot.offset.to_bytes(8, "little"))
             digest.update(memoryview(param.detach().reshape(-1).contiguous().view(torch.uint8).numpy()))
-        digests: list[Any] = [None] * comm.get_world_size(self.group)
-        comm.all_gather_object(digests, digest.digest(), group=self.group)
-        if len(set(digests)) > 1:
+        if not _ranks_agree(digest.digest(), self.group):
             return None
         owned, pieces, start = [], [], 0  # this rank's range of each bucket, and where it lands in the shard
         for span in self.layout.buckets:
@@ -311,7 +309,12 @@ def _agree_or_broadcast(buffer: torch.Tensor, group: Any) -> None:
         comm.broadcast(buffer, src=comm.get_global_rank(group, 0), group=group)
         return
     digest = hashlib.blake2b(memoryview(buffer.view(torch.uint8).numpy()), digest_size=16).digest()
+    if not _ranks_agree(digest, group):
+        comm.broadcast(buffer, src=comm.get_global_rank(group, 0), group=group)
+
+
+def _ranks_agree(digest: bytes, group: Any) -> bool:
+    """Whether every rank of `group` holds the same `digest` (one small all-gather)."""
     digests: list[Any] = [None] * comm.get_world_size(group)
     comm.all_gather_object(digests, digest, group=group)
-    if len(set(digests)) > 1:
-        comm.broadcast(buffer, src=comm.get_global_rank(group, 0), group=group)
+    return len(set(digests)) == 1

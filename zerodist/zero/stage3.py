@@ -150,9 +150,6 @@ class _OrderCheck:
     def _ranks(self) -> list[int]:
         return [comm.get_global_rank(self.group, r) for r in range(comm.get_world_size(self.group))]
 
-    def reset(self) -> None:
-        self.counts.clear()
-
 
 class RunCheck:
     """Which units' forwards ran since the last optimizer step, in which order: compared across
