@@ -41,12 +41,12 @@ from zerodist.comm.init import (
     init_distributed,
     is_initialized,
 )
-from zerodist.comm.topology import Topology
+from zerodist.comm.topology import DENSE, EXPERT, TENSOR_SLICE, Domain, Topology
 from zerodist.comm.tracer import CollectiveRecord, OpSummary, Trace, bus_factor, trace
 
 __all__ = [
     "CollectiveMismatchError", "CollectiveRecord", "CommHandle", "DistributedInitError", "ExchangeTimeoutError", "OpSummary",
-    "ProcessGroup", "ReduceOp", "Topology", "TopologyError", "Trace", "WorldInfo", "all_gather",
+    "DENSE", "Domain", "EXPERT", "ProcessGroup", "ReduceOp", "TENSOR_SLICE", "Topology", "TopologyError", "Trace", "WorldInfo", "all_gather",
     "all_gather_object", "all_reduce", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list",
     "bus_factor", "collective_guard", "device_for_rank", "disable_collective_guard", "enable_collective_guard",
     "ensure_initialized", "exchange_with_deadline", "gather_object", "get_global_rank", "get_local_rank", "get_rank", "get_world_size", "init_distributed",

@@ -18,6 +18,7 @@ partitions) is pure and tested without processes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -30,6 +31,10 @@ from zerodist.comm.errors import TopologyError
 from zerodist.comm.init import ensure_initialized
 
 AXES = ("data", "expert", "tensor")
+# The axes one batch is dealt over: tensor-parallel peers share a batch, expert-parallel ones do not.
+BATCH_AXES = ("data", "expert")
+
+
 
 
 def resolve_degrees(world_size: int, *, data: int | None = None, expert: int = 1, tensor: int = 1) -> dict[str, int]:
@@ -95,6 +100,47 @@ def _canonical(axes: tuple[str, ...]) -> tuple[str, ...]:
     if unknown or not axes:
         raise TopologyError(f"unknown axis {unknown or axes}; the axes are {', '.join(AXES)}")
     return tuple(a for a in AXES if a in axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Domain:
+    """Where a parameter lives on the mesh; see [Note: sharding domains].
+
+    `reduce_axes`: its gradient is summed, and ZeRO shards it, over these axes.
+    `replicated_axes`: the axes over which every rank holds the same values (a superset of
+    `reduce_axes`). Over the axes replicated but not reduced (e.g. `tensor` for a LayerNorm
+    weight next to tensor-parallel layers) every rank computes the same thing, so only the rank at
+    index 0 of those axes counts the parameter in the global gradient norm.
+
+    [Note: sharding domains] The gradient of every parameter is divided by the number of batch
+    shards (`Topology.size(*BATCH_AXES)`), whatever its domain: an expert that receives tokens
+    from all ranks of its expert group (all-to-all) already sums their contributions locally, so
+    summing over `("data",)` and dividing by data x expert gives the one-process mean gradient.
+    """
+
+    reduce_axes: tuple[str, ...]
+    replicated_axes: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        reduce_axes, replicated_axes = _canonical(self.reduce_axes), _canonical(self.replicated_axes)
+        if not set(reduce_axes) <= set(replicated_axes):
+            raise TopologyError(f"a domain reduces over {reduce_axes} but is replicated over {replicated_axes} "
+                                "only; a gradient can be summed only where the parameter is replicated")
+        object.__setattr__(self, "reduce_axes", reduce_axes)
+        object.__setattr__(self, "replicated_axes", replicated_axes)
+
+    @property
+    def norm_axes(self) -> tuple[str, ...]:
+        """Axes replicated but not reduced: only index 0 along them counts in the norm."""
+        return tuple(a for a in self.replicated_axes if a not in self.reduce_axes)
+
+
+# A dense parameter (today's only kind): replicated everywhere, reduced over the batch axes.
+DENSE = Domain(BATCH_AXES, AXES)
+# An expert's parameters: one copy per expert-parallel group (see zerodist/moe).
+EXPERT = Domain(("data",), ("data", "tensor"))
+# A tensor-parallel slice: each tensor rank holds a different slice (see zerodist/tensor_parallel).
+TENSOR_SLICE = Domain(BATCH_AXES, BATCH_AXES)
 
 
 class Topology:
@@ -164,6 +210,25 @@ class Topology:
     def axis_rank(self, *axes: str) -> int:
         """This rank's index within its group over `axes`."""
         return self.ranks(*axes).index(self.rank)
+
+    # ------------------------------------------------------------------ named groups
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes the batch is dealt over (data loader, loss mean, gradient divisor)."""
+        return BATCH_AXES
+
+    @property
+    def num_batch_shards(self) -> int:
+        return self.size(*BATCH_AXES)
+
+    @property
+    def batch_rank(self) -> int:
+        """Which batch shard this rank reads: tensor-parallel peers read the same one."""
+        return self.axis_rank(*BATCH_AXES)
+
+    def counts_in_norm(self, domain: Domain) -> bool:
+        """Whether this rank adds a parameter of `domain` to the global gradient norm."""
+        return all(self._coords[a] == 0 for a in domain.norm_axes)
 
     def __repr__(self) -> str:
         degrees = ", ".join(f"{a}={d}" for a, d in self._degrees.items())
