@@ -2,7 +2,8 @@
 
 Atomic sharded save (`save_checkpoint`), load at any world size and ZeRO stage
 (`load_checkpoint`), consolidation to one plain file (`consolidate_checkpoint`,
-`save_consolidated`), integrity reports (`inspect_checkpoints`). The engine's
+`save_consolidated`), whole weights out of a live engine (`save_16bit_model`,
+`save_pretrained`), integrity reports (`inspect_checkpoints`). The engine's
 `save_checkpoint` / `load_checkpoint` delegate here. Format and guarantees: docs/checkpoints.md.
 """
 
@@ -14,6 +15,7 @@ from zerodist.checkpoint.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
+from zerodist.checkpoint.export import save_16bit_model, save_pretrained
 from zerodist.checkpoint.files import KILL_ENV, KILL_POINTS
 from zerodist.checkpoint.inspect import TagReport, inspect_checkpoints
 from zerodist.checkpoint.load import latest_tag, load_checkpoint
@@ -24,5 +26,5 @@ __all__ = [
     "KILL_ENV", "KILL_POINTS", "CheckpointAgreementError", "CheckpointCorruptError", "CheckpointError",
     "CheckpointNotFoundError", "CheckpointWriteError", "Manifest", "TagReport", "consolidate_checkpoint",
     "inspect_checkpoints", "latest_tag", "list_checkpoints", "load_checkpoint", "read_manifest", "save_checkpoint",
-    "save_consolidated", "write_safetensors",
+    "save_16bit_model", "save_consolidated", "save_pretrained", "write_safetensors",
 ]
