@@ -217,6 +217,9 @@ def _write_configs(module: torch.nn.Module, save_dir: Path) -> None:
         return
     config = copy.deepcopy(config)
     config.architectures = [type(module).__name__]
+    floating = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    if floating is not None:  # the dtype the weights are written in, which from_pretrained(dtype="auto") reads
+        config.dtype = str(floating).removeprefix("torch.")
     config.save_pretrained(save_dir)
     generation = getattr(module, "generation_config", None)
     can_generate = getattr(module, "can_generate", None)
