@@ -96,6 +96,7 @@ def _materialise_recorded(module: torch.nn.Module, name: str, log: InitLog, devi
         if is_parameter:
             value = torch.nn.Parameter(value, requires_grad=tensor.requires_grad)
         torch.utils.swap_tensors(tensor, value)
+    del _INIT_LOGS[module]  # the log (RNG states, copied inputs) goes when its last module is materialised
 
 
 @dataclasses.dataclass(frozen=True)
