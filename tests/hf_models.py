@@ -22,6 +22,11 @@ def hf_config(kind: str, **overrides: Any) -> Any:
         config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                           max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+    elif kind == "mixtral":  # a mixture of experts: router and per-expert weights
+        config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                                            bos_token_id=0, eos_token_id=0)
     elif kind == "bert":
         config = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
@@ -38,7 +43,7 @@ def hf_class(kind: str) -> type:
     import transformers
 
     return {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
-            "bert": transformers.BertForMaskedLM}[kind]
+            "bert": transformers.BertForMaskedLM, "mixtral": transformers.MixtralForCausalLM}[kind]
 
 
 def hf_batch(step: int, rows: int) -> torch.Tensor:
