@@ -2,6 +2,11 @@
 
     engine(batch) -> loss;  engine.backward(loss);  engine.step()
 
+The engine is an `nn.Module` whose one submodule is the user's model, `module` (as DeepSpeed's
+engine is): `parameters()`, `named_parameters()` and `state_dict()` are nn.Module's, so their
+names carry the `module.` prefix; `module_state_dict()` gives the plain model's keys. The
+engine's own resumable training state is not `state_dict()` (see docs/deepspeed.md).
+
 `step()` is called every micro-step; it steps the optimizer only at the gradient
 accumulation boundary, which `is_gradient_accumulation_boundary()` states and
 `set_gradient_accumulation_boundary()` can override.
@@ -20,6 +25,7 @@ import zerodist.checkpoint as checkpoint
 import zerodist.comm as comm
 from zerodist.config import BatchSizes, Config
 from zerodist.debug import MemoryMonitor, NanHunter, reduce_loss
+from zerodist.engine.deepspeed_surface import DeepSpeedEngineAPI
 from zerodist.engine.monitor import Monitors
 from zerodist.precision import PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
@@ -29,8 +35,9 @@ from zerodist.zero.stage3 import GatheredParameters, Stage3Runtime
 logger = get_logger(__name__)
 
 
-class Engine:
-    """Made by `zerodist.initialize()`; wraps the user's module without changing its attributes."""
+class Engine(DeepSpeedEngineAPI, torch.nn.Module):
+    """Made by `zerodist.initialize()`; wraps the user's module without changing its attributes.
+    DeepSpeed's accessors (`train_batch_size()`, `local_rank`, ...) come from `DeepSpeedEngineAPI`."""
 
     # The loader initialize() returned, if any: checkpoints record and restore its position.
     training_dataloader: Any = None
@@ -38,9 +45,11 @@ class Engine:
     def __init__(self, module: torch.nn.Module, *, config: Config, batch: BatchSizes, policy: PrecisionPolicy,
                  groups: list[FlatParamGroup], reducer: GradReducer, optimizer: ZeroOptimizer, lr_scheduler: Any,
                  topology: comm.Topology, stage3: Stage3Runtime | None = None):
+        super().__init__()  # nn.Module's bookkeeping first; `self.module = module` then registers the submodule
         self.module, self.config, self.batch, self.policy = module, config, batch, policy
         self.groups, self.reducer, self.optimizer, self.lr_scheduler = groups, reducer, optimizer, lr_scheduler
         self.topology = topology
+        self._record_world()
         self.stage3 = stage3  # the ZeRO-3 hooks and units, None at stages 0-2
         self.stage = config.zero_optimization.stage
         self.global_steps = 0
@@ -62,14 +71,10 @@ class Engine:
             self.comms_trace = self._trace.__enter__()
 
     # ------------------------------------------------------------------ accumulation boundary
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.batch.gradient_accumulation_steps
-
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Force (True/False) or restore (None) the boundary decision for the next micro-steps."""
@@ -88,9 +93,6 @@ class Engine:
             self._no_sync = previous
 
     # ------------------------------------------------------------------ the training step
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
-
     # forward, backward and step run without the stage-3 access check: they gather what they use,
     # and a torch-function mode would cost every op (see [Note: sharded access check]).
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -110,7 +112,7 @@ class Engine:
             raise ValueError(f"engine.backward() takes the scalar loss, got {type(loss).__name__} "
                              f"{tuple(getattr(loss, 'shape', ()))}")
         self.reducer.sync_enabled = self.stage >= 2 or (self.is_gradient_accumulation_boundary() and not self._no_sync)
-        scale = self.optimizer.scaler.scale / self.gradient_accumulation_steps
+        scale = self.optimizer.scaler.scale / self.batch.gradient_accumulation_steps
         scaled = loss.float() * scale if scale != 1.0 else loss
         seen = self.reducer.grads_seen
         scaled.backward()
@@ -137,10 +139,12 @@ class Engine:
         self._backward_pending = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
+        self._step_applied = False
         if not boundary:
             return
         result = self.optimizer.step()
         self.last_step = result
+        self._step_applied = not result.overflow
         self.global_steps += 1
         if result.overflow:
             self.skipped_steps += 1
@@ -201,14 +205,6 @@ class Engine:
             self.save_checkpoint(settings.save_dir)
 
     # ------------------------------------------------------------------ queries
-    def train(self, mode: bool = True) -> Engine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> Engine:
-        self.module.eval()
-        return self
-
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
 
