@@ -272,3 +272,27 @@ def test_deepspeed_comm_names_and_signatures():
     assert tensor.item() == 1.0
     with pytest.raises(ValueError, match="one per rank of the group"):
         dist.all_gather([torch.zeros(2)], torch.zeros(2))
+
+
+@distributed_test(world_size=1)
+def test_backward_and_step_take_deepspeeds_keywords():
+    """`scale_wrt_gas=False` on a loss the script divided itself trains exactly as the default does;
+    `lr_kwargs` reach the scheduler; the checkpoint keywords zerodist cannot honour are refused."""
+    states = []
+    for scale_wrt_gas in (True, False):
+        torch.manual_seed(0)
+        config = base_config(2, gradient_accumulation_steps=2, scheduler={
+            "type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 10}})
+        engine, _, _, _ = deepspeed.initialize(model=make_mlp(), config=config)
+        for micro in range(4):
+            x, y = global_batch(micro, 4)
+            loss = F.mse_loss(engine(x), y)
+            engine.backward(loss if scale_wrt_gas else loss / 2, retain_graph=True, scale_wrt_gas=scale_wrt_gas)
+            engine.step(lr_kwargs={"last_batch_iteration": 5} if micro == 3 else None)
+        states.append(engine.module_state_dict())
+        assert engine.lr_scheduler.last_batch_iteration == 5
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    with pytest.raises(ValueError, match="exclude_frozen_parameters=True"):
+        engine.save_checkpoint("unused", exclude_frozen_parameters=True)
+    with pytest.raises(ValueError, match="strictly"):
+        engine.load_checkpoint("unused", None, False)

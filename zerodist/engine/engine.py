@@ -101,21 +101,22 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                 args, kwargs = _cast_floating((args, kwargs), self.policy.param_dtype)
             return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """Backward of `loss` scaled for accumulation (and fp16 loss scaling); gradients are
         reduced as buckets fill when this micro-step syncs."""
         with sharded_access.suspended():
-            self._backward(loss)
+            self._backward(loss, retain_graph, scale_wrt_gas)
 
-    def _backward(self, loss: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward() takes the scalar loss, got {type(loss).__name__} "
                              f"{tuple(getattr(loss, 'shape', ()))}")
         self.reducer.sync_enabled = self.stage >= 2 or (self.is_gradient_accumulation_boundary() and not self._no_sync)
-        scale = self.optimizer.scaler.scale / self.batch.gradient_accumulation_steps
+        # DeepSpeed's scale_wrt_gas=False: the script already divided its loss by the accumulation steps.
+        scale = self.optimizer.scaler.scale / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
         scaled = loss.float() * scale if scale != 1.0 else loss
         seen = self.reducer.grads_seen
-        scaled.backward()
+        scaled.backward(retain_graph=retain_graph)
         self.reducer.end_backward()
         if self.stage3 is not None:
             self.stage3.end_backward()
@@ -127,12 +128,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             self.nan_hunter.check(loss)  # collective: every rank raises together, naming the first NaN/Inf
         self._backward_pending = True
 
-    def step(self) -> None:
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """One micro-step done; at the accumulation boundary, the optimizer steps."""
         with sharded_access.suspended():
-            self._step()
+            self._step(lr_kwargs or {})
 
-    def _step(self) -> None:
+    def _step(self, lr_kwargs: dict[str, Any]) -> None:
         if not self._backward_pending:
             raise RuntimeError("engine.step() without engine.backward(loss) since the last step: call "
                                "engine.backward(loss) (not loss.backward()) so gradients are scaled and reduced")
@@ -151,7 +152,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             log_rank0(logger, "step %d: gradient overflow on some rank; every rank skipped the step, loss scale now %g",
                       self.global_steps, self.optimizer.scaler.scale)
         elif self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            self.lr_scheduler.step(**lr_kwargs)
         self._report()
         self._save_at_interval()
 
@@ -186,15 +187,26 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.optimizer.zero_grad()
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Any = None, save_latest: bool = True) -> str:
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Any = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> str:
         """Save everything needed to resume under `save_dir/tag` (default tag `global_step{N}`);
-        collective: call it on every rank. Returns the checkpoint directory. See docs/checkpoints.md."""
+        collective: call it on every rank. Returns the checkpoint directory. See docs/checkpoints.md.
+        DeepSpeed's signature; `exclude_frozen_parameters=True` is refused (the manifest holds every tensor)."""
+        if exclude_frozen_parameters:
+            raise ValueError("save_checkpoint(exclude_frozen_parameters=True): zerodist checkpoints hold every "
+                             "parameter, so any world size and stage can load them; leave it False")
         return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir: str, tag: Any = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[str | None, Any]:
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
         """Load a checkpoint saved at any world size and ZeRO stage (default: the newest committed);
-        collective. Returns `(load_path, client_state)`, `(None, None)` when there is none."""
+        collective. Returns `(load_path, client_state)`, `(None, None)` when there is none.
+        DeepSpeed's signature; loading is always strict and `custom_load_fn` is refused."""
+        if not load_module_strict or custom_load_fn is not None:
+            raise ValueError("load_checkpoint(load_module_strict=False / custom_load_fn=...): zerodist loads every "
+                             "parameter by name, strictly; for a partial load, call model.load_state_dict(state, "
+                             "strict=False) on the model before initialize()")
         return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_module_only=load_module_only)
