@@ -166,6 +166,7 @@ def test_attribute_fall_through_reads_the_models_own_attributes():
     engine, _, _, _ = deepspeed.initialize(model=net, config=base_config(1))
     assert engine.fc1 is net.fc1 and engine.temperature == 0.5
     assert (engine.local_rank, engine.global_rank, engine.world_size, engine.device) == (0, 0, 1, torch.device("cpu"))
+    assert (engine.dp_world_size, engine.mp_world_size) == (1, 1)
 
 
 @distributed_test(world_size=2)

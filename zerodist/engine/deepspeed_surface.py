@@ -63,6 +63,16 @@ class DeepSpeedEngineAPI:
         optimizer step (skipped ones included), so this is that product; read-only here."""
         return self.global_steps * self.train_batch_size()  # type: ignore[attr-defined]
 
+    @property
+    def dp_world_size(self) -> int:
+        """Ranks that each see different samples (the data-parallel degree, DeepSpeed's attribute)."""
+        return self.topology.size("data", "expert")  # type: ignore[attr-defined]
+
+    @property
+    def mp_world_size(self) -> int:
+        """The model-parallel (tensor) degree."""
+        return self.topology.size("tensor")  # type: ignore[attr-defined]
+
     def was_step_applied(self) -> bool:
         """Whether the latest `step()` updated the parameters: False between accumulation
         boundaries and when an fp16 overflow skipped the step."""
@@ -140,10 +150,11 @@ class DeepSpeedEngineAPI:
         except AttributeError:
             pass
         module = self.__dict__.get("_modules", {}).get("module")
-        if module is not None:
-            try:
-                return getattr(module, name)
-            except AttributeError:
-                pass
+        if module is None:  # still in __init__, before the model is registered
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            pass
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}', and neither has "
                              f"the model it wraps ({type(module).__name__})")

@@ -5,7 +5,8 @@
 The engine is an `nn.Module` whose one submodule is the user's model, `module` (as DeepSpeed's
 engine is): `parameters()`, `named_parameters()` and `state_dict()` are nn.Module's, so their
 names carry the `module.` prefix; `module_state_dict()` gives the plain model's keys. The
-engine's own resumable training state is not `state_dict()` (see docs/deepspeed.md).
+engine's own training state (counters, scheduler, loss scale) is not part of `state_dict()`;
+`save_checkpoint()` holds it. docs/deepspeed.md lists DeepSpeed's engine API, name by name.
 
 `step()` is called every micro-step; it steps the optimizer only at the gradient
 accumulation boundary, which `is_gradient_accumulation_boundary()` states and
