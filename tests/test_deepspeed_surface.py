@@ -297,3 +297,33 @@ def test_backward_and_step_take_deepspeeds_keywords():
         engine.save_checkpoint("unused", exclude_frozen_parameters=True)
     with pytest.raises(ValueError, match="strictly"):
         engine.load_checkpoint("unused", None, False)
+
+
+def test_distributed_port_and_dist_init_required_keep_deepspeeds_meanings():
+    """In a fresh process (no process group yet): dist_init_required=False is an error naming the fix,
+    and distributed_port becomes rank 0's port only when the launcher gave none."""
+    import sys
+
+    from tests.processes import run_group
+
+    code = (
+        "import os, torch, zerodist as deepspeed\n"
+        "try:\n"
+        "    deepspeed.initialize(model=torch.nn.Linear(2, 2), dist_init_required=False)\n"
+        "except RuntimeError as error:\n"
+        "    print('REFUSED', error)\n"
+        "deepspeed.comm.use_default_port(29611)\n"
+        "print('PORT', os.environ.get('MASTER_PORT'))\n"
+        "for bad in (0, 70000, True):\n"
+        "    try:\n"
+        "        deepspeed.comm.use_default_port(bad)\n"
+        "    except deepspeed.comm.DistributedInitError as error:\n"
+        "        print('BAD', bad)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
+    out = run_group([sys.executable, "-c", code], timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "REFUSED initialize(dist_init_required=False) but no process group exists" in out.stdout
+    assert "PORT 29611" in out.stdout
+    assert [line for line in out.stdout.splitlines() if line.startswith("BAD")] == ["BAD 0", "BAD 70000", "BAD True"]
