@@ -147,8 +147,9 @@ def main():
     if model_engine.global_rank == 0:
         print("Finished Training")
         if args.results:
+            saved = {"epoch": client_state["epoch"], "losses": client_state["losses"]}
             with open(args.results, "w") as file:
-                json.dump({"losses": losses, "resumed_losses": resumed, "client_state": client_state,
+                json.dump({"losses": losses, "resumed_losses": resumed, "client_state": saved,
                            "load_path": load_path, "args_local_rank": args.local_rank,
                            "before": facts_before, "after": facts_after}, file)
 
