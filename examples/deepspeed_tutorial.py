@@ -86,6 +86,21 @@ def train_epoch(model_engine, trainloader, criterion, args, epoch):
     return losses
 
 
+def evaluate(net, model_engine, criterion, args):
+    """The tutorial tests the model itself (`net`, not the engine) on held-out images; at ZeRO-3 its
+    parameters are gathered around its forward as the engine's are (every rank must call it)."""
+    images, labels = cifar_like(args.samples // 2, seed=4321).tensors
+    if model_engine.bfloat16_enabled():
+        images = images.to(torch.bfloat16)
+    net.eval()
+    with torch.no_grad():
+        outputs = net(images.to(model_engine.device))
+    net.train()
+    loss = criterion(outputs.float(), labels.to(model_engine.device)).item()
+    accuracy = (outputs.argmax(1) == labels.to(model_engine.device)).float().mean().item()
+    return loss, accuracy
+
+
 def engine_facts(model_engine, net):
     """What DeepSpeed scripts ask the engine; each is checked by the test against DeepSpeed's meaning."""
     names = [name for name, _ in model_engine.named_parameters()]
@@ -144,13 +159,16 @@ def main():
     for epoch in range(client_state["epoch"] + 1, args.epochs):
         resumed += train_epoch(model_engine, trainloader, criterion, args, epoch)
 
+    test_loss, accuracy = evaluate(net, model_engine, criterion, args)
     if model_engine.global_rank == 0:
         print("Finished Training")
+        print("Accuracy of the network on the %d test images: %d %%" % (args.samples // 2, 100 * accuracy))
         if args.results:
             saved = {"epoch": client_state["epoch"], "losses": client_state["losses"]}
             with open(args.results, "w") as file:
                 json.dump({"losses": losses, "resumed_losses": resumed, "client_state": saved,
                            "load_path": load_path, "args_local_rank": args.local_rank,
+                           "test_loss": test_loss, "accuracy": accuracy,
                            "before": facts_before, "after": facts_after}, file)
 
 

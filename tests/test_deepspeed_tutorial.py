@@ -71,7 +71,8 @@ def _tutorial_namespace() -> dict[str, Any]:
 
 def reference_losses(learning: bool = True) -> list[float]:
     """One process, the whole global batch per step; `learning=False` keeps the initial weights
-    (to show the comparison can tell training from no training)."""
+    (to show the comparison can tell training from no training). The last entry is the trained
+    model's loss on the script's test images."""
     namespace = _tutorial_namespace()
     torch.manual_seed(0)
     net = namespace["Net"]()
@@ -94,6 +95,9 @@ def reference_losses(learning: bool = True) -> list[float]:
                 group["lr"] = 0.001 * math.log(step + 1) / math.log(1000) if learning else 0.0
             optimizer.step()
             step += 1
+    images, labels = namespace["cifar_like"](SAMPLES // 2, seed=4321).tensors
+    with torch.no_grad():
+        losses.append(F.cross_entropy(net(images), labels).item())
     return losses
 
 
@@ -102,7 +106,10 @@ def reference() -> list[float]:
     return reference_losses()
 
 
-def _check_run(results: dict[str, Any], stage: int, reference: list[float]) -> None:
+def _check_run(results: dict[str, Any], stage: int, reference_and_test: list[float]) -> None:
+    *reference, test_loss = reference_and_test
+    # The model itself, evaluated after training as the tutorial does, is the reference's model.
+    assert abs(results["test_loss"] - test_loss) <= LOSS_TOLERANCE, (results["test_loss"], test_loss)
     losses = results["losses"]
     assert len(losses) == len(reference) == EPOCHS * SAMPLES // GLOBAL_BATCH
     worst = max(abs(a - b) for a, b in zip(losses, reference))
@@ -193,5 +200,6 @@ def test_tutorial_script_matches_real_deepspeed(tmp_path):
     deepspeed_run, zerodist_run = runs["deepspeed"], runs["zerodist"]
     assert len(zerodist_run["losses"]) == SAMPLES // GLOBAL_BATCH
     assert zerodist_run["losses"] == pytest.approx(deepspeed_run["losses"], abs=LOSS_TOLERANCE)
+    assert zerodist_run["test_loss"] == pytest.approx(deepspeed_run["test_loss"], abs=LOSS_TOLERANCE)
     assert zerodist_run["before"] == deepspeed_run["before"]
     assert zerodist_run["after"] == deepspeed_run["after"]
