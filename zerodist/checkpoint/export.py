@@ -33,7 +33,10 @@ import torch
 import zerodist.comm as comm
 from zerodist.checkpoint.consolidate import SAFETENSORS_DTYPES
 from zerodist.checkpoint.files import AtomicFile, tensor_bytes
+from zerodist.utils import get_logger, log_rank0
 from zerodist.zero.stage3 import GatheredParameters
+
+logger = get_logger(__name__)
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -53,6 +56,8 @@ def save_16bit_model(engine: Any, save_dir: str | Path, save_filename: str = TOR
     else:
         _write_torch(chunks, path)
     comm.barrier()
+    log_rank0(logger, "saved the model's weights (%d tensors, training dtype) to %s", sum(len(c.keys) for c in chunks),
+              path)
     return True
 
 
