@@ -83,6 +83,7 @@ class _Root:
     created_by: _Event | None
     output_index: int
     layout: tuple[tuple[int, ...], tuple[int, ...], int]  # the created tensor's size, stride, offset
+    dense: bool = False  # the created tensor is its whole storage, each element once
     mutations: list[_Event] = dataclasses.field(default_factory=list)
     mutation_seqs: list[int] = dataclasses.field(default_factory=list)
 
@@ -128,7 +129,8 @@ class InitLog:
         outputs, _ = tree_flatten(out)
         for index, value in enumerate(outputs):
             if _is_meta(value) and _storage_key(value) not in self.roots:
-                self.roots[_storage_key(value)] = _Root(value.untyped_storage(), event, index, _layout(value))
+                self.roots[_storage_key(value)] = _Root(value.untyped_storage(), event, index, _layout(value),
+                                                        _is_dense(value))
 
     def _freeze(self, args_kwargs: tuple, seq: int) -> tuple:
         """Arguments as they must be replayed: meta tensors as references into the log, real
@@ -300,6 +302,39 @@ class Recording:
             self._pretrained.note(submodule)
 
 
+# In-place ops whose result does not depend on the values they overwrite.
+_OVERWRITING = frozenset({"normal_", "uniform_", "fill_", "zero_", "copy_", "random_", "exponential_", "log_normal_",
+                          "cauchy_", "geometric_", "bernoulli_"})
+
+
+def _last_overwrite(root: _Root, wanted: int) -> int:
+    """The index of the last of the first `wanted` mutations that overwrites the whole storage
+    without reading it (0 if none): replay can start there. An eager Hugging Face build draws
+    every weight twice (constructor, then `post_init`); only the second draw decides its value."""
+    for index in range(wanted - 1, -1, -1):
+        event = root.mutations[index]
+        if event.func.overloadpacket.__name__ not in _OVERWRITING:
+            continue
+        written = [v for v in _written_arguments(event.func, event.args, event.kwargs) if isinstance(v, _TensorRef)]
+        others = [v for v in tree_flatten((event.args, event.kwargs))[0]
+                  if isinstance(v, _TensorRef) and v.root is root and all(v is not w for w in written)]
+        target = written[0] if len(written) == 1 else None
+        if target is not None and not others and _covers(target, root):
+            return index
+    return 0
+
+
+def _covers(ref: _TensorRef, root: _Root) -> bool:
+    """Whether `ref` is the root's own layout and that layout is every element of the storage once."""
+    return root.dense and (ref.size, ref.stride, ref.offset) == root.layout
+
+
+def _is_dense(tensor: torch.Tensor) -> bool:
+    span = 1 + sum((n - 1) * st for n, st in zip(tensor.size(), tensor.stride())) if tensor.numel() else 0
+    return (tensor.storage_offset() == 0 and span == tensor.numel()
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+
+
 class Replayer:
     """Recomputes recorded tensors on the CPU. One per module materialised: its cache holds the
     temporaries of that module only."""
@@ -333,7 +368,7 @@ class Replayer:
         if cached is not None and cached[1] > wanted:  # a read of an older state: recompute apart
             return Replayer()._storage_at(root, seq)
         if cached is None:
-            cached = self._cache[id(root)] = (self._create(root), 0)
+            cached = self._cache[id(root)] = (self._create(root), _last_overwrite(root, wanted))
         base, applied = cached
         for index in range(applied, wanted):
             event = root.mutations[index]
