@@ -372,8 +372,10 @@ class Replayer:
         base, applied = cached
         for index in range(applied, wanted):
             event = root.mutations[index]
-            if sum(1 for v in _written_arguments(event.func, event.args, event.kwargs) if isinstance(v, _TensorRef)) > 1:
-                raise InitReplayError(f"{event.func} writes several recorded tensors at once; replaying it is not supported")
+            written = _written_arguments(event.func, event.args, event.kwargs)
+            if sum(isinstance(v, _TensorRef) for v in written) > 1:
+                raise InitReplayError(f"{event.func} writes several recorded tensors at once; "
+                                      "replaying it is not supported")
             self._run(event)
             self._cache[id(root)] = (base, index + 1)
         return base
