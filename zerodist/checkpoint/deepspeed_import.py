@@ -30,6 +30,7 @@ DeepSpeed saves no random-number state, so a resumed run's streams start afresh.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import math
@@ -165,6 +166,24 @@ class ImportedState:
     source: str  # "DeepSpeed 0.19.8, ZeRO stage 2, 2 ranks"
 
 
+@dataclasses.dataclass
+class _Optimizer:
+    """What a reader found of the optimizer, by parameter name (fields as in ImportedState)."""
+
+    stage: int
+    params: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    optimizer: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    scalars: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    group_of: dict[str, int] = dataclasses.field(default_factory=dict)
+    param_groups: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    loss_scaler: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def add(self, names: list[str], state: dict[str, Any], group: int) -> None:
+        """The non-elementwise state and param group of `names`, stepped together."""
+        for name in names:
+            self.scalars[name], self.group_of[name] = _scalars(state, self.param_groups[group]), group
+
+
 def _ranks_files(tag_dir: Path, num_ranks: int) -> list[Path]:
     """The optimizer-state file of every rank, checking none is missing (by DeepSpeed's own count)."""
     found = {int(m.group(2)): tag_dir / m.group(0) for p in tag_dir.iterdir() if (m := OPTIM_STATES.match(p.name))}
@@ -195,7 +214,7 @@ def _split_flat(flat: torch.Tensor, shapes: list[tuple[str, torch.Size]], paddin
     return out
 
 
-def _zero3_split(flats: list[torch.Tensor], shapes: list[tuple[str, torch.Size]], where: str
+def _zero3_split(flats: list[torch.Tensor], *, shapes: list[tuple[str, torch.Size]], where: str
                  ) -> dict[str, torch.Tensor]:
     """Stage 3: every rank's flat part of each parameter in turn ([Note: DeepSpeed flat partitions])."""
     ranks, out, offset = len(flats), {}, 0
@@ -213,8 +232,9 @@ def _zero3_split(flats: list[torch.Tensor], shapes: list[tuple[str, torch.Size]]
     return out
 
 
-def _read_zero(tag_dir: Path, model_states: dict[str, Any], stage: int, num_ranks: int) -> tuple[Any, ...]:
-    """Stages 1-3: (masters, elementwise state, scalars, group_of, param groups, loss scaler)."""
+def _read_zero(tag_dir: Path, model_states: dict[str, Any], zero3: bool, num_ranks: int) -> _Optimizer:
+    """Stages 1-3: every rank's optimizer file, reassembled by parameter."""
+    stage = 3 if zero3 else 2  # until the files say 1 or 2 (the layout is the same)
     files = _ranks_files(tag_dir, num_ranks)
     shards = [_load(f)["optimizer_state_dict"] for f in files]
     base_key = "optimizer_state_dict" if stage == 3 else "base_optimizer_state"
@@ -237,30 +257,33 @@ def _read_zero(tag_dir: Path, model_states: dict[str, Any], stage: int, num_rank
                 used += math.ceil(math.prod(shapes[start][1]) / num_ranks)
                 start += 1
             members.append(names)
-        split = [lambda parts, names=names: _zero3_split(parts, names, str(tag_dir)) for names in members]
+        split = [functools.partial(_zero3_split, shapes=names, where=str(tag_dir)) for names in members]
     else:
         groups = model_states["param_shapes"]
         paddings = shards[0].get("param_alignment_paddings") or [None] * num_flat
         members = [_trained_names(g) for g in groups]
-        split = [lambda parts, names=names, pad=pad: _split_flat(torch.cat(parts), names, pad, str(tag_dir))
+        split = [functools.partial(_split_parts, shapes=names, paddings=pad, where=str(tag_dir))
                  for names, pad in zip(members, paddings)]
     if len(members) != num_flat:
         raise DeepSpeedImportError(f"{tag_dir}: {len(members)} parameter groups in the model states, {num_flat} in "
                                    "the optimizer states")
-    params, optimizer, scalars, group_of = {}, {}, {}, {}
-    param_groups = base[0]["param_groups"]
-    owner = {index: j for j, pg in enumerate(param_groups) for index in pg["params"]}
+    found = _Optimizer(stage if zero3 else int(shards[0].get("zero_stage", stage)), param_groups=base[0]["param_groups"],
+                       loss_scaler=_state_of(shards[0].get("loss_scaler")))
+    owner = {index: j for j, pg in enumerate(found.param_groups) for index in pg["params"]}
     for k in range(num_flat):
-        params.update(split[k]([s[flat_key][k].float() for s in shards]))
+        found.params.update(split[k]([s[flat_key][k].float() for s in shards]))
         state = base[0]["state"].get(k, {})
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 for name, tensor in split[k]([b["state"][k][key].float() for b in base]).items():
-                    optimizer.setdefault(name, {})[key] = tensor
-        for name, _ in members[k]:
-            scalars[name] = _scalars(state, param_groups[owner.get(k, 0)])
-            group_of[name] = owner.get(k, 0)
-    return params, optimizer, scalars, group_of, param_groups, _state_of(shards[0].get("loss_scaler"))
+                    found.optimizer.setdefault(name, {})[key] = tensor
+        found.add([name for name, _ in members[k]], state, owner.get(k, 0))
+    return found
+
+
+def _split_parts(parts: list[torch.Tensor], shapes: list[tuple[str, torch.Size]], paddings: list[int] | None,
+                 where: str) -> dict[str, torch.Tensor]:
+    return _split_flat(torch.cat(parts), shapes, paddings, where)
 
 
 def _scalars(state: dict[str, Any], param_group: dict[str, Any]) -> dict[str, Any]:
@@ -273,8 +296,45 @@ def _scalars(state: dict[str, Any], param_group: dict[str, Any]) -> dict[str, An
     return out
 
 
-def _read_stage0(model_states: dict[str, Any], trained: list[str], where: Path) -> tuple[Any, ...]:
-    """Stage 0: torch's optimizer state dict over the parameters in order (fp32), or DeepSpeed's
+def _deal(candidates: list[str], shapes: dict[str, tuple[int, ...]], slots: list[list[tuple[int, ...] | None]],
+          where: Path) -> list[list[str]]:
+    """Stage 0 names none of the optimizer's parameters. Find the one way to deal the model's
+    parameters (in module order) out to the param groups' slots, each group keeping module order
+    (as groups built by filtering `named_parameters()` do) and every shape agreeing (None: any);
+    parameters dealt to no group are frozen. Raises when there is no way, or more than one."""
+    # Forward over the candidates: group positions reached -> (number of ways (capped at 2), parent, group).
+    history: list[dict[tuple[int, ...], tuple[int, Any, int]]] = []
+    frontier: dict[tuple[int, ...], tuple[int, Any, int]] = {tuple(0 for _ in slots): (1, None, -1)}
+    for name in candidates:
+        reached: dict[tuple[int, ...], tuple[int, Any, int]] = {}
+        for position, (ways, _, _) in frontier.items():
+            for j in [j for j, group in enumerate(slots)
+                      if position[j] < len(group) and group[position[j]] in (None, shapes[name])] + [-1]:
+                after = position if j < 0 else position[:j] + (position[j] + 1,) + position[j + 1:]
+                before = reached.get(after, (0, position, j))
+                reached[after] = (min(2, before[0] + ways), before[1], before[2])
+        history.append(frontier := reached)
+        if len(frontier) > 100_000:
+            break
+    final = tuple(len(group) for group in slots)
+    ways = frontier.get(final, (0, None, -1))[0] if len(frontier) <= 100_000 else 2
+    if ways != 1:
+        raise DeepSpeedImportError(
+            f"{where}: a ZeRO stage 0 checkpoint does not name the optimizer's parameters, and the model's "
+            f"{len(candidates)} parameters fit its {len(slots)} param group(s) of {[len(g) for g in slots]} in "
+            f"{'no' if ways == 0 else 'more than one'} way (by order and shape); save it again with ZeRO stage 1")
+    dealt: list[list[str]] = [[] for _ in slots]
+    position = final
+    for name, step in zip(reversed(candidates), reversed(history)):
+        _, parent, j = step[position]
+        if j >= 0:
+            dealt[j].insert(0, name)
+        position = parent
+    return dealt
+
+
+def _read_stage0(model_states: dict[str, Any], candidates: list[str], where: Path) -> _Optimizer:
+    """Stage 0: torch's optimizer state dict (fp32: the module holds the masters), or DeepSpeed's
     fp16/bf16 wrapper around it with the masters as `fp32_groups` (one tensor per parameter) or
     `fp32_groups_flat` (one flat tensor per param group, unpadded)."""
     saved = model_states.get("optimizer")
@@ -287,41 +347,34 @@ def _read_stage0(model_states: dict[str, Any], trained: list[str], where: Path) 
     # Units the optimizer steps, each (parameter names, master values, optimizer index, param group).
     units: list[tuple[list[str], torch.Tensor, int, int]] = []
     if wrapped and "fp32_groups_flat" in saved:
-        names = iter(trained)
-        for j, (flat, pg) in enumerate(zip(saved["fp32_groups_flat"], param_groups)):
-            members, used = [], 0
-            while used < flat.numel() and (name := next(names, None)) is not None:
-                members.append(name)
-                used += module[name].numel()
-            units.append((members, flat, pg["params"][0], j))
+        if len(param_groups) != 1 or saved["fp32_groups_flat"][0].numel() != sum(module[n].numel() for n in candidates):
+            raise DeepSpeedImportError(f"{where}: fp16 ZeRO stage 0 with DeepSpeed's fused optimizer keeps one flat "
+                                       "master per param group, which zerodist can attribute only for one group "
+                                       "holding every parameter; save it again with ZeRO stage 1")
+        units.append((candidates, saved["fp32_groups_flat"][0], param_groups[0]["params"][0], 0))
     else:
-        masters = [t for group in saved["fp32_groups"] for t in group] if wrapped else [module[n] for n in trained]
-        owners = [(i, j) for j, pg in enumerate(param_groups) for i in pg["params"]]
-        if len(owners) != len(trained) or len(masters) != len(trained):
-            raise DeepSpeedImportError(
-                f"{where}: the optimizer holds {len(owners)} parameters, the model {len(trained)} trainable ones; a "
-                "stage 0 checkpoint does not name the optimizer's parameters, so they must match in order (frozen "
-                "parameters at stage 0 are not imported)")
-        units = [([name], master, i, j) for name, master, (i, j) in zip(trained, masters, owners)]
-    if sum(len(u[0]) for u in units) != len(trained):
-        raise DeepSpeedImportError(f"{where}: the fp32 master groups do not cover the model's {len(trained)} "
-                                   "trainable parameters")
-    params, optimizer, scalars, group_of = {}, {}, {}, {}
+        masters = saved["fp32_groups"] if wrapped else None
+        slots = [[tuple(masters[j][p].shape) if wrapped else
+                  tuple(inner["state"][i]["exp_avg"].shape) if "exp_avg" in inner["state"].get(i, {}) else None
+                  for p, i in enumerate(pg["params"])] for j, pg in enumerate(param_groups)]
+        dealt = _deal(candidates, {n: tuple(module[n].shape) for n in candidates}, slots, where)
+        units = [([name], masters[j][p] if wrapped else module[name], pg["params"][p], j)
+                 for j, (names, pg) in enumerate(zip(dealt, param_groups)) for p, name in enumerate(names)]
+    found = _Optimizer(0, param_groups=param_groups, loss_scaler={
+        k: saved[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter", "dynamic_loss_scale") if k in saved})
     for names, master, index, j in units:
         shapes = [(n, module[n].shape) for n in names]
         if master.numel() != sum(math.prod(s) for _, s in shapes):
             raise DeepSpeedImportError(f"{where}: optimizer parameter {index} has {master.numel()} elements, the "
                                        f"parameters {names} {sum(math.prod(s) for _, s in shapes)}")
-        params.update(_split_flat(master.detach().float().reshape(-1), shapes, None, str(where)))
+        found.params.update(_split_flat(master.detach().float().reshape(-1), shapes, None, str(where)))
         state = inner["state"].get(index, {})
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 for name, tensor in _split_flat(value.float().reshape(-1), shapes, None, str(where)).items():
-                    optimizer.setdefault(name, {})[key] = tensor
-        for name in names:
-            scalars[name], group_of[name] = _scalars(state, param_groups[j]), j
-    scaler = {k: saved[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter", "dynamic_loss_scale") if k in saved}
-    return params, optimizer, scalars, group_of, param_groups, scaler
+                    found.optimizer.setdefault(name, {})[key] = tensor
+        found.add(names, state, j)
+    return found
 
 
 def _aliases(module: dict[str, torch.Tensor], buffers: set[str]) -> dict[str, str]:
@@ -422,32 +475,30 @@ def read_deepspeed_checkpoint(path: str | Path, tag: Any = None) -> ImportedStat
     ds_config = model_states.get("ds_config") or {}
     module = model_states["module"]
     buffer_names = list(model_states.get("buffer_names") or [])
-    if model_states.get("param_shapes") is not None:  # stages 1-3
-        stage = 3 if zero3 else 2
-        aliases = dict(model_states.get("shared_params") or {})
-        params, optimizer, scalars, group_of, groups, scaler = _read_zero(tag_dir, model_states, stage, num_ranks)
-        if not zero3:  # 1 or 2: the optimizer file says which (the layout is the same)
-            stage = int(_load(_ranks_files(tag_dir, num_ranks)[0])["optimizer_state_dict"].get("zero_stage", 2))
-    else:
-        stage = 0
-        aliases = _aliases(module, set(buffer_names))
-        trained = [k for k in module if k not in buffer_names and k not in aliases]
-        params, optimizer, scalars, group_of, groups, scaler = _read_stage0(model_states, trained, tag_dir / MODEL_STATES)
     extra = {k: module[k].clone() for k in buffer_names if k in module}
-    extra.update(_frozen(tag_dir, model_states, stage, num_ranks))
-    dtypes = {module[n].dtype for n in params if n in module}
+    if model_states.get("param_shapes") is not None:  # stages 1-3
+        aliases = dict(model_states.get("shared_params") or {})
+        found = _read_zero(tag_dir, model_states, zero3, num_ranks)
+        extra.update(_frozen(tag_dir, model_states, found.stage, num_ranks))
+    else:
+        aliases = _aliases(module, set(buffer_names))
+        candidates = [k for k in module if k not in buffer_names and k not in aliases]
+        found = _read_stage0(model_states, candidates, tag_dir / MODEL_STATES)
+        extra.update({k: module[k].clone() for k in candidates if k not in found.params})  # frozen
+    dtypes = {module[n].dtype for n in found.params if n in module}
     precision = "fp16" if torch.float16 in dtypes else "bf16" if torch.bfloat16 in dtypes else "fp32"
     gas = ds_config.get("gradient_accumulation_steps", 1)
     steps = int(model_states.get("global_steps", 0))
+    groups = found.param_groups
     return ImportedState(
-        params=params, optimizer=optimizer, scalars=scalars, group_of=group_of,
+        params=found.params, optimizer=found.optimizer, scalars=found.scalars, group_of=found.group_of,
         options=[{k: v for k, v in pg.items() if k != "params"} for pg in groups],
         optimizer_class=_optimizer_class(groups, ds_config, tag_dir), extra=extra, state_dict_keys=list(module),
         aliases=aliases, global_steps=steps, micro_steps=steps * (gas if isinstance(gas, int) else 1),
-        skipped_steps=int(model_states.get("skipped_steps", 0)), loss_scaler=_loss_scaler(scaler, precision),
+        skipped_steps=int(model_states.get("skipped_steps", 0)), loss_scaler=_loss_scaler(found.loss_scaler, precision),
         lr_scheduler=_scheduler(model_states.get("lr_scheduler"), ds_config, groups),
         client_state={k: v for k, v in model_states.items() if k not in DEEPSPEED_KEYS}, precision=precision,
-        source=f"DeepSpeed {model_states.get('ds_version', '?')}, ZeRO stage {stage}, {num_ranks} rank(s)",
+        source=f"DeepSpeed {model_states.get('ds_version', '?')}, ZeRO stage {found.stage}, {num_ranks} rank(s)",
     )
 
 
