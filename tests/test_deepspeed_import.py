@@ -204,10 +204,12 @@ def test_a_class_outside_deepspeeds_checkpoint_vocabulary_is_named(tmp_path: Pat
     truth = fixtures.write_deepspeed_checkpoint(tmp_path / "ds", 0, 2)
     path = truth.tag_dir / "mp_rank_00_model_states.pt"
     states = torch.load(path, weights_only=False)
-    states["data_sampler"] = fixtures.FixtureModel  # any global the import does not know
+    states["custom"] = fixtures.FixtureModel  # a client_state entry of a class the import does not know
     torch.save(states, path)
-    with pytest.raises(DeepSpeedImportError, match="tests.deepspeed_fixtures.FixtureModel"):
+    with pytest.raises(DeepSpeedImportError, match="holds tests.deepspeed_fixtures.FixtureModel.*--trust-pickle"):
         import_deepspeed(tmp_path / "ds", tmp_path / "out")
+    _, state = import_deepspeed(tmp_path / "ds", tmp_path / "out", trust_pickle=True)  # the user trusts the file
+    assert state.client_state["custom"] is fixtures.FixtureModel
 
 
 def _load_partial(path: str) -> str:

@@ -100,20 +100,22 @@ _STAND_INS = [
 ]
 
 
-def _load(path: Path) -> dict[str, Any]:
-    """One DeepSpeed file, unpickled with weights_only=True and stand-ins for DeepSpeed's classes."""
+def _load(path: Path, trust_pickle: bool = False) -> dict[str, Any]:
+    """One DeepSpeed file, unpickled with weights_only=True and stand-ins for DeepSpeed's classes
+    (or fully, running what the pickle asks, with `trust_pickle`)."""
     if not path.is_file():
         raise DeepSpeedImportError(f"DeepSpeed checkpoint {path.parent} is incomplete: {path.name} is missing")
     try:
         with torch.serialization.safe_globals(_STAND_INS):
-            data = torch.load(path, map_location="cpu", weights_only=True)
+            data = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as err:
         needed = re.search(r"GLOBAL ([\w.]+)", str(err))
-        what = f"the class {needed.group(1)}" if needed else "an object"
+        what = needed.group(1) if needed else "an object"
         raise DeepSpeedImportError(
-            f"{path}: holds {what} that zerodist does not read without running code from the file (weights_only "
-            f"unpickling). It is not in what DeepSpeed 0.19 writes for ZeRO 0-3 with Adam; consolidate it with "
-            f"DeepSpeed's zero_to_fp32.py and load the weights with load_module_only, or report it") from None
+            f"{path}: holds {what}, which is not one of the DeepSpeed classes zerodist reads safely (weights_only "
+            "unpickling); it may come from your client_state. If you trust the file, convert it with `zerodist "
+            "checkpoint import-deepspeed --trust-pickle` (import_deepspeed(..., trust_pickle=True)), which runs what "
+            f"the pickle asks and needs {what}'s module importable") from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
         raise CheckpointCorruptError(f"DeepSpeed checkpoint file {path} cannot be read (truncated or damaged?): "
                                      f"{err}") from None
@@ -392,14 +394,16 @@ def _aliases(module: dict[str, torch.Tensor], buffers: set[str]) -> dict[str, st
     return aliases
 
 
-def _frozen(tag_dir: Path, model_states: dict[str, Any], stage: int, num_ranks: int) -> dict[str, torch.Tensor]:
+def _frozen(tag_dir: Path, model_states: dict[str, Any], stage: int, num_ranks: int, trust_pickle: bool
+            ) -> dict[str, torch.Tensor]:
     """Frozen parameters: whole at stages 1-2, partitioned like the trained ones at stage 3."""
     shapes = model_states.get("frozen_param_shapes") or {}
     if not shapes:
         return {}
     if stage < 3:
         return {name: model_states["frozen_param_fragments"][name].clone() for name in shapes}
-    ranks = [model_states] + [_load(tag_dir / ZERO3_MODEL_STATES.format(rank=r)) for r in range(1, num_ranks)]
+    ranks = [model_states] + [_load(tag_dir / ZERO3_MODEL_STATES.format(rank=r), trust_pickle)
+                              for r in range(1, num_ranks)]
     return {name: torch.cat([r["frozen_param_fragments"][name].reshape(-1) for r in ranks])[:math.prod(shape)]
             .view(shape).clone() for name, shape in shapes.items()}
 
@@ -450,16 +454,17 @@ def _scheduler(saved: Any, ds_config: dict[str, Any], param_groups: list[dict[st
             "base_lrs": [pg.get("initial_lr", lr if isinstance(lr, (int, float)) else pg["lr"]) for pg in param_groups]}
 
 
-def read_deepspeed_checkpoint(path: str | Path, tag: Any = None) -> ImportedState:
+def read_deepspeed_checkpoint(path: str | Path, tag: Any = None, trust_pickle: bool = False) -> ImportedState:
     """The full training state in a DeepSpeed checkpoint (`path` is the save directory, with
-    `latest` or a `tag`, or one tag's directory). Raises DeepSpeedImportError naming any missing file."""
+    `latest` or a `tag`, or one tag's directory). Raises DeepSpeedImportError naming any missing
+    file. `trust_pickle` unpickles the model-states files fully (for a client_state of other classes)."""
     tag_dir = deepspeed_tag_dir(path, tag)
     if tag_dir is None:
         where = Path(path) / str(tag) if tag is not None else Path(path)
         raise CheckpointNotFoundError(f"{where}: not a DeepSpeed checkpoint (no {MODEL_STATES} or "
                                       f"{ZERO3_MODEL_STATES.format(rank=0)} in it, nor a 'latest' naming such a tag)")
     zero3 = not (tag_dir / MODEL_STATES).is_file()
-    model_states = _load(tag_dir / (ZERO3_MODEL_STATES.format(rank=0) if zero3 else MODEL_STATES))
+    model_states = _load(tag_dir / (ZERO3_MODEL_STATES.format(rank=0) if zero3 else MODEL_STATES), trust_pickle)
     if "module" not in model_states:
         raise DeepSpeedImportError(f"{tag_dir}: the model-states file holds no 'module'")
     if model_states.get("mp_world_size", 1) != 1:
@@ -479,7 +484,7 @@ def read_deepspeed_checkpoint(path: str | Path, tag: Any = None) -> ImportedStat
     if model_states.get("param_shapes") is not None:  # stages 1-3
         aliases = dict(model_states.get("shared_params") or {})
         found = _read_zero(tag_dir, model_states, zero3, num_ranks)
-        extra.update(_frozen(tag_dir, model_states, found.stage, num_ranks))
+        extra.update(_frozen(tag_dir, model_states, found.stage, num_ranks, trust_pickle))
     else:
         aliases = _aliases(module, set(buffer_names))
         candidates = [k for k in module if k not in buffer_names and k not in aliases]
@@ -551,10 +556,11 @@ def write_zerodist_checkpoint(state: ImportedState, save_dir: str | Path, tag: s
     return tag_dir
 
 
-def import_deepspeed(path: str | Path, out: str | Path, tag: Any = None) -> tuple[Path, ImportedState]:
+def import_deepspeed(path: str | Path, out: str | Path, tag: Any = None, trust_pickle: bool = False
+                     ) -> tuple[Path, ImportedState]:
     """Convert a DeepSpeed checkpoint to a zerodist one under `out` (same tag name); returns the
     new tag directory and what was read. No process group needed."""
-    state = read_deepspeed_checkpoint(path, tag)
+    state = read_deepspeed_checkpoint(path, tag, trust_pickle)
     tag_dir = deepspeed_tag_dir(path, tag)
     assert tag_dir is not None  # read_deepspeed_checkpoint found it
     return write_zerodist_checkpoint(state, out, tag_dir.resolve().name), state

@@ -5,7 +5,7 @@
     zerodist checkpoint consolidate DIR OUT    the plain model's fp32 state_dict() in one file
         [--tag T] [--format safetensors|torch] (default: by OUT's suffix; .pt/.pth/.bin: torch)
     zerodist checkpoint import-deepspeed DIR OUT   a DeepSpeed checkpoint (ZeRO 0-3) as a zerodist
-        [--tag T]                              one under OUT, optimizer state and steps included,
+        [--tag T] [--trust-pickle]             one under OUT, optimizer state and steps included,
                                                loadable at any world size and stage
 
 DIR is a save directory (the newest committed tag is used unless --tag) or one tag's directory.
@@ -36,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     imported.add_argument("dir", help="DeepSpeed's save directory (its 'latest' tag is used) or one tag's directory")
     imported.add_argument("out", help="zerodist save directory to write the checkpoint into (same tag name)")
     imported.add_argument("--tag", default=None, help="DeepSpeed tag to convert (default: the one 'latest' names)")
+    imported.add_argument("--trust-pickle", action="store_true",
+                          help="unpickle the model-states files fully (runs what they ask): only for a trusted "
+                          "checkpoint whose client_state holds classes other than DeepSpeed's")
     p.set_defaults(handler=run)
 
 
@@ -102,7 +105,7 @@ def consolidate(args: argparse.Namespace) -> int:
 def import_deepspeed(args: argparse.Namespace) -> int:
     from zerodist.checkpoint.deepspeed_import import import_deepspeed as convert
 
-    tag_dir, state = convert(args.dir, args.out, tag=args.tag)
+    tag_dir, state = convert(args.dir, args.out, tag=args.tag, trust_pickle=args.trust_pickle)
     numel = sum(t.numel() for t in state.params.values())
     kinds = sorted({k for values in state.optimizer.values() for k in values})
     print(f"wrote {tag_dir}: {len(state.params)} trained parameters ({numel:,} values) with {state.optimizer_class} "
