@@ -124,10 +124,6 @@ def _load(path: Path, trust_pickle: bool = False) -> dict[str, Any]:
     return data
 
 
-def _state_of(scaler: Any) -> dict[str, Any]:
-    return dict(vars(scaler)) if isinstance(scaler, _Record) else dict(scaler or {})
-
-
 # ------------------------------------------------------------------ finding a DeepSpeed checkpoint
 
 def deepspeed_tag_dir(path: str | Path, tag: Any = None) -> Path | None:
@@ -197,9 +193,8 @@ def _ranks_files(tag_dir: Path, num_ranks: int) -> list[Path]:
     return [found[r] for r in range(num_ranks)]
 
 
-def _trained_names(param_shapes: Any) -> list[tuple[str, torch.Size]]:
-    groups = param_shapes if isinstance(param_shapes, list) else [param_shapes]
-    return [(name, torch.Size(shape)) for group in groups for name, shape in group.items()]
+def _trained_names(param_shapes: list[dict[str, Any]]) -> list[tuple[str, torch.Size]]:
+    return [(name, torch.Size(shape)) for group in param_shapes for name, shape in group.items()]
 
 
 def _split_flat(flat: torch.Tensor, shapes: list[tuple[str, torch.Size]], paddings: list[int] | None,
@@ -263,14 +258,14 @@ def _read_zero(tag_dir: Path, model_states: dict[str, Any], zero3: bool, num_ran
     else:
         groups = model_states["param_shapes"]
         paddings = shards[0].get("param_alignment_paddings") or [None] * num_flat
-        members = [_trained_names(g) for g in groups]
+        members = [_trained_names([g]) for g in groups]
         split = [functools.partial(_split_parts, shapes=names, paddings=pad, where=str(tag_dir))
                  for names, pad in zip(members, paddings)]
     if len(members) != num_flat:
         raise DeepSpeedImportError(f"{tag_dir}: {len(members)} parameter groups in the model states, {num_flat} in "
                                    "the optimizer states")
     found = _Optimizer(stage if zero3 else int(shards[0].get("zero_stage", stage)), param_groups=base[0]["param_groups"],
-                       loss_scaler=_state_of(shards[0].get("loss_scaler")))
+                       loss_scaler=dict(vars(shards[0].get("loss_scaler", _LossScaler()))))
     owner = {index: j for j, pg in enumerate(found.param_groups) for index in pg["params"]}
     for k in range(num_flat):
         found.params.update(split[k]([s[flat_key][k].float() for s in shards]))
@@ -560,7 +555,11 @@ def import_deepspeed(path: str | Path, out: str | Path, tag: Any = None, trust_p
                      ) -> tuple[Path, ImportedState]:
     """Convert a DeepSpeed checkpoint to a zerodist one under `out` (same tag name); returns the
     new tag directory and what was read. No process group needed."""
-    state = read_deepspeed_checkpoint(path, tag, trust_pickle)
+    try:
+        state = read_deepspeed_checkpoint(path, tag, trust_pickle)
+    except (KeyError, IndexError, TypeError, AttributeError) as err:
+        raise DeepSpeedImportError(f"{path}: not laid out as DeepSpeed 0.19 writes ZeRO 0-3 checkpoints "
+                                   f"({type(err).__name__}: {err})") from err
     tag_dir = deepspeed_tag_dir(path, tag)
     assert tag_dir is not None  # read_deepspeed_checkpoint found it
     return write_zerodist_checkpoint(state, out, tag_dir.resolve().name), state
@@ -583,10 +582,10 @@ def load_deepspeed_checkpoint(engine: Any, tag_dir: Path, **load_options: Any) -
     from zerodist.checkpoint.load import load_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="zerodist-deepspeed-import-") as scratch:
-        error: CheckpointError | None = None
+        error: Exception | None = None
         try:
             _, state = import_deepspeed(tag_dir, scratch)
-        except CheckpointError as err:
+        except Exception as err:  # reported to every rank first, so none waits in the gather below
             error = err
         outcomes: list[Any] = [None] * comm.get_world_size()
         comm.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
