@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -229,14 +228,14 @@ def test_loading_a_partial_deepspeed_directory_fails_on_every_rank(tmp_path: Pat
         assert "zero_pp_rank_0_mp_rank_00_optim_states.pt is missing" in message
 
 
-def test_cli_import_deepspeed(tmp_path: Path) -> None:
+def test_cli_import_deepspeed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from zerodist.cli.main import main
+
     fixtures.write_deepspeed_checkpoint(tmp_path / "ds", 2, 2)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run([sys.executable, "-m", "zerodist", "checkpoint", "import-deepspeed", str(tmp_path / "ds"),
-                          str(tmp_path / "zd")], capture_output=True, text=True, env=env, timeout=120)
-    assert run.returncode == 0, run.stderr
-    assert "5 trained parameters" in run.stdout and "AdamW state exp_avg, exp_avg_sq" in run.stdout
-    assert "from DeepSpeed 0.19.8, ZeRO stage 2, 2 rank(s)" in run.stdout
-    run = subprocess.run([sys.executable, "-m", "zerodist", "checkpoint", "import-deepspeed", str(tmp_path / "none"),
-                          str(tmp_path / "zd2")], capture_output=True, text=True, env=env, timeout=120)
-    assert run.returncode == 1 and "not a DeepSpeed checkpoint" in run.stderr
+    assert main(["checkpoint", "import-deepspeed", str(tmp_path / "ds"), str(tmp_path / "zd")]) == 0
+    out = capsys.readouterr().out
+    assert "wrote " + str(tmp_path / "zd" / "global_step5") in out and "5 trained parameters" in out
+    assert "AdamW state exp_avg, exp_avg_sq" in out and "from DeepSpeed 0.19.8, ZeRO stage 2, 2 rank(s)" in out
+    assert main(["checkpoint", "inspect", str(tmp_path / "zd")]) == 0  # committed, every checksum right
+    assert main(["checkpoint", "import-deepspeed", str(tmp_path / "none"), str(tmp_path / "zd2")]) == 1
+    assert "not a DeepSpeed checkpoint" in capsys.readouterr().err
