@@ -269,7 +269,7 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: Any = None, client_s
     tag, save_id = agree_on_tag(engine, tag, save_dir)
     kill_point("tag-agreed")
     rank, tag_dir = comm.get_rank(), save_dir / tag
-    if engine.micro_steps % engine.gradient_accumulation_steps:
+    if engine.micro_steps % engine.gradient_accumulation_steps():
         log_rank0(logger, "save_checkpoint(%r) in the middle of a gradient accumulation (micro-step %d): the "
                   "gradients accumulated since step %d are not saved; save after engine.step() at a boundary",
                   tag, engine.micro_steps, engine.global_steps, level=30)

@@ -17,6 +17,7 @@ import torch
 import zerodist.comm as comm
 from zerodist.config import Config
 from zerodist.engine.dataloader import EngineDataLoader
+from zerodist.engine.deepspeed_args import DEFAULT_PORT, resolve_initialize_arguments, update_args_local_rank
 from zerodist.engine.engine import Engine
 from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
 from zerodist.engine.schedulers import build_scheduler
@@ -34,19 +35,32 @@ _INITIALIZED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def initialize(
-    model: torch.nn.Module,
-    model_parameters: Iterable[Any] | None = None,
+    args: Any = None,
+    model: torch.nn.Module | None = None,
     optimizer: Any = None,
-    config: Config | dict[str, Any] | str | None = None,
+    model_parameters: Iterable[Any] | None = None,
     training_data: torch.utils.data.Dataset | None = None,
     lr_scheduler: Any = None,
+    distributed_port: int = DEFAULT_PORT,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
     collate_fn: Callable[..., Any] | None = None,
+    config: Config | dict[str, Any] | str | None = None,
+    mesh_param: Any = None,
+    config_params: Config | dict[str, Any] | str | None = None,
 ) -> tuple[Engine, ZeroOptimizer, EngineDataLoader | None, Any]:
-    """Wrap `model` for distributed training: `engine, optimizer, dataloader, lr_scheduler`."""
+    """Wrap `model` for distributed training: `engine, optimizer, dataloader, lr_scheduler`.
+    DeepSpeed's signature and meanings (the config from `args.deepspeed_config` when `config` is
+    None); see zerodist/engine/deepspeed_args.py and docs/deepspeed.md."""
+    config = resolve_initialize_arguments(args=args, model=model, config=config, config_params=config_params, mpu=mpu,
+                                          mesh_param=mesh_param, distributed_port=distributed_port,
+                                          dist_init_required=dist_init_required)
     # Unchecked while building (the model is moved and cast after stage 3 registered its
     # placeholders); on leaving, the stage-3 access check is installed if any are registered.
     with sharded_access.suspended():
-        return _initialize(model, model_parameters, optimizer, config, training_data, lr_scheduler, collate_fn)
+        result = _initialize(model, model_parameters, optimizer, config, training_data, lr_scheduler, collate_fn)
+    update_args_local_rank(args, result[0].local_rank)
+    return result
 
 
 def _initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None, optimizer: Any,
