@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
+from zerodist.checkpoint.deepspeed_import import agreed_tag_dir, load_deepspeed_checkpoint
 from zerodist.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from zerodist.checkpoint.files import RangeReader, file_problem, read_verified
 from zerodist.checkpoint.manifest import Manifest, list_checkpoints, read_manifest
@@ -102,12 +103,12 @@ def restore_training_state(engine: Any, manifest: Manifest, common: dict[str, An
     source = own if own is not None else common.get("rank0")
     if loader is not None and source is not None and source.get("data") is not None:
         loader.load_state_dict(source["data"])
-    if own is not None:
+    if own is not None and own["rng"] is not None:  # None: imported from DeepSpeed, which saves no RNG state
         restore_rng(own["rng"])
     else:
-        log_rank0(logger, "checkpoint %s was saved by %d ranks, this run has %d: random number streams start "
-                  "afresh (parameters, optimizer and data position are restored)", manifest.tag, manifest.world_size,
-                  comm.get_world_size())
+        log_rank0(logger, "checkpoint %s (saved by %d ranks) has no random number streams for this run's %d: they "
+                  "start afresh (parameters, optimizer and data position are restored)", manifest.tag,
+                  manifest.world_size, comm.get_world_size())
 
 
 def _pick(load_dir: Path, tag: Any) -> Manifest | None:
@@ -133,6 +134,11 @@ def load_checkpoint(engine: Any, load_dir: str | Path, tag: Any = None, load_opt
     Returns `(checkpoint directory, client_state)`, or `(None, None)` when `load_dir` holds no
     committed checkpoint (as DeepSpeed does)."""
     load_dir = Path(load_dir).absolute()
+    deepspeed_dir = agreed_tag_dir(load_dir, tag)
+    if deepspeed_dir is not None:  # DeepSpeed's files: converted, then loaded as ours
+        return load_deepspeed_checkpoint(engine, deepspeed_dir, load_optimizer_states=load_optimizer_states,
+                                         load_lr_scheduler_states=load_lr_scheduler_states,
+                                         load_module_only=load_module_only)
     manifest = _pick(load_dir, tag)
     if manifest is None:
         log_rank0(logger, "no committed checkpoint in %s; nothing loaded", load_dir, level=30)
