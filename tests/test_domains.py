@@ -179,3 +179,77 @@ def _check_traffic(engine, trace, stage: int) -> None:
         assert gathers == {2: expert, 4: dense}
     else:
         assert set(gathers) == {2, 4}  # units gathered per use, each domain over its own group
+
+
+def _save_on_four_ranks(save_dir: str) -> dict[str, torch.Tensor]:
+    engine, *_ = zerodist.initialize(model=local_model(comm.get_rank() % 2, 2), config=config(3))
+    train(engine, STEPS)
+    engine.save_checkpoint(save_dir, tag="four")
+    state = logical_state(engine)
+    engine.destroy()
+    return state
+
+
+def _load_on_two_ranks(save_dir: str) -> dict[str, torch.Tensor]:
+    engine, *_ = zerodist.initialize(model=local_model(comm.get_rank(), 2), config=config(2))
+    assert dict(engine.topology.degrees) == {"data": 1, "expert": 2, "tensor": 1}
+    engine.load_checkpoint(save_dir, tag="four")
+    assert engine.global_steps == STEPS
+    loaded = logical_state(engine)
+    train(engine, 2, first_step=STEPS)
+    state = logical_state(engine)
+    engine.destroy()
+    return {"loaded": loaded, "continued": state}
+
+
+def _continue_reference(params: dict, exp_avg: dict, exp_avg_sq: dict, world_size: int, steps: int) -> dict:
+    """The one-process model and AdamW from the consolidated checkpoint, `steps` more steps with
+    `world_size` ranks' micro-batches (rank r through expert r % E)."""
+    model = full_model()
+    model.load_state_dict(params)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    for name, param in model.named_parameters():
+        optimizer.state[param] = {"step": torch.tensor(float(STEPS)), "exp_avg": exp_avg[name].clone(),
+                                  "exp_avg_sq": exp_avg_sq[name].clone()}
+    for step in range(STEPS, STEPS + steps):
+        optimizer.zero_grad()
+        losses = []
+        for rank in range(world_size):
+            x, y = batch(step, rank)
+            losses.append(F.mse_loss(model(x, expert=rank % NUM_EXPERTS), y))
+        torch.stack(losses).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_an_expert_checkpoint_reloads_into_another_mesh(tmp_path):
+    """Saved on data=2 x expert=2 (stage 3), loaded on data=1 x expert=2 (stage 2): each rank finds
+    its expert by global id, the consolidated checkpoint is the one-process model with every
+    expert, and training continues as one process would."""
+    from zerodist.checkpoint import consolidate_checkpoint, read_manifest
+
+    saved = run_distributed(_save_on_four_ranks, 4, str(tmp_path), timeout=180)
+    manifest = read_manifest(tmp_path / "four")
+    expert_weight = manifest.params["blocks.0.experts.1.weight"]
+    assert expert_weight["shape"] == [HIDDEN, HIDDEN]
+    assert expert_weight["placement"]["reduce_axes"] == ["data"]
+    assert manifest.params["blocks.0.dense.weight"]["placement"]["reduce_axes"] == ["data", "expert"]
+    params = consolidate_checkpoint(tmp_path)
+    ref_state, _ = reference(4, STEPS)
+    assert params.keys() == ref_state.keys()  # both experts, by logical name
+    for name, value in params.items():
+        assert torch.allclose(value, ref_state[name], rtol=1e-5, atol=1e-7), name
+    for rank, state in enumerate(saved):  # the checkpoint holds what each rank trained
+        for name, value in state.items():
+            assert torch.equal(params[name], value), (rank, name)
+    results = run_distributed(_load_on_two_ranks, 2, str(tmp_path), timeout=180)
+    expected = _continue_reference(params, consolidate_checkpoint(tmp_path, kind="optimizer.exp_avg"),
+                                   consolidate_checkpoint(tmp_path, kind="optimizer.exp_avg_sq"), 2, 2)
+    for rank, result in enumerate(results):
+        assert {n[len("blocks.0.experts."):][:1] for n in result["loaded"] if ".experts." in n} == {str(rank)}
+        for name, value in result["loaded"].items():
+            assert torch.equal(value, params[name]), (rank, name)
+        for name, value in result["continued"].items():
+            err = float((value.double() - expected[name].double()).norm() / expected[name].double().norm())
+            assert err <= 1e-6, f"rank {rank}: {name} relative error {err:.2e}"

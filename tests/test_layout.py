@@ -122,3 +122,21 @@ def test_unit_refuses_transitions_out_of_order():
         unit.start_unshard()
     unit.reshard()
     assert unit.state is UnitState.SHARDED
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+@pytest.mark.parametrize("num_parts", [1, 2, 3])
+def test_slice_runs_map_a_slice_onto_its_logical_tensor(dim, num_parts):
+    from zerodist.zero.layout import slice_runs
+
+    logical_shape = [6, 5, 6]
+    logical_shape[dim] = 6  # divisible by every number of parts
+    logical = torch.arange(torch.Size(logical_shape).numel()).reshape(logical_shape)
+    flat = logical.reshape(-1)
+    for part, piece in enumerate(torch.chunk(logical, num_parts, dim=dim)):
+        local = piece.contiguous().reshape(-1)
+        for start, length in [(0, local.numel()), (1, 5), (7, 13), (local.numel() - 2, 2), (3, 0)]:
+            runs = slice_runs(start, length, shape=piece.shape, dim=dim, part=part, num_parts=num_parts)
+            assert sum(r[1] for r in runs) == length
+            for logical_start, run, offset in runs:
+                assert torch.equal(flat[logical_start: logical_start + run], local[start + offset: start + offset + run])

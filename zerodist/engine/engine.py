@@ -20,11 +20,13 @@ import zerodist.checkpoint as checkpoint
 import zerodist.comm as comm
 from zerodist.config import BatchSizes, Config
 from zerodist.debug import MemoryMonitor, NanHunter, reduce_loss
+from zerodist.engine import training_state
 from zerodist.engine.monitor import Monitors
 from zerodist.precision import PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, StepResult, ZeroOptimizer, sharded_access
 from zerodist.zero.policy import ShardingPolicy
+from zerodist.zero.state import ZeroState
 from zerodist.zero.stage3 import GatheredParameters, Stage3Runtime
 
 logger = get_logger(__name__)
@@ -189,15 +191,30 @@ class Engine:
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Any = None, save_latest: bool = True) -> str:
         """Save everything needed to resume under `save_dir/tag` (default tag `global_step{N}`);
         collective: call it on every rank. Returns the checkpoint directory. See docs/checkpoints.md."""
-        return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        return checkpoint.save_checkpoint(self.zero_state, self, save_dir, settings=self.config.checkpoint, tag=tag,
+                                          client_state=client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[str | None, Any]:
         """Load a checkpoint saved at any world size and ZeRO stage (default: the newest committed);
         collective. Returns `(load_path, client_state)`, `(None, None)` when there is none."""
-        return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+        return checkpoint.load_checkpoint(self.zero_state, self, load_dir, tag=tag,
+                                          load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_module_only=load_module_only)
+
+    def training_state_dict(self) -> dict[str, Any]:
+        """This rank's resumable training state: counters, loss scaler, scheduler, RNG, data position."""
+        return training_state.training_state_dict(self)
+
+    def load_training_state_dict(self, state: dict[str, Any]) -> None:
+        training_state.load_training_state_dict(self, state)
+
+    @property
+    def zero_state(self) -> ZeroState:
+        """The typed ZeRO state that checkpoint/ and debug/ take."""
+        return ZeroState(self.module, self.groups, self.reducer, self.optimizer, self.sharding, self.topology,
+                         self.policy)
 
     def _save_at_interval(self) -> None:
         settings = self.config.checkpoint

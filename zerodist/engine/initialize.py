@@ -186,14 +186,16 @@ def _flatten(model: torch.nn.Module, specs: list[Any], names: dict[int, str], co
     plan for every stage]), each over its domain's group (declared placements, zerodist.comm.
     domains); with sharded parameters also the runtime that gathers the units."""
     zero = config.zero_optimization
-    domains = {key: placement.domain for key, placement in parameter_placements(model).items()}
+    placements = parameter_placements(model)
+    domains = {key: placement.domain for key, placement in placements.items()}
     plan = plan_groups(model, [s.params for s in specs], unit_classes=config.zerodist.stage3_unit_classes,
                        persistence_threshold=zero.stage3_param_persistence_threshold,
                        bucket_numel=bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
                        domains=domains)
     domain_groups = {g.domain: DomainGroup.of(topology, g.domain) for g in plan.groups}
-    settings = FlattenSettings(policy=sharding, domain_groups=domain_groups, use_reduce_scatter=zero.reduce_scatter,
-                               param_dtype=precision.param_dtype, device=comm.device_for_rank())
+    settings = FlattenSettings(policy=sharding, domain_groups=domain_groups, placements=placements,
+                               use_reduce_scatter=zero.reduce_scatter, param_dtype=precision.param_dtype,
+                               device=comm.device_for_rank())
     groups = build_groups(model, plan, names, settings)
     runtime = None
     if sharding.shard_parameters:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from zerodist.comm.domains import Placement
 from zerodist.comm.topology import Domain
 from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.plan import FlatPlan
@@ -95,6 +96,7 @@ class FlattenSettings:
 
     policy: ShardingPolicy
     domain_groups: Mapping[Domain, DomainGroup]  # every domain of the plan
+    placements: Mapping[int, Placement]  # id(param) -> its declared placement (zerodist.comm.domains)
     use_reduce_scatter: bool
     param_dtype: torch.dtype
     device: torch.device
@@ -118,7 +120,8 @@ def build_groups(model: torch.nn.Module, plan: FlatPlan, names: dict[int, str],
             built[i] = FlatParamGroup(list(planned.params), [names[id(p)] for p in planned.params], policy=policy,
                                       domain_group=settings.domain_groups[planned.domain],
                                       bucket_numel=plan.bucket_numel, use_reduce_scatter=settings.use_reduce_scatter,
-                                      param_dtype=settings.param_dtype)
+                                      param_dtype=settings.param_dtype,
+                                      placements=[settings.placements[id(p)] for p in planned.params])
 
     last_module = {id(list(module.modules())[-1]): unit
                    for unit, (_, module) in enumerate(plan.unit_modules, start=1)}
