@@ -252,10 +252,7 @@ class Engine:
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state on this rank: parameters, gradients, optimizer (master + states)."""
-        params = sum(g.state_bytes()["params"] for g in self.groups)
-        grads = sum(g.state_bytes()["grads"] for g in self.groups)
-        optimizer = self.optimizer.state_bytes()
-        return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+        return self.zero_state.model_state_bytes()
 
     def destroy(self) -> None:
         """Remove hooks and stop the comms trace; the module keeps working as a plain module."""

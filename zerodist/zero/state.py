@@ -53,6 +53,17 @@ class ZeroState:
         the copies replicated over axes the domain does not reduce over (`counts_in_norm`)."""
         return [g for g in self.groups if g.domain_group.counts_in_norm]
 
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of model state on this rank: parameters, gradients, optimizer (master + states)."""
+        params = sum(g.state_bytes()["params"] for g in self.groups)
+        grads = sum(g.state_bytes()["grads"] for g in self.groups)
+        optimizer = self.optimizer.state_bytes()
+        return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+
+    def padded_num_params(self) -> int:
+        """Ψ as laid out: every bucket padded to a multiple of N x 64 elements."""
+        return sum(g.layout.total_numel for g in self.groups)
+
     def param_facts(self) -> dict[str, dict[str, Any]]:
         """Logical name -> {"shape", "placement"} of this rank's trained parameters."""
         facts = {}
@@ -60,3 +71,23 @@ class ZeroState:
             for record in group.records:
                 facts[record.name] = {"shape": list(record.shape), "placement": record.placement_json()}
         return facts
+
+
+def zero_state_of(obj: Any) -> ZeroState | None:
+    """`obj`'s ZeRO state: `obj` itself when it is one, an engine's `zero_state`, None otherwise
+    (a plain module)."""
+    if isinstance(obj, ZeroState):
+        return obj
+    state = getattr(obj, "zero_state", None)
+    return state if isinstance(state, ZeroState) else None
+
+
+def single_domain_group(zero: ZeroState, what: str) -> Any:
+    """The one process group every flat group reduces over; raises when the parameters live in
+    several domains (each would need its own comparison group)."""
+    groups = {g.domain: g.group for g in zero.groups}
+    if len(groups) > 1:
+        listed = ", ".join(f"reduced over {d.reduce_axes}" for d in groups)
+        raise ValueError(f"{what} compares replicas over one group, but this engine's parameters live in "
+                         f"{len(groups)} sharding domains ({listed}); it does not support several domains yet")
+    return next(iter(groups.values()))
