@@ -149,6 +149,7 @@ def _apply_zero(model: torch.nn.Module, model_parameters: Iterable[Any] | None, 
     model.to(precision.param_dtype)  # the rest of the floating state; flattened parameters already are
     reducer = GradReducer(groups, [[positions[id(p)] for p in g.params] for g in groups],
                           max_in_flight=2 if sharding.shard_gradients else None,
+                          overlap=config.zero_optimization.overlap_comm,
                           before_sync=runtime.before_grad_sync if runtime is not None else None,
                           on_complete=runtime.on_bucket_complete if runtime is not None else None)
     inner = build_optimizer([{"params": [t for g in spec_groups for t in g.optimizer_tensors], **s.options}
@@ -237,18 +238,23 @@ def _sync_untrained_state(model: torch.nn.Module, trained: set[int]) -> None:
 def reduce_collective(sharding: ShardingPolicy, reduce_scatter: bool) -> str:
     """The collective that really reduces gradient buckets: with full optimizer state (stage 0)
     always all-reduce, as DDP; otherwise the configured one."""
-    return "reduce-scatter" if reduce_scatter and sharding.shard_optimizer_state else "all-reduce"
+    if not sharding.shard_optimizer_state:
+        return "all-reduce" + (" (reduce_scatter applies from stage 1)" if reduce_scatter else "")
+    return "reduce-scatter" if reduce_scatter else "all-reduce"
 
 
 def _log_summary(engine: Engine, info: comm.WorldInfo) -> None:
     zero = engine.config.zero_optimization
+    domains = {g.domain.reduce_axes: g.world_size for g in engine.groups}
     log_rank0(
         logger,
         "initialized: %d rank(s) (%s), ZeRO stage %d, %s, batch %d = micro %d x accumulation %d x data-parallel %d, "
-        "gradient_clipping %s, reduce with %s, %d flat group(s) in %d bucket(s) of at most %d elements",
+        "gradient_clipping %s, reduce with %s %s, %d flat group(s) in %d bucket(s) of at most %d elements over %s",
         info.world_size, info.backend, zero.stage, engine.policy.name, engine.batch.train_batch_size,
         engine.batch.micro_batch_size, engine.batch.gradient_accumulation_steps, engine.topology.num_batch_shards,
         engine.config.gradient_clipping or "0 (off)", reduce_collective(engine.sharding, zero.reduce_scatter),
+        "during backward" if zero.overlap_comm else "after backward (overlap_comm false)",
         len(engine.groups), len(engine.reducer.order),
         bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
+        ", ".join(f"{'x'.join(axes)} ({size} ranks)" for axes, size in domains.items()),
     )
