@@ -91,15 +91,8 @@ class FlatParamGroup:
         self.group, self.rank, self.world_size = domain_group.group, domain_group.rank, domain_group.size
         self.layout: FlatLayout = plan_layout([p.numel() for p in params], bucket_numel=bucket_numel,
                                               world_size=self.world_size)
-        shapes = [tuple(p.shape) for p in params]
-        # Sharded parameters: their data while sharded, made once ([Note: sharded placeholder]).
-        self.nans, placeholders = (sharded_access.placeholders(shapes, param_dtype, params[0].device)
-                                   if policy.shard_parameters else (None, [None] * len(params)))
-        self.records = [
-            ParamRecord(p, n, shape, slot, where, *_part_of(where, domain_group), placeholder=placeholder)
-            for p, n, shape, slot, where, placeholder in zip(params, names, shapes, self.layout.slots, placements,
-                                                              placeholders)
-        ]
+        self.nans: torch.Tensor | None = None
+        self.records = self._make_records(params, names, placements, param_dtype)
         # Sharded parameters: only this rank's shard is built when the ranks already agree (no full buffer).
         owned = self._initial_shard() if policy.shard_parameters else None
         initial = self._gather_initial_values() if owned is None else owned
@@ -123,20 +116,37 @@ class FlatParamGroup:
         else:
             self.param_buffer = initial.to(param_dtype)
             self._point_params_at(self.param_buffer)
-        # Without sharded optimizer state this is data parallelism as DDP does it: one all-reduce per
-        # bucket. `reduce_scatter` is a ZeRO 1-3 setting (as in DeepSpeed); with full optimizer state a
-        # reduce-scatter would need an all-gather after it, and gloo implements reduce-scatter as an
-        # all-reduce plus copies (1.5x the bytes).
-        full_grads = not policy.shard_gradients
-        self.plan = GradSyncPlan(use_reduce_scatter and policy.shard_optimizer_state, persistent_full_grad=full_grads,
-                                 divisor=domain_group.grad_divisor)
-        self.grad_buffer = torch.zeros_like(initial, dtype=param_dtype) if full_grads else None
-        # Sharded gradients: the first sync of each accumulation overwrites the shard (Bucket.accumulated),
-        # so it needs no zeros, and untouched pages cost no memory until backward writes them.
-        self.grad_shard = None if full_grads else torch.empty(self.layout.shard_numel, dtype=param_dtype,
-                                                              device=self.device)
+        self._allocate_gradients(use_reduce_scatter)
         self.buckets = [self._make_bucket(i) for i in range(len(self.layout.buckets))]
         self.optimizer_tensors = self._optimizer_views()
+
+    def _make_records(self, params: list[torch.nn.Parameter], names: list[str], placements: list[Placement],
+                      param_dtype: torch.dtype) -> list[ParamRecord]:
+        shapes = [tuple(p.shape) for p in params]
+        placeholders: list[torch.Tensor | None] = [None] * len(params)
+        if self.policy.shard_parameters:
+            # Sharded parameters: their data while sharded, made once ([Note: sharded placeholder]).
+            self.nans, placeholders = sharded_access.placeholders(shapes, param_dtype, params[0].device)
+        return [ParamRecord(p, n, shape, slot, where, *_part_of(where, self.domain_group), placeholder=placeholder)
+                for p, n, shape, slot, where, placeholder in zip(params, names, shapes, self.layout.slots, placements,
+                                                                  placeholders)]
+
+    def _allocate_gradients(self, use_reduce_scatter: bool) -> None:
+        """The gradient buffers the policy asks for, and how buckets sync into them.
+
+        Without sharded optimizer state this is data parallelism as DDP does it: one all-reduce per
+        bucket. `reduce_scatter` is a ZeRO 1-3 setting (as in DeepSpeed); with full optimizer state a
+        reduce-scatter would need an all-gather after it, and gloo implements reduce-scatter as an
+        all-reduce plus copies (1.5x the bytes)."""
+        full_grads = not self.policy.shard_gradients
+        self.plan = GradSyncPlan(use_reduce_scatter and self.policy.shard_optimizer_state,
+                                 persistent_full_grad=full_grads, divisor=self.domain_group.grad_divisor)
+        self.grad_buffer = (torch.zeros(self.layout.total_numel, dtype=self.param_dtype, device=self.device)
+                            if full_grads else None)
+        # Sharded gradients: the first sync of each accumulation overwrites the shard (Bucket.accumulated),
+        # so it needs no zeros, and untouched pages cost no memory until backward writes them.
+        self.grad_shard = None if full_grads else torch.empty(self.layout.shard_numel, dtype=self.param_dtype,
+                                                              device=self.device)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
