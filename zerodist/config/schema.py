@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from zerodist.config.batch import BatchSizes, resolve_batch_sizes
+from zerodist.config.deepspeed_keys import drop_no_op_keys
 from zerodist.config.errors import ConfigError
 from zerodist.config.problems import validation_problems
 from zerodist.config.source import read_source
@@ -383,6 +384,7 @@ class Config(Section):
         if isinstance(source, Config):
             return source
         raw, source_name = read_source(source)
+        raw = drop_no_op_keys(raw)  # DeepSpeed keys set to values that change nothing here
         try:
             return cls.model_validate(raw)
         except ValidationError as error:

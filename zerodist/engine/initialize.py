@@ -22,6 +22,7 @@ import zerodist.comm as comm
 from zerodist.comm.domains import expert_parallel_degree, logical_names, parameter_placements
 from zerodist.config import BatchSizes, Config
 from zerodist.engine.dataloader import EngineDataLoader
+from zerodist.engine.deepspeed_args import DEFAULT_PORT, resolve_initialize_arguments, update_args_local_rank
 from zerodist.engine.engine import Engine
 from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
 from zerodist.engine.schedulers import build_scheduler
@@ -62,19 +63,32 @@ class ZeroParts:
 
 
 def initialize(
-    model: torch.nn.Module,
-    model_parameters: Iterable[Any] | None = None,
+    args: Any = None,
+    model: torch.nn.Module | None = None,
     optimizer: Any = None,
-    config: Config | dict[str, Any] | str | None = None,
+    model_parameters: Iterable[Any] | None = None,
     training_data: torch.utils.data.Dataset | None = None,
     lr_scheduler: Any = None,
+    distributed_port: int = DEFAULT_PORT,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
     collate_fn: Callable[..., Any] | None = None,
+    config: Config | dict[str, Any] | str | None = None,
+    mesh_param: Any = None,
+    config_params: Config | dict[str, Any] | str | None = None,
 ) -> tuple[Engine, ZeroOptimizer, EngineDataLoader | None, Any]:
-    """Wrap `model` for distributed training: `engine, optimizer, dataloader, lr_scheduler`."""
+    """Wrap `model` for distributed training: `engine, optimizer, dataloader, lr_scheduler`.
+    DeepSpeed's signature and meanings (the config from `args.deepspeed_config` when `config` is
+    None); see zerodist/engine/deepspeed_args.py and docs/deepspeed.md."""
+    config = resolve_initialize_arguments(args=args, model=model, config=config, config_params=config_params, mpu=mpu,
+                                          mesh_param=mesh_param, distributed_port=distributed_port,
+                                          dist_init_required=dist_init_required)
     # Unchecked while building (the model is moved and cast after stage 3 registered its
     # placeholders); on leaving, the stage-3 access check is installed if any are registered.
     with sharded_access.suspended():
-        return _initialize(model, model_parameters, optimizer, config, training_data, lr_scheduler, collate_fn)
+        result = _initialize(model, model_parameters, optimizer, config, training_data, lr_scheduler, collate_fn)
+    update_args_local_rank(args, result[0].local_rank)
+    return result
 
 
 def _initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None, optimizer: Any,
@@ -112,7 +126,7 @@ def _validate(model: torch.nn.Module, config: Config | dict[str, Any] | str | No
 def _build_topology(validated: Validated, model: torch.nn.Module) -> comm.Topology:
     """The mesh: the expert degree the model declares (`zerodist.comm.domains.
     declare_expert_parallel`, 1 when none), tensor degree 1 (tensor parallelism is not
-    implemented yet: config.py refuses `tensor_parallel.autotp_size` > 1), data the rest."""
+    implemented yet: the config refuses `tensor_parallel.autotp_size` > 1), data the rest."""
     return comm.Topology(expert=expert_parallel_degree(model), tensor=1)
 
 
