@@ -17,7 +17,6 @@ from zerodist.zero.policy import ShardingPolicy
 
 @pytest.mark.parametrize("raw, message", [
     ({"zero_optimization": {"contiguous_gradients": False}}, "always copies gradients into flat contiguous buckets"),
-    ({"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": True}}, "save_16bit_model is not implemented"),
     ({"tensor_parallel": {"autotp_size": 2}}, "tensor parallelism is not implemented yet"),
 ])
 def test_values_asking_for_what_zerodist_lacks_are_refused_with_the_reason(raw, message):
@@ -27,7 +26,7 @@ def test_values_asking_for_what_zerodist_lacks_are_refused_with_the_reason(raw, 
 
 def test_deepspeed_defaults_for_those_keys_load():
     config = Config.load({"zero_optimization": {"overlap_comm": True, "contiguous_gradients": True,
-                                                "stage3_gather_16bit_weights_on_model_save": False},
+                                                "stage3_gather_16bit_weights_on_model_save": True},
                           "tensor_parallel": {"autotp_size": 1}})
     assert config.zero_optimization.overlap_comm and config.tensor_parallel.autotp_size == 1
 

@@ -170,8 +170,8 @@ class ZeroConfig(Section):
         "parameter elements than this are used in between (0: always free it after forward).",
     )
     stage3_gather_16bit_weights_on_model_save: bool = Field(
-        False, description="Stage 3: gather full 16-bit weights when saving the model. Not implemented yet "
-        "(engine.save_16bit_model comes with the Hugging Face integration): true is refused."
+        False, description="Stage 3: engine.save_16bit_model gathers the full 16-bit weights. zerodist's "
+        "always gathers them (DeepSpeed's true), whatever this says."
     )
 
     @field_validator(*_ELEMENT_COUNT_FIELDS, mode="before")
@@ -356,11 +356,6 @@ class Config(Section):
             problems.append("'zero_optimization.contiguous_gradients' is false, but zerodist always copies gradients "
                             "into flat contiguous buckets as they are produced (DeepSpeed's true); remove the key or "
                             "set it to true")
-        if zero.stage3_gather_16bit_weights_on_model_save:
-            problems.append("'zero_optimization.stage3_gather_16bit_weights_on_model_save' is true, but "
-                            "engine.save_16bit_model is not implemented yet (it comes with the Hugging Face "
-                            "integration); remove the key or set it to false, and save with "
-                            "engine.module_state_dict() meanwhile")
         if self.tensor_parallel.autotp_size > 1:
             problems.append(f"'tensor_parallel.autotp_size' is {self.tensor_parallel.autotp_size}: tensor "
                             "parallelism is not implemented yet; remove the key or set it to 1")
