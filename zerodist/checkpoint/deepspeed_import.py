@@ -50,6 +50,7 @@ from zerodist.checkpoint.files import AtomicFile, tensor_bytes, write_atomic
 from zerodist.checkpoint.manifest import (OPTIMIZER_PREFIX, PARAM, Manifest, check_tag_name, write_latest,
                                           write_manifest)
 from zerodist.utils import get_logger, log_rank0
+from zerodist.zero.state import Resumable, ZeroState
 
 logger = get_logger(__name__)
 
@@ -575,10 +576,11 @@ def agreed_tag_dir(load_dir: str | Path, tag: Any) -> Path | None:
     return found[0]
 
 
-def load_deepspeed_checkpoint(engine: Any, tag_dir: Path, **load_options: Any) -> tuple[str, Any]:
+def load_deepspeed_checkpoint(zero: ZeroState, resumable: Resumable, tag_dir: Path, **load_options: Any) -> tuple[str, Any]:
     """Collective: every rank converts `tag_dir` into its own temporary directory (the same bytes
     on every rank), the ranks agree that all succeeded, then the ordinary load reshards it into
-    `engine`. Returns `(tag_dir, client_state)` as `load_checkpoint` does."""
+    the ZeRO state `zero` and the training state of `resumable` (see `load_checkpoint`). Returns
+    `(tag_dir, client_state)` as `load_checkpoint` does."""
     from zerodist.checkpoint.load import load_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="zerodist-deepspeed-import-") as scratch:
@@ -595,5 +597,5 @@ def load_deepspeed_checkpoint(engine: Any, tag_dir: Path, **load_options: Any) -
         if failed:
             raise DeepSpeedImportError(f"rank {failed[0][0]} could not import {tag_dir}: {failed[0][1]}")
         log_rank0(logger, "importing DeepSpeed checkpoint %s (%s)", tag_dir, state.source)
-        _, client_state = load_checkpoint(engine, scratch, **load_options)
+        _, client_state = load_checkpoint(zero, resumable, scratch, **load_options)
     return str(tag_dir), client_state

@@ -65,12 +65,12 @@ class DeepSpeedEngineAPI:
     @property
     def dp_world_size(self) -> int:
         """Ranks that each see different samples (the data-parallel degree, DeepSpeed's attribute)."""
-        return self.topology.size("data", "expert")  # type: ignore[attr-defined]
+        return self.topology.num_batch_shards  # type: ignore[attr-defined]
 
     @property
     def mp_world_size(self) -> int:
         """The model-parallel (tensor) degree."""
-        return self.topology.size("tensor")  # type: ignore[attr-defined]
+        return self.topology.size(*self.topology.tensor_axes)  # type: ignore[attr-defined]
 
     def was_step_applied(self) -> bool:
         """Whether the latest `step()` updated the parameters: False between accumulation
@@ -90,16 +90,16 @@ class DeepSpeedEngineAPI:
 
     def zero_optimization(self) -> bool:
         """Whether any ZeRO stage above 0 is on (DeepSpeed's meaning)."""
-        return self.stage > 0  # type: ignore[attr-defined]
+        return self.sharding.shard_optimizer_state  # type: ignore[attr-defined]
 
     def zero_optimization_stage(self) -> int:
         return self.stage  # type: ignore[attr-defined]
 
     def zero_optimization_partition_gradients(self) -> bool:
-        return self.stage >= 2  # type: ignore[attr-defined]
+        return self.sharding.shard_gradients  # type: ignore[attr-defined]
 
     def zero_optimization_partition_weights(self) -> bool:
-        return self.stage >= 3  # type: ignore[attr-defined]
+        return self.sharding.shard_parameters  # type: ignore[attr-defined]
 
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping  # type: ignore[attr-defined]

@@ -26,11 +26,14 @@ import zerodist.checkpoint as checkpoint
 import zerodist.comm as comm
 from zerodist.config import BatchSizes, Config
 from zerodist.debug import MemoryMonitor, NanHunter, reduce_loss
+from zerodist.engine import training_state
 from zerodist.engine.deepspeed_surface import DeepSpeedEngineAPI
 from zerodist.engine.monitor import Monitors
 from zerodist.precision import PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, StepResult, ZeroOptimizer, sharded_access
+from zerodist.zero.policy import ShardingPolicy
+from zerodist.zero.state import ZeroState
 from zerodist.zero.stage3 import GatheredParameters, Stage3Runtime
 
 logger = get_logger(__name__)
@@ -45,14 +48,17 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, *, config: Config, batch: BatchSizes, policy: PrecisionPolicy,
                  groups: list[FlatParamGroup], reducer: GradReducer, optimizer: ZeroOptimizer, lr_scheduler: Any,
-                 topology: comm.Topology, stage3: Stage3Runtime | None = None):
+                 topology: comm.Topology, sharding: ShardingPolicy, stage3: Stage3Runtime | None = None,
+                 training_dataloader: Any = None):
         super().__init__()  # nn.Module's bookkeeping first; `self.module = module` then registers the submodule
         self.module, self.config, self.batch, self.policy = module, config, batch, policy
         self.groups, self.reducer, self.optimizer, self.lr_scheduler = groups, reducer, optimizer, lr_scheduler
         self.topology = topology
         self._record_world()
         self.stage3 = stage3  # the ZeRO-3 hooks and units, None at stages 0-2
-        self.stage = config.zero_optimization.stage
+        self.sharding = sharding  # what ZeRO shards; decisions read it, never the stage number
+        self.stage = sharding.stage  # DeepSpeed's number, for reports
+        self.training_dataloader = training_dataloader
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -84,7 +90,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward inside accumulates locally without reducing (stages 0 and 1 only)."""
-        if self.stage >= 2:
+        if self.sharding.shard_gradients:
             raise RuntimeError(f"no_sync() is not available at ZeRO stage {self.stage}: gradients are reduced into "
                                "shards as they are produced; use gradient_accumulation_steps instead")
         self._no_sync, previous = True, self._no_sync
@@ -112,7 +118,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward() takes the scalar loss, got {type(loss).__name__} "
                              f"{tuple(getattr(loss, 'shape', ()))}")
-        self.reducer.sync_enabled = self.stage >= 2 or (self.is_gradient_accumulation_boundary() and not self._no_sync)
+        self.reducer.sync_enabled = self.sharding.shard_gradients or (
+            self.is_gradient_accumulation_boundary() and not self._no_sync)
         # DeepSpeed's scale_wrt_gas=False: the script already divided its loss by the accumulation steps.
         scale = self.optimizer.scaler.scale / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
         scaled = loss.float() * scale if scale != 1.0 else loss
@@ -167,7 +174,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             return
         # The global batch's loss (mean over the data-parallel ranks and this step's micro-batches), not
         # rank 0's own: one scalar all_reduce, only on steps that report it.
-        loss = reduce_loss(torch.stack(losses).float().mean(), group=self.topology.group("data", "expert")).item()
+        loss = reduce_loss(torch.stack(losses).float().mean(), group=self.topology.group(*self.topology.batch_axes)).item()
         if self.monitors and comm.get_rank() == 0:
             self.monitors.write(self.global_steps * self.batch.train_batch_size, loss=loss, lr=self.get_lr()[0],
                                 loss_scale=self.optimizer.scaler.scale)
@@ -196,7 +203,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         if exclude_frozen_parameters:
             raise ValueError("save_checkpoint(exclude_frozen_parameters=True): zerodist checkpoints hold every "
                              "parameter, so any world size and stage can load them; leave it False")
-        return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        return checkpoint.save_checkpoint(self.zero_state, self, save_dir, settings=self.config.checkpoint, tag=tag,
+                                          client_state=client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -208,7 +216,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             raise ValueError("load_checkpoint(load_module_strict=False / custom_load_fn=...): zerodist loads every "
                              "parameter by name, strictly; for a partial load, call model.load_state_dict(state, "
                              "strict=False) on the model before initialize()")
-        return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+        return checkpoint.load_checkpoint(self.zero_state, self, load_dir, tag=tag,
+                                          load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_module_only=load_module_only)
 
@@ -217,6 +226,19 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """DeepSpeed's: the whole module in its training dtype in one file (safetensors if the name
         ends in .safetensors), gathered one unit at a time, written by rank 0; collective."""
         return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def training_state_dict(self) -> dict[str, Any]:
+        """This rank's resumable training state: counters, loss scaler, scheduler, RNG, data position."""
+        return training_state.training_state_dict(self)
+
+    def load_training_state_dict(self, state: dict[str, Any]) -> None:
+        training_state.load_training_state_dict(self, state)
+
+    @property
+    def zero_state(self) -> ZeroState:
+        """The typed ZeRO state that checkpoint/ and debug/ take."""
+        return ZeroState(self.module, self.groups, self.reducer, self.optimizer, self.sharding, self.topology,
+                         self.policy)
 
     def _save_at_interval(self) -> None:
         settings = self.config.checkpoint
@@ -246,10 +268,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state on this rank: parameters, gradients, optimizer (master + states)."""
-        params = sum(g.state_bytes()["params"] for g in self.groups)
-        grads = sum(g.state_bytes()["grads"] for g in self.groups)
-        optimizer = self.optimizer.state_bytes()
-        return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+        return self.zero_state.model_state_bytes()
 
     def destroy(self) -> None:
         """Remove hooks and stop the comms trace; the module keeps working as a plain module."""
