@@ -109,21 +109,6 @@ class DroplessPlan:
     output_splits: list[int]
     received_counts: list[list[int]]
 
-    def rows_per_local_expert(self) -> list[int]:
-        return [sum(column) for column in zip(*self.received_counts)]
-
-    def to_expert_major(self) -> torch.Tensor:
-        """Permutation that reorders received rows (peer-major) to local-expert-major."""
-        starts, offset = [], 0
-        for counts in self.received_counts:
-            starts.append([])
-            for count in counts:
-                starts[-1].append(offset)
-                offset += count
-        pieces = [torch.arange(starts[p][l], starts[p][l] + self.received_counts[p][l])
-                  for l in range(len(self.received_counts[0])) for p in range(len(self.received_counts))]
-        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
-
 
 def plan_dropless(routing: Routing, num_experts: int, group: Any, ep_size: int) -> DroplessPlan:
     """Sort the routed rows by expert and exchange per-expert counts over the expert group."""

@@ -32,7 +32,13 @@ def expert_containers() -> Iterator[Experts]:
 class Experts(nn.Module):
     """`num_local_experts` copies of `expert`. `forward` takes DeepSpeed's `[ep, E_local, C, M]`
     capacity buffer and runs local expert l on `[:, l]`; `forward_rows` runs each expert on its
-    own row block (dropless mode)."""
+    own row blocks (dropless mode).
+
+    [Note: one call per block] An expert runs once per source rank's block of tokens, not once
+    on all of them: a matmul's rounding depends on its row count, so one call on ep * C rows
+    would differ in the last bits from the ep_size=1 model, which sees each batch shard's C rows
+    alone. Per-block calls make the outputs bitwise independent of ep_size (the weight gradients
+    still differ by summation order, ~1e-7 relative), at the cost of ep calls per expert."""
 
     def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None) -> None:
         super().__init__()
@@ -45,15 +51,22 @@ class Experts(nn.Module):
         _CONTAINERS.add(self)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        chunks = inputs.chunk(self.num_local_experts, dim=1)
-        outputs = [_first(expert(chunk)) for chunk, expert in zip(chunks, self.deepspeed_experts)]
+        """`[ep, E_local, C, M]` -> same shape; see [Note: one call per block]."""
+        outputs = []
+        for local, expert in enumerate(self.deepspeed_experts):
+            blocks = [_first(expert(inputs[source:source + 1, local:local + 1])) for source in range(inputs.shape[0])]
+            outputs.append(torch.cat(blocks, dim=0))
         return torch.cat(outputs, dim=1)
 
-    def forward_rows(self, rows: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
-        """`rows` grouped by local expert (`rows_per_expert[l]` rows for expert l, in order).
-        Every expert runs, even on zero rows, so each rank calls every expert module on every step."""
-        blocks = rows.split(rows_per_expert, dim=0)
-        outputs = [_first(expert(block)) for block, expert in zip(blocks, self.deepspeed_experts)]
+    def forward_rows(self, rows: torch.Tensor, block_rows: list[list[int]]) -> torch.Tensor:
+        """Dropless: `rows` in blocks of `block_rows[source][local]` rows (source-major, as the
+        all-to-all delivers them); expert `local` runs on each of its blocks, output in the same
+        order. Every expert runs, even on zero rows, so every rank calls every expert module on
+        every step."""
+        sizes = [count for per_source in block_rows for count in per_source]
+        blocks = rows.split(sizes, dim=0)
+        num_local = self.num_local_experts
+        outputs = [_first(self.deepspeed_experts[i % num_local](block)) for i, block in enumerate(blocks)]
         return torch.cat(outputs, dim=0)
 
 

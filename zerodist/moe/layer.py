@@ -144,9 +144,7 @@ class MOELayer(nn.Module):
         rows = tokens[plan.send_token]
         if context is not None:
             rows = dispatch.all_to_all(group, rows, plan.output_splits, plan.input_splits)
-        to_expert_major = plan.to_expert_major().to(tokens.device)
-        expert_rows = self.experts.forward_rows(rows[to_expert_major], plan.rows_per_local_expert())
-        returned = torch.empty_like(expert_rows).index_copy(0, to_expert_major, expert_rows)
+        returned = self.experts.forward_rows(rows, plan.received_counts)
         moved = 0
         if context is not None:
             moved = rows.numel() + plan.send_token.numel() * tokens.shape[1]
