@@ -25,6 +25,7 @@ from zerodist.engine.dataloader import EngineDataLoader
 from zerodist.engine.engine import Engine
 from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
 from zerodist.engine.schedulers import build_scheduler
+from zerodist.moe.parallel import RoutingClock, apply_expert_parallel, expert_parallel_degree
 from zerodist.precision import LossScaler, PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, ZeroOptimizer, sharded_access
@@ -75,7 +76,7 @@ def initialize(
     # placeholders); on leaving, the stage-3 access check is installed if any are registered.
     with sharded_access.suspended():
         validated = _validate(model, config)
-        topology = _build_topology(validated)
+        topology = _build_topology(validated, model)
         model = _apply_tensor_parallel(model, topology, validated.config)
         model = _apply_expert_parallel(model, topology, validated.config)
         zero = _apply_zero(model, model_parameters, optimizer, lr_scheduler, topology, validated)
@@ -101,11 +102,11 @@ def _validate(model: torch.nn.Module, config: Config | dict[str, Any] | str | No
     return Validated(config, world)
 
 
-def _build_topology(validated: Validated) -> comm.Topology:
-    """The mesh. Expert and tensor parallelism are not implemented yet, so both degrees are 1
-    (`tensor_parallel` in a config is refused when it is validated) and the data axis takes the
-    world."""
-    return comm.Topology(expert=1, tensor=1)
+def _build_topology(validated: Validated, model: torch.nn.Module) -> comm.Topology:
+    """The mesh. The expert degree is the `ep_size` the model's MoE layers share (1 without any);
+    tensor parallelism is not implemented yet (`tensor_parallel` in a config is refused when it
+    is validated); the data axis takes the rest of the world."""
+    return comm.Topology(expert=expert_parallel_degree(model), tensor=1)
 
 
 def _apply_tensor_parallel(model: torch.nn.Module, topology: comm.Topology, config: Config) -> torch.nn.Module:
@@ -115,8 +116,12 @@ def _apply_tensor_parallel(model: torch.nn.Module, topology: comm.Topology, conf
 
 
 def _apply_expert_parallel(model: torch.nn.Module, topology: comm.Topology, config: Config) -> torch.nn.Module:
-    """Places the experts of MoE layers on the expert axis and declares their placements. Nothing
-    to do while the expert degree is 1 (a model may still declare placements itself)."""
+    """Gives the model's MoE layers their expert group and routing keys (their `Experts` containers
+    declared the `EXPERT` placement when built), and counts training forwards to key random
+    routing by step (zerodist/moe/parallel.py)."""
+    if apply_expert_parallel(model, topology):
+        batch = config.batch_sizes(topology.num_batch_shards, world_size_source="the topology's batch shards")
+        RoutingClock(model, batch.gradient_accumulation_steps)
     return model
 
 
