@@ -79,3 +79,99 @@ def test_ep2_training_matches_one_process(stage, k, drop_tokens):
     engine, state = _train(stage, 2, options)
     assert engine.topology.size("expert") == 2
     assert_close_relative(state, _reference(2, options), 1e-6)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@distributed_test(world_size=4)
+def test_data2_expert2_matches_one_process(stage):
+    options = dict(k=2, drop_tokens=True, capacity_factor=0.75, min_capacity=0)
+    engine, state = _train(stage, 2, options, steps=3)
+    assert dict(engine.topology.degrees) == {"data": 2, "expert": 2, "tensor": 1}
+    assert_close_relative(state, _reference(4, options, steps=3), 1e-6)
+
+
+class _BiasExpert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x):
+        return x * 0 + self.w
+
+
+class _NormModel(nn.Module):
+    """Tokens [1, 0] go to expert 0 (on rank 0), [0, 1] to expert 1 (rank 1), with gate 1.0."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = MoE(2, _BiasExpert(), num_experts=2, ep_size=2, k=1, drop_tokens=False)
+        self.moe.deepspeed_moe.gate.wg.weight.data.copy_(torch.tensor([[100.0, 0.0], [0.0, 100.0]]))
+        self.moe.deepspeed_moe.gate.wg.weight.requires_grad_(False)
+
+    def forward(self, x, c):
+        return (self.moe(x)[0] * c).sum()
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@distributed_test(world_size=2)
+def test_gradient_norm_counts_each_expert_once(stage):
+    # Two tokens per rank; after the engine's mean over the 2 batch shards, expert 0's gradient is
+    # [4, 2] (squared norm 20) and expert 1's [6, 8] (squared norm 100): the norm is sqrt(120),
+    # where averaging per-rank norms (DeepSpeed #8475) would give 7.24.
+    rank = comm.get_rank()
+    engine, _, _, _ = zerodist.initialize(model=_NormModel(), config=base_config(stage, gradient_clipping=1e6))
+    x = torch.eye(2)[rank].repeat(2, 1)
+    c = torch.tensor([[4.0, 2.0], [6.0, 8.0]])[rank]
+    engine.backward(engine(x, c))
+    engine.step()
+    assert engine.get_global_grad_norm() == pytest.approx(120 ** 0.5, rel=1e-6)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@distributed_test(world_size=4)
+def test_traffic_four_all_to_alls_of_e_c_m_and_expert_grads_over_data_only(stage):
+    options = dict(k=1, drop_tokens=True, capacity_factor=1.0, min_capacity=0)
+    model = MoEModel(2, comm.get_rank() % 2, **options)
+    expert_numel = sum(p.numel() for p in model.moe.deepspeed_moe.experts.parameters())
+    engine, _, _, _ = zerodist.initialize(model=model, config=base_config(stage))
+    with comm.trace() as trace:
+        engine.backward(engine(*_batch(0, engine.topology.batch_rank)))
+        engine.step()
+    capacity = -(-MICRO // NUM_EXPERTS)
+    to_all = [r for r in trace.records if r.op == "all_to_all"]
+    assert [r.numel for r in to_all] == [NUM_EXPERTS * capacity * HIDDEN] * 4
+    assert all(r.group_size == 2 for r in to_all)
+    # Expert gradients are reduced over ("data",) (2 ranks) only; every other reduction of
+    # gradients runs over data x expert (4 ranks), plus the step's one world all-reduce.
+    reductions = [r for r in trace.records if r.op in ("all_reduce", "reduce_scatter")]
+    over_data = sum(r.numel for r in reductions if r.group_size == 2)
+    assert expert_numel <= over_data < expert_numel + 2 * 64  # bucket padding at most
+    assert all(r.group_size in (2, 4) for r in reductions)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@distributed_test(world_size=2)
+def test_user_ids_survive_and_nothing_is_written_on_the_model(stage):
+    model = MoEModel(2, comm.get_rank(), k=2)
+    for index, module in enumerate(model.modules()):
+        module.id = 1000 + index
+    for index, param in enumerate(model.parameters()):
+        param.id = f"param-{index}"
+    module_attrs = [set(vars(m)) for m in model.modules()]
+    param_attrs = [dict(vars(p)) for p in model.parameters()]
+    engine, _, _, _ = zerodist.initialize(model=model, config=base_config(stage))
+    engine.backward(engine(*_batch(0, comm.get_rank())))
+    engine.step()
+    assert [m.id for m in model.modules()] == [1000 + i for i in range(len(module_attrs))]
+    assert [set(vars(m)) for m in model.modules()] == module_attrs
+    assert [dict(vars(p)) for p in model.parameters()] == param_attrs
+
+
+@distributed_test(world_size=2)
+def test_layers_with_different_ep_sizes_are_named():
+    from zerodist.moe.parallel import ExpertParallelError
+
+    model = nn.ModuleDict({"first": MoE(4, nn.Linear(4, 4), num_experts=2, ep_size=2),
+                           "second": MoE(4, nn.Linear(4, 4), num_experts=2, ep_size=1)})
+    with pytest.raises(ExpertParallelError, match="ep_size=1: second; ep_size=2: first"):
+        zerodist.initialize(model=model, config=base_config(0))
