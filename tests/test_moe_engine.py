@@ -169,9 +169,9 @@ def test_user_ids_survive_and_nothing_is_written_on_the_model(stage):
 
 @distributed_test(world_size=2)
 def test_layers_with_different_ep_sizes_are_named():
-    from zerodist.moe.parallel import ExpertParallelError
+    from zerodist.comm import TopologyError
 
     model = nn.ModuleDict({"first": MoE(4, nn.Linear(4, 4), num_experts=2, ep_size=2),
                            "second": MoE(4, nn.Linear(4, 4), num_experts=2, ep_size=1)})
-    with pytest.raises(ExpertParallelError, match="ep_size=1: second; ep_size=2: first"):
+    with pytest.raises(TopologyError, match="different expert-parallel degrees .first: 2, second: 1"):
         zerodist.initialize(model=model, config=base_config(0))

@@ -10,6 +10,11 @@ module that dies takes its declarations with it.
 A parameter nobody declared is dense (`DENSE`). A declaration on a module covers the named
 parameters of that module itself, or all parameters below it; a declaration on a module deeper
 in the tree wins over one on its ancestor.
+
+Two more declarations live here for the same reason: `declare_logical_offset` (a container of
+local experts is part of a larger logical model: `logical_names`, which checkpoints use) and
+`declare_expert_parallel` (the expert degree a module was built for, which the engine's topology
+takes).
 """
 
 from __future__ import annotations
@@ -79,3 +84,67 @@ def parameter_placements(model: torch.nn.Module) -> dict[int, Placement]:
             if name in entries:
                 found[id(param)] = entries[name]
     return found
+
+
+# ---------------------------------------------------------------------------------------- logical names
+# [Note: logical names] A rank that holds a part of a larger logical model names its parameters as
+# that model would: a container of local experts whose child k is the model's expert k + offset
+# (expert-parallel rank r of E experts in groups of E_local holds experts r*E_local ...), so the
+# checkpoint keys by global expert id and reshards across expert-parallel sizes. Kept, like the
+# placements, in a weak side table: nothing is written on the container.
+_OFFSETS: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+# module -> the expert-parallel degree it was built for (an MoE layer's ep_size)
+_EXPERT_DEGREES: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def declare_logical_offset(container: torch.nn.Module, offset: int) -> None:
+    """Declare that `container`'s child named `k` (an integer, as in a ModuleList) is child
+    `k + offset` of the logical model ([Note: logical names])."""
+    if not isinstance(offset, int) or offset < 0:
+        raise TopologyError(f"a logical offset is a non-negative integer, got {offset!r}")
+    names = [name for name, _ in container.named_children()]
+    if not names or not all(name.isdigit() for name in names):
+        raise TopologyError(f"{type(container).__name__} must have integer-named children (as a ModuleList) to be "
+                            f"offset; it has {names or 'none'}")
+    _OFFSETS[container] = offset
+
+
+def logical_names(model: torch.nn.Module) -> dict[int, str]:
+    """`id(param)` -> the parameter's name in the logical model: its `named_parameters()` name,
+    with the child index of every offset container shifted ([Note: logical names])."""
+    found: dict[int, str] = {}
+    seen: set[int] = set()
+
+    def visit(module: torch.nn.Module, prefix: str) -> None:
+        # the order and de-duplication of named_parameters(): pre-order, each module and parameter once
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        for name, param in module.named_parameters(recurse=False):
+            found.setdefault(id(param), prefix + name)
+        offset = _OFFSETS.get(module, 0)
+        for name, child in module.named_children():
+            logical = str(int(name) + offset) if offset else name
+            visit(child, f"{prefix}{logical}.")
+
+    visit(model, "")
+    return found
+
+
+def declare_expert_parallel(module: torch.nn.Module, degree: int) -> None:
+    """Declare that `module` (e.g. an MoE layer) was built for an expert axis of `degree` ranks:
+    `zerodist.initialize` builds its topology with that expert degree."""
+    if not isinstance(degree, int) or degree < 1:
+        raise TopologyError(f"an expert-parallel degree is a positive integer, got {degree!r}")
+    _EXPERT_DEGREES[module] = degree
+
+
+def expert_parallel_degree(model: torch.nn.Module) -> int:
+    """The expert degree the modules of `model` were built for (1 when none declared one)."""
+    declared = {f"{name or '<root>'}": _EXPERT_DEGREES[m] for name, m in model.named_modules() if m in _EXPERT_DEGREES}
+    degrees = set(declared.values())
+    if len(degrees) > 1:
+        listed = ", ".join(f"{name}: {degree}" for name, degree in declared.items())
+        raise TopologyError(f"the model's modules were built for different expert-parallel degrees ({listed}); "
+                            "one model runs on one mesh, so give every MoE layer the same ep_size")
+    return degrees.pop() if degrees else 1

@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
-from zerodist.comm.domains import parameter_placements
+from zerodist.comm.domains import expert_parallel_degree, logical_names, parameter_placements
 from zerodist.config import BatchSizes, Config
 from zerodist.engine.dataloader import EngineDataLoader
 from zerodist.engine.engine import Engine
 from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
 from zerodist.engine.schedulers import build_scheduler
-from zerodist.moe.parallel import RoutingClock, apply_expert_parallel, expert_parallel_degree
+from zerodist.moe.parallel import RoutingClock, apply_expert_parallel
 from zerodist.precision import LossScaler, PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, ZeroOptimizer, sharded_access
@@ -75,13 +75,21 @@ def initialize(
     # Unchecked while building (the model is moved and cast after stage 3 registered its
     # placeholders); on leaving, the stage-3 access check is installed if any are registered.
     with sharded_access.suspended():
-        validated = _validate(model, config)
-        topology = _build_topology(validated, model)
-        model = _apply_tensor_parallel(model, topology, validated.config)
-        model = _apply_expert_parallel(model, topology, validated.config)
-        zero = _apply_zero(model, model_parameters, optimizer, lr_scheduler, topology, validated)
-        engine, loader = _build_engine(model, zero, topology, validated, training_data, collate_fn)
-        return engine, zero.optimizer, loader, zero.scheduler
+        return _initialize(model, model_parameters, optimizer, config, training_data, lr_scheduler, collate_fn)
+
+
+def _initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None, optimizer: Any,
+                config: Config | dict[str, Any] | str | None, training_data: torch.utils.data.Dataset | None,
+                lr_scheduler: Any, collate_fn: Callable[..., Any] | None,
+                ) -> tuple[Engine, ZeroOptimizer, EngineDataLoader | None, Any]:
+    """The ordered steps; each takes what the previous ones made."""
+    validated = _validate(model, config)
+    topology = _build_topology(validated, model)
+    model = _apply_tensor_parallel(model, topology, validated.config)
+    model = _apply_expert_parallel(model, topology, validated.config)
+    zero = _apply_zero(model, model_parameters, optimizer, lr_scheduler, topology, validated)
+    engine, loader = _build_engine(model, zero, topology, validated, training_data, collate_fn)
+    return engine, zero.optimizer, loader, zero.scheduler
 
 
 def _validate(model: torch.nn.Module, config: Config | dict[str, Any] | str | None) -> Validated:
@@ -103,9 +111,9 @@ def _validate(model: torch.nn.Module, config: Config | dict[str, Any] | str | No
 
 
 def _build_topology(validated: Validated, model: torch.nn.Module) -> comm.Topology:
-    """The mesh. The expert degree is the `ep_size` the model's MoE layers share (1 without any);
-    tensor parallelism is not implemented yet (`tensor_parallel` in a config is refused when it
-    is validated); the data axis takes the rest of the world."""
+    """The mesh: the expert degree the model declares (`zerodist.comm.domains.
+    declare_expert_parallel`, 1 when none), tensor degree 1 (tensor parallelism is not
+    implemented yet: config.py refuses `tensor_parallel.autotp_size` > 1), data the rest."""
     return comm.Topology(expert=expert_parallel_degree(model), tensor=1)
 
 
@@ -136,7 +144,8 @@ def _apply_zero(model: torch.nn.Module, model_parameters: Iterable[Any] | None, 
     precision = PrecisionPolicy.from_config(config)
     sharding = ShardingPolicy.from_stage(config.zero_optimization.stage)
     specs, build_optimizer = resolve_optimizer(model, model_parameters, optimizer, config)
-    names = check_groups_cover_model(model, specs)
+    check_groups_cover_model(model, specs)
+    names = logical_names(model)  # checkpoints key by them ([Note: logical names] in comm/domains.py)
     specs = [s for s in specs if s.params]
     positions = {id(p): i for i, p in enumerate(model.parameters())}
     groups_by_spec, runtime = _flatten(model, specs, names, config, topology, precision, sharding)

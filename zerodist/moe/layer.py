@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerodist import comm
+from zerodist.comm.domains import declare_expert_parallel, declare_logical_offset
 from zerodist.comm.init import resolve_timeout
 from zerodist.moe import dispatch
 from zerodist.moe.experts import Experts
@@ -197,6 +198,7 @@ class MoE(nn.Module):
         experts = Experts(expert, self.num_local_experts, self.expert_group_name)
         self.deepspeed_moe = MOELayer(TopKGate(hidden_size, settings), experts, self.expert_group_name, ep_size,
                                       self.num_local_experts)
+        declare_expert_parallel(self, ep_size)  # initialize's topology takes the expert degree from it
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)  # weighs the MoE and the dense MLP outputs
@@ -210,8 +212,11 @@ class MoE(nn.Module):
         if self.enable_expert_tensor_parallelism and topology.size("tensor") > 1:
             raise NotImplementedError("enable_expert_tensor_parallelism=True with a tensor-parallel axis is not "
                                       "implemented; set it to False (experts are then replicated over 'tensor')")
+        expert_rank = topology.axis_rank("expert")
         _CONTEXTS[self.deepspeed_moe] = ExpertParallelContext(
-            topology.group("expert"), topology.axis_rank("expert"), tuple(topology.ranks("expert")), topology.rank)
+            topology.group("expert"), expert_rank, tuple(topology.ranks("expert")), topology.rank)
+        # Checkpoints name local expert k as global expert expert_rank * E_local + k.
+        declare_logical_offset(self.deepspeed_moe.experts.deepspeed_experts, expert_rank * self.num_local_experts)
         self.deepspeed_moe.gate.routing_key.shard = topology.batch_rank
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
