@@ -86,7 +86,11 @@ def load_extra(module: torch.nn.Module, manifest: Manifest, reader: RangeReader)
 
 def restore_training_state(engine: Any, manifest: Manifest, common: dict[str, Any], own: dict[str, Any] | None,
                            load_lr_scheduler_states: bool) -> None:
-    engine.global_steps, engine.micro_steps = common["global_steps"], common["micro_steps"]
+    # Resume at an accumulation boundary of *this* run: a save mid-accumulation keeps no partial
+    # gradients (save warns), and another world size at the same global batch accumulates over
+    # another number of micro-steps, so the saved micro-step count would put the boundary elsewhere.
+    engine.global_steps = common["global_steps"]
+    engine.micro_steps = common["global_steps"] * engine.gradient_accumulation_steps
     engine.skipped_steps = common["skipped_steps"]
     engine.optimizer.scaler.load_state_dict(common["loss_scaler"])
     saved_scheduler = common["lr_scheduler"]
@@ -140,7 +144,9 @@ def load_checkpoint(engine: Any, load_dir: str | Path, tag: Any = None, load_opt
     tag_dir = load_dir / manifest.tag
     rank, world = comm.get_rank(), comm.get_world_size()
     with_optimizer = load_optimizer_states and not load_module_only
-    check_parameters(engine.groups, manifest)
+    held: list[Any] = [None] * world  # expert-parallel ranks hold different experts: check against them all
+    comm.all_gather_object(held, sorted({r.name for g in engine.groups for r in g.records}))
+    check_parameters(engine.groups, manifest, model_names={name for names in held for name in names})
     same_world = manifest.world_size == world
     needed = files_needed(engine.groups, manifest, with_optimizer) | {i["file"] for i in manifest.extra.values()}
     needed |= {manifest.state_files[0]} | ({manifest.state_files[rank]} if same_world else set())

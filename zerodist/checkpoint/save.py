@@ -46,6 +46,9 @@ class RankReport:
     pieces: list[tuple[str, str, str, int, int, str, int]]  # name, kind, dtype, start, length, file, offset
     error: str | None = None
     common: dict[str, Any] | None = None  # rank 0: model-wide facts for the manifest
+    # (logical) name -> shape of the parameters this rank holds: ranks of an expert group hold
+    # different experts, so rank 0 alone does not know every parameter
+    shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 def agreement_timeout(engine: Any) -> float:
@@ -95,7 +98,20 @@ def _module_facts(engine: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
     return {"state_dict_keys": keys, "aliases": aliases}, extra
 
 
-def _rank_state(engine: Any, client_state: Any, rank: int) -> dict[str, Any]:
+def gather_scalars(engine: Any) -> dict[str, Any]:
+    """The optimizer's settings and scalars by parameter name, over every rank's parameters
+    (collective): expert-parallel ranks hold different experts, each with its own entries."""
+    mine = collect_scalars(engine.groups, engine.optimizer.inner)
+    everyone: list[Any] = [None] * comm.get_world_size()
+    comm.all_gather_object(everyone, mine)
+    merged = everyone[0]
+    for other in everyone[1:]:
+        merged["group_of"] = {**other["group_of"], **merged["group_of"]}
+        merged["scalars"] = {**other["scalars"], **merged["scalars"]}
+    return merged
+
+
+def _rank_state(engine: Any, client_state: Any, rank: int, scalars: dict[str, Any]) -> dict[str, Any]:
     loader = getattr(engine, "training_dataloader", None)
     state: dict[str, Any] = {"rank": rank, "rng": capture_rng(),
                              "data": loader.state_dict() if loader is not None and hasattr(loader, "state_dict") else None}
@@ -104,18 +120,20 @@ def _rank_state(engine: Any, client_state: Any, rank: int) -> dict[str, Any]:
             "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
             "skipped_steps": engine.skipped_steps, "loss_scaler": engine.optimizer.scaler.state_dict(),
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "optimizer": collect_scalars(engine.groups, engine.optimizer.inner),
+            "optimizer": scalars,
             "client_state": client_state,
         }
     return state
 
 
-def write_rank_files(engine: Any, tag_dir: Path, save_id: str, rank: int, client_state: Any) -> RankReport:
+def write_rank_files(engine: Any, tag_dir: Path, save_id: str, rank: int, client_state: Any,
+                     scalars: dict[str, Any]) -> RankReport:
     """This rank's shard (raw tensor bytes) and state file, each written atomically."""
     chunks, pieces = collect_chunks(engine.groups, engine.optimizer.inner.state)
     common, extra = _module_facts(engine) if rank == 0 else (None, {})
     shard_name, state_name = f"shard-r{rank:05d}-{save_id}.bin", f"state-r{rank:05d}-{save_id}.pt"
-    report = RankReport(rank, {}, [], common=common)
+    report = RankReport(rank, {}, [], common=common,
+                        shapes={r.name: list(r.shape) for g in engine.groups for r in g.records})
     tag_dir.mkdir(parents=True, exist_ok=True)
     with AtomicFile(tag_dir / shard_name, points="shard") as out:
         kill_point("shard-opened")
@@ -136,7 +154,7 @@ def write_rank_files(engine: Any, tag_dir: Path, save_id: str, rank: int, client
         report.pieces.append((p.name, p.kind, dtype, p.start, p.length, shard_name,
                               offsets[p.chunk] + p.at * tensor.element_size()))
     buffer = io.BytesIO()
-    torch.save(_rank_state(engine, client_state, rank), buffer)
+    torch.save(_rank_state(engine, client_state, rank, scalars), buffer)
     nbytes, checksum = write_atomic(tag_dir / state_name, buffer.getvalue(), points="state")
     report.files[state_name] = {"rank": rank, "bytes": nbytes, "crc32": checksum, "state": True}
     return report
@@ -146,7 +164,7 @@ def build_manifest(engine: Any, tag: str, reports: list[RankReport]) -> Manifest
     """Rank 0: one manifest from every rank's report, checking each parameter is covered once."""
     common = reports[0].common
     assert common is not None
-    shapes = {r.name: list(r.shape) for g in engine.groups for r in g.records}
+    shapes = {name: shape for report in reports for name, shape in report.shapes.items()}
     params: dict[str, dict[str, Any]] = {name: {"shape": shape, "kinds": {}} for name, shape in shapes.items()}
     for report in reports:
         for name, kind, dtype, start, length, file, offset in report.pieces:
@@ -274,9 +292,10 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: Any = None, client_s
                   "gradients accumulated since step %d are not saved; save after engine.step() at a boundary",
                   tag, engine.micro_steps, engine.global_steps, level=30)
     started = time.perf_counter()
+    scalars = gather_scalars(engine)
     report, failure = None, None
     try:
-        report = write_rank_files(engine, tag_dir, save_id, rank, client_state)
+        report = write_rank_files(engine, tag_dir, save_id, rank, client_state, scalars)
     except Exception as err:  # reported to rank 0 so every rank fails together, not one of them hanging
         failure = err
         report = RankReport(rank, {}, [], error=f"rank {rank}: {type(err).__name__}: {err}")

@@ -113,11 +113,13 @@ def collect_scalars(groups: list[Any], inner: torch.optim.Optimizer) -> dict[str
 
 # ---------------------------------------------------------------------------------------- load
 
-def check_parameters(groups: list[Any], manifest: Manifest) -> None:
-    """The checkpoint must hold exactly the trained parameters, with the same shapes."""
+def check_parameters(groups: list[Any], manifest: Manifest, model_names: set[str] | None = None) -> None:
+    """The checkpoint must hold exactly the trained parameters, with the same shapes.
+    `model_names`: every rank's parameter names, when ranks hold different parts of the model
+    (expert parallelism: each rank holds its own experts)."""
     shapes = {r.name: tuple(r.shape) for g in groups for r in g.records}
     missing = sorted(set(shapes) - set(manifest.params))
-    unexpected = sorted(set(manifest.params) - set(shapes))
+    unexpected = sorted(set(manifest.params) - (model_names if model_names is not None else set(shapes)))
     wrong = [f"{n}: {tuple(manifest.params[n]['shape'])} in the checkpoint, {shapes[n]} in the model"
              for n in shapes if n in manifest.params and tuple(manifest.params[n]["shape"]) != shapes[n]]
     problems = []
