@@ -14,9 +14,10 @@ from tests.harness import run_distributed
 from tests.test_moe_engine import MICRO, MoEModel, _batch, _reference
 
 SAVE_AT, TOTAL = 3, 5
-# No random routing: the per-run forward count that keys it restarts after a resume.
-OPTIONS = dict(k=2, drop_tokens=True, capacity_factor=0.75, min_capacity=0, use_rts=False,
-               top2_2nd_expert_sampling=False)
+# Random second-expert choice and Jitter: keyed by (step, micro-batch index in the global batch),
+# the routing continues after a resume, at any world and expert-parallel size.
+OPTIONS = dict(k=2, drop_tokens=True, capacity_factor=0.75, min_capacity=0, top2_2nd_expert_sampling=True,
+               noisy_gate_policy="Jitter")
 
 
 def _engine(ep_size: int, stage: int, scramble: bool):

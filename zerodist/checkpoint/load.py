@@ -24,6 +24,7 @@ from zerodist.checkpoint.files import RangeReader, file_problem, read_verified
 from zerodist.checkpoint.manifest import Manifest, list_checkpoints, read_manifest
 from zerodist.checkpoint.shards import check_parameters, files_needed, load_groups
 from zerodist.checkpoint.state import group_mapping, remap_scheduler_state, restore_optimizer, restore_rng
+from zerodist.moe.parallel import restore_routing_clock
 from zerodist.utils import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -91,6 +92,7 @@ def restore_training_state(engine: Any, manifest: Manifest, common: dict[str, An
     # another number of micro-steps, so the saved micro-step count would put the boundary elsewhere.
     engine.global_steps = common["global_steps"]
     engine.micro_steps = common["global_steps"] * engine.gradient_accumulation_steps
+    restore_routing_clock(engine.module, engine.micro_steps)  # MoE random routing continues where it was
     engine.skipped_steps = common["skipped_steps"]
     engine.optimizer.scaler.load_state_dict(common["loss_scaler"])
     saved_scheduler = common["lr_scheduler"]

@@ -129,7 +129,7 @@ def _apply_expert_parallel(model: torch.nn.Module, topology: comm.Topology, conf
     routing by step (zerodist/moe/parallel.py)."""
     if apply_expert_parallel(model, topology):
         batch = config.batch_sizes(topology.num_batch_shards, world_size_source="the topology's batch shards")
-        RoutingClock(model, batch.gradient_accumulation_steps)
+        RoutingClock(model, batch.gradient_accumulation_steps, topology)
     return model
 
 

@@ -5,11 +5,12 @@ can too.
     degree = zerodist.comm.domains.expert_parallel_degree(model)   # the layers declare their ep_size
     topology = Topology(expert=degree)
     apply_expert_parallel(model, topology, seed=config_seed)
-    ...
-    set_routing_step(model, step)                 # before each optimizer step's forwards
+    RoutingClock(model, gradient_accumulation_steps, topology)   # keys random routing by micro-batch
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -35,32 +36,42 @@ def set_routing_step(model: torch.nn.Module, step: int) -> None:
 
 
 class RoutingClock:
-    """Keys the random routing of a model's MoE layers by optimizer step without touching the
-    engine: a forward pre-hook on the root module counts training forwards, and forward n runs
-    as (step = n // gradient_accumulation_steps, call = n % gradient_accumulation_steps), the
-    key a one-process reference sets with `MoE.set_routing_key(step=...)` before each micro-batch.
-    Eval forwards do not advance it. `state_dict()` holds the count, for resuming."""
+    """Keys the random routing of a model's MoE layers by position in the run, without touching
+    the engine: a forward pre-hook on the root module counts training forwards, and forward n
+    (micro-step m = n % accumulation of optimizer step n // accumulation) routes with the key
+    (step, shard = m * num_batch_shards + batch_rank): the index of its micro-batch within the
+    global batch, which is the same at every data and expert-parallel size. A one-process
+    reference sets that key with `MoE.set_routing_key(shard=..., step=...)` before each
+    micro-batch. Eval forwards do not advance it; a checkpoint load restores the count
+    (`restore_routing_clock`)."""
 
-    def __init__(self, model: torch.nn.Module, gradient_accumulation_steps: int) -> None:
+    def __init__(self, model: torch.nn.Module, gradient_accumulation_steps: int, topology: comm.Topology) -> None:
         self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.num_batch_shards, self.batch_rank = topology.num_batch_shards, topology.batch_rank
         self.forwards = 0
+        self._layers = [layer for _, layer in moe_layers(model)]
         self._handle = model.register_forward_pre_hook(self._before_forward)
-        self._model_layers = [layer for _, layer in moe_layers(model)]
+        _CLOCKS[model] = self
 
     def _before_forward(self, module: torch.nn.Module, args: object) -> None:
         if not module.training:
             return
-        step, call = divmod(self.forwards, self.gradient_accumulation_steps)
-        for layer in self._model_layers:
-            layer.set_routing_key(step=step)
-            layer.deepspeed_moe.gate.routing_key.call = call
+        step, micro = divmod(self.forwards, self.gradient_accumulation_steps)
+        for layer in self._layers:
+            layer.set_routing_key(step=step, shard=micro * self.num_batch_shards + self.batch_rank)
         self.forwards += 1
-
-    def state_dict(self) -> dict[str, int]:
-        return {"forwards": self.forwards}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.forwards = int(state["forwards"])
 
     def remove(self) -> None:
         self._handle.remove()
+        for model in [m for m, clock in _CLOCKS.items() if clock is self]:
+            del _CLOCKS[model]
+
+
+_CLOCKS: weakref.WeakKeyDictionary[torch.nn.Module, RoutingClock] = weakref.WeakKeyDictionary()
+
+
+def restore_routing_clock(model: torch.nn.Module, micro_steps: int) -> None:
+    """After a checkpoint load: the next forward is micro-step `micro_steps` of the run."""
+    clock = _CLOCKS.get(model)
+    if clock is not None:
+        clock.forwards = micro_steps
