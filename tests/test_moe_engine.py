@@ -175,3 +175,23 @@ def test_layers_with_different_ep_sizes_are_named():
                            "second": MoE(4, nn.Linear(4, 4), num_experts=2, ep_size=1)})
     with pytest.raises(TopologyError, match="different expert-parallel degrees .first: 2, second: 1"):
         zerodist.initialize(model=model, config=base_config(0))
+
+
+@distributed_test(world_size=2)
+def test_aux_loss_free_counts_are_summed_over_batch_shards_and_saved():
+    rank = comm.get_rank()
+    model = MoEModel(2, rank, k=1, load_balance_coeff=0.01)
+    gate = model.moe.deepspeed_moe.gate
+    with torch.no_grad():  # every token of rank r goes to expert r: global counts [6, 6, 0, 0]
+        model.inp.weight.zero_()
+        model.inp.bias.zero_()
+        model.inp.weight[0, 0] = 1.0
+        gate.wg.weight.zero_()
+        gate.wg.weight[0, 0], gate.wg.weight[1, 0] = 5.0, -5.0
+    engine, _, _, _ = zerodist.initialize(model=model, config=base_config(0, optimizer={"type": "SGD", "params": {"lr": 0.0}}))
+    x, y = _batch(0, rank)
+    x[:, 0] = 1.0 if rank == 0 else -1.0
+    engine.backward(engine(x, y))
+    engine.step()
+    assert gate.expert_bias.tolist() == pytest.approx([-0.01, -0.01, 0.01, 0.01])
+    assert torch.equal(engine.module_state_dict()["moe.deepspeed_moe.gate.expert_bias"], gate.expert_bias)

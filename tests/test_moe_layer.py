@@ -121,3 +121,30 @@ def test_options_that_cannot_work_are_named(caplog):
     layer = MoE(8, _expert(), num_experts=2, ep_size=2)
     with pytest.raises(RuntimeError, match="no expert-parallel group"):
         layer(torch.randn(4, 8))
+
+
+def test_aux_loss_free_bias_moves_by_exactly_coeff_and_only_steers_selection():
+    torch.manual_seed(0)
+    moe = MoE(8, _expert(), num_experts=4, k=1, use_rts=False, load_balance_coeff=0.01, drop_tokens=False)
+    gate = moe.deepspeed_moe.gate
+    with torch.no_grad():  # a skewed router: every token prefers expert 0, then 1
+        gate.wg.weight.zero_()
+        gate.wg.weight[0, 0], gate.wg.weight[1, 0] = 3.0, 2.0
+    x = torch.ones(8, 8)
+    moe(x)
+    assert gate.tokens_per_expert.tolist() == [8, 0, 0, 0]
+    change = moe.update_expert_bias()
+    assert change.tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.01])
+    assert gate.expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.01])
+    assert gate.tokens_per_expert.tolist() == [0, 0, 0, 0]
+    with torch.no_grad():
+        gate.expert_bias.copy_(torch.tensor([-1.0, 0.0, 0.0, 0.0]))  # now expert 1 wins the selection
+    moe(x)
+    routing = gate(x)
+    probs = torch.softmax(torch.nn.functional.linear(x, gate.wg.weight), dim=1)
+    assert routing.expert[:, 0].tolist() == [1] * 8
+    assert torch.allclose(routing.weight[:, 0], probs[:, 1])  # the gate value ignores the bias
+    gate.tokens_per_expert.copy_(torch.tensor([2.0, 2.0, 2.0, 2.0]))
+    assert moe.update_expert_bias().tolist() == [0.0, 0.0, 0.0, 0.0]  # balanced: no change
+    assert "deepspeed_moe.gate.expert_bias" in moe.state_dict()
+    assert "deepspeed_moe.gate.tokens_per_expert" not in moe.state_dict()

@@ -123,6 +123,7 @@ class GateSettings:
     use_rts: bool = True
     top2_2nd_expert_sampling: bool = True
     drop_policy: str = "probs"
+    load_balance_coeff: float | None = None  # aux-loss-free balancing: bias step size, None = off
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_experts, int) or self.num_experts < 1:
@@ -138,6 +139,8 @@ class GateSettings:
             raise ValueError(f"noisy_gate_policy must be one of {NOISY_GATE_POLICIES}, got {self.noisy_gate_policy!r}")
         if self.drop_policy not in DROP_POLICIES:
             raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {self.drop_policy!r}")
+        if self.load_balance_coeff is not None and not self.load_balance_coeff > 0:
+            raise ValueError(f"load_balance_coeff must be > 0 (or None to turn it off), got {self.load_balance_coeff!r}")
 
     def uses_draws(self, training: bool) -> bool:
         noisy = training and self.noisy_gate_policy in ("Jitter", "RSample")
@@ -146,13 +149,16 @@ class GateSettings:
 
 
 def route(logits: torch.Tensor, settings: GateSettings, *, training: bool, draws: Draws,
-          used_token: torch.Tensor | None = None) -> Routing:
-    """Route S tokens given their fp32 gate logits `[S, E]` (see the module doc for the rules)."""
+          used_token: torch.Tensor | None = None, selection_bias: torch.Tensor | None = None) -> Routing:
+    """Route S tokens given their fp32 gate logits `[S, E]` (see the module doc for the rules).
+
+    `selection_bias` [E] (aux-loss-free balancing) is added to the gate probabilities when
+    choosing experts only: the combine weights and l_aux use the unbiased gates."""
     num_tokens, num_experts = logits.shape
     if num_experts != settings.num_experts:
         raise ValueError(f"gate logits have {num_experts} experts, the gate was built for {settings.num_experts}")
     gates = F.softmax(logits, dim=1)
-    expert = _choose_experts(logits, gates, settings, training, draws)
+    expert = _choose_experts(logits, gates, settings, training, draws, selection_bias)
     used = _used_mask(used_token, num_tokens, logits.device)
     routed = used[:, None].expand_as(expert)
     exp_counts = torch.bincount(expert[routed], minlength=num_experts).to(torch.int64)
@@ -180,19 +186,26 @@ def _used_mask(used_token: torch.Tensor | None, num_tokens: int, device: torch.d
 
 
 def _choose_experts(logits: torch.Tensor, gates: torch.Tensor, settings: GateSettings, training: bool,
-                    draws: Draws) -> torch.Tensor:
-    """[S, k] expert indices, choice order; ties to the lowest expert index."""
+                    draws: Draws, bias: torch.Tensor | None) -> torch.Tensor:
+    """[S, k] expert indices, choice order; ties to the lowest expert index. With a selection
+    bias, noisy scores are turned into probabilities first, so the bias adds to a probability."""
     num_tokens, num_experts = logits.shape
+
+    def biased(scores: torch.Tensor, are_probabilities: bool) -> torch.Tensor:
+        if bias is None:
+            return scores
+        return (scores if are_probabilities else F.softmax(scores, dim=1)) + bias
+
     if settings.k == 1:
         if training and settings.noisy_gate_policy == "RSample":
-            return torch.argmax(logits + draws.gumbel(num_tokens, num_experts), dim=1, keepdim=True)
-        return torch.argmax(gates, dim=1, keepdim=True)
+            return torch.argmax(biased(logits + draws.gumbel(num_tokens, num_experts), False), dim=1, keepdim=True)
+        return torch.argmax(biased(gates, True), dim=1, keepdim=True)
     if settings.k == 2:
-        first = torch.argmax(gates, dim=1, keepdim=True)
+        first = torch.argmax(biased(gates, True), dim=1, keepdim=True)
         scores = logits + draws.gumbel(num_tokens, num_experts) if settings.top2_2nd_expert_sampling else logits
-        second = torch.argmax(scores.scatter(1, first, float("-inf")), dim=1, keepdim=True)
+        second = torch.argmax(biased(scores, False).scatter(1, first, float("-inf")), dim=1, keepdim=True)
         return torch.cat([first, second], dim=1)
-    order = torch.sort(gates, dim=1, descending=True, stable=True).indices
+    order = torch.sort(biased(gates, True), dim=1, descending=True, stable=True).indices
     return order[:, : settings.k].contiguous()
 
 
@@ -263,6 +276,11 @@ class TopKGate(torch.nn.Module):
         self.wg = torch.nn.Linear(model_dim, settings.num_experts, bias=False)
         self.settings = settings
         self.routing_key = RoutingKey()
+        if settings.load_balance_coeff is not None:
+            # Aux-loss-free balancing (DeepSeek-V3): a selection-only bias, saved with the model, and
+            # this rank's routes per expert since the last update (not saved: updates run at step ends).
+            self.register_buffer("expert_bias", torch.zeros(settings.num_experts))
+            self.register_buffer("tokens_per_expert", torch.zeros(settings.num_experts), persistent=False)
 
     @property
     def k(self) -> int:
@@ -278,4 +296,9 @@ class TopKGate(torch.nn.Module):
             low = 1.0 - JITTER_EPSILON
             tokens_fp32 = tokens_fp32 * (low + 2 * JITTER_EPSILON * draws.uniform(*tokens_fp32.shape))
         logits = F.linear(tokens_fp32, self.wg.weight.float())
-        return route(logits, settings, training=self.training, draws=draws, used_token=used_token)
+        bias = getattr(self, "expert_bias", None)
+        routing = route(logits, settings, training=self.training, draws=draws, used_token=used_token,
+                        selection_bias=None if bias is None else bias.float())
+        if bias is not None and self.training:
+            self.tokens_per_expert += routing.exp_counts.to(self.tokens_per_expert.dtype)
+        return routing

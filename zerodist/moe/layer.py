@@ -48,6 +48,7 @@ class ExpertParallelContext:
     global ranks (to read their values out of a world-wide exchange)."""
 
     group: Any
+    batch_group: Any  # over ("data", "expert"): every batch shard, for the balancing counts
     expert_rank: int
     expert_ranks: tuple[int, ...]
     world_rank: int
@@ -174,7 +175,9 @@ class MoE(nn.Module):
     """DeepSpeed's `deepspeed.moe.layer.MoE` (same arguments, defaults and return values).
 
     Beyond DeepSpeed: `drop_policy` ('probs' or 'position', top-k>2 only, as DeepSpeed's
-    `topkgating`). `use_tutel=True` logs a fallback to the built-in dispatch;
+    `topkgating`); `load_balance_coeff` (aux-loss-free balancing: a selection-only bias
+    `deepspeed_moe.gate.expert_bias`, moved by `coeff * sign(mean - count)` at each optimizer
+    step from the routes counted over all batch shards, see `update_expert_bias`). `use_tutel=True` logs a fallback to the built-in dispatch;
     `enable_expert_tensor_parallelism=True` has no effect without a tensor-parallel axis (logged)
     and is refused with one (not implemented)."""
 
@@ -182,12 +185,13 @@ class MoE(nn.Module):
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
                  use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,
                  use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
-                 top2_2nd_expert_sampling: bool = True, *, drop_policy: str = "probs") -> None:
+                 top2_2nd_expert_sampling: bool = True, *, drop_policy: str = "probs",
+                 load_balance_coeff: float | None = None) -> None:
         super().__init__()
         if not isinstance(ep_size, int) or ep_size < 1 or num_experts % ep_size:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by ep_size ({ep_size}), a positive int")
         settings = GateSettings(num_experts, k, capacity_factor, eval_capacity_factor, min_capacity, noisy_gate_policy,
-                                drop_tokens, use_rts, top2_2nd_expert_sampling, drop_policy)
+                                drop_tokens, use_rts, top2_2nd_expert_sampling, drop_policy, load_balance_coeff)
         _log_options(settings, use_tutel, enable_expert_tensor_parallelism)
         self.use_residual = use_residual
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
@@ -214,7 +218,8 @@ class MoE(nn.Module):
                                       "implemented; set it to False (experts are then replicated over 'tensor')")
         expert_rank = topology.axis_rank("expert")
         _CONTEXTS[self.deepspeed_moe] = ExpertParallelContext(
-            topology.group("expert"), expert_rank, tuple(topology.ranks("expert")), topology.rank)
+            topology.group("expert"), topology.group(*topology.batch_axes), expert_rank,
+            tuple(topology.ranks("expert")), topology.rank)
         # Checkpoints name local expert k as global expert expert_rank * E_local + k.
         declare_logical_offset(self.deepspeed_moe.experts.deepspeed_experts, expert_rank * self.num_local_experts)
         self.deepspeed_moe.gate.routing_key.shard = topology.batch_rank
@@ -237,6 +242,25 @@ class MoE(nn.Module):
                 setattr(key, name, int(value))
         if step is not None:
             key.call = 0
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> torch.Tensor | None:
+        """Aux-loss-free balancing step (collective over the batch shards when a topology is set):
+        sum the routes per expert counted since the last update over every batch shard, then move
+        each expert's selection bias by `coeff * sign(mean - count)` (overloaded experts down,
+        underloaded up, balanced ones not at all) and restart the count. Returns the change, or
+        None when balancing is off. `zerodist.initialize` runs it after each step's last forward."""
+        gate = self.deepspeed_moe.gate
+        if gate.settings.load_balance_coeff is None:
+            return None
+        counts = gate.tokens_per_expert.clone()
+        context = _CONTEXTS.get(self.deepspeed_moe)
+        if context is not None:
+            comm.all_reduce(counts, group=context.batch_group)
+        change = gate.settings.load_balance_coeff * torch.sign(counts.mean() - counts)
+        gate.expert_bias.add_(change)
+        gate.tokens_per_expert.zero_()
+        return change
 
     def global_expert_ids(self) -> list[int]:
         """The global ids of this rank's local experts, local order."""

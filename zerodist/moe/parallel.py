@@ -43,14 +43,16 @@ class RoutingClock:
     global batch, which is the same at every data and expert-parallel size. A one-process
     reference sets that key with `MoE.set_routing_key(shard=..., step=...)` before each
     micro-batch. Eval forwards do not advance it; a checkpoint load restores the count
-    (`restore_routing_clock`)."""
+    (`restore_routing_clock`). After each step's last forward it runs the aux-loss-free
+    balancing update of the layers that have it (`MoE.update_expert_bias`)."""
 
     def __init__(self, model: torch.nn.Module, gradient_accumulation_steps: int, topology: comm.Topology) -> None:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.num_batch_shards, self.batch_rank = topology.num_batch_shards, topology.batch_rank
         self.forwards = 0
         self._layers = [layer for _, layer in moe_layers(model)]
-        self._handle = model.register_forward_pre_hook(self._before_forward)
+        self._handles = [model.register_forward_pre_hook(self._before_forward),
+                         model.register_forward_hook(self._after_forward)]
         _CLOCKS[model] = self
 
     def _before_forward(self, module: torch.nn.Module, args: object) -> None:
@@ -61,8 +63,16 @@ class RoutingClock:
             layer.set_routing_key(step=step, shard=micro * self.num_batch_shards + self.batch_rank)
         self.forwards += 1
 
+    def _after_forward(self, module: torch.nn.Module, args: object, output: object) -> None:
+        # After the last micro-batch of a step the balancing counts are complete: the bias moves
+        # now, before the optimizer step (it only steers selection, so nothing reads it in between).
+        if module.training and self.forwards % self.gradient_accumulation_steps == 0:
+            for layer in self._layers:
+                layer.update_expert_bias()
+
     def remove(self) -> None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
         for model in [m for m, clock in _CLOCKS.items() if clock is self]:
             del _CLOCKS[model]
 
