@@ -195,3 +195,38 @@ def test_aux_loss_free_counts_are_summed_over_batch_shards_and_saved():
     engine.step()
     assert gate.expert_bias.tolist() == pytest.approx([-0.01, -0.01, 0.01, 0.01])
     assert torch.equal(engine.module_state_dict()["moe.deepspeed_moe.gate.expert_bias"], gate.expert_bias)
+
+
+@distributed_test(world_size=2)
+def test_deepspeed_style_moe_param_groups_train_the_same():
+    from zerodist.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    options = dict(k=1, drop_tokens=True, capacity_factor=0.75, min_capacity=0)
+    model = MoEModel(2, comm.get_rank(), **options)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        [{"params": list(model.parameters()), "name": "parameters"}])
+    assert [g.get("moe", False) for g in groups] == [False, True]
+    engine, _, _, _ = zerodist.initialize(model=model, model_parameters=groups, config=base_config(2))
+    for step in range(STEPS):
+        engine.backward(engine(*_batch(step, engine.topology.batch_rank)))
+        engine.step()
+    assert_close_relative(engine.module_state_dict(), _reference(2, options), 1e-6)
+
+
+@distributed_test(world_size=2)
+def test_experts_without_tokens_complete_the_step_at_stage3():
+    model = MoEModel(2, comm.get_rank(), k=1, drop_tokens=False)
+    with torch.no_grad():
+        model.moe.deepspeed_moe.gate.wg.weight.zero_()  # equal gates, frozen: every token goes to expert 0
+    model.moe.deepspeed_moe.gate.wg.weight.requires_grad_(False)
+    engine, _, _, _ = zerodist.initialize(model=model, config=base_config(3, optimizer={"type": "SGD", "params": {"lr": 0.1}}))
+    for step in range(2):
+        engine.backward(engine(*_batch(step, engine.topology.batch_rank)))
+        engine.step()
+    assert model.moe.last_stats.exp_counts == (MICRO, 0, 0, 0)
+    state = engine.module_state_dict()
+    initial = {0: MoEModel(2, 0, k=1).moe.deepspeed_moe.experts.deepspeed_experts[0],
+               3: MoEModel(2, 1, k=1).moe.deepspeed_moe.experts.deepspeed_experts[1]}
+    prefix = "moe.deepspeed_moe.experts.deepspeed_experts."
+    assert torch.equal(state[prefix + "3.0.weight"], initial[3][0].weight)  # never saw a token: untouched
+    assert not torch.equal(state[prefix + "0.0.weight"], initial[0][0].weight)  # trained
