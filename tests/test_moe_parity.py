@@ -130,8 +130,14 @@ def test_dropless_moves_exactly_the_routed_rows_and_accepts_different_token_coun
 @distributed_test(world_size=2, timeout=60)
 def test_ranks_disagreeing_on_token_count_get_a_named_error():
     _, layer = _pair(k=1)
-    tokens = TOKENS + 4 * comm.get_rank()
-    with pytest.raises(MoEShapeMismatchError, match="rank 0: .*capacity.*; rank 1:"):
-        layer(_batch(comm.get_rank(), tokens))
-    output, _, _ = layer(_batch(comm.get_rank()))  # the group is still usable
+    rank = comm.get_rank()
+    # First forward: the whole signature through the store, with a deadline.
+    with pytest.raises(MoEShapeMismatchError, match=r"rank 0: \('capacity', 12, .*; rank 1: \('capacity', 16"):
+        layer(_batch(rank, TOKENS + 4 * rank))
+    output, _, _ = layer(_batch(rank))  # the group is still usable
+    assert output.shape == (TOKENS, HIDDEN)
+    # Later forwards: token count and capacity in one small all_gather.
+    with pytest.raises(MoEShapeMismatchError, match="rank 0: tokens 12, capacity 4; rank 1: tokens 20, capacity 5"):
+        layer(_batch(rank, TOKENS + 8 * rank))
+    output, _, _ = layer(_batch(rank))
     assert output.shape == (TOKENS, HIDDEN)

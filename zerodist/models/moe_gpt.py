@@ -51,12 +51,12 @@ class MoEConfig:
 class MoEBlock(nn.Module):
     """Pre-LayerNorm block whose MLP is an MoE layer: `x + attn(ln_1(x))`, then `x + moe(ln_2(x))`."""
 
-    def __init__(self, config: GPTConfig, moe: MoEConfig) -> None:
+    def __init__(self, config: GPTConfig, moe: MoEConfig, moe_class: type[nn.Module] = MoE) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.d_model)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.d_model)
-        self.moe = MoE(config.d_model, MLP(config), **moe.layer_options())
+        self.moe = moe_class(config.d_model, MLP(config), **moe.layer_options())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attn(self.ln_1(x))
@@ -80,21 +80,24 @@ class DenseBlock(nn.Module):
 
 
 class MoEGPT(nn.Module):
-    """Decoder-only transformer with MoE blocks (blocks i with i % moe_every == moe_every - 1)."""
+    """Decoder-only transformer with MoE blocks (blocks i with i % moe_every == moe_every - 1).
+    `moe_class` builds the MoE layers: zerodist's `MoE` by default, or any class with DeepSpeed's
+    signature (the benchmark passes `deepspeed.moe.layer.MoE` to build the same model)."""
 
-    def __init__(self, config: GPTConfig | None = None, moe: MoEConfig | None = None) -> None:
+    def __init__(self, config: GPTConfig | None = None, moe: MoEConfig | None = None,
+                 moe_class: type[nn.Module] = MoE) -> None:
         super().__init__()
         self.config = config or GPTConfig()
         self.moe_config = moe or MoEConfig()
         c, every = self.config, self.moe_config.moe_every
         self.tok_emb = InitEmbedding(c.vocab_size, c.d_model)
         self.pos_emb = InitEmbedding(c.seq_len, c.d_model)
-        self.blocks = nn.ModuleList(MoEBlock(c, self.moe_config) if i % every == every - 1 else DenseBlock(c)
+        self.blocks = nn.ModuleList(MoEBlock(c, self.moe_config, moe_class) if i % every == every - 1 else DenseBlock(c)
                                     for i in range(c.n_layers))
         self.ln_f = nn.LayerNorm(c.d_model)
         self.lm_head = InitLinear(c.d_model, c.vocab_size, bias=False)
 
-    def moe_layers(self) -> list[MoE]:
+    def moe_layers(self) -> list[nn.Module]:
         return [block.moe for block in self.blocks if isinstance(block, MoEBlock)]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

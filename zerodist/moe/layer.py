@@ -93,6 +93,7 @@ class MOELayer(nn.Module):
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
         self.last_stats: RoutingStats | None = None
+        self._shapes_agreed = False
 
     @property
     def num_experts(self) -> int:
@@ -127,7 +128,7 @@ class MOELayer(nn.Module):
         plan = dispatch.plan_capacity(routing, self.num_experts)
         buffer = dispatch.dispatch_capacity(tokens, plan)  # [E, C, M]
         if context is not None:
-            _check_shapes(context, ("capacity", tokens.shape[0], plan.capacity, tokens.shape[1], str(tokens.dtype)))
+            self._agree_on_shapes(context, tokens, plan.capacity)
             buffer = dispatch.all_to_all(context.group, buffer)
         hidden = tokens.shape[1]
         expert_input = buffer.reshape(self.ep_size, self.num_local_experts, plan.capacity, hidden)
@@ -141,7 +142,7 @@ class MOELayer(nn.Module):
                           context: ExpertParallelContext | None) -> tuple[torch.Tensor, int]:
         group = None if context is None else context.group
         if context is not None:
-            _check_shapes(context, ("dropless", tokens.shape[1], str(tokens.dtype)))
+            self._agree_on_shapes(context, tokens, None)
         plan = dispatch.plan_dropless(routing, self.num_experts, group, self.ep_size)
         rows = tokens[plan.send_token]
         if context is not None:
@@ -154,21 +155,42 @@ class MOELayer(nn.Module):
         return dispatch.combine_dropless(returned, plan), moved
 
 
-def _check_shapes(context: ExpertParallelContext, mine: tuple[Any, ...]) -> None:
-    """Agree on what the all-to-alls will carry before issuing them: a rank whose shape differs
-    would otherwise leave its peers waiting in the collective. The exchange goes through the
-    world's store with a deadline (zerodist.comm.exchange), so it never hangs either."""
-    timeout = resolve_timeout(None)
-    timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else _DEFAULT_SHAPE_CHECK_TIMEOUT_S
-    values = comm.exchange_with_deadline("moe-shapes", repr(mine), timeout_s)
-    peers = {rank: values[rank] for rank in context.expert_ranks}
-    if len(set(peers.values())) > 1:
-        listed = "; ".join(f"rank {rank}: {value}" for rank, value in peers.items())
+    def _agree_on_shapes(self, context: ExpertParallelContext, tokens: torch.Tensor, capacity: int | None) -> None:
+        """Agree on what the all-to-alls will carry before issuing them: a rank whose shapes differ
+        would otherwise leave its peers waiting in the collective (DeepSpeed #6809, #5794).
+
+        The first forward exchanges the whole signature through the world's store with a deadline
+        (`zerodist.comm.exchange_with_deadline`): it cannot hang, even when a rank never reaches
+        the layer. Later forwards only need what can change from batch to batch: in capacity mode
+        the token count and capacity, gathered over the expert group in one fixed-size all_gather
+        (a store round trip per layer cost ~60 ms per forward on gloo); dropless mode exchanges
+        its counts anyway, and its splits follow from them."""
+        if not self._shapes_agreed:
+            mode = "dropless" if capacity is None else "capacity"
+            signature = (mode, None if capacity is None else tokens.shape[0], capacity, tokens.shape[1], str(tokens.dtype))
+            timeout = resolve_timeout(None)
+            timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else _DEFAULT_SHAPE_CHECK_TIMEOUT_S
+            values = comm.exchange_with_deadline("moe-shapes", repr(signature), timeout_s)
+            _raise_if_different({rank: values[rank] for rank in context.expert_ranks})
+            self._shapes_agreed = True
+            return
+        if capacity is None:
+            return
+        mine = torch.tensor([tokens.shape[0], capacity], dtype=torch.int64, device=tokens.device)
+        everyone = mine.new_empty(2 * self.ep_size)
+        comm.all_gather(everyone, mine, group=context.group)
+        pairs = everyone.view(self.ep_size, 2).tolist()
+        _raise_if_different({rank: f"tokens {s}, capacity {c}" for rank, (s, c) in zip(context.expert_ranks, pairs)})
+
+
+def _raise_if_different(values: dict[int, str]) -> None:
+    if len(set(values.values())) > 1:
+        listed = "; ".join(f"rank {rank}: {value}" for rank, value in values.items())
         raise MoEShapeMismatchError(
-            "the ranks of an expert-parallel group disagree on what the MoE all-to-all carries "
-            f"(mode, tokens, capacity, hidden size, dtype): {listed}. In capacity mode every rank of the "
-            "group must feed the same number of tokens (drop the ragged last batch, or pad and pass "
-            "used_token); drop_tokens=False accepts different token counts.")
+            "the ranks of an expert-parallel group disagree on what the MoE all-to-all carries: "
+            f"{listed}. In capacity mode every rank of the group must feed the same number of tokens "
+            "(drop the ragged last batch, or pad and pass used_token); drop_tokens=False accepts "
+            "different token counts.")
 
 
 class MoE(nn.Module):
