@@ -33,7 +33,7 @@ def _engine(ep_size: int, stage: int, scramble: bool):
 
 
 def _train(engine, stop: int) -> None:
-    n, rank, gas = engine.topology.num_batch_shards, engine.topology.batch_rank, engine.gradient_accumulation_steps
+    n, rank, gas = engine.topology.num_batch_shards, engine.topology.batch_rank, engine.batch.gradient_accumulation_steps
     for step in range(engine.global_steps, stop):
         for micro in range(gas):
             engine.backward(engine(*_batch(step, micro * n + rank)))

@@ -8,6 +8,11 @@ its shard, so the ranks write disjoint data in parallel.
 
 Load: a rank asks, for its own (possibly different) layout, which elements of which parameter
 it owns, and copies each from the saved slices that overlap it ([Note: layout-free manifest]).
+
+Both sides speak of the *logical* tensor: a parameter that is a slice of a larger one (its
+placement cuts dimension d over a mesh axis) maps each of its owned ranges onto the runs of the
+logical tensor it covers (`zerodist.zero.layout.slice_runs`), so a tensor saved as slices along
+any dimension loads into any other slicing of it, or whole.
 Groups whose optimizer steps whole buckets (stage 0) then all-gather the shards, and each group
 refreshes its parameters from its optimizer tensors (`copy_master_to_params`, `gather_params`),
 so the model, the master weights and the optimizer state agree whatever the stage.
@@ -25,6 +30,7 @@ import zerodist.comm as comm
 from zerodist.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from zerodist.checkpoint.files import RangeReader
 from zerodist.checkpoint.manifest import OPTIMIZER_PREFIX, PARAM, Manifest
+from zerodist.zero.layout import slice_runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +71,12 @@ def bucket_slices(group: Any) -> list[list[tuple[int, int, int, int]]]:
     return per_bucket
 
 
+def logical_runs(record: Any, start: int, length: int) -> list[tuple[int, int, int]]:
+    """`(logical start, length, offset)` runs of elements [start, start + length) of `record`'s parameter."""
+    return slice_runs(start, length, shape=record.shape, dim=record.placement.slice_dim, part=record.part,
+                      num_parts=record.num_parts)
+
+
 def optimizer_space(group: Any, index: int, state: Any) -> dict[str, torch.Tensor]:
     """Bucket `index`'s per-element tensors: the stepped values and each elementwise state."""
     tensor = group.optimizer_tensors[index]
@@ -88,7 +100,9 @@ def collect_chunks(groups: list[Any], state: Any) -> tuple[list[tuple[str, torch
             for kind, full in optimizer_space(group, index, state).items():
                 chunks.append((kind, group.owned_part(index, full).detach()))
                 for param_index, start, length, at in per_bucket[index]:
-                    pieces.append(Piece(group.records[param_index].name, kind, start, length, len(chunks) - 1, at))
+                    record = group.records[param_index]
+                    for logical, run, offset in logical_runs(record, start, length):
+                        pieces.append(Piece(record.name, kind, logical, run, len(chunks) - 1, at + offset))
     return chunks, pieces
 
 
@@ -113,13 +127,11 @@ def collect_scalars(groups: list[Any], inner: torch.optim.Optimizer) -> dict[str
 
 # ---------------------------------------------------------------------------------------- load
 
-def check_parameters(groups: list[Any], manifest: Manifest, model_names: set[str] | None = None) -> None:
-    """The checkpoint must hold exactly the trained parameters, with the same shapes.
-    `model_names`: every rank's parameter names, when ranks hold different parts of the model
-    (expert parallelism: each rank holds its own experts)."""
-    shapes = {r.name: tuple(r.shape) for g in groups for r in g.records}
+def check_parameters(shapes: dict[str, tuple[int, ...]], manifest: Manifest) -> None:
+    """The checkpoint must hold exactly the trained parameters (logical name -> logical shape, over
+    every rank), with the same shapes."""
     missing = sorted(set(shapes) - set(manifest.params))
-    unexpected = sorted(set(manifest.params) - (model_names if model_names is not None else set(shapes)))
+    unexpected = sorted(set(manifest.params) - set(shapes))
     wrong = [f"{n}: {tuple(manifest.params[n]['shape'])} in the checkpoint, {shapes[n]} in the model"
              for n in shapes if n in manifest.params and tuple(manifest.params[n]["shape"]) != shapes[n]]
     problems = []
@@ -150,7 +162,9 @@ def plan_group(group: Any, manifest: Manifest, with_optimizer: bool) -> Iterator
     per_bucket = bucket_slices(group)
     for index in range(len(group.optimizer_tensors)):
         for kind in bucket_kinds(group, index, manifest, with_optimizer):
-            yield index, kind, [Request(group.records[p].name, kind, start, length, at) for p, start, length, at in per_bucket[index]]
+            yield index, kind, [Request(group.records[p].name, kind, logical, run, at + offset)
+                                for p, start, length, at in per_bucket[index]
+                                for logical, run, offset in logical_runs(group.records[p], start, length)]
 
 
 def files_needed(groups: list[Any], manifest: Manifest, with_optimizer: bool) -> set[str]:

@@ -112,23 +112,30 @@ def declare_logical_offset(container: torch.nn.Module, offset: int) -> None:
 def logical_names(model: torch.nn.Module) -> dict[int, str]:
     """`id(param)` -> the parameter's name in the logical model: its `named_parameters()` name,
     with the child index of every offset container shifted ([Note: logical names])."""
-    found: dict[int, str] = {}
-    seen: set[int] = set()
+    keys = logical_keys(model)
+    return {id(param): keys[name] for name, param in model.named_parameters()}
 
-    def visit(module: torch.nn.Module, prefix: str) -> None:
-        # the order and de-duplication of named_parameters(): pre-order, each module and parameter once
-        if id(module) in seen:
-            return
-        seen.add(id(module))
-        for name, param in module.named_parameters(recurse=False):
-            found.setdefault(id(param), prefix + name)
+
+def logical_keys(model: torch.nn.Module) -> dict[str, str]:
+    """Every `state_dict()` key of `model` (parameters, buffers, tied aliases) -> its key in the
+    logical model ([Note: logical names])."""
+    prefixes: dict[str, str] = {}
+
+    def visit(module: torch.nn.Module, physical: str, logical: str) -> None:
+        prefixes[physical] = logical
         offset = _OFFSETS.get(module, 0)
-        for name, child in module.named_children():
-            logical = str(int(name) + offset) if offset else name
-            visit(child, f"{prefix}{logical}.")
+        for name, child in module._modules.items():  # as state_dict() walks: a child registered twice, twice
+            if child is not None:
+                shifted = str(int(name) + offset) if offset else name
+                visit(child, f"{physical}{name}.", f"{logical}{shifted}.")
 
-    visit(model, "")
-    return found
+    visit(model, "", "")
+    keys = {}
+    for key in model.state_dict(keep_vars=True):
+        module_path, _, leaf = key.rpartition(".")
+        physical = f"{module_path}." if module_path else ""
+        keys[key] = prefixes.get(physical, physical) + leaf  # a key no module path explains stays as it is
+    return keys
 
 
 def declare_expert_parallel(module: torch.nn.Module, degree: int) -> None:

@@ -54,7 +54,7 @@ def endless(loader: Any) -> Iterator[Any]:
 def micro_steps(engine: Engine, batches: Iterator[Any], device: torch.device) -> torch.Tensor:
     """One optimizer step (all its micro-steps); returns this rank's mean loss over them."""
     losses = []
-    for _ in range(engine.gradient_accumulation_steps):
+    for _ in range(engine.gradient_accumulation_steps()):
         inputs, targets = next(batches)
         loss = engine(inputs.to(device), targets.to(device))
         engine.backward(loss)
@@ -149,7 +149,7 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
         logging_bytes=sum(t.total_bytes() for t in logging_traces),
         logging_bus_bytes=sum(r.bus_bytes for t in logging_traces for r in t.records),
         expected_bus_bytes_per_step=expected_bus_bytes(
-            stage=zero.stage, psi=psi, world_size=world, accumulation_steps=engine.gradient_accumulation_steps,
+            stage=zero.stage, psi=psi, world_size=world, accumulation_steps=engine.gradient_accumulation_steps(),
             reduce_scatter=zero.reduce_scatter, element_bytes=engine.policy.param_dtype.itemsize),
     )
 
@@ -184,7 +184,7 @@ def _moe_lines(plan: TrainPlan, engine: Engine, model: Any, load: Any, everythin
 
     measured = everything.total_bytes("all_to_all") / max(1, steps)
     formula = moe_report.all_to_all_formula_bytes(model, engine.batch.micro_batch_size * seq_len,
-                                                  engine.gradient_accumulation_steps, engine.policy.param_dtype.itemsize)
+                                                  engine.batch.gradient_accumulation_steps, engine.policy.param_dtype.itemsize)
     lines = moe_report.load_lines(load, measured_bytes_per_step=measured, formula_bytes_per_step=formula)
     plan.out.mkdir(parents=True, exist_ok=True)
     path = plan.out / "expert_load.png"
