@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import zerodist
+import zerodist.checkpoint as ckpt
 import zerodist.comm as comm
 from tests.engine_helpers import assert_close_relative, base_config
 from tests.harness import run_distributed
@@ -69,4 +70,8 @@ def test_checkpoint_reshards_across_expert_parallel_sizes(tmp_path, saved, loade
     loaded_state, final = run_distributed(load_body, load_world, str(tmp_path), load_ep, load_stage)[0]
     for key, value in at_save.items():
         assert torch.equal(loaded_state[key], value), key
+    # Offline, without processes: the consolidated weights are the full model under global expert ids.
+    consolidated = ckpt.consolidate_checkpoint(tmp_path)
+    assert consolidated.keys() == at_save.keys()
+    assert all(torch.equal(consolidated[k], v) for k, v in at_save.items())
     assert_close_relative(final, _reference(2, OPTIONS, steps=TOTAL), 1e-6)
