@@ -19,6 +19,7 @@ def test_moe_demo_trains_and_reports_the_load_per_layer(tmp_path: Path) -> None:
         assert float(imbalance) >= 1.0
     measured, formula = re.search(r"all-to-all per step on this rank: (.+) measured, (.+) by 4 x E", result.stdout).groups()
     assert measured == formula
+    assert result.stdout.count("(matches)") == 2  # model state per domain: dense over 2 ranks, experts over 1
     losses = read_losses(out)
     assert len(losses) == 12 and losses[-1] < losses[0]
     assert (out / "expert_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -138,7 +138,11 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
     world = engine.topology.num_batch_shards
     psi = sum(g.layout.total_numel for g in engine.groups)
     psi_by_stage: dict[int, int] = {}
+    narrow: list[tuple[int, int, int]] = []  # MoE experts: sharded over their data group only
     for group in engine.groups:  # stage 3 keeps parameters under the persistence threshold in stage-2 groups
+        if group.domain_group.size != world:
+            narrow.append((group.policy.stage, group.layout.total_numel, group.domain_group.size))
+            continue
         psi_by_stage[group.policy.stage] = psi_by_stage.get(group.policy.stage, 0) + group.layout.total_numel
     tokens = len(records) * engine.batch.train_batch_size * seq_len
     return RunSummary(
@@ -151,6 +155,7 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
         expected_bus_bytes_per_step=expected_bus_bytes(
             stage=zero.stage, psi=psi, world_size=world, accumulation_steps=engine.gradient_accumulation_steps(),
             reduce_scatter=zero.reduce_scatter, element_bytes=engine.policy.param_dtype.itemsize),
+        narrow_groups=tuple(narrow),
     )
 
 
