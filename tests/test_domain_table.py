@@ -80,3 +80,14 @@ def test_expert_parallel_degree_is_declared_once_per_model():
     declare_expert_parallel(model[1], 4)
     with pytest.raises(TopologyError, match="different expert-parallel degrees"):
         expert_parallel_degree(model)
+
+
+def test_a_whole_module_declaration_covers_its_buffers():
+    from zerodist.comm.domains import buffer_placements
+
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(2), torch.nn.BatchNorm1d(2))
+    declare_placement(model[1], EXPERT)
+    declare_placement(model[0], EXPERT, names=["weight"])  # one parameter: not its buffers
+    placements = buffer_placements(model)
+    assert {placements[id(b)].domain for b in model[1].buffers()} == {EXPERT}
+    assert {placements[id(b)].domain for b in model[0].buffers()} == {DENSE}

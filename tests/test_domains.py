@@ -11,7 +11,7 @@ import zerodist
 import zerodist.comm as comm
 from zerodist.comm import DENSE, EXPERT
 from zerodist.comm.domains import (Placement, declare_expert_parallel, declare_logical_offset, declare_placement,
-                                   logical_names)
+                                   logical_keys, logical_names)
 from tests.harness import distributed_test, run_distributed
 
 IN_DIM, HIDDEN, OUT_DIM, MICRO = 16, 32, 8, 4
@@ -30,11 +30,13 @@ class Block(torch.nn.Module):
         self.offset, self.width = offset, HIDDEN // NUM_EXPERTS
         self.dense = torch.nn.Linear(HIDDEN, HIDDEN)
         self.experts = torch.nn.ModuleList([torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(num_local)])
+        for k, expert in enumerate(self.experts):  # a buffer of each expert's own: initialize must keep it
+            expert.register_buffer("gain", torch.tensor(1.0 + 0.5 * (offset + k)))
         self.mix = torch.nn.Parameter(0.1 * torch.randn(HIDDEN, self.width * num_local))
 
     def forward(self, h: torch.Tensor, expert: int) -> torch.Tensor:
         h = h + torch.tanh(self.dense(h))
-        h = h + torch.tanh(self.experts[expert](h))
+        h = h + torch.tanh(self.experts[expert](h)) * self.experts[expert].gain
         columns = slice((self.offset + expert) * self.width, (self.offset + expert + 1) * self.width)
         mixed = torch.tanh(h @ self.mix[:, expert * self.width: (expert + 1) * self.width])
         return torch.cat([h[:, :columns.start], h[:, columns] + mixed, h[:, columns.stop:]], dim=1)
@@ -71,13 +73,13 @@ def local_model(expert_rank: int, ep_size: int) -> ExpertNet:
     """This rank's part of `full_model()`: the dense layers, its experts and their mix columns."""
     full = full_model().state_dict()
     model = ExpertNet(NUM_EXPERTS // ep_size, offset=expert_rank * NUM_EXPERTS // ep_size, ep_size=ep_size)
-    names = logical_names(model)
-    with torch.no_grad():
-        for param in model.parameters():
-            value = full[names[id(param)]]
-            if value.shape != param.shape:  # a slice along dim 1: this expert rank's columns
-                value = torch.chunk(value, ep_size, dim=1)[expert_rank]
-            param.copy_(value)
+    state = {}
+    for key, logical in logical_keys(model).items():
+        value = full[logical]
+        if value.shape != model.state_dict()[key].shape:  # a slice along dim 1: this expert rank's columns
+            value = torch.chunk(value, ep_size, dim=1)[expert_rank]
+        state[key] = value
+    model.load_state_dict(state)
     return model
 
 

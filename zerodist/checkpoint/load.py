@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
+from zerodist.checkpoint.deepspeed_import import agreed_tag_dir, load_deepspeed_checkpoint
 from zerodist.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from zerodist.checkpoint.files import RangeReader, file_problem, read_verified
 from zerodist.checkpoint.manifest import Manifest, list_checkpoints, read_manifest
@@ -106,11 +107,11 @@ def training_state(zero: ZeroState, manifest: Manifest, common: dict[str, Any], 
         state["lr_scheduler"] = remap_scheduler_state(saved_scheduler, mapping, len(saved["options"]))
     source = own if own is not None else common.get("rank0")
     state["data"] = source.get("data") if source is not None else None
-    state["rng"] = own["rng"] if own is not None else None
-    if own is None:
-        log_rank0(logger, "checkpoint %s was saved by %d ranks, this run has %d: random number streams start "
-                  "afresh (parameters, optimizer and data position are restored)", manifest.tag, manifest.world_size,
-                  comm.get_world_size())
+    state["rng"] = own["rng"] if own is not None else None  # None too when imported from DeepSpeed (no RNG saved)
+    if state["rng"] is None:
+        log_rank0(logger, "checkpoint %s (saved by %d ranks) has no random number streams for this run's %d: they "
+                  "start afresh (parameters, optimizer and data position are restored)", manifest.tag,
+                  manifest.world_size, comm.get_world_size())
     return state
 
 
@@ -148,6 +149,11 @@ def load_checkpoint(zero: ZeroState, resumable: Resumable, load_dir: str | Path,
     Returns `(checkpoint directory, client_state)`, or `(None, None)` when `load_dir` holds no
     committed checkpoint (as DeepSpeed does)."""
     load_dir = Path(load_dir).absolute()
+    deepspeed_dir = agreed_tag_dir(load_dir, tag)
+    if deepspeed_dir is not None:  # DeepSpeed's files: converted, then loaded as ours
+        return load_deepspeed_checkpoint(zero, resumable, deepspeed_dir, load_optimizer_states=load_optimizer_states,
+                                         load_lr_scheduler_states=load_lr_scheduler_states,
+                                         load_module_only=load_module_only)
     manifest = _pick(load_dir, tag)
     if manifest is None:
         log_rank0(logger, "no committed checkpoint in %s; nothing loaded", load_dir, level=30)

@@ -86,6 +86,18 @@ def parameter_placements(model: torch.nn.Module) -> dict[int, Placement]:
     return found
 
 
+def buffer_placements(model: torch.nn.Module) -> dict[int, Placement]:
+    """`id(buffer)` -> Placement for every buffer of `model`: a declaration covering every
+    parameter below a module (`names=None`) covers its buffers too; others are dense."""
+    found: dict[int, Placement] = {id(b): DENSE_PLACEMENT for b in model.buffers()}
+    for module in model.modules():  # pre-order: a deeper declaration wins
+        entries = _DECLARED.get(module)
+        if entries and "" in entries:
+            for buffer in module.buffers():
+                found[id(buffer)] = entries[""]
+    return found
+
+
 # ---------------------------------------------------------------------------------------- logical names
 # [Note: logical names] A rank that holds a part of a larger logical model names its parameters as
 # that model would: a container of local experts whose child k is the model's expert k + offset

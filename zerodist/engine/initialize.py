@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
-from zerodist.comm.domains import expert_parallel_degree, logical_names, parameter_placements
+from zerodist.comm.domains import buffer_placements, expert_parallel_degree, logical_names, parameter_placements
 from zerodist.config import BatchSizes, Config
 from zerodist.engine.dataloader import EngineDataLoader
 from zerodist.engine.deepspeed_args import DEFAULT_PORT, resolve_initialize_arguments, update_args_local_rank
@@ -164,7 +164,7 @@ def _apply_zero(model: torch.nn.Module, model_parameters: Iterable[Any] | None, 
     positions = {id(p): i for i, p in enumerate(model.parameters())}
     groups_by_spec, runtime = _flatten(model, specs, names, config, topology, precision, sharding)
     groups = [g for spec_groups in groups_by_spec for g in spec_groups]
-    _sync_untrained_state(model, {id(p) for s in specs for p in s.params})
+    _sync_untrained_state(model, {id(p) for s in specs for p in s.params}, topology)
     model.to(precision.param_dtype)  # the rest of the floating state; flattened parameters already are
     reducer = GradReducer(groups, [[positions[id(p)] for p in g.params] for g in groups],
                           max_in_flight=2 if sharding.shard_gradients else None,
@@ -248,10 +248,15 @@ def _check_ranks_agree(model: torch.nn.Module, config: Config) -> None:
                                "the same script with the same config.")
 
 
-def _sync_untrained_state(model: torch.nn.Module, trained: set[int]) -> None:
-    """Frozen parameters and buffers start as rank 0's, like the trained ones."""
-    for tensor in list(model.buffers()) + [p for p in model.parameters() if id(p) not in trained]:
-        comm.broadcast(tensor.data, src=0)
+def _sync_untrained_state(model: torch.nn.Module, trained: set[int], topology: comm.Topology) -> None:
+    """Frozen parameters and buffers start as the first rank's of their domain group, like the
+    trained ones (an expert's buffers are its own: they agree within its expert-data group only)."""
+    placements = {**parameter_placements(model), **buffer_placements(model)}
+    tensors = list(model.buffers()) + [p for p in model.parameters() if id(p) not in trained]
+    for tensor in tensors:
+        axes = placements[id(tensor)].domain.replicated_axes
+        group = topology.group(*axes)
+        comm.broadcast(tensor.data, src=topology.ranks(*axes)[0], group=group)
 
 
 def reduce_collective(sharding: ShardingPolicy, reduce_scatter: bool) -> str:
