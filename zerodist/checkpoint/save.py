@@ -106,7 +106,8 @@ def _rank_state(training: dict[str, Any], scalars: dict[str, Any] | None, client
     state: dict[str, Any] = {"rank": rank, "rng": training.get("rng"), "data": training.get("data")}
     if rank == 0:
         state["common"] = {
-            **{key: training[key] for key in ("global_steps", "micro_steps", "skipped_steps")},
+            **{key: training[key] for key in ("global_steps", "micro_steps", "skipped_steps",
+                                              "gradient_accumulation_steps")},
             "loss_scaler": training.get("loss_scaler"), "lr_scheduler": training.get("lr_scheduler"),
             "optimizer": scalars, "client_state": client_state,
         }

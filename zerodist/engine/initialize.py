@@ -26,6 +26,7 @@ from zerodist.engine.deepspeed_args import DEFAULT_PORT, resolve_initialize_argu
 from zerodist.engine.engine import Engine
 from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
 from zerodist.engine.schedulers import build_scheduler
+from zerodist.moe.parallel import RoutingClock, apply_expert_parallel
 from zerodist.precision import LossScaler, PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, ZeroOptimizer, sharded_access
@@ -137,8 +138,12 @@ def _apply_tensor_parallel(model: torch.nn.Module, topology: comm.Topology, conf
 
 
 def _apply_expert_parallel(model: torch.nn.Module, topology: comm.Topology, config: Config) -> torch.nn.Module:
-    """Places the experts of MoE layers on the expert axis and declares their placements. Nothing
-    to do while the expert degree is 1 (a model may still declare placements itself)."""
+    """Gives the model's MoE layers their expert group and routing keys (their `Experts` containers
+    declared the `EXPERT` placement when built), and counts training forwards to key random
+    routing by step (zerodist/moe/parallel.py)."""
+    if apply_expert_parallel(model, topology):
+        batch = config.batch_sizes(topology.num_batch_shards, world_size_source="the topology's batch shards")
+        RoutingClock(model, batch.gradient_accumulation_steps, topology)
     return model
 
 

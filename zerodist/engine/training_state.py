@@ -4,7 +4,8 @@ loader's position. The model and optimizer tensors are ZeRO's (`Engine.zero_stat
 checkpoint stores both.
 
 The keys, all of them in a saved dict: `global_steps`, `micro_steps`, `skipped_steps`,
-`gradient_accumulation_steps` (informational), `loss_scaler`, `lr_scheduler` (None without a
+`gradient_accumulation_steps` (a load at another accumulation resumes at its own boundary of the
+saved step), `loss_scaler`, `lr_scheduler` (None without a
 scheduler), `rng` and `data` (None without a loader that has a position). On load the counters
 are required; every other key may be absent (a checkpoint loaded at another world size has no
 RNG stream or data position for this rank) or None.
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerodist.checkpoint.state import capture_rng, restore_rng
+from zerodist.moe.parallel import restore_routing_clock
 from zerodist.utils import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -40,6 +42,12 @@ def load_training_state_dict(engine: Any, state: dict[str, Any]) -> None:
         raise KeyError(f"load_training_state_dict: the state has no {', '.join(missing)}; pass a dict made by "
                        "training_state_dict()")
     engine.global_steps, engine.micro_steps, engine.skipped_steps = (int(state[key]) for key in COUNTERS)
+    accumulation = engine.batch.gradient_accumulation_steps
+    if state.get("gradient_accumulation_steps") != accumulation:
+        # Saved at another accumulation (another world size dealing the same global batch), or not
+        # said: resume at this run's boundary of the saved step, not at the saved micro-step count.
+        engine.micro_steps = engine.global_steps * accumulation
+    restore_routing_clock(engine.module, engine.micro_steps)  # MoE random routing continues where it was
     if state.get("loss_scaler") is not None:
         engine.optimizer.scaler.load_state_dict(state["loss_scaler"])
     if state.get("lr_scheduler") is not None:

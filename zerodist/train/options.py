@@ -55,6 +55,7 @@ class TrainPlan:
     out: Path
     config: dict[str, Any]
     corpus_bytes: int = CORPUS_BYTES
+    moe_experts: int = 0  # > 0: every block's MLP is an MoE layer of this many experts, expert parallel
 
 
 def default_config(steps: int) -> dict[str, Any]:

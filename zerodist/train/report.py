@@ -80,6 +80,9 @@ class RunSummary:
     logging_bytes: int  # of which: the loss averaging for the progress bar
     logging_bus_bytes: float
     expected_bus_bytes_per_step: int
+    # (stage, padded elements, ranks) of groups sharded over fewer ranks than the batch shards:
+    # MoE experts, sharded over ("data",) only (see docs/moe.md)
+    narrow_groups: tuple[tuple[int, int, int], ...] = ()
 
 
 def loss_line(losses: list[float]) -> str:
@@ -94,14 +97,20 @@ def memory_lines(summary: RunSummary) -> list[str]:
     mixed = summary.precision != "fp32"
     expected = sum(state_formula_bytes(stage, mixed, psi, summary.world_size)
                    for stage, psi in summary.psi_by_stage.items())
+    dense_psi = summary.psi - sum(psi for _, psi, _ in summary.narrow_groups)
     if len(summary.psi_by_stage) == 1:
-        described = f"Ψ = {summary.psi:,} padded parameters, N = {summary.world_size}, Adam; " \
+        described = f"Ψ = {dense_psi:,} padded parameters, N = {summary.world_size}, Adam; " \
                     f"DESIGN.md: {state_formula(summary.stage, mixed)}"
     else:  # stage 3 with parameters under the persistence threshold: those are stage-2 groups
         parts = [f"stage {stage}: {psi:,} ({state_formula(stage, mixed)})"
                  for stage, psi in sorted(summary.psi_by_stage.items(), reverse=True)]
-        described = f"Ψ = {summary.psi:,} padded parameters, of which {'; '.join(parts)}, N = {summary.world_size}, " \
+        described = f"Ψ = {dense_psi:,} padded parameters, of which {'; '.join(parts)}, N = {summary.world_size}, " \
                     "Adam; DESIGN.md"
+    if summary.narrow_groups:
+        expected += sum(state_formula_bytes(stage, mixed, psi, ranks) for stage, psi, ranks in summary.narrow_groups)
+        experts = sum(psi for _, psi, _ in summary.narrow_groups)
+        ranks = sorted({r for _, _, r in summary.narrow_groups})
+        described += f"; plus MoE experts' Ψ = {experts:,} sharded over N = {', '.join(map(str, ranks))}"
     lines = [f"model state per rank ({described} = {format_bytes(expected)}):"]
     for m in summary.memory:
         total = m.state["total"]
