@@ -5,6 +5,9 @@
   with explicit backwards, every collective through `zerodist.comm`.
 - `layers`: `ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`.
 - `cross_entropy`: `vocab_parallel_cross_entropy`.
+- `plan`: `parallelize(model, plan, topology)` for a model the user wrote, DeepSpeed's
+  `partition_config` form; `plans`: built-in plans (demo GPT, Hugging Face Llama).
+- `random`: the RNG tracker (named streams for replicated and sharded dropout).
 See docs/tensor_parallel.md.
 """
 
@@ -18,6 +21,23 @@ from zerodist.tensor_parallel.layers import (
     slice_tensor,
     unslice_tensor,
 )
+from zerodist.tensor_parallel.plan import (
+    Colwise,
+    PlanError,
+    Replace,
+    Replicate,
+    Rowwise,
+    Sequence,
+    SequenceScatter,
+    Vocab,
+    parallelize,
+    plan_from_deepspeed,
+    reduce_partial_gradients,
+    unsliced_gradients,
+    unsliced_state_dict,
+)
+from zerodist.tensor_parallel.plans import HeadParallelAttention, gpt_plan, hf_llama_plan
+from zerodist.tensor_parallel.random import RNGTracker, tensor_parallel_rng
 from zerodist.tensor_parallel.operators import (
     TensorRegion,
     UnevenSplitError,
@@ -31,6 +51,9 @@ from zerodist.tensor_parallel.operators import (
 )
 
 __all__ = [
+    "Colwise", "HeadParallelAttention", "PlanError", "RNGTracker", "Replace", "Replicate", "Rowwise", "Sequence",
+    "SequenceScatter", "Vocab", "gpt_plan", "hf_llama_plan", "parallelize", "plan_from_deepspeed",
+    "reduce_partial_gradients", "tensor_parallel_rng", "unsliced_gradients", "unsliced_state_dict",
     "ColumnParallelLinear", "RowParallelLinear", "SEQUENCE_PARTIAL", "SliceSpec", "TensorRegion", "UnevenSplitError",
     "VocabParallelEmbedding", "copy_to_tensor_region", "gather_from_sequence_region", "gather_from_tensor_region",
     "reduce_from_tensor_region", "reduce_scatter_to_sequence_region", "scatter_to_sequence_region",
