@@ -7,6 +7,7 @@
 - `cross_entropy`: `vocab_parallel_cross_entropy`.
 - `plan`: `parallelize(model, plan, topology)` for a model the user wrote, DeepSpeed's
   `partition_config` form; `plans`: built-in plans (demo GPT, Hugging Face Llama).
+- `domino`: the k-chunk overlapped schedule; `schedule`: the log its overlap is measured from.
 - `random`: the RNG tracker (named streams for replicated and sharded dropout).
 See docs/tensor_parallel.md.
 """
@@ -36,7 +37,16 @@ from zerodist.tensor_parallel.plan import (
     unsliced_gradients,
     unsliced_state_dict,
 )
-from zerodist.tensor_parallel.plans import HeadParallelAttention, gpt_plan, hf_llama_plan
+from zerodist.tensor_parallel.domino import (
+    ChunkedActivations,
+    DominoBlock,
+    DominoChunkError,
+    DominoConfig,
+    ResidualBranch,
+    apply_domino,
+)
+from zerodist.tensor_parallel.plans import HeadParallelAttention, gpt_block_branches, gpt_domino, gpt_plan, hf_llama_plan
+from zerodist.tensor_parallel.schedule import ScheduleLog, schedule_log
 from zerodist.tensor_parallel.random import RNGTracker, tensor_parallel_rng
 from zerodist.tensor_parallel.operators import (
     TensorRegion,
@@ -51,6 +61,8 @@ from zerodist.tensor_parallel.operators import (
 )
 
 __all__ = [
+    "ChunkedActivations", "DominoBlock", "DominoChunkError", "DominoConfig", "ResidualBranch", "ScheduleLog",
+    "apply_domino", "gpt_block_branches", "gpt_domino", "schedule_log",
     "Colwise", "HeadParallelAttention", "PlanError", "RNGTracker", "Replace", "Replicate", "Rowwise", "Sequence",
     "SequenceScatter", "Vocab", "gpt_plan", "hf_llama_plan", "parallelize", "plan_from_deepspeed",
     "reduce_partial_gradients", "tensor_parallel_rng", "unsliced_gradients", "unsliced_state_dict",

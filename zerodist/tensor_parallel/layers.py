@@ -36,6 +36,7 @@ from torch import nn
 from zerodist.comm.domains import Placement, declare_placement
 from zerodist.comm.topology import AXES, BATCH_AXES, TENSOR_SLICE, Domain
 from zerodist.tensor_parallel import operators as ops
+from zerodist.tensor_parallel import schedule
 from zerodist.tensor_parallel.operators import TensorRegion, check_divisible
 
 # A replicated parameter whose gradient is partial across tensor ranks (a norm or row-parallel
@@ -117,11 +118,16 @@ class _ColumnLinearFunction(torch.autograd.Function):
             handle = ops.all_reduce_(grad_input, ctx.region, async_op=True)
         else:
             grad_input, handle = ops.reduce_scatter_dim(grad_input, ctx.sequence_dim, ctx.region, async_op=True)
+        # The payload: the full input gradient (x is the gathered input under sequence parallelism).
+        logged = schedule.log_issue("backward", x.numel() * x.element_size()) if handle is not None else -1
         flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
         grad_weight = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]))
         grad_bias = flat_grad.sum(0) if ctx.has_bias else None
         if handle is not None:
+            if logged >= 0:
+                schedule.log_compute("backward", "weight gradient")
             handle.wait()
+            schedule.log_wait(logged, "backward")
         return grad_input, grad_weight, grad_bias, None, None
 
 

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerodist.comm.topology import Topology
+from zerodist.tensor_parallel.domino import DominoConfig, ResidualBranch, apply_domino
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from zerodist.tensor_parallel.operators import TensorRegion, check_divisible
 from zerodist.tensor_parallel.plan import PlanEntry, Replace
@@ -78,6 +80,24 @@ def gpt_plan(*, sequence_parallel: bool = False, rng: RNGTracker | None = None) 
 def _build_attention(module: nn.Module, region: TensorRegion, sequence_parallel: bool,
                      rng: RNGTracker | None) -> HeadParallelAttention:
     return HeadParallelAttention(module, region, sequence_parallel, rng)
+
+
+def gpt_block_branches(block: nn.Module) -> list[ResidualBranch]:
+    """The demo GPT block's two residual branches, after `gpt_plan` (head-parallel attention; MLP
+    with column `fc_in` and row `fc_out`), for the Domino schedule."""
+    attn, mlp = block.attn, block.mlp
+    return [
+        ResidualBranch(lambda x: attn.proj.partial(attn.attend(block.ln_1(x))),
+                       lambda y: attn.resid_dropout(attn.proj.add_bias(y))),
+        ResidualBranch(lambda x: mlp.fc_out.partial(mlp.act(mlp.fc_in(block.ln_2(x)))),
+                       lambda y: mlp.dropout(mlp.fc_out.add_bias(y))),
+    ]
+
+
+def gpt_domino(model: nn.Module, topology: Topology, config: DominoConfig) -> nn.Module:
+    """Run a `gpt_plan`-parallelized demo GPT's blocks with the Domino schedule (in place)."""
+    apply_domino(model.blocks, gpt_block_branches, TensorRegion.of(topology), config)
+    return model
 
 
 def hf_llama_plan(model: nn.Module) -> dict[str, str | PlanEntry]:

@@ -1,0 +1,94 @@
+"""The schedule log: the order in which tensor-parallel collectives are issued, waited on, and
+interleaved with compute, from which the schedule-level overlap is measured.
+
+    with schedule_log() as log:
+        loss = model(idx, targets); loss.backward()
+    log.overlap_fraction("forward")   # bytes whose issue-to-wait window contains compute / all bytes
+
+Only asynchronous tensor-parallel collectives are logged (Domino's row-parallel reductions in
+forward, the column-parallel input-gradient reductions in backward); a synchronous collective has
+an empty window and is counted through `zerodist.comm.trace()` (whose byte totals include all).
+Like the tracer, an inactive log costs one truthiness test of a module-level list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleEvent:
+    kind: str           # "issue", "wait" or "compute"
+    collective: int     # the collective's id ("issue" / "wait"), -1 for compute
+    phase: str          # "forward" or "backward"
+    num_bytes: int = 0
+    label: str = ""
+
+
+class ScheduleLog:
+    def __init__(self) -> None:
+        self.events: list[ScheduleEvent] = []
+
+    def windows(self, phase: str) -> list[tuple[int, int, int]]:
+        """(bytes, compute events inside the window, issue index) per collective of `phase`."""
+        open_at: dict[int, tuple[int, int]] = {}
+        result = []
+        computes = 0
+        for event in self.events:
+            if event.kind == "compute":
+                computes += 1
+            elif event.kind == "issue" and event.phase == phase:
+                open_at[event.collective] = (computes, event.num_bytes)
+            elif event.kind == "wait" and event.collective in open_at:
+                start, num_bytes = open_at.pop(event.collective)
+                result.append((num_bytes, computes - start, event.collective))
+        if open_at:
+            raise AssertionError(f"collectives {sorted(open_at)} were issued but never waited on")
+        return result
+
+    def overlap_fraction(self, phase: str) -> float:
+        """Fraction of `phase`'s logged bytes whose issue-to-wait window contains compute."""
+        windows = self.windows(phase)
+        total = sum(b for b, _, _ in windows)
+        return sum(b for b, computes, _ in windows if computes) / total if total else 0.0
+
+    def total_bytes(self, phase: str) -> int:
+        return sum(b for b, _, _ in self.windows(phase))
+
+
+active_logs: list[ScheduleLog] = []
+_ids = itertools.count()
+
+
+@contextmanager
+def schedule_log() -> Iterator[ScheduleLog]:
+    log = ScheduleLog()
+    active_logs.append(log)
+    try:
+        yield log
+    finally:
+        active_logs.remove(log)
+
+
+def log_issue(phase: str, num_bytes: int) -> int:
+    """Record an asynchronous collective's issue; returns its id for `log_wait` (-1 when off)."""
+    if not active_logs:
+        return -1
+    collective = next(_ids)
+    for log in active_logs:
+        log.events.append(ScheduleEvent("issue", collective, phase, num_bytes))
+    return collective
+
+
+def log_wait(collective: int, phase: str) -> None:
+    if collective >= 0:
+        for log in active_logs:
+            log.events.append(ScheduleEvent("wait", collective, phase))
+
+
+def log_compute(phase: str, label: str) -> None:
+    for log in active_logs:
+        log.events.append(ScheduleEvent("compute", -1, phase, label=label))
