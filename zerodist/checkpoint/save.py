@@ -81,7 +81,7 @@ def agree_on_tag(engine: Any, tag: str, save_dir: Path) -> tuple[str, str]:
 def _module_facts(engine: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """State-dict keys, tied-weight aliases and the tensors outside the flat groups (buffers,
     frozen parameters), which rank 0 stores whole."""
-    canonical = {id(p): name for g in engine.groups for p, name in zip(g.params, g.names)}
+    canonical = {id(r.param): r.name for g in engine.groups for r in g.records}
     keys, aliases, extra = [], {}, {}
     for key, value in engine.module.state_dict(keep_vars=True).items():
         keys.append(key)
@@ -146,7 +146,7 @@ def build_manifest(engine: Any, tag: str, reports: list[RankReport]) -> Manifest
     """Rank 0: one manifest from every rank's report, checking each parameter is covered once."""
     common = reports[0].common
     assert common is not None
-    shapes = {name: list(shape) for g in engine.groups for name, shape in zip(g.names, g.param_shapes)}
+    shapes = {r.name: list(r.shape) for g in engine.groups for r in g.records}
     params: dict[str, dict[str, Any]] = {name: {"shape": shape, "kinds": {}} for name, shape in shapes.items()}
     for report in reports:
         for name, kind, dtype, start, length, file, offset in report.pieces:

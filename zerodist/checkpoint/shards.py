@@ -88,7 +88,7 @@ def collect_chunks(groups: list[Any], state: Any) -> tuple[list[tuple[str, torch
             for kind, full in optimizer_space(group, index, state).items():
                 chunks.append((kind, group.owned_part(index, full).detach()))
                 for param_index, start, length, at in per_bucket[index]:
-                    pieces.append(Piece(group.names[param_index], kind, start, length, len(chunks) - 1, at))
+                    pieces.append(Piece(group.records[param_index].name, kind, start, length, len(chunks) - 1, at))
     return chunks, pieces
 
 
@@ -104,7 +104,7 @@ def collect_scalars(groups: list[Any], inner: torch.optim.Optimizer) -> dict[str
                       for k, v in inner.state.get(tensor, {}).items()
                       if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
             for param_index in group.layout.buckets[index].param_indices:
-                name = group.names[param_index]
+                name = group.records[param_index].name
                 group_of[name] = group_index[id(tensor)]
                 scalars[name] = values
     options = [{k: v for k, v in pg.items() if k != "params"} for pg in inner.param_groups]
@@ -115,7 +115,7 @@ def collect_scalars(groups: list[Any], inner: torch.optim.Optimizer) -> dict[str
 
 def check_parameters(groups: list[Any], manifest: Manifest) -> None:
     """The checkpoint must hold exactly the trained parameters, with the same shapes."""
-    shapes = {name: tuple(shape) for g in groups for name, shape in zip(g.names, g.param_shapes)}
+    shapes = {r.name: tuple(r.shape) for g in groups for r in g.records}
     missing = sorted(set(shapes) - set(manifest.params))
     unexpected = sorted(set(manifest.params) - set(shapes))
     wrong = [f"{n}: {tuple(manifest.params[n]['shape'])} in the checkpoint, {shapes[n]} in the model"
@@ -132,7 +132,7 @@ def check_parameters(groups: list[Any], manifest: Manifest) -> None:
 
 def bucket_kinds(group: Any, index: int, manifest: Manifest, with_optimizer: bool) -> list[str]:
     """Kinds to load for bucket `index`: every parameter in a bucket shares one optimizer."""
-    names = [group.names[p] for p in group.layout.buckets[index].param_indices]
+    names = [group.records[p].name for p in group.layout.buckets[index].param_indices]
     if not with_optimizer:
         return [PARAM]
     kinds = manifest.kinds(names[0])
@@ -148,7 +148,7 @@ def plan_group(group: Any, manifest: Manifest, with_optimizer: bool) -> Iterator
     per_bucket = bucket_slices(group)
     for index in range(len(group.optimizer_tensors)):
         for kind in bucket_kinds(group, index, manifest, with_optimizer):
-            yield index, kind, [Request(group.names[p], kind, start, length, at) for p, start, length, at in per_bucket[index]]
+            yield index, kind, [Request(group.records[p].name, kind, start, length, at) for p, start, length, at in per_bucket[index]]
 
 
 def files_needed(groups: list[Any], manifest: Manifest, with_optimizer: bool) -> set[str]:

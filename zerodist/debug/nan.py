@@ -158,7 +158,7 @@ class NanHunter:
             self._forward.append((label, out.new_zeros(0) if inputs is None else inputs, out))
 
     def _on_engine_grad(self, group: Any, index: int, grad: torch.Tensor) -> None:
-        self._on_grad(group.names[index], grad)
+        self._on_grad(group.records[index].name, grad)
 
     def _on_grad(self, name: str, grad: torch.Tensor) -> None:
         extremes = _extremes([grad])

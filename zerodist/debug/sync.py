@@ -209,20 +209,20 @@ def _how(atol: float) -> str:
 
 
 def _engine_gradients(engine: Any, atol: float, reference: GradSyncWatch | None, rtol: float | None) -> SyncReport:
-    stage, group = engine.stage, engine.groups[0].group
-    if stage > 0 and reference is None:
+    stage, group, sharding = engine.stage, engine.groups[0].group, engine.sharding
+    if sharding.shard_optimizer_state and reference is None:
         raise ValueError(f"check_gradient_sync: at ZeRO stage {stage} each rank holds only its own shard of the "
                          "reduced gradient, so there is nothing replicated to compare; create "
                          "zerodist.debug.GradSyncWatch(engine) before backward and pass it as reference=")
-    if stage < 2 and not engine.is_gradient_accumulation_boundary():
+    if not sharding.shard_gradients and not engine.is_gradient_accumulation_boundary():
         raise ValueError(f"check_gradient_sync: at ZeRO stage {stage} gradients are reduced only at the "
                          "accumulation boundary; call it after the boundary micro-step's engine.backward(loss)")
     if reference is not None:
         params = _compare_with_reference(engine, reference, rtol)
         method = f"ZeRO stage {stage}: each rank's owned shard against a reference all_reduce of the local gradients"
     else:
-        named = [(name, slot.numel, g.grad_buffer[slot.offset: slot.offset + slot.numel])
-                 for g in engine.groups for name, slot in zip(g.names, g.layout.slots)]
+        named = [(r.name, r.slot.numel, g.grad_buffer[r.slot.offset: r.slot.offset + r.slot.numel])
+                 for g in engine.groups for r in g.records]
         params = compare_replicated(named, group, atol=atol)
         method = "ZeRO stage 0: the reduced gradient is replicated, compared " + _how(atol)
     zero = all(float(g.norm()) == 0.0 for grp in engine.groups for g in grp.owned_grads())
@@ -237,10 +237,10 @@ def _compare_with_reference(engine: Any, watch: GradSyncWatch, rtol: float | Non
         group, rank, size = flat.group, flat.rank, flat.world_size
         expected = watch.local[id(flat)].clone()
         comm.all_reduce(expected, group=group)
-        expected.div_(size)
+        expected.div_(flat.domain_group.grad_divisor)
         tol = rtol if rtol is not None else DEFAULT_RTOL.get(flat.param_buffer.dtype, 1e-5)
         # per parameter: squared norm of the owned part, max |owned - expected|, owns any
-        local = torch.zeros(len(flat.params), 3, dtype=torch.float64, device=expected.device)
+        local = torch.zeros(len(flat.records), 3, dtype=torch.float64, device=expected.device)
         for bucket in flat.buckets:
             lo = bucket.span.shard_offset(rank)
             owned = bucket.grad_owned.double()
@@ -254,7 +254,8 @@ def _compare_with_reference(engine: Any, watch: GradSyncWatch, rtol: float | Non
                                             torch.ones((), dtype=torch.float64)])
         everyone = _gather(local, group).cpu()
         ranks = group_ranks(group)
-        for index, (name, slot) in enumerate(zip(flat.names, flat.layout.slots)):
+        for index, record in enumerate(flat.records):
+            name, slot = record.name, record.slot
             full = expected[slot.offset: slot.offset + slot.numel].double()
             threshold = tol * float(full.abs().max())
             owners = [r for r in range(size) if everyone[r, index, 2] > 0]
@@ -279,7 +280,7 @@ def check_weight_sync(model_or_engine: Any, *, raise_on_mismatch: bool = False, 
     """
     module = model_or_engine
     if _is_engine(model_or_engine):
-        if model_or_engine.stage >= 3:
+        if model_or_engine.sharding.shard_parameters:
             raise ValueError("check_weight_sync: at ZeRO stage 3 each rank holds a shard of the parameters; "
                              "nothing is replicated to compare")
         module, group = model_or_engine.module, model_or_engine.groups[0].group

@@ -24,6 +24,7 @@ from zerodist.engine.monitor import Monitors
 from zerodist.precision import PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, StepResult, ZeroOptimizer, sharded_access
+from zerodist.zero.policy import ShardingPolicy
 from zerodist.zero.stage3 import GatheredParameters, Stage3Runtime
 
 logger = get_logger(__name__)
@@ -37,12 +38,15 @@ class Engine:
 
     def __init__(self, module: torch.nn.Module, *, config: Config, batch: BatchSizes, policy: PrecisionPolicy,
                  groups: list[FlatParamGroup], reducer: GradReducer, optimizer: ZeroOptimizer, lr_scheduler: Any,
-                 topology: comm.Topology, stage3: Stage3Runtime | None = None):
+                 topology: comm.Topology, sharding: ShardingPolicy, stage3: Stage3Runtime | None = None,
+                 training_dataloader: Any = None):
         self.module, self.config, self.batch, self.policy = module, config, batch, policy
         self.groups, self.reducer, self.optimizer, self.lr_scheduler = groups, reducer, optimizer, lr_scheduler
         self.topology = topology
         self.stage3 = stage3  # the ZeRO-3 hooks and units, None at stages 0-2
-        self.stage = config.zero_optimization.stage
+        self.sharding = sharding  # what ZeRO shards; decisions read it, never the stage number
+        self.stage = sharding.stage  # DeepSpeed's number, for reports
+        self.training_dataloader = training_dataloader
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -78,7 +82,7 @@ class Engine:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward inside accumulates locally without reducing (stages 0 and 1 only)."""
-        if self.stage >= 2:
+        if self.sharding.shard_gradients:
             raise RuntimeError(f"no_sync() is not available at ZeRO stage {self.stage}: gradients are reduced into "
                                "shards as they are produced; use gradient_accumulation_steps instead")
         self._no_sync, previous = True, self._no_sync
@@ -109,7 +113,7 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward() takes the scalar loss, got {type(loss).__name__} "
                              f"{tuple(getattr(loss, 'shape', ()))}")
-        self.reducer.sync_enabled = self.stage >= 2 or (self.is_gradient_accumulation_boundary() and not self._no_sync)
+        self.reducer.sync_enabled = self.sharding.shard_gradients or (self.is_gradient_accumulation_boundary() and not self._no_sync)
         scale = self.optimizer.scaler.scale / self.gradient_accumulation_steps
         scaled = loss.float() * scale if scale != 1.0 else loss
         seen = self.reducer.grads_seen
@@ -161,7 +165,7 @@ class Engine:
             return
         # The global batch's loss (mean over the data-parallel ranks and this step's micro-batches), not
         # rank 0's own: one scalar all_reduce, only on steps that report it.
-        loss = reduce_loss(torch.stack(losses).float().mean(), group=self.topology.group("data", "expert")).item()
+        loss = reduce_loss(torch.stack(losses).float().mean(), group=self.topology.group(*self.topology.batch_axes)).item()
         if self.monitors and comm.get_rank() == 0:
             self.monitors.write(self.global_steps * self.batch.train_batch_size, loss=loss, lr=self.get_lr()[0],
                                 loss_scale=self.optimizer.scaler.scale)

@@ -1,11 +1,15 @@
 """`zerodist.initialize()`: DeepSpeed's entry point, composed from the layers below.
 
-One short ordered recipe: config -> world -> topology -> batch sizes -> precision ->
-optimizer groups -> flat groups (ZeRO) -> reducer -> sharded optimizer -> scheduler -> data.
+One short ordered recipe, each step a function with a typed input and output:
+
+    validate -> topology -> apply tensor parallel (none yet) -> apply expert parallel (none yet)
+             -> apply ZeRO (batch sizes, precision, flat groups per domain, reducer, sharded
+                optimizer, scheduler) -> engine (+ data loader)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import weakref
@@ -15,7 +19,8 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
-from zerodist.config import Config
+from zerodist.comm.domains import parameter_placements
+from zerodist.config import BatchSizes, Config
 from zerodist.engine.dataloader import EngineDataLoader
 from zerodist.engine.engine import Engine
 from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
@@ -25,12 +30,35 @@ from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, ZeroOptimizer, sharded_access
 from zerodist.zero.partition import FlattenSettings, build_groups, build_stage3
 from zerodist.zero.plan import bucket_capacity, plan_groups
+from zerodist.zero.policy import DomainGroup, ShardingPolicy
 from zerodist.zero.stage3 import Stage3Runtime, register_replicated
 
 logger = get_logger(__name__)
 
 # Models already wrapped, held weakly: zerodist keeps this record itself instead of marking the model.
 _INITIALIZED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+@dataclasses.dataclass(frozen=True)
+class Validated:
+    """The output of `_validate`: a config every rank agrees on, in an initialised world."""
+
+    config: Config
+    world: comm.WorldInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroParts:
+    """The output of `_apply_zero`: everything the engine composes."""
+
+    sharding: ShardingPolicy
+    batch: BatchSizes
+    precision: PrecisionPolicy
+    groups: list[FlatParamGroup]
+    reducer: GradReducer
+    optimizer: ZeroOptimizer
+    scheduler: Any
+    stage3: Stage3Runtime | None
 
 
 def initialize(
@@ -46,82 +74,121 @@ def initialize(
     # Unchecked while building (the model is moved and cast after stage 3 registered its
     # placeholders); on leaving, the stage-3 access check is installed if any are registered.
     with sharded_access.suspended():
-        return _initialize(model, model_parameters, optimizer, config, training_data, lr_scheduler, collate_fn)
+        validated = _validate(model, config)
+        topology = _build_topology(validated)
+        model = _apply_tensor_parallel(model, topology, validated.config)
+        model = _apply_expert_parallel(model, topology, validated.config)
+        zero = _apply_zero(model, model_parameters, optimizer, lr_scheduler, topology, validated)
+        engine, loader = _build_engine(model, zero, topology, validated, training_data, collate_fn)
+        return engine, zero.optimizer, loader, zero.scheduler
 
 
-def _initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None, optimizer: Any,
-                config: Config | dict[str, Any] | str | None, training_data: torch.utils.data.Dataset | None,
-                lr_scheduler: Any, collate_fn: Callable[..., Any] | None,
-                ) -> tuple[Engine, ZeroOptimizer, EngineDataLoader | None, Any]:
+def _validate(model: torch.nn.Module, config: Config | dict[str, Any] | str | None) -> Validated:
+    """The model is a fresh module, the config valid, the world initialised, and every rank
+    brings the same config and model structure."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize(model=...) takes a torch.nn.Module, got {type(model).__name__}")
     if model in _INITIALIZED:
         raise RuntimeError(f"initialize() was already called on this {type(model).__name__}; build a new model, "
                            "or keep using the engine returned the first time")
     config = Config.load(config if config is not None else {})
-    info = comm.init_distributed(timeout=config.zerodist.timeout)
+    world = comm.init_distributed(timeout=config.zerodist.timeout)
     if config.zerodist.debug.collective_guard:
         from zerodist.comm.guard import enable_collective_guard
 
         enable_collective_guard()
-    topology = comm.Topology()
-    data_size = topology.size("data", "expert")
-    batch = config.batch_sizes(data_size, world_size_source=f"{info.source}, WORLD_SIZE={info.world_size}")
     _check_ranks_agree(model, config)
-    if info.backend == "nccl" and not any(p.is_meta for p in model.parameters()):
+    return Validated(config, world)
+
+
+def _build_topology(validated: Validated) -> comm.Topology:
+    """The mesh. Expert and tensor parallelism are not implemented yet, so both degrees are 1
+    (`tensor_parallel` in a config is refused when it is validated) and the data axis takes the
+    world."""
+    return comm.Topology(expert=1, tensor=1)
+
+
+def _apply_tensor_parallel(model: torch.nn.Module, topology: comm.Topology, config: Config) -> torch.nn.Module:
+    """Converts the model's layers to tensor-parallel ones and declares their slices' placements
+    (zerodist.comm.domains). Nothing to do while the tensor degree is 1."""
+    return model
+
+
+def _apply_expert_parallel(model: torch.nn.Module, topology: comm.Topology, config: Config) -> torch.nn.Module:
+    """Places the experts of MoE layers on the expert axis and declares their placements. Nothing
+    to do while the expert degree is 1 (a model may still declare placements itself)."""
+    return model
+
+
+def _apply_zero(model: torch.nn.Module, model_parameters: Iterable[Any] | None, optimizer: Any, lr_scheduler: Any,
+                topology: comm.Topology, validated: Validated) -> ZeroParts:
+    """Flatten the trained parameters into one group per (unit, param group, domain), each
+    reducing over its domain's group, and build the reducer, sharded optimizer and scheduler."""
+    config, world = validated.config, validated.world
+    batch = config.batch_sizes(topology.num_batch_shards, world_size_source=f"{world.source}, WORLD_SIZE={world.world_size}")
+    if world.backend == "nccl" and not any(p.is_meta for p in model.parameters()):
         model.to(comm.device_for_rank())
-    policy = PrecisionPolicy.from_config(config)
+    precision = PrecisionPolicy.from_config(config)
+    sharding = ShardingPolicy.from_stage(config.zero_optimization.stage)
     specs, build_optimizer = resolve_optimizer(model, model_parameters, optimizer, config)
     names = check_groups_cover_model(model, specs)
     specs = [s for s in specs if s.params]
     positions = {id(p): i for i, p in enumerate(model.parameters())}
-    groups_by_spec, runtime = _flatten(model, specs, names, config, topology, policy)
+    groups_by_spec, runtime = _flatten(model, specs, names, config, topology, precision, sharding)
     groups = [g for spec_groups in groups_by_spec for g in spec_groups]
     _sync_untrained_state(model, {id(p) for s in specs for p in s.params})
-    model.to(policy.param_dtype)  # the rest of the floating state; flattened parameters already are
-    zero = config.zero_optimization
+    model.to(precision.param_dtype)  # the rest of the floating state; flattened parameters already are
     reducer = GradReducer(groups, [[positions[id(p)] for p in g.params] for g in groups],
-                          max_in_flight=None if zero.stage < 2 else 2)
-    if runtime is not None:
-        reducer.before_sync, reducer.on_complete = runtime.before_grad_sync, runtime.on_bucket_complete
+                          max_in_flight=2 if sharding.shard_gradients else None,
+                          before_sync=runtime.before_grad_sync if runtime is not None else None,
+                          on_complete=runtime.on_bucket_complete if runtime is not None else None)
     inner = build_optimizer([{"params": [t for g in spec_groups for t in g.optimizer_tensors], **s.options}
                              for spec_groups, s in zip(groups_by_spec, specs)])
-    scaler = LossScaler.from_fp16_config(config.fp16) if policy.loss_scaling else LossScaler.disabled()
+    scaler = LossScaler.from_fp16_config(config.fp16) if precision.loss_scaling else LossScaler.disabled()
+    checks = [runtime.runs] if runtime is not None and config.zerodist.debug.unit_order_check else []
     sharded = ZeroOptimizer(groups, reducer, inner, scaler=scaler, gradient_clipping=config.gradient_clipping,
-                            check_overflow=policy.loss_scaling, norm_group=topology.group("data", "expert"))
-    if runtime is not None and config.zerodist.debug.unit_order_check:
-        sharded.step_checks.append(runtime.runs)
+                            check_overflow=precision.loss_scaling, world_group=topology.world_group, step_checks=checks)
     scheduler = build_scheduler(config, inner, lr_scheduler)
+    return ZeroParts(sharding, batch, precision, groups, reducer, sharded, scheduler, runtime)
+
+
+def _build_engine(model: torch.nn.Module, zero: ZeroParts, topology: comm.Topology, validated: Validated,
+                  training_data: torch.utils.data.Dataset | None,
+                  collate_fn: Callable[..., Any] | None) -> tuple[Engine, EngineDataLoader | None]:
     loader = None
-    if training_data is not None:
-        loader = EngineDataLoader(training_data, batch_size=batch.micro_batch_size, num_replicas=data_size,
-                                  rank=topology.axis_rank("data", "expert"), collate_fn=collate_fn)
-    engine = Engine(model, config=config, batch=batch, policy=policy, groups=groups, reducer=reducer,
-                    optimizer=sharded, lr_scheduler=scheduler, topology=topology, stage3=runtime)
-    engine.training_dataloader = loader
+    if training_data is not None:  # dealt by batch shard: tensor-parallel peers read the same samples
+        loader = EngineDataLoader(training_data, batch_size=zero.batch.micro_batch_size,
+                                  num_replicas=topology.num_batch_shards, rank=topology.batch_rank,
+                                  collate_fn=collate_fn)
+    engine = Engine(model, config=validated.config, batch=zero.batch, policy=zero.precision, groups=zero.groups,
+                    reducer=zero.reducer, optimizer=zero.optimizer, lr_scheduler=zero.scheduler, topology=topology,
+                    stage3=zero.stage3, sharding=zero.sharding, training_dataloader=loader)
     _INITIALIZED.add(model)
-    _log_summary(engine, info)
-    if config.checkpoint.auto_resume:  # e.g. after the elastic agent restarted the job
-        engine.load_checkpoint(config.checkpoint.save_dir)
-    return engine, sharded, loader, scheduler
+    _log_summary(engine, validated.world)
+    if validated.config.checkpoint.auto_resume:  # e.g. after the elastic agent restarted the job
+        engine.load_checkpoint(validated.config.checkpoint.save_dir)
+    return engine, loader
 
 
-def _flatten(model: torch.nn.Module, specs: list[Any], names: dict[int, str], config: Config,
-             topology: comm.Topology, policy: PrecisionPolicy) -> tuple[list[list[FlatParamGroup]], Stage3Runtime | None]:
-    """The flat groups of each optimizer param group, by one plan at every stage
-    ([Note: one plan for every stage]); at stage 3 also the runtime that gathers the units."""
+def _flatten(model: torch.nn.Module, specs: list[Any], names: dict[int, str], config: Config, topology: comm.Topology,
+             precision: PrecisionPolicy, sharding: ShardingPolicy,
+             ) -> tuple[list[list[FlatParamGroup]], Stage3Runtime | None]:
+    """The flat groups of each optimizer param group, by one plan at every stage ([Note: one
+    plan for every stage]), each over its domain's group (declared placements, zerodist.comm.
+    domains); with sharded parameters also the runtime that gathers the units."""
     zero = config.zero_optimization
-    group = topology.group("data", "expert")
+    domains = {key: placement.domain for key, placement in parameter_placements(model).items()}
     plan = plan_groups(model, [s.params for s in specs], unit_classes=config.zerodist.stage3_unit_classes,
                        persistence_threshold=zero.stage3_param_persistence_threshold,
-                       bucket_numel=bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size))
-    settings = FlattenSettings(stage=zero.stage, group=group, rank=topology.axis_rank("data", "expert"),
-                               world_size=topology.size("data", "expert"), use_reduce_scatter=zero.reduce_scatter,
-                               param_dtype=policy.param_dtype, device=comm.device_for_rank())
+                       bucket_numel=bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
+                       domains=domains)
+    domain_groups = {g.domain: DomainGroup.of(topology, g.domain) for g in plan.groups}
+    settings = FlattenSettings(policy=sharding, domain_groups=domain_groups, use_reduce_scatter=zero.reduce_scatter,
+                               param_dtype=precision.param_dtype, device=comm.device_for_rank())
     groups = build_groups(model, plan, names, settings)
     runtime = None
-    if zero.stage == 3:
-        runtime = build_stage3(model, plan, groups, config=config, group=group, device=settings.device)
+    if sharding.shard_parameters:
+        runtime = build_stage3(model, plan, groups, config=config, group=topology.world_group, device=settings.device)
     else:
         register_replicated(groups)
     return plan.by_spec(len(specs), groups), runtime
@@ -156,6 +223,12 @@ def _sync_untrained_state(model: torch.nn.Module, trained: set[int]) -> None:
         comm.broadcast(tensor.data, src=0)
 
 
+def reduce_collective(sharding: ShardingPolicy, reduce_scatter: bool) -> str:
+    """The collective that really reduces gradient buckets: with full optimizer state (stage 0)
+    always all-reduce, as DDP; otherwise the configured one."""
+    return "reduce-scatter" if reduce_scatter and sharding.shard_optimizer_state else "all-reduce"
+
+
 def _log_summary(engine: Engine, info: comm.WorldInfo) -> None:
     zero = engine.config.zero_optimization
     log_rank0(
@@ -163,8 +236,8 @@ def _log_summary(engine: Engine, info: comm.WorldInfo) -> None:
         "initialized: %d rank(s) (%s), ZeRO stage %d, %s, batch %d = micro %d x accumulation %d x data-parallel %d, "
         "gradient_clipping %s, reduce with %s, %d flat group(s) in %d bucket(s) of at most %d elements",
         info.world_size, info.backend, zero.stage, engine.policy.name, engine.batch.train_batch_size,
-        engine.batch.micro_batch_size, engine.batch.gradient_accumulation_steps, engine.topology.size("data", "expert"),
-        engine.config.gradient_clipping or "0 (off)", "reduce-scatter" if zero.reduce_scatter else "all-reduce",
+        engine.batch.micro_batch_size, engine.batch.gradient_accumulation_steps, engine.topology.num_batch_shards,
+        engine.config.gradient_clipping or "0 (off)", reduce_collective(engine.sharding, zero.reduce_scatter),
         len(engine.groups), len(engine.reducer.order),
         bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
     )

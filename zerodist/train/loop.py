@@ -135,11 +135,11 @@ def gather_memory(engine: Engine) -> list[RankMemory]:
 def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everything: Any, logging_traces: list[Any],
               memory: list[RankMemory], seq_len: int) -> RunSummary:
     zero = engine.config.zero_optimization
-    world = engine.topology.size("data", "expert")
+    world = engine.topology.num_batch_shards
     psi = sum(g.layout.total_numel for g in engine.groups)
     psi_by_stage: dict[int, int] = {}
     for group in engine.groups:  # stage 3 keeps parameters under the persistence threshold in stage-2 groups
-        psi_by_stage[group.stage] = psi_by_stage.get(group.stage, 0) + group.layout.total_numel
+        psi_by_stage[group.policy.stage] = psi_by_stage.get(group.policy.stage, 0) + group.layout.total_numel
     tokens = len(records) * engine.batch.train_batch_size * seq_len
     return RunSummary(
         steps=len(records), world_size=world, stage=zero.stage, precision=engine.policy.name, elapsed_s=elapsed,

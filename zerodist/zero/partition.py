@@ -19,13 +19,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
+from zerodist.comm.topology import Domain
 from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.plan import FlatPlan
+from zerodist.zero.policy import DomainGroup, ShardingPolicy
 from zerodist.zero.stage3 import Stage3Runtime, Stage3Settings, Unit, register_replicated
 
 
@@ -89,12 +91,10 @@ def _materialise(module: torch.nn.Module, name: str, device: torch.device) -> No
 
 @dataclasses.dataclass(frozen=True)
 class FlattenSettings:
-    """What every flat group of one engine shares."""
+    """What the flat groups of one engine share, and where each domain reduces."""
 
-    stage: int
-    group: Any
-    rank: int
-    world_size: int
+    policy: ShardingPolicy
+    domain_groups: Mapping[Domain, DomainGroup]  # every domain of the plan
     use_reduce_scatter: bool
     param_dtype: torch.dtype
     device: torch.device
@@ -103,8 +103,9 @@ class FlattenSettings:
 def build_groups(model: torch.nn.Module, plan: FlatPlan, names: dict[int, str],
                  settings: FlattenSettings) -> list[FlatParamGroup]:
     """Materialise `model` (if meta-built) and flatten it by `plan`: one group per planned group,
-    in plan order, at every stage ([Note: one plan for every stage]). At stage 3 the unit groups
-    are sharded and the persistent ones are ordinary stage-2 groups.
+    in plan order, at every stage ([Note: one plan for every stage]). Each group reduces and
+    shards over its domain's group; with sharded parameters the unit groups are sharded and the
+    persistent ones keep full parameters (`ShardingPolicy.for_persistent`).
 
     A unit's groups are built as soon as its last module is materialised, so at stage 3 the
     peak is the shards plus about one unit; the root's and the persistent groups come last."""
@@ -113,10 +114,10 @@ def build_groups(model: torch.nn.Module, plan: FlatPlan, names: dict[int, str],
     def flatten(indices: list[int]) -> None:
         for i in indices:
             planned = plan.groups[i]
-            stage = 2 if settings.stage == 3 and planned.persistent else settings.stage
-            built[i] = FlatParamGroup(list(planned.params), [names[id(p)] for p in planned.params], stage=stage,
-                                      bucket_numel=plan.bucket_numel, group=settings.group, rank=settings.rank,
-                                      world_size=settings.world_size, use_reduce_scatter=settings.use_reduce_scatter,
+            policy = settings.policy.for_persistent() if planned.persistent else settings.policy
+            built[i] = FlatParamGroup(list(planned.params), [names[id(p)] for p in planned.params], policy=policy,
+                                      domain_group=settings.domain_groups[planned.domain],
+                                      bucket_numel=plan.bucket_numel, use_reduce_scatter=settings.use_reduce_scatter,
                                       param_dtype=settings.param_dtype)
 
     last_module = {id(list(module.modules())[-1]): unit
@@ -133,7 +134,9 @@ def build_groups(model: torch.nn.Module, plan: FlatPlan, names: dict[int, str],
 
 def build_stage3(model: torch.nn.Module, plan: FlatPlan, groups: list[FlatParamGroup], *, config: Any, group: Any,
                  device: torch.device) -> Stage3Runtime:
-    """The units and the runtime that gathers them, over groups built by `build_groups` at stage 3."""
+    """The units and the runtime that gathers them, over groups built by `build_groups` with sharded
+    parameters. `group` is where the ranks compare their run order: every rank that runs the model
+    (the world), whatever the domains of the units' groups."""
     persistent = [g for g, planned in zip(groups, plan.groups) if planned.persistent]
     units = [
         Unit(index, name, module, [groups[i] for i in plan.unit_groups(index)])

@@ -27,7 +27,9 @@ from zerodist.zero.flat_group import FlatParamGroup
 class GradReducer:
     """Owns the gradient hooks of all groups and starts/finishes their buckets in order."""
 
-    def __init__(self, groups: list[FlatParamGroup], positions: list[list[int]], *, max_in_flight: int | None):
+    def __init__(self, groups: list[FlatParamGroup], positions: list[list[int]], *, max_in_flight: int | None,
+                 before_sync: Callable[[Bucket], None] | None = None,
+                 on_complete: Callable[[Bucket], None] | None = None):
         self.groups = groups
         keyed = []
         for group, group_positions in zip(groups, positions):
@@ -40,8 +42,7 @@ class GradReducer:
         # parameter's local gradient before it is added to its bucket. Empty: no cost.
         self.grad_observers: list[Callable[[FlatParamGroup, int, torch.Tensor], None]] = []
         # Stage 3 listens: to check unit order before each sync and to reshard complete units.
-        self.before_sync: Callable[[Bucket], None] | None = None
-        self.on_complete: Callable[[Bucket], None] | None = None
+        self.before_sync, self.on_complete = before_sync, on_complete
         self.sync_enabled = True
         self.grads_seen = 0
         self._next = 0
