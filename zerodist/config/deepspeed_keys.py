@@ -20,7 +20,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
         dump_state eigenvalue elasticity flops_profiler gradient_predivide_factor
         graph_harvesting hybrid_engine nebula pipeline prescale_gradients
         progressive_layer_drop quantize_training seq_parallel_communication_data_type
-        sparse_attention sparse_gradients tensor_parallel timers torch_autocast wandb
+        sparse_attention sparse_gradients timers torch_autocast wandb
         weight_quantization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer
         """),
     "zero_optimization": _keys("""

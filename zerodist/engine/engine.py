@@ -22,6 +22,7 @@ from zerodist.config import BatchSizes, Config
 from zerodist.debug import MemoryMonitor, NanHunter, reduce_loss
 from zerodist.engine.monitor import Monitors
 from zerodist.precision import PrecisionPolicy
+from zerodist.tensor_parallel.plan import unsliced_state_dict
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, StepResult, ZeroOptimizer, sharded_access
 from zerodist.zero.policy import ShardingPolicy
@@ -228,7 +229,8 @@ class Engine:
         """The plain model's `state_dict()` (same keys), cloned; None off rank 0 with `rank0_only`.
         At stage 3 the parameters are gathered for it (all ranks must call it together)."""
         with GatheredParameters(list(self.module.parameters()), enabled=self.stage3 is not None):
-            state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+            # Tensor-parallel slices are gathered too: the keys and shapes of the unparallelized model.
+            state = unsliced_state_dict(self.module)
         if rank0_only and comm.get_rank() != 0:
             return None
         return state
