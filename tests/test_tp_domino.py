@@ -62,10 +62,13 @@ def test_tensor_parallel_bytes_equal_the_formula(chunks):
     _, _, model = _models(2, torch.float32, domino)
     idx, targets = _batches(1, BATCH, 8, 64)[0]
     tokens, hidden, layers = BATCH * 8, SHAPE.d_model, SHAPE.n_layers
-    with comm.trace() as forward:
-        loss = model(idx, targets)
-    with comm.trace() as backward:
-        loss.backward()
+    with schedule_log() as log:
+        with comm.trace() as forward:
+            loss = model(idx, targets)
+        with comm.trace() as backward:
+            loss.backward()
+    # The schedule log sees every tensor-parallel byte, in the phase it belongs to.
+    assert log.all_bytes("forward") == forward.total_bytes() and log.all_bytes("backward") == backward.total_bytes()
     # Per block: 2 all-reduces forward and 2 backward of T*h elements (plain), 2k + 2k of T*h/k
     # (Domino); per model: the vocab-parallel embedding's forward all-reduce and the gathered
     # LM head's forward all-gather (T*V) and backward input-gradient all-reduce (T*h).

@@ -128,3 +128,29 @@ def test_a_model_without_a_plan_is_a_named_error():
         "layer_specs": [{"patterns": [r"^0\.weight$"], "partition_type": "column", "gather_output": True}]}
     engine, _, _, _ = zerodist.initialize(model=torch.nn.Sequential(torch.nn.Linear(4, 4)), config=config)
     assert isinstance(engine.module[0], ColumnParallelLinear) and engine.module[0].gather_output
+
+
+def _train_cli_in_place(out):
+    import argparse
+    import contextlib
+    import io
+
+    from zerodist.cli.train import build_plan
+    from zerodist.train import train
+
+    args = argparse.Namespace(model="tiny", steps=3, config=None, out=out, stage=None, micro_batch=2, lr=None,
+                              bf16=False, fp16=False, seed=None, save_interval=None, resume=False, tp=2, domino=2)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = train(build_plan(args, comm.get_world_size()))
+    return code, printed.getvalue()
+
+
+def test_zerodist_train_tp_2_with_domino_on_4_ranks(tmp_path):
+    from tests.harness import run_distributed
+
+    results = run_distributed(_train_cli_in_place, 4, str(tmp_path), timeout=240)
+    assert [code for code, _ in results] == [0, 0, 0, 0]
+    text = results[0][1]
+    assert "tensor parallel (degree 2)" in text and text.count("matches") >= 4 + 2  # 4 ranks' state, TP bytes
+    assert "Domino 2 chunks: 100% of forward" in text

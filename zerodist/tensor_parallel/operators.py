@@ -27,6 +27,7 @@ import torch
 
 from zerodist import comm
 from zerodist.comm.topology import Topology
+from zerodist.tensor_parallel import schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,17 @@ def check_divisible(length: int, parts: int, what: str) -> int:
 
 
 # ------------------------------------------------------------------ collective building blocks
+def _phase() -> str:
+    # Inside autograd's backward pass the engine has a current graph task (-1 elsewhere, in
+    # forwards of autograd functions included, which run with gradient mode off).
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
 def all_reduce_(tensor: torch.Tensor, region: TensorRegion, async_op: bool = False) -> comm.CommHandle:
+    """In place. Synchronous calls are counted in the schedule log; asynchronous ones are logged
+    by their caller, which knows where it waits."""
+    if not async_op:
+        schedule.log_sync(_phase(), tensor.numel() * tensor.element_size())
     return comm.all_reduce(tensor, group=region.group, async_op=async_op)
 
 
@@ -66,6 +77,7 @@ def all_gather_dim(tensor: torch.Tensor, dim: int, region: TensorRegion) -> torc
     local = tensor.contiguous()
     # Flat buffers: gloo wants the output's shape to be the input's with dim 0 multiplied.
     gathered = torch.empty(region.size * local.numel(), dtype=local.dtype, device=local.device)
+    schedule.log_sync(_phase(), gathered.numel() * gathered.element_size())
     comm.all_gather(gathered, local.view(-1), group=region.group)
     return torch.cat(gathered.view(region.size, *local.shape).unbind(0), dim=dim)
 
@@ -78,6 +90,8 @@ def reduce_scatter_dim(tensor: torch.Tensor, dim: int, region: TensorRegion, asy
     check_divisible(tensor.shape[dim], region.size, f"dimension {dim} of a {tuple(tensor.shape)} tensor")
     stacked = torch.stack(tensor.chunk(region.size, dim=dim)).contiguous()
     output = torch.empty(stacked.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    if not async_op:
+        schedule.log_sync(_phase(), stacked.numel() * stacked.element_size())
     handle = comm.reduce_scatter(output.view(-1), stacked.view(-1), group=region.group, async_op=async_op)
     return (output, handle) if async_op else output
 

@@ -5,10 +5,13 @@ interleaved with compute, from which the schedule-level overlap is measured.
         loss = model(idx, targets); loss.backward()
     log.overlap_fraction("forward")   # bytes whose issue-to-wait window contains compute / all bytes
 
-Only asynchronous tensor-parallel collectives are logged (Domino's row-parallel reductions in
-forward, the column-parallel input-gradient reductions in backward); a synchronous collective has
-an empty window and is counted through `zerodist.comm.trace()` (whose byte totals include all).
-Like the tracer, an inactive log costs one truthiness test of a module-level list.
+Asynchronous tensor-parallel collectives (Domino's row-parallel reductions in forward, the
+column-parallel input-gradient reductions in backward) are logged with their issue and wait;
+synchronous ones (`sync` events: an empty window) only with their bytes, so `all_bytes(phase)` is
+every tensor-parallel byte while `overlap_fraction(phase)` measures the asynchronous schedule
+(`include_sync=True` counts the synchronous bytes as not overlapped). Payloads follow the
+tracer's convention (the full tensor; the gathered output; the unreduced input). Like the
+tracer, an inactive log costs one truthiness test of a module-level list.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from contextlib import contextmanager
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleEvent:
-    kind: str           # "issue", "wait" or "compute"
+    kind: str           # "issue", "wait", "compute" or "sync"
     collective: int     # the collective's id ("issue" / "wait"), -1 for compute
     phase: str          # "forward" or "backward"
     num_bytes: int = 0
@@ -49,14 +52,20 @@ class ScheduleLog:
             raise AssertionError(f"collectives {sorted(open_at)} were issued but never waited on")
         return result
 
-    def overlap_fraction(self, phase: str) -> float:
-        """Fraction of `phase`'s logged bytes whose issue-to-wait window contains compute."""
+    def overlap_fraction(self, phase: str, *, include_sync: bool = False) -> float:
+        """Fraction of `phase`'s asynchronous bytes (all bytes with `include_sync`) whose
+        issue-to-wait window contains compute."""
         windows = self.windows(phase)
-        total = sum(b for b, _, _ in windows)
+        total = self.all_bytes(phase) if include_sync else sum(b for b, _, _ in windows)
         return sum(b for b, computes, _ in windows if computes) / total if total else 0.0
 
     def total_bytes(self, phase: str) -> int:
+        """Bytes of `phase`'s asynchronous collectives."""
         return sum(b for b, _, _ in self.windows(phase))
+
+    def all_bytes(self, phase: str) -> int:
+        """Bytes of every tensor-parallel collective of `phase`."""
+        return sum(e.num_bytes for e in self.events if e.phase == phase and e.kind in ("issue", "sync"))
 
 
 active_logs: list[ScheduleLog] = []
@@ -81,6 +90,11 @@ def log_issue(phase: str, num_bytes: int) -> int:
     for log in active_logs:
         log.events.append(ScheduleEvent("issue", collective, phase, num_bytes))
     return collective
+
+
+def log_sync(phase: str, num_bytes: int) -> None:
+    for log in active_logs:
+        log.events.append(ScheduleEvent("sync", -1, phase, num_bytes))
 
 
 def log_wait(collective: int, phase: str) -> None:

@@ -26,10 +26,12 @@ import zerodist.comm as comm
 from zerodist.data import TokenDataset, split_corpus, stdlib_corpus
 from zerodist.engine import Engine
 from zerodist.models import GPT, count_parameters, gpt_config
+from zerodist.tensor_parallel import schedule_log
 from zerodist.debug.memory import peak_rss_bytes, rss_bytes
 from zerodist.train.metrics import StepRecord, plot_loss, write_csv
 from zerodist.train.options import TrainPlan
 from zerodist.train.report import RankMemory, RunSummary, expected_bus_bytes, format_summary
+from zerodist.train.tp_report import measure_from_log, report_lines
 
 try:  # the debug layer's reduction, token-weighted and checked on every rank
     from zerodist.debug import reduce_loss
@@ -188,13 +190,17 @@ def train(plan: TrainPlan) -> int:
     if rank0:
         print_header(plan, engine, model)
     try:
-        records, elapsed, everything, logging_traces = run_steps(engine, loader, plan.steps, seq_len)
+        with schedule_log() as tensor_parallel_log:  # tensor-parallel bytes and Domino's schedule
+            records, elapsed, everything, logging_traces = run_steps(engine, loader, plan.steps, seq_len)
         memory = gather_memory(engine)
     finally:
         engine.destroy()
     summary = summarize(engine, records, elapsed, everything, logging_traces, memory, seq_len)
     if rank0:
         print(format_summary(summary), flush=True)
+        if engine.topology.size("tensor") > 1:
+            report = measure_from_log(engine, tensor_parallel_log, len(records) * engine.gradient_accumulation_steps)
+            print("\n".join("  " + line for line in report_lines(report)), flush=True)
         for line in write_outputs(plan, records, summary):
             print(line, flush=True)
     if not all(math.isfinite(r.loss) for r in records[-1:]):
