@@ -22,7 +22,7 @@ import zerodist.comm as comm
 from zerodist.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from zerodist.checkpoint.files import RangeReader, file_problem, read_verified
 from zerodist.checkpoint.manifest import Manifest, list_checkpoints, read_manifest
-from zerodist.checkpoint.shards import check_parameters, files_needed, load_groups
+from zerodist.checkpoint.shards import TensorSlices, check_parameters, files_needed, load_groups
 from zerodist.checkpoint.state import group_mapping, remap_scheduler_state, restore_optimizer, restore_rng
 from zerodist.utils import get_logger, log_rank0
 
@@ -140,9 +140,10 @@ def load_checkpoint(engine: Any, load_dir: str | Path, tag: Any = None, load_opt
     tag_dir = load_dir / manifest.tag
     rank, world = comm.get_rank(), comm.get_world_size()
     with_optimizer = load_optimizer_states and not load_module_only
-    check_parameters(engine.groups, manifest)
+    slices = TensorSlices.of(engine)  # [Note: logical coordinates]
+    check_parameters(engine.groups, manifest, slices)
     same_world = manifest.world_size == world
-    needed = files_needed(engine.groups, manifest, with_optimizer) | {i["file"] for i in manifest.extra.values()}
+    needed = files_needed(engine.groups, manifest, with_optimizer, slices) | {i["file"] for i in manifest.extra.values()}
     needed |= {manifest.state_files[0]} | ({manifest.state_files[rank]} if same_world else set())
     problems: list[Any] = [None] * world
     comm.all_gather_object(problems, _verify(tag_dir, manifest, needed))
@@ -151,7 +152,7 @@ def load_checkpoint(engine: Any, load_dir: str | Path, tag: Any = None, load_opt
         raise CheckpointCorruptError(f"checkpoint {tag_dir} is damaged; nothing was loaded: " + "; ".join(found))
     reader = RangeReader(tag_dir)
     try:
-        elementwise = load_groups(engine.groups, manifest, reader, with_optimizer)
+        elementwise = load_groups(engine.groups, manifest, reader, with_optimizer, slices)
         load_extra(engine.module, manifest, reader)
     finally:
         reader.close()

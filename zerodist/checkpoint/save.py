@@ -29,7 +29,7 @@ from zerodist.checkpoint.errors import CheckpointAgreementError, CheckpointError
 from zerodist.checkpoint.files import AtomicFile, kill_point, tensor_bytes, write_atomic
 from zerodist.checkpoint.manifest import (MANIFEST, Manifest, check_tag_name, list_checkpoints, write_latest,
                                           write_manifest)
-from zerodist.checkpoint.shards import collect_chunks, collect_scalars
+from zerodist.checkpoint.shards import TensorSlices, collect_chunks, collect_scalars
 from zerodist.checkpoint.state import capture_rng
 from zerodist.utils import get_logger, log_rank0
 
@@ -112,7 +112,7 @@ def _rank_state(engine: Any, client_state: Any, rank: int) -> dict[str, Any]:
 
 def write_rank_files(engine: Any, tag_dir: Path, save_id: str, rank: int, client_state: Any) -> RankReport:
     """This rank's shard (raw tensor bytes) and state file, each written atomically."""
-    chunks, pieces = collect_chunks(engine.groups, engine.optimizer.inner.state)
+    chunks, pieces = collect_chunks(engine.groups, engine.optimizer.inner.state, TensorSlices.of(engine))
     common, extra = _module_facts(engine) if rank == 0 else (None, {})
     shard_name, state_name = f"shard-r{rank:05d}-{save_id}.bin", f"state-r{rank:05d}-{save_id}.pt"
     report = RankReport(rank, {}, [], common=common)
@@ -146,7 +146,8 @@ def build_manifest(engine: Any, tag: str, reports: list[RankReport]) -> Manifest
     """Rank 0: one manifest from every rank's report, checking each parameter is covered once."""
     common = reports[0].common
     assert common is not None
-    shapes = {r.name: list(r.shape) for g in engine.groups for r in g.records}
+    slices = TensorSlices.of(engine)  # tensor-parallel slices are recorded with their logical shapes
+    shapes = {r.name: list(slices.shape(r.name, tuple(r.shape))) for g in engine.groups for r in g.records}
     params: dict[str, dict[str, Any]] = {name: {"shape": shape, "kinds": {}} for name, shape in shapes.items()}
     for report in reports:
         for name, kind, dtype, start, length, file, offset in report.pieces:

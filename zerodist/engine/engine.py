@@ -190,25 +190,15 @@ class Engine:
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Any = None, save_latest: bool = True) -> str:
         """Save everything needed to resume under `save_dir/tag` (default tag `global_step{N}`);
         collective: call it on every rank. Returns the checkpoint directory. See docs/checkpoints.md."""
-        self._refuse_tensor_parallel_checkpoint("save_checkpoint")
         return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[str | None, Any]:
         """Load a checkpoint saved at any world size and ZeRO stage (default: the newest committed);
         collective. Returns `(load_path, client_state)`, `(None, None)` when there is none."""
-        self._refuse_tensor_parallel_checkpoint("load_checkpoint")
         return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_module_only=load_module_only)
-
-    def _refuse_tensor_parallel_checkpoint(self, what: str) -> None:
-        # The manifest describes each parameter as one tensor tiled by the ranks' flat shards;
-        # tensor-parallel slices would need their placement mapped into the logical tensor.
-        if self.topology.size("tensor") > 1:
-            raise checkpoint.CheckpointError(
-                f"{what}: checkpoints of tensor-parallel models (tensor degree {self.topology.size('tensor')}) are not "
-                "implemented yet; save engine.module_state_dict() (the unsliced model, on every rank) instead")
 
     def _save_at_interval(self) -> None:
         settings = self.config.checkpoint
