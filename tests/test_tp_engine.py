@@ -6,6 +6,7 @@ import torch
 import zerodist
 import zerodist.comm as comm
 from zerodist.comm.domains import parameter_placements
+from zerodist.debug import check_weight_sync
 from zerodist.models.gpt import GPT, GPTConfig
 from zerodist.tensor_parallel import ColumnParallelLinear, DominoBlock, HeadParallelAttention
 from zerodist.train.report import state_formula_bytes
@@ -116,6 +117,15 @@ def test_sequence_parallel_and_domino_through_initialize(settings):
     for key, expected in reference.items():
         assert _relative_error(state[key], expected) <= 1e-5, f"{key}: {_relative_error(state[key], expected):.2e}"
     _replicated_equal_across_tensor_ranks(engine)
+    # check_weight_sync compares each parameter over its replicated axes (slices differ across
+    # tensor ranks by design), and catches a LayerNorm that drifted on one tensor rank.
+    assert check_weight_sync(engine).ok
+    if engine.topology.coords["tensor"] == 1:
+        with torch.no_grad():
+            engine.module.ln_f.weight.add_(1e-3)
+    report = check_weight_sync(engine)
+    assert not report.ok and [p.name for p in report.mismatched] == ["ln_f.weight"]
+    assert "ln_f.weight: ranks 1, 3 differ" in report.format()  # the tensor-rank-1 copies, by global rank
 
 
 @distributed_test(world_size=2)
