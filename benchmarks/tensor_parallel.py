@@ -17,8 +17,9 @@ tensor-parallel mesh of 2 gloo ranks:
 
 Configurations are interleaved round after round in the same processes (the machine is shared);
 each reports its median step time (forward + backward + AdamW), its ratio to DTensor, its first
-loss, zerodist's tensor-parallel bytes per step against the formula, and Domino's schedule-level
-overlap. gloo on shared CPU cores is not a network: Domino's chunking cost shows, its overlap
+loss, zerodist's tensor-parallel bytes per step against the formula, and Domino's overlap at the
+schedule level (event order) and at the time level (time blocked in waits during one logged
+step after the timed rounds against the same all-reduces run alone). gloo on shared CPU cores is not a network: Domino's chunking cost shows, its overlap
 benefit mostly does not. A benchmark, not a test.
 """
 
@@ -96,6 +97,19 @@ def step(model: GPT, optimizer: torch.optim.Optimizer, idx: torch.Tensor, target
     return loss.item()
 
 
+def isolated_seconds(log, topology: comm.Topology) -> dict[str, float]:
+    """The logged asynchronous collectives run alone, synchronously, one after another."""
+    group, seconds = topology.group("tensor"), {}
+    for phase in ("forward", "backward"):
+        buffers = [torch.zeros(size // 4) for size in log.issued_sizes(phase)]
+        comm.barrier()
+        started = time.perf_counter()
+        for buffer in buffers:
+            comm.all_reduce(buffer, group=group)
+        seconds[phase] = time.perf_counter() - started
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=12)
@@ -110,10 +124,8 @@ def main() -> None:
     idx = torch.randint(0, config.vocab_size, (args.micro_batch, config.seq_len), generator=generator)
     targets = torch.randint(0, config.vocab_size, (args.micro_batch, config.seq_len), generator=generator)
     first_loss, logs, times = {}, {}, {name: [] for name in models}
-    for name, model in models.items():  # warm-up step, traced: bytes and schedule
-        with schedule_log() as log:
-            first_loss[name] = step(model, optimizers[name], idx, targets)
-        logs[name] = log
+    for name, model in models.items():  # warm-up step
+        first_loss[name] = step(model, optimizers[name], idx, targets)
     names = list(models)
     for round_index in range(args.rounds):
         for name in names[round_index % len(names):] + names[:round_index % len(names)]:
@@ -121,6 +133,12 @@ def main() -> None:
             started = time.perf_counter()
             step(models[name], optimizers[name], idx, targets)
             times[name].append(time.perf_counter() - started)
+    for name, model in models.items():  # one more step, logged: bytes, schedule, time blocked in waits
+        comm.barrier()
+        with schedule_log() as log:
+            step(model, optimizers[name], idx, targets)
+        logs[name] = log
+    isolated = {name: isolated_seconds(logs[name], topology) for name in names if "domino" in name}
     if comm.get_rank() != 0:
         return
     forward, backward = gpt_formula(tokens=idx.numel(), hidden=config.d_model, vocab=config.vocab_size,
@@ -137,6 +155,14 @@ def main() -> None:
         overlap = (f"{100 * log.overlap_fraction('forward'):.0f}%/{100 * log.overlap_fraction('backward'):.0f}%"
                    if "domino" in name else "-")
         print(f"{name:<26}{1e3 * median:>10.1f}{median / baseline:>12.2f}{first_loss[name]:>12.6f}{moved:>22}{overlap:>17}")
+    for name, alone in isolated.items():
+        log = logs[name]
+        parts = []
+        for phase in ("forward", "backward"):
+            blocked = log.blocked_seconds(phase)
+            parts.append(f"{phase} blocked {1e3 * blocked:.1f} ms in waits vs {1e3 * alone[phase]:.1f} ms alone "
+                         f"(hidden {100 * (1 - blocked / alone[phase]):.0f}%)")
+        print(f"{name} (one step after the rounds, time level): " + "; ".join(parts))
     print(f"formula: forward {forward // 1024} KiB, backward {backward // 1024} KiB per step "
           "((2L+1) all-reduces of T x h, + the LM head's all-gather of T x V forward)")
 

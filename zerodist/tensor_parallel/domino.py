@@ -91,8 +91,7 @@ class _WaitReduction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, reduced: torch.Tensor, pending: _PendingReduction):
-        pending.handle.wait()
-        schedule.log_wait(pending.collective, "forward")
+        schedule.wait(pending.handle, pending.collective, "forward")
         return reduced.view_as(reduced)
 
     @staticmethod

@@ -126,8 +126,7 @@ class _ColumnLinearFunction(torch.autograd.Function):
         if handle is not None:
             if logged >= 0:
                 schedule.log_compute("backward", "weight gradient")
-            handle.wait()
-            schedule.log_wait(logged, "backward")
+            schedule.wait(handle, logged, "backward")
         return grad_input, grad_weight, grad_bias, None, None
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -29,6 +30,7 @@ class ScheduleEvent:
     phase: str          # "forward" or "backward"
     num_bytes: int = 0
     label: str = ""
+    blocked_s: float = 0.0  # "wait": how long the wait blocked
 
 
 class ScheduleLog:
@@ -63,6 +65,15 @@ class ScheduleLog:
         """Bytes of `phase`'s asynchronous collectives."""
         return sum(b for b, _, _ in self.windows(phase))
 
+    def blocked_seconds(self, phase: str) -> float:
+        """Time spent blocked in waits for `phase`'s asynchronous collectives (time-level overlap:
+        compare with the same collectives run alone)."""
+        return sum(e.blocked_s for e in self.events if e.kind == "wait" and e.phase == phase)
+
+    def issued_sizes(self, phase: str) -> list[int]:
+        """Bytes of each asynchronous collective of `phase`, in issue order."""
+        return [e.num_bytes for e in self.events if e.kind == "issue" and e.phase == phase]
+
     def all_bytes(self, phase: str) -> int:
         """Bytes of every tensor-parallel collective of `phase`."""
         return sum(e.num_bytes for e in self.events if e.phase == phase and e.kind in ("issue", "sync"))
@@ -83,7 +94,7 @@ def schedule_log() -> Iterator[ScheduleLog]:
 
 
 def log_issue(phase: str, num_bytes: int) -> int:
-    """Record an asynchronous collective's issue; returns its id for `log_wait` (-1 when off)."""
+    """Record an asynchronous collective's issue; returns its id for `wait` (-1 when off)."""
     if not active_logs:
         return -1
     collective = next(_ids)
@@ -97,10 +108,16 @@ def log_sync(phase: str, num_bytes: int) -> None:
         log.events.append(ScheduleEvent("sync", -1, phase, num_bytes))
 
 
-def log_wait(collective: int, phase: str) -> None:
-    if collective >= 0:
-        for log in active_logs:
-            log.events.append(ScheduleEvent("wait", collective, phase))
+def wait(handle: object, collective: int, phase: str) -> None:
+    """`handle.wait()`, logged with the time it blocked when `collective` was logged."""
+    if collective < 0:
+        handle.wait()  # type: ignore[attr-defined]
+        return
+    started = time.perf_counter()
+    handle.wait()  # type: ignore[attr-defined]
+    blocked = time.perf_counter() - started
+    for log in active_logs:
+        log.events.append(ScheduleEvent("wait", collective, phase, blocked_s=blocked))
 
 
 def log_compute(phase: str, label: str) -> None:
