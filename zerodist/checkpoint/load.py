@@ -24,6 +24,7 @@ from zerodist.checkpoint.files import RangeReader, file_problem, read_verified
 from zerodist.checkpoint.manifest import Manifest, list_checkpoints, read_manifest
 from zerodist.checkpoint.shards import TensorSlices, check_parameters, files_needed, load_groups
 from zerodist.checkpoint.state import group_mapping, remap_scheduler_state, restore_optimizer, restore_rng
+from zerodist.tensor_parallel.random import rng_tracker_of
 from zerodist.utils import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -104,6 +105,9 @@ def restore_training_state(engine: Any, manifest: Manifest, common: dict[str, An
         loader.load_state_dict(source["data"])
     if own is not None:
         restore_rng(own["rng"])
+        tracker = rng_tracker_of(engine.module)
+        if tracker is not None and "tensor_parallel" in own["rng"]:
+            tracker.load_state_dict(own["rng"]["tensor_parallel"])
     else:
         log_rank0(logger, "checkpoint %s was saved by %d ranks, this run has %d: random number streams start "
                   "afresh (parameters, optimizer and data position are restored)", manifest.tag, manifest.world_size,

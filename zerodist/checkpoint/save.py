@@ -31,6 +31,7 @@ from zerodist.checkpoint.manifest import (MANIFEST, Manifest, check_tag_name, li
                                           write_manifest)
 from zerodist.checkpoint.shards import TensorSlices, collect_chunks, collect_scalars
 from zerodist.checkpoint.state import capture_rng
+from zerodist.tensor_parallel.random import rng_tracker_of
 from zerodist.utils import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -97,7 +98,11 @@ def _module_facts(engine: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
 
 def _rank_state(engine: Any, client_state: Any, rank: int) -> dict[str, Any]:
     loader = getattr(engine, "training_dataloader", None)
-    state: dict[str, Any] = {"rank": rank, "rng": capture_rng(),
+    rng = capture_rng()
+    tracker = rng_tracker_of(engine.module)
+    if tracker is not None:  # tensor parallelism's dropout streams (replicated / sharded)
+        rng["tensor_parallel"] = tracker.state_dict()
+    state: dict[str, Any] = {"rank": rank, "rng": rng,
                              "data": loader.state_dict() if loader is not None and hasattr(loader, "state_dict") else None}
     if rank == 0:
         state["common"] = {

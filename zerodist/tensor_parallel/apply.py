@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 from torch import nn
 
 from zerodist.comm.topology import Topology
@@ -18,6 +19,7 @@ from zerodist.tensor_parallel.domino import DominoConfig
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zerodist.tensor_parallel.plan import PlanError, parallelize, plan_from_deepspeed
 from zerodist.tensor_parallel.plans import gpt_domino, gpt_plan, hf_llama_plan
+from zerodist.tensor_parallel.random import RNGTracker, attach_rng_tracker, tensor_parallel_rng
 from zerodist.utils import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -47,12 +49,13 @@ def _existing_degree(model: nn.Module) -> int | None:
     return sizes.pop() if sizes else None
 
 
-def choose_plan(model: nn.Module, settings: TensorParallelSettings) -> tuple[dict[str, Any], str]:
+def choose_plan(model: nn.Module, settings: TensorParallelSettings, rng: RNGTracker | None = None
+                ) -> tuple[dict[str, Any], str]:
     """(plan, where it came from)."""
     if settings.partition_config and settings.partition_config.get("layer_specs"):
         return plan_from_deepspeed(model, settings.partition_config), "tensor_parallel.partition_config"
     if _is_demo_gpt(model):
-        return gpt_plan(sequence_parallel=settings.sequence_parallel), "the built-in GPT plan"
+        return gpt_plan(sequence_parallel=settings.sequence_parallel, rng=rng), "the built-in GPT plan"
     if getattr(getattr(model, "config", None), "base_model_tp_plan", None):
         return hf_llama_plan(model), f"{type(model).__name__}'s base_model_tp_plan"
     raise PlanError(f"tensor parallelism of degree {settings.degree} needs a plan for {type(model).__name__}: give "
@@ -73,7 +76,11 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
             raise PlanError("zerodist.tensor_parallel.domino / sequence_parallel need a tensor degree above 1 "
                             "(tensor_parallel.autotp_size)")
         return model
-    plan, source = choose_plan(model, settings)
+    # Dropout streams: `replicated` equal on the tensor ranks, `sharded` different (attention heads);
+    # seeded from this process's torch seed, which every rank sets alike to build the same model.
+    rng = tensor_parallel_rng(topology, seed=torch.initial_seed())
+    attach_rng_tracker(model, rng)
+    plan, source = choose_plan(model, settings, rng)
     parallelize(model, plan, topology, sequence_parallel=settings.sequence_parallel)
     if settings.domino is not None:
         if not _is_demo_gpt(model):

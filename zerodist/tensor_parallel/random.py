@@ -15,10 +15,12 @@ seed + 2718 + tensor rank.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
 
 from zerodist.comm.topology import Topology
 
@@ -84,3 +86,17 @@ def tensor_parallel_rng(topology: Topology, seed: int) -> RNGTracker:
     tracker.add("replicated", seed)
     tracker.add("sharded", seed + SHARDED_SEED_OFFSET + topology.axis_rank("tensor"))
     return tracker
+
+
+# The tracker that a model's tensor-parallel layers draw from, kept beside the model (never on it)
+# so that checkpoints can save and restore its streams.
+_TRACKERS: weakref.WeakKeyDictionary[nn.Module, RNGTracker] = weakref.WeakKeyDictionary()
+
+
+def attach_rng_tracker(model: nn.Module, tracker: RNGTracker) -> None:
+    _TRACKERS[model] = tracker
+
+
+def rng_tracker_of(model: nn.Module) -> RNGTracker | None:
+    """The tracker `initialize` made for `model`'s tensor-parallel layers, if any."""
+    return _TRACKERS.get(model)
