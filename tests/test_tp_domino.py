@@ -133,3 +133,28 @@ def test_domino_runs_in_a_plain_process_without_init_distributed():
     done = subprocess.run([sys.executable, "-c", _PLAIN_PROCESS], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("ok 1 ")
+
+
+@distributed_test(world_size=2)
+def test_sequence_parallel_bytes_equal_the_formula():
+    topology = comm.Topology(tensor=2)
+    torch.manual_seed(0)
+    model = parallelize(GPT(SHAPE), gpt_plan(sequence_parallel=True), topology, sequence_parallel=True)
+    idx, targets = _batches(1, BATCH, 8, 64)[0]
+    tokens, hidden, layers, seq = BATCH * 8, SHAPE.d_model, SHAPE.n_layers, 8
+    with comm.trace() as forward:
+        loss = model(idx, targets)
+    with comm.trace() as backward:
+        loss.backward()
+    sizes = lambda trace, op: Counter(r.numel for r in trace.records if r.op == op)  # noqa: E731
+    # Forward: every column layer (2 per block, and the LM head) all-gathers its sequence-split
+    # input, every row layer (2 per block, and the vocab embedding) reduce-scatters its output;
+    # the LM head also gathers the vocabulary (T x V). No all-reduce.
+    assert sizes(forward, "all_gather") == Counter({tokens * hidden: 2 * layers + 1, tokens * 64: 1})
+    assert sizes(forward, "reduce_scatter") == Counter({tokens * hidden: 2 * layers + 1})
+    # Backward: the adjoints (column inputs reduce-scattered, row outputs and the embedding
+    # all-gathered; the gathered input is kept, so no re-gather), plus the positional embedding's
+    # split (S x h, all-gathered back).
+    assert sizes(backward, "reduce_scatter") == Counter({tokens * hidden: 2 * layers + 1})
+    assert sizes(backward, "all_gather") == Counter({tokens * hidden: 2 * layers + 1, seq * hidden: 1})
+    assert forward.count("all_reduce") == 0 and backward.count("all_reduce") == 0

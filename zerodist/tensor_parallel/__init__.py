@@ -47,7 +47,7 @@ from zerodist.tensor_parallel.domino import (
 )
 from zerodist.tensor_parallel.plans import HeadParallelAttention, gpt_block_branches, gpt_domino, gpt_plan, hf_llama_plan
 from zerodist.tensor_parallel.schedule import ScheduleLog, schedule_log
-from zerodist.tensor_parallel.random import RNGTracker, tensor_parallel_rng
+from zerodist.tensor_parallel.random import RNGTracker, attach_rng_tracker, rng_tracker_of, tensor_parallel_rng
 from zerodist.tensor_parallel.operators import (
     TensorRegion,
     UnevenSplitError,
@@ -62,7 +62,7 @@ from zerodist.tensor_parallel.operators import (
 
 __all__ = [
     "ChunkedActivations", "DominoBlock", "DominoChunkError", "DominoConfig", "ResidualBranch", "ScheduleLog",
-    "apply_domino", "gpt_block_branches", "gpt_domino", "schedule_log",
+    "apply_domino", "attach_rng_tracker", "gpt_block_branches", "gpt_domino", "rng_tracker_of", "schedule_log",
     "Colwise", "HeadParallelAttention", "PlanError", "RNGTracker", "Replace", "Replicate", "Rowwise", "Sequence",
     "SequenceScatter", "Vocab", "gpt_plan", "hf_llama_plan", "parallelize", "plan_from_deepspeed",
     "reduce_partial_gradients", "tensor_parallel_rng", "unsliced_gradients", "unsliced_state_dict",
