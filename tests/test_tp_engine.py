@@ -164,3 +164,38 @@ def test_zerodist_train_tp_2_with_domino_on_4_ranks(tmp_path):
     text = results[0][1]
     assert "tensor parallel (degree 2)" in text and text.count("matches") >= 4 + 2  # 4 ranks' state, TP bytes
     assert "Domino 2 chunks: 100% of forward" in text
+
+
+def _llama_through_initialize(pre_parallelized):
+    import copy
+
+    from tests.test_tp_parallelize import _tiny_llama
+    from zerodist.tensor_parallel import hf_llama_plan, parallelize
+
+    reference = _tiny_llama(heads=4).float()
+    model = copy.deepcopy(reference)
+    if pre_parallelized:  # the Python form: the user parallelizes, initialize keeps it
+        model = parallelize(model, hf_llama_plan(model), comm.Topology(tensor=2))
+    config = _config(2, tensor=2)
+    config["train_micro_batch_size_per_gpu"] = 4
+    engine, _, _, _ = zerodist.initialize(model=model, config=config)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
+    for step in range(3):
+        idx, targets = _batch(step, 4)
+        engine.backward(engine(input_ids=idx, labels=targets).loss)
+        engine.step()
+        optimizer.zero_grad()
+        reference(input_ids=idx, labels=targets).loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        optimizer.step()
+    state = engine.module_state_dict()
+    for key, expected in reference.state_dict().items():
+        assert _relative_error(state[key], expected) <= 1e-5, f"{key}: {_relative_error(state[key], expected):.2e}"
+    return type(engine.module.model.layers[0].self_attn.q_proj).__name__
+
+
+@pytest.mark.parametrize("pre_parallelized", [False, True])
+def test_hugging_face_llama_through_initialize(pre_parallelized):
+    from tests.harness import run_distributed
+
+    assert run_distributed(_llama_through_initialize, 2, pre_parallelized, timeout=240) == ["ColumnParallelLinear"] * 2
