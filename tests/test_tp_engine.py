@@ -104,10 +104,12 @@ def test_zero_stages_on_a_data_by_tensor_mesh_match_one_process(stage):
 
 
 @distributed_test(world_size=4, timeout=240)
-@pytest.mark.parametrize("settings", [{"sequence_parallel": True}, {"domino": {"chunks": 2, "overlap": "inter"}}])
-def test_sequence_parallel_and_domino_through_initialize(settings):
+@pytest.mark.parametrize("stage, settings", [(2, {"sequence_parallel": True}), (3, {"sequence_parallel": True}),
+                                             (2, {"domino": {"chunks": 2, "overlap": "inter"}}),
+                                             (3, {"domino": {"chunks": 2, "overlap": "intra"}})])
+def test_sequence_parallel_and_domino_through_initialize(stage, settings):
     steps = 4
-    engine = _train(_config(2, tensor=2, **settings), steps)
+    engine = _train(_config(stage, tensor=2, **settings), steps)
     if "domino" in settings:
         assert isinstance(engine.module.blocks[0], DominoBlock)
     else:
@@ -117,6 +119,8 @@ def test_sequence_parallel_and_domino_through_initialize(settings):
     for key, expected in reference.items():
         assert _relative_error(state[key], expected) <= 1e-5, f"{key}: {_relative_error(state[key], expected):.2e}"
     _replicated_equal_across_tensor_ranks(engine)
+    if stage == 3:
+        return
     # check_weight_sync compares each parameter over its replicated axes (slices differ across
     # tensor ranks by design), and catches a LayerNorm that drifted on one tensor rank.
     assert check_weight_sync(engine).ok
@@ -130,6 +134,8 @@ def test_sequence_parallel_and_domino_through_initialize(settings):
 
 @distributed_test(world_size=2)
 def test_a_model_without_a_plan_is_a_named_error():
+    with pytest.raises(ValueError, match="use \"overlap\": \"intra\" at stage 3"):
+        zerodist.initialize(model=GPT(SHAPE), config=_config(3, tensor=2, domino={"chunks": 2}))
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match="needs a plan for Sequential"):
         zerodist.initialize(model=model, config=_config(0, tensor=2))

@@ -118,6 +118,7 @@ def _apply_tensor_parallel(model: torch.nn.Module, topology: comm.Topology, conf
     settings = TensorParallelSettings(
         degree=config.tensor_degree, partition_config=partition.model_dump() if partition is not None else None,
         sequence_parallel=section.sequence_parallel,
+        sharded_parameters=ShardingPolicy.from_stage(config.zero_optimization.stage).shard_parameters,
         domino=DominoConfig(section.domino.chunks, section.domino.overlap) if section.domino is not None else None)
     return apply_tensor_parallel(model, topology, settings)
 

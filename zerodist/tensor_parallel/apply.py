@@ -33,6 +33,7 @@ class TensorParallelSettings:
     partition_config: dict[str, Any] | None = None
     sequence_parallel: bool = False
     domino: DominoConfig | None = None
+    sharded_parameters: bool = False  # ZeRO stage 3: blocks' parameters are released after their forward
 
 
 def _is_demo_gpt(model: nn.Module) -> bool:
@@ -83,6 +84,10 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
     plan, source = choose_plan(model, settings, rng)
     parallelize(model, plan, topology, sequence_parallel=settings.sequence_parallel)
     if settings.domino is not None:
+        if settings.domino.overlap == "inter" and settings.sharded_parameters:
+            raise PlanError("Domino's inter-layer overlap finishes a block's last reductions (bias, dropout) in the "
+                            "next block, after ZeRO stage 3 has released the block's parameters; use "
+                            '"overlap": "intra" at stage 3, or stages 0-2')
         if not _is_demo_gpt(model):
             raise PlanError("Domino's schedule knows the demo GPT's blocks only; for another model, call "
                             "zerodist.tensor_parallel.apply_domino with its blocks' residual branches")
