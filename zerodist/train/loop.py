@@ -153,6 +153,7 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
         expected_bus_bytes_per_step=expected_bus_bytes(
             stage=zero.stage, psi=psi, world_size=world, accumulation_steps=engine.gradient_accumulation_steps,
             reduce_scatter=zero.reduce_scatter, element_bytes=engine.policy.param_dtype.itemsize),
+        tensor_degree=engine.topology.size("tensor"),
     )
 
 
