@@ -191,3 +191,24 @@ def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(world_size, dtype)
     none = vocab_parallel_cross_entropy(local.detach(), target, region, reduction="none")
     torch.testing.assert_close(none, F.cross_entropy(logits.detach().view(-1, vocab), target.view(-1),
                                                      reduction="none").view(5, 6), **tol)
+
+
+@distributed_test(world_size=[2, 4])
+def test_gathered_column_layer_pads_an_uneven_output(world_size):
+    region = _region(world_size)
+    out = 4 * world_size + 1  # an LM head over a vocabulary t does not divide
+    torch.manual_seed(4)
+    reference = nn.Linear(8, out, dtype=torch.float64)
+    layer = ColumnParallelLinear.from_linear(reference, region, gather_output=True)
+    assert layer.weight.shape[0] * world_size == out + world_size - 1
+    x = torch.randn(3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    upstream = torch.randn(3, out, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = reference(x)
+    expected.backward(upstream)
+    got = layer(x)
+    got.backward(upstream)
+    torch.testing.assert_close(got, expected.detach(), **TOLERANCE[torch.float64])
+    torch.testing.assert_close(unslice_tensor(layer.weight.grad, layer.weight_spec, region), reference.weight.grad,
+                               **TOLERANCE[torch.float64])
+    with pytest.raises(UnevenSplitError, match="does not split evenly"):
+        ColumnParallelLinear.from_linear(reference, region)  # an output kept split must divide

@@ -3,7 +3,8 @@
 Shapes (t = tensor-parallel degree):
 - `ColumnParallelLinear(in, out)`: weight `[out/t, in]` (the output features are split), bias
   `[out/t]`. Input replicated (or, under sequence parallelism, split along the sequence), output
-  split along the last dim unless `gather_output`.
+  split along the last dim unless `gather_output` (then `out` need not divide by t: the weight is
+  padded with zero rows and the gathered output narrowed back).
 - `RowParallelLinear(in, out)`: weight `[out, in/t]` (the input features are split), bias `[out]`
   whole and added once, after the reduction. Input split along the last dim, output replicated
   (or reduce-scattered along the sequence under sequence parallelism).
@@ -152,10 +153,16 @@ class ColumnParallelLinear(nn.Module):
 
     def _setup(self, weight, bias, region, gather_output, sequence_parallel, fused) -> None:
         out_features, in_features = weight.shape
-        _check_fused(out_features, fused, region, f"ColumnParallelLinear output features ({out_features})")
+        padded = None
+        if gather_output and not fused and out_features % region.size:
+            # A gathered output (an LM head over a vocabulary t does not divide) is padded with
+            # zero rows to a multiple of t and narrowed back after the gather.
+            padded = -(-out_features // region.size) * region.size
+        else:
+            _check_fused(out_features, fused, region, f"ColumnParallelLinear output features ({out_features})")
         self.in_features, self.out_features = in_features, out_features
         self.region, self.gather_output, self.sequence_parallel = region, gather_output, sequence_parallel
-        self.weight_spec = SliceSpec(0, out_features, fused)
+        self.weight_spec = SliceSpec(0, out_features, fused, padded_size=padded)
         self.weight = nn.Parameter(slice_tensor(weight, self.weight_spec, region))
         self.bias = None if bias is None else nn.Parameter(slice_tensor(bias, self.weight_spec, region))
         declare_placement(self, Placement(TENSOR_SLICE, slice_dim=0, slice_axis="tensor"))
@@ -163,7 +170,10 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sequence_dim = x.dim() - 2 if self.sequence_parallel and self.region.size > 1 else None
         y = _ColumnLinearFunction.apply(x, self.weight, self.bias, self.region, sequence_dim)
-        return ops.gather_from_tensor_region(y, self.region) if self.gather_output else y
+        if not self.gather_output:
+            return y
+        gathered = ops.gather_from_tensor_region(y, self.region)
+        return gathered if gathered.shape[-1] == self.out_features else gathered[..., : self.out_features]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local "
