@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import zerodist
-import zerodist.comm as comm
 from zerodist.checkpoint import consolidate_checkpoint
 from zerodist.models.gpt import GPT, GPTConfig
 from tests.harness import run_distributed
