@@ -8,6 +8,11 @@ its shard, so the ranks write disjoint data in parallel.
 
 Load: a rank asks, for its own (possibly different) layout, which elements of which parameter
 it owns, and copies each from the saved slices that overlap it ([Note: layout-free manifest]).
+
+Both sides speak of the *logical* tensor: a parameter that is a slice of a larger one (its
+placement cuts dimension d over a mesh axis) maps each of its owned ranges onto the runs of the
+logical tensor it covers (`zerodist.zero.layout.slice_runs`), so a tensor saved as slices along
+any dimension loads into any other slicing of it, or whole.
 Groups whose optimizer steps whole buckets (stage 0) then all-gather the shards, and each group
 refreshes its parameters from its optimizer tensors (`copy_master_to_params`, `gather_params`),
 so the model, the master weights and the optimizer state agree whatever the stage.
@@ -25,41 +30,7 @@ import zerodist.comm as comm
 from zerodist.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from zerodist.checkpoint.files import RangeReader
 from zerodist.checkpoint.manifest import OPTIMIZER_PREFIX, PARAM, Manifest
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSlices:
-    """Tensor parallelism in checkpoint coordinates ([Note: logical coordinates]).
-
-    [Note: logical coordinates] The manifest describes every parameter in the coordinates of its
-    logical tensor (the unparallelized model's): a tensor-parallel slice's local elements are
-    written and read as runs of logical elements (`zerodist.tensor_parallel.slicing`), so any
-    tensor degree loads any other; a parameter replicated over the tensor axis is written by
-    tensor rank 0 only (the rank that counts it in the norm) and read by every rank."""
-
-    slicings: dict[str, Any]
-    not_written: frozenset[str]
-
-    @classmethod
-    def of(cls, engine: Any) -> TensorSlices:
-        if engine.topology.size("tensor") == 1:
-            return cls({}, frozenset())
-        from zerodist.tensor_parallel.slicing import parameter_slicings
-
-        skipped = {r.name for g in engine.groups for r in g.records if not engine.topology.counts_in_norm(r.domain)}
-        return cls(parameter_slicings(engine.module), frozenset(skipped))
-
-    def runs(self, name: str, start: int, length: int) -> list[tuple[int, int, int]]:
-        """(logical start, length, offset from `start`) of local elements [start, start + length)."""
-        slicing = self.slicings.get(name)
-        return [(start, length, 0)] if slicing is None else slicing.runs(start, length)
-
-    def shape(self, name: str, local_shape: tuple[int, ...]) -> tuple[int, ...]:
-        slicing = self.slicings.get(name)
-        return tuple(local_shape) if slicing is None else slicing.logical_shape
-
-
-NO_SLICES = TensorSlices({}, frozenset())
+from zerodist.zero.layout import slice_runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +71,22 @@ def bucket_slices(group: Any) -> list[list[tuple[int, int, int, int]]]:
     return per_bucket
 
 
+def logical_runs(record: Any, start: int, length: int) -> list[tuple[int, int, int]]:
+    """`(logical start, length, offset)` runs of elements [start, start + length) of `record`'s parameter."""
+    placement = record.placement
+    if placement.fused or placement.logical_size is not None:
+        # Fused sub-tensors or padded parts (tensor parallelism): padding belongs to no run.
+        from zerodist.tensor_parallel.slicing import ParamSlicing, SliceSpec
+
+        dim = placement.slice_dim
+        padded = record.shape[dim] * record.num_parts
+        logical = placement.logical_size or padded
+        spec = SliceSpec(dim, logical, tuple(placement.fused), padded_size=padded if padded != logical else None)
+        return ParamSlicing(spec, tuple(record.shape), record.part, record.num_parts).runs(start, length)
+    return slice_runs(start, length, shape=record.shape, dim=record.placement.slice_dim, part=record.part,
+                      num_parts=record.num_parts)
+
+
 def optimizer_space(group: Any, index: int, state: Any) -> dict[str, torch.Tensor]:
     """Bucket `index`'s per-element tensors: the stepped values and each elementwise state."""
     tensor = group.optimizer_tensors[index]
@@ -113,10 +100,8 @@ def optimizer_space(group: Any, index: int, state: Any) -> dict[str, torch.Tenso
     return kinds
 
 
-def collect_chunks(groups: list[Any], state: Any, slices: TensorSlices = NO_SLICES
-                   ) -> tuple[list[tuple[str, torch.Tensor]], list[Piece]]:
-    """This rank's chunks (kind, 1-D tensor) and the parameter slices they hold (in logical
-    coordinates, [Note: logical coordinates])."""
+def collect_chunks(groups: list[Any], state: Any) -> tuple[list[tuple[str, torch.Tensor]], list[Piece]]:
+    """This rank's chunks (kind, 1-D tensor) and the parameter slices they hold."""
     chunks: list[tuple[str, torch.Tensor]] = []
     pieces: list[Piece] = []
     for group in groups:
@@ -125,11 +110,9 @@ def collect_chunks(groups: list[Any], state: Any, slices: TensorSlices = NO_SLIC
             for kind, full in optimizer_space(group, index, state).items():
                 chunks.append((kind, group.owned_part(index, full).detach()))
                 for param_index, start, length, at in per_bucket[index]:
-                    name = group.records[param_index].name
-                    if name in slices.not_written:
-                        continue
-                    for logical_start, run, offset in slices.runs(name, start, length):
-                        pieces.append(Piece(name, kind, logical_start, run, len(chunks) - 1, at + offset))
+                    record = group.records[param_index]
+                    for logical, run, offset in logical_runs(record, start, length):
+                        pieces.append(Piece(record.name, kind, logical, run, len(chunks) - 1, at + offset))
     return chunks, pieces
 
 
@@ -154,9 +137,9 @@ def collect_scalars(groups: list[Any], inner: torch.optim.Optimizer) -> dict[str
 
 # ---------------------------------------------------------------------------------------- load
 
-def check_parameters(groups: list[Any], manifest: Manifest, slices: TensorSlices = NO_SLICES) -> None:
-    """The checkpoint must hold exactly the trained parameters, with the same (logical) shapes."""
-    shapes = {r.name: slices.shape(r.name, tuple(r.shape)) for g in groups for r in g.records}
+def check_parameters(shapes: dict[str, tuple[int, ...]], manifest: Manifest) -> None:
+    """The checkpoint must hold exactly the trained parameters (logical name -> logical shape, over
+    every rank), with the same shapes."""
     missing = sorted(set(shapes) - set(manifest.params))
     unexpected = sorted(set(manifest.params) - set(shapes))
     wrong = [f"{n}: {tuple(manifest.params[n]['shape'])} in the checkpoint, {shapes[n]} in the model"
@@ -184,26 +167,20 @@ def bucket_kinds(group: Any, index: int, manifest: Manifest, with_optimizer: boo
     return sorted(kinds, key=lambda k: k != PARAM)
 
 
-def plan_group(group: Any, manifest: Manifest, with_optimizer: bool, slices: TensorSlices = NO_SLICES
-               ) -> Iterator[tuple[int, str, list[Request]]]:
-    """Per (bucket, kind): the requests that fill this rank's part of it (a tensor-parallel
-    slice's elements as runs of its logical tensor; padding is requested from nowhere)."""
+def plan_group(group: Any, manifest: Manifest, with_optimizer: bool) -> Iterator[tuple[int, str, list[Request]]]:
+    """Per (bucket, kind): the requests that fill this rank's part of it."""
     per_bucket = bucket_slices(group)
     for index in range(len(group.optimizer_tensors)):
         for kind in bucket_kinds(group, index, manifest, with_optimizer):
-            requests = []
-            for p, start, length, at in per_bucket[index]:
-                name = group.records[p].name
-                requests += [Request(name, kind, logical_start, run, at + offset)
-                             for logical_start, run, offset in slices.runs(name, start, length)]
-            yield index, kind, requests
+            yield index, kind, [Request(group.records[p].name, kind, logical, run, at + offset)
+                                for p, start, length, at in per_bucket[index]
+                                for logical, run, offset in logical_runs(group.records[p], start, length)]
 
 
-def files_needed(groups: list[Any], manifest: Manifest, with_optimizer: bool, slices: TensorSlices = NO_SLICES
-                 ) -> set[str]:
+def files_needed(groups: list[Any], manifest: Manifest, with_optimizer: bool) -> set[str]:
     needed = set()
     for group in groups:
-        for _, _, requests in plan_group(group, manifest, with_optimizer, slices):
+        for _, _, requests in plan_group(group, manifest, with_optimizer):
             for r in requests:
                 needed.update(s.file for s in _overlapping(manifest, r))
     return needed
@@ -233,13 +210,13 @@ def fill(r: Request, out: torch.Tensor, manifest: Manifest, reader: RangeReader)
 
 
 @torch.no_grad()
-def load_groups(groups: list[Any], manifest: Manifest, reader: RangeReader, with_optimizer: bool,
-                slices: TensorSlices = NO_SLICES) -> dict[int, dict[str, torch.Tensor]]:
+def load_groups(groups: list[Any], manifest: Manifest, reader: RangeReader, with_optimizer: bool
+                ) -> dict[int, dict[str, torch.Tensor]]:
     """Fill every group's optimizer tensors (and parameters); returns the loaded elementwise
     optimizer state by id of the optimizer tensor."""
     states: dict[int, dict[str, torch.Tensor]] = {}
     for group in groups:
-        for index, kind, requests in plan_group(group, manifest, with_optimizer, slices):
+        for index, kind, requests in plan_group(group, manifest, with_optimizer):
             tensor = group.optimizer_tensors[index]
             full = tensor if kind == PARAM else torch.zeros_like(tensor)
             part = group.owned_part(index, full)

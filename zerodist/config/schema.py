@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from zerodist.config.batch import BatchSizes, resolve_batch_sizes
+from zerodist.config.deepspeed_keys import drop_no_op_keys
 from zerodist.config.errors import ConfigError
 from zerodist.config.problems import validation_problems
 from zerodist.config.source import read_source
@@ -138,10 +139,12 @@ class ZeroConfig(Section):
         True, description="Reduce gradients with reduce-scatter; false runs all-reduce."
     )
     overlap_comm: bool = Field(
-        True, description="Reduce each gradient bucket while backward is still running."
+        True, description="Reduce each gradient bucket as soon as it is full, while backward still runs; "
+        "false reduces every bucket after backward (same collectives, same order)."
     )
     contiguous_gradients: bool = Field(
-        True, description="Copy gradients into one flat buffer as they are produced."
+        True, description="Gradients are copied into flat contiguous buckets as they are produced; zerodist "
+        "always does this, so false (separate gradient tensors) is refused."
     )
     reduce_bucket_size: ElementCount = Field(
         500_000_000, description="Elements per gradient bucket, at every stage; buckets hold at most "
@@ -167,7 +170,8 @@ class ZeroConfig(Section):
         "parameter elements than this are used in between (0: always free it after forward).",
     )
     stage3_gather_16bit_weights_on_model_save: bool = Field(
-        False, description="Stage 3: gather full 16-bit weights when saving the model."
+        False, description="Stage 3: engine.save_16bit_model gathers the full 16-bit weights. zerodist's "
+        "always gathers them (DeepSpeed's true), whatever this says."
     )
 
     @field_validator(*_ELEMENT_COUNT_FIELDS, mode="before")
@@ -395,6 +399,18 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _asks_only_for_what_runs(self) -> Config:
+        """Values that ask for behaviour zerodist lacks are refused, saying what it does instead."""
+        zero, problems = self.zero_optimization, []
+        if not zero.contiguous_gradients:
+            problems.append("'zero_optimization.contiguous_gradients' is false, but zerodist always copies gradients "
+                            "into flat contiguous buckets as they are produced (DeepSpeed's true); remove the key or "
+                            "set it to true")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
     def _checkpoint_needs_save_dir(self) -> Config:
         wanted = [key for key in ("save_interval", "auto_resume") if getattr(self.checkpoint, key)]
         if wanted and self.checkpoint.save_dir is None:
@@ -423,6 +439,7 @@ class Config(Section):
         if isinstance(source, Config):
             return source
         raw, source_name = read_source(source)
+        raw = drop_no_op_keys(raw)  # DeepSpeed keys set to values that change nothing here
         try:
             return cls.model_validate(raw)
         except ValidationError as error:

@@ -23,7 +23,8 @@ for parameters where groups differ is the reference rank's tensor broadcast so t
 can report its max abs difference. In-sync parameters cost O(1) communication each.
 
 All functions are collectives over the data-parallel group: call them on every rank.
-The engine is taken duck-typed (`.groups`, `.stage`, `.module`): this layer never imports it.
+This layer never imports the engine: it reads the engine's typed `zero_state`
+(`zerodist.zero.state.ZeroState`) and its public step counter and accumulation boundary.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import zerodist.comm as comm
 from zerodist.debug.sync_report import (GradientSyncError, ParamSync, SyncReport, WeightSyncError,
                                         reference_label)
 from zerodist.utils import get_logger
+from zerodist.zero.state import ZeroState, single_domain_group, zero_state_of
 
 logger = get_logger(__name__)
 
@@ -51,7 +53,7 @@ Named = list[tuple[str, int, "torch.Tensor | None"]]  # (name, numel, tensor or 
 
 
 def _is_engine(obj: Any) -> bool:
-    return hasattr(obj, "groups") and hasattr(obj, "stage") and hasattr(obj, "module")
+    return zero_state_of(obj) is not None
 
 
 def checksum(tensor: torch.Tensor) -> int:
@@ -153,11 +155,11 @@ class GradSyncWatch:
     def __init__(self, engine: Any):
         if not _is_engine(engine):
             raise TypeError(f"GradSyncWatch takes a zerodist engine, got {type(engine).__name__}")
-        self.engine = engine
-        self.local = {id(g): torch.zeros(g.layout.total_numel, dtype=torch.float32, device=g.param_buffer.device)
-                      for g in engine.groups}
+        self.engine, self.zero = engine, zero_state_of(engine)
+        self.local = {id(g): torch.zeros(g.layout.total_numel, dtype=torch.float32, device=g.device)
+                      for g in self.zero.groups}
         self._step = engine.global_steps
-        engine.reducer.grad_observers.append(self._on_grad)
+        self.zero.reducer.grad_observers.append(self._on_grad)
 
     def _on_grad(self, group: Any, index: int, grad: torch.Tensor) -> None:
         if self._step != self.engine.global_steps:  # an optimizer step cleared the buckets
@@ -171,7 +173,7 @@ class GradSyncWatch:
         return check_gradient_sync(self.engine, raise_on_mismatch=raise_on_mismatch, reference=self, rtol=rtol)
 
     def close(self) -> None:
-        observers = self.engine.reducer.grad_observers
+        observers = self.zero.reducer.grad_observers
         if self._on_grad in observers:
             observers.remove(self._on_grad)
         self.local = {}
@@ -210,7 +212,9 @@ def _how(atol: float) -> str:
 
 
 def _engine_gradients(engine: Any, atol: float, reference: GradSyncWatch | None, rtol: float | None) -> SyncReport:
-    stage, group, sharding = engine.stage, engine.groups[0].group, engine.sharding
+    state = zero_state_of(engine)
+    group, sharding = single_domain_group(state, "check_gradient_sync"), state.sharding
+    stage = sharding.stage
     if sharding.shard_optimizer_state and reference is None:
         raise ValueError(f"check_gradient_sync: at ZeRO stage {stage} each rank holds only its own shard of the "
                          "reduced gradient, so there is nothing replicated to compare; create "
@@ -219,22 +223,22 @@ def _engine_gradients(engine: Any, atol: float, reference: GradSyncWatch | None,
         raise ValueError(f"check_gradient_sync: at ZeRO stage {stage} gradients are reduced only at the "
                          "accumulation boundary; call it after the boundary micro-step's engine.backward(loss)")
     if reference is not None:
-        params = _compare_with_reference(engine, reference, rtol)
+        params = _compare_with_reference(state, reference, rtol)
         method = f"ZeRO stage {stage}: each rank's owned shard against a reference all_reduce of the local gradients"
     else:
         named = [(r.name, r.slot.numel, g.grad_buffer[r.slot.offset: r.slot.offset + r.slot.numel])
-                 for g in engine.groups for r in g.records]
+                 for g in state.groups for r in g.records]
         params = compare_replicated(named, group, atol=atol)
         method = "ZeRO stage 0: the reduced gradient is replicated, compared " + _how(atol)
-    zero = all(float(g.norm()) == 0.0 for grp in engine.groups for g in grp.owned_grads())
+    zero = all(float(g.norm()) == 0.0 for grp in state.groups for g in grp.owned_grads())
     note = "every gradient is zero: called after engine.step(), which clears them?" if zero else ""
     return SyncReport("gradients", method, tuple(group_ranks(group)), params, note)
 
 
-def _compare_with_reference(engine: Any, watch: GradSyncWatch, rtol: float | None) -> tuple[ParamSync, ...]:
+def _compare_with_reference(zero: ZeroState, watch: GradSyncWatch, rtol: float | None) -> tuple[ParamSync, ...]:
     """Each rank's owned shard of every bucket against its slice of all_reduce(local) / N."""
     results = []
-    for flat in engine.groups:
+    for flat in zero.groups:
         group, rank, size = flat.group, flat.rank, flat.world_size
         expected = watch.local[id(flat)].clone()
         comm.all_reduce(expected, group=group)
@@ -271,18 +275,18 @@ def _compare_with_reference(engine: Any, watch: GradSyncWatch, rtol: float | Non
 
 # ---------------------------------------------------------------------------------------- weights
 
-def _check_engine_weights(engine: Any, *, raise_on_mismatch: bool, atol: float, buffers: bool) -> SyncReport:
+def _check_engine_weights(zero: Any, *, raise_on_mismatch: bool, atol: float, buffers: bool) -> SyncReport:
     """Each parameter compared over the ranks its domain replicates it on (a tensor-parallel slice
     over the data axes; a LayerNorm beside it over the data and tensor axes), buffers over all."""
-    topology = engine.topology
-    domains = {id(r.param): r.domain for g in engine.groups for r in g.records}
+    topology = zero.topology
+    domains = {id(r.param): r.domain for g in zero.groups for r in g.records}
     by_axes: dict[tuple[str, ...], Named] = {}
-    for name, param in engine.module.named_parameters():
+    for name, param in zero.module.named_parameters():
         axes = domains[id(param)].replicated_axes if id(param) in domains else topology.batch_axes
         by_axes.setdefault(axes, []).append((name, param.numel(), param.detach()))
     if buffers:
         by_axes.setdefault(("data", "expert", "tensor"), []).extend(
-            (n, b.numel(), b) for n, b in engine.module.named_buffers())
+            (n, b.numel(), b) for n, b in zero.module.named_buffers())
     params: tuple[ParamSync, ...] = ()
     for axes in sorted(by_axes):  # the same order on every rank: each comparison is a collective
         group = topology.group(*axes)
@@ -314,10 +318,11 @@ def check_weight_sync(model_or_engine: Any, *, raise_on_mismatch: bool = False, 
     """
     module = model_or_engine
     if _is_engine(model_or_engine):
-        if model_or_engine.sharding.shard_parameters:
+        zero = zero_state_of(model_or_engine)
+        if zero.sharding.shard_parameters:
             raise ValueError("check_weight_sync: at ZeRO stage 3 each rank holds a shard of the parameters; "
                              "nothing is replicated to compare")
-        return _check_engine_weights(model_or_engine, raise_on_mismatch=raise_on_mismatch, atol=atol, buffers=buffers)
+        return _check_engine_weights(zero, raise_on_mismatch=raise_on_mismatch, atol=atol, buffers=buffers)
     named = [(n, p.numel(), p.detach()) for n, p in module.named_parameters()]
     if buffers:
         named += [(n, b.numel(), b) for n, b in module.named_buffers()]

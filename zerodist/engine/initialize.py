@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
-from zerodist.comm.domains import parameter_placements
+from zerodist.comm.domains import buffer_placements, expert_parallel_degree, logical_names, parameter_placements
 from zerodist.config import BatchSizes, Config
 from zerodist.engine.dataloader import EngineDataLoader
+from zerodist.engine.deepspeed_args import DEFAULT_PORT, resolve_initialize_arguments, update_args_local_rank
 from zerodist.engine.engine import Engine
 from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
 from zerodist.engine.schedulers import build_scheduler
@@ -64,25 +65,46 @@ class ZeroParts:
 
 
 def initialize(
-    model: torch.nn.Module,
-    model_parameters: Iterable[Any] | None = None,
+    args: Any = None,
+    model: torch.nn.Module | None = None,
     optimizer: Any = None,
-    config: Config | dict[str, Any] | str | None = None,
+    model_parameters: Iterable[Any] | None = None,
     training_data: torch.utils.data.Dataset | None = None,
     lr_scheduler: Any = None,
+    distributed_port: int = DEFAULT_PORT,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
     collate_fn: Callable[..., Any] | None = None,
+    config: Config | dict[str, Any] | str | None = None,
+    mesh_param: Any = None,
+    config_params: Config | dict[str, Any] | str | None = None,
 ) -> tuple[Engine, ZeroOptimizer, EngineDataLoader | None, Any]:
-    """Wrap `model` for distributed training: `engine, optimizer, dataloader, lr_scheduler`."""
+    """Wrap `model` for distributed training: `engine, optimizer, dataloader, lr_scheduler`.
+    DeepSpeed's signature and meanings (the config from `args.deepspeed_config` when `config` is
+    None); see zerodist/engine/deepspeed_args.py and docs/deepspeed.md."""
+    config = resolve_initialize_arguments(args=args, model=model, config=config, config_params=config_params, mpu=mpu,
+                                          mesh_param=mesh_param, distributed_port=distributed_port,
+                                          dist_init_required=dist_init_required)
     # Unchecked while building (the model is moved and cast after stage 3 registered its
     # placeholders); on leaving, the stage-3 access check is installed if any are registered.
     with sharded_access.suspended():
-        validated = _validate(model, config)
-        topology = _build_topology(validated)
-        model = _apply_tensor_parallel(model, topology, validated.config)
-        model = _apply_expert_parallel(model, topology, validated.config)
-        zero = _apply_zero(model, model_parameters, optimizer, lr_scheduler, topology, validated)
-        engine, loader = _build_engine(model, zero, topology, validated, training_data, collate_fn)
-        return engine, zero.optimizer, loader, zero.scheduler
+        result = _initialize(model, model_parameters, optimizer, config, training_data, lr_scheduler, collate_fn)
+    update_args_local_rank(args, result[0].local_rank)
+    return result
+
+
+def _initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None, optimizer: Any,
+                config: Config | dict[str, Any] | str | None, training_data: torch.utils.data.Dataset | None,
+                lr_scheduler: Any, collate_fn: Callable[..., Any] | None,
+                ) -> tuple[Engine, ZeroOptimizer, EngineDataLoader | None, Any]:
+    """The ordered steps; each takes what the previous ones made."""
+    validated = _validate(model, config)
+    topology = _build_topology(validated, model)
+    model = _apply_tensor_parallel(model, topology, validated.config)
+    model = _apply_expert_parallel(model, topology, validated.config)
+    zero = _apply_zero(model, model_parameters, optimizer, lr_scheduler, topology, validated)
+    engine, loader = _build_engine(model, zero, topology, validated, training_data, collate_fn)
+    return engine, zero.optimizer, loader, zero.scheduler
 
 
 def _validate(model: torch.nn.Module, config: Config | dict[str, Any] | str | None) -> Validated:
@@ -103,11 +125,11 @@ def _validate(model: torch.nn.Module, config: Config | dict[str, Any] | str | No
     return Validated(config, world)
 
 
-def _build_topology(validated: Validated) -> comm.Topology:
-    """The mesh: the tensor degree from the config (`tensor_parallel.autotp_size` or
-    `zerodist.tensor_parallel.size`), the data axis takes the rest of the world. Expert
-    parallelism is not implemented yet, so its degree is 1."""
-    return comm.Topology(expert=1, tensor=validated.config.tensor_degree)
+def _build_topology(validated: Validated, model: torch.nn.Module) -> comm.Topology:
+    """The mesh: the expert degree the model declares (`zerodist.comm.domains.
+    declare_expert_parallel`, 1 when none), the tensor degree from the config
+    (`tensor_parallel.autotp_size` or `zerodist.tensor_parallel.size`), data the rest."""
+    return comm.Topology(expert=expert_parallel_degree(model), tensor=validated.config.tensor_degree)
 
 
 def _apply_tensor_parallel(model: torch.nn.Module, topology: comm.Topology, config: Config) -> torch.nn.Module:
@@ -140,15 +162,17 @@ def _apply_zero(model: torch.nn.Module, model_parameters: Iterable[Any] | None, 
     precision = PrecisionPolicy.from_config(config)
     sharding = ShardingPolicy.from_stage(config.zero_optimization.stage)
     specs, build_optimizer = resolve_optimizer(model, model_parameters, optimizer, config)
-    names = check_groups_cover_model(model, specs)
+    check_groups_cover_model(model, specs)
+    names = logical_names(model)  # checkpoints key by them ([Note: logical names] in comm/domains.py)
     specs = [s for s in specs if s.params]
     positions = {id(p): i for i, p in enumerate(model.parameters())}
     groups_by_spec, runtime = _flatten(model, specs, names, config, topology, precision, sharding)
     groups = [g for spec_groups in groups_by_spec for g in spec_groups]
-    _sync_untrained_state(model, {id(p) for s in specs for p in s.params})
+    _sync_untrained_state(model, {id(p) for s in specs for p in s.params}, topology)
     model.to(precision.param_dtype)  # the rest of the floating state; flattened parameters already are
     reducer = GradReducer(groups, [[positions[id(p)] for p in g.params] for g in groups],
                           max_in_flight=2 if sharding.shard_gradients else None,
+                          overlap=config.zero_optimization.overlap_comm,
                           before_sync=runtime.before_grad_sync if runtime is not None else None,
                           on_complete=runtime.on_bucket_complete if runtime is not None else None)
     inner = build_optimizer([{"params": [t for g in spec_groups for t in g.optimizer_tensors], **s.options}
@@ -186,14 +210,16 @@ def _flatten(model: torch.nn.Module, specs: list[Any], names: dict[int, str], co
     plan for every stage]), each over its domain's group (declared placements, zerodist.comm.
     domains); with sharded parameters also the runtime that gathers the units."""
     zero = config.zero_optimization
-    domains = {key: placement.domain for key, placement in parameter_placements(model).items()}
+    placements = parameter_placements(model)
+    domains = {key: placement.domain for key, placement in placements.items()}
     plan = plan_groups(model, [s.params for s in specs], unit_classes=config.zerodist.stage3_unit_classes,
                        persistence_threshold=zero.stage3_param_persistence_threshold,
                        bucket_numel=bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
                        domains=domains)
     domain_groups = {g.domain: DomainGroup.of(topology, g.domain) for g in plan.groups}
-    settings = FlattenSettings(policy=sharding, domain_groups=domain_groups, use_reduce_scatter=zero.reduce_scatter,
-                               param_dtype=precision.param_dtype, device=comm.device_for_rank())
+    settings = FlattenSettings(policy=sharding, domain_groups=domain_groups, placements=placements,
+                               use_reduce_scatter=zero.reduce_scatter, param_dtype=precision.param_dtype,
+                               device=comm.device_for_rank())
     groups = build_groups(model, plan, names, settings)
     runtime = None
     if sharding.shard_parameters:
@@ -226,27 +252,37 @@ def _check_ranks_agree(model: torch.nn.Module, config: Config) -> None:
                                "the same script with the same config.")
 
 
-def _sync_untrained_state(model: torch.nn.Module, trained: set[int]) -> None:
-    """Frozen parameters and buffers start as rank 0's, like the trained ones."""
-    for tensor in list(model.buffers()) + [p for p in model.parameters() if id(p) not in trained]:
-        comm.broadcast(tensor.data, src=0)
+def _sync_untrained_state(model: torch.nn.Module, trained: set[int], topology: comm.Topology) -> None:
+    """Frozen parameters and buffers start as the first rank's of their domain group, like the
+    trained ones (an expert's buffers are its own: they agree within its expert-data group only)."""
+    placements = {**parameter_placements(model), **buffer_placements(model)}
+    tensors = list(model.buffers()) + [p for p in model.parameters() if id(p) not in trained]
+    for tensor in tensors:
+        axes = placements[id(tensor)].domain.replicated_axes
+        group = topology.group(*axes)
+        comm.broadcast(tensor.data, src=topology.ranks(*axes)[0], group=group)
 
 
 def reduce_collective(sharding: ShardingPolicy, reduce_scatter: bool) -> str:
     """The collective that really reduces gradient buckets: with full optimizer state (stage 0)
     always all-reduce, as DDP; otherwise the configured one."""
-    return "reduce-scatter" if reduce_scatter and sharding.shard_optimizer_state else "all-reduce"
+    if not sharding.shard_optimizer_state:
+        return "all-reduce" + (" (reduce_scatter applies from stage 1)" if reduce_scatter else "")
+    return "reduce-scatter" if reduce_scatter else "all-reduce"
 
 
 def _log_summary(engine: Engine, info: comm.WorldInfo) -> None:
     zero = engine.config.zero_optimization
+    domains = {g.domain.reduce_axes: g.world_size for g in engine.groups}
     log_rank0(
         logger,
         "initialized: %d rank(s) (%s), ZeRO stage %d, %s, batch %d = micro %d x accumulation %d x data-parallel %d, "
-        "gradient_clipping %s, reduce with %s, %d flat group(s) in %d bucket(s) of at most %d elements",
+        "gradient_clipping %s, reduce with %s %s, %d flat group(s) in %d bucket(s) of at most %d elements over %s",
         info.world_size, info.backend, zero.stage, engine.policy.name, engine.batch.train_batch_size,
         engine.batch.micro_batch_size, engine.batch.gradient_accumulation_steps, engine.topology.num_batch_shards,
         engine.config.gradient_clipping or "0 (off)", reduce_collective(engine.sharding, zero.reduce_scatter),
+        "during backward" if zero.overlap_comm else "after backward (overlap_comm false)",
         len(engine.groups), len(engine.reducer.order),
         bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
+        ", ".join(f"{'x'.join(axes)} ({size} ranks)" for axes, size in domains.items()),
     )

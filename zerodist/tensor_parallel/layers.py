@@ -165,7 +165,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight_spec = SliceSpec(0, out_features, fused, padded_size=padded)
         self.weight = nn.Parameter(slice_tensor(weight, self.weight_spec, region))
         self.bias = None if bias is None else nn.Parameter(slice_tensor(bias, self.weight_spec, region))
-        declare_placement(self, Placement(TENSOR_SLICE, slice_dim=0, slice_axis="tensor"))
+        declare_placement(self, Placement(TENSOR_SLICE, slice_dim=0, slice_axis="tensor", fused=fused,
+                                          logical_size=out_features if padded else None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sequence_dim = x.dim() - 2 if self.sequence_parallel and self.region.size > 1 else None
@@ -266,7 +267,8 @@ class VocabParallelEmbedding(nn.Module):
         self.num_local = padded // region.size
         self.vocab_start = region.rank * self.num_local
         self.weight = nn.Parameter(slice_tensor(weight, self.weight_spec, region))
-        declare_placement(self, Placement(TENSOR_SLICE, slice_dim=0, slice_axis="tensor"))
+        declare_placement(self, Placement(TENSOR_SLICE, slice_dim=0, slice_axis="tensor",
+                                          logical_size=num_embeddings if padded != num_embeddings else None))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.region.size == 1:

@@ -56,7 +56,7 @@ def endless(loader: Any) -> Iterator[Any]:
 def micro_steps(engine: Engine, batches: Iterator[Any], device: torch.device) -> torch.Tensor:
     """One optimizer step (all its micro-steps); returns this rank's mean loss over them."""
     losses = []
-    for _ in range(engine.gradient_accumulation_steps):
+    for _ in range(engine.gradient_accumulation_steps()):
         inputs, targets = next(batches)
         loss = engine(inputs.to(device), targets.to(device))
         engine.backward(loss)
@@ -151,7 +151,7 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
         logging_bytes=sum(t.total_bytes() for t in logging_traces),
         logging_bus_bytes=sum(r.bus_bytes for t in logging_traces for r in t.records),
         expected_bus_bytes_per_step=expected_bus_bytes(
-            stage=zero.stage, psi=psi, world_size=world, accumulation_steps=engine.gradient_accumulation_steps,
+            stage=zero.stage, psi=psi, world_size=world, accumulation_steps=engine.gradient_accumulation_steps(),
             reduce_scatter=zero.reduce_scatter, element_bytes=engine.policy.param_dtype.itemsize),
         tensor_degree=engine.topology.size("tensor"),
     )
@@ -200,7 +200,7 @@ def train(plan: TrainPlan) -> int:
     if rank0:
         print(format_summary(summary), flush=True)
         if engine.topology.size("tensor") > 1:
-            report = measure_from_log(engine, tensor_parallel_log, len(records) * engine.gradient_accumulation_steps)
+            report = measure_from_log(engine, tensor_parallel_log, len(records) * engine.batch.gradient_accumulation_steps)
             print("\n".join("  " + line for line in report_lines(report)), flush=True)
         for line in write_outputs(plan, records, summary):
             print(line, flush=True)

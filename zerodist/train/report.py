@@ -23,6 +23,7 @@ import dataclasses
 from fractions import Fraction
 
 from zerodist.utils import format_bytes
+from zerodist.zero.policy import ShardingPolicy
 
 # (constant, per-rank) multiples of Ψ bytes, by (stage, mixed precision).
 _STATE_TERMS = {
@@ -45,9 +46,10 @@ def state_formula_bytes(stage: int, mixed_precision: bool, psi: int, world_size:
 def expected_bus_bytes(*, stage: int, psi: int, world_size: int, accumulation_steps: int, reduce_scatter: bool,
                        element_bytes: int) -> int:
     """Bytes one rank sends per optimizer step for gradients and parameters (module docstring)."""
-    syncs = accumulation_steps if stage >= 2 else 1
+    policy = ShardingPolicy.from_stage(stage)
+    syncs = accumulation_steps if policy.shard_gradients else 1
     per_sync = 1 if reduce_scatter else 2
-    gathers = 0 if stage == 0 and not reduce_scatter else 1
+    gathers = 1 if policy.shard_optimizer_state or reduce_scatter else 0
     return int(Fraction(psi * (world_size - 1), world_size) * (syncs * per_sync + gathers) * element_bytes)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
+from zerodist.comm.domains import Placement
 from zerodist.comm.topology import Domain
 from zerodist.zero import sharded_access
 from zerodist.zero.bucket import Bucket, GradSyncPlan
@@ -36,15 +37,40 @@ from zerodist.zero.policy import DomainGroup, ShardingPolicy
 @dataclasses.dataclass(eq=False)
 class ParamRecord:
     """One parameter of a flat group (as FSDP2's `FSDPParam`): the user's parameter object, its
-    name in the model's state_dict, its logical shape, where it lives in the flat layout, its
-    domain, and (sharded parameters) the placeholder its data is while sharded."""
+    logical name ([Note: logical names] in zerodist/comm/domains.py), its shape on this rank,
+    where it lives in the flat layout, its placement (domain, and how a slice was cut from the
+    logical tensor), which part of the logical tensor it is, and (sharded parameters) the
+    placeholder its data is while sharded."""
 
     param: torch.nn.Parameter
     name: str
     shape: tuple[int, ...]
     slot: ParamSlot
-    domain: Domain
+    placement: Placement
+    part: int = 0  # this rank's index along the placement's slice axis
+    num_parts: int = 1
     placeholder: torch.Tensor | None = None
+
+    @property
+    def domain(self) -> Domain:
+        return self.placement.domain
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """The logical tensor's shape: the slice dimension times the number of parts."""
+        dim = self.placement.slice_dim
+        if dim is None:
+            return self.shape
+        length = self.placement.logical_size or self.shape[dim] * self.num_parts  # padded parts: the logical length
+        return tuple(length if d == dim else n for d, n in enumerate(self.shape))
+
+    def placement_json(self) -> dict[str, Any]:
+        """The placement as a checkpoint manifest records it."""
+        domain = self.placement.domain
+        return {"reduce_axes": list(domain.reduce_axes), "replicated_axes": list(domain.replicated_axes),
+                "slice_dim": self.placement.slice_dim, "slice_axis": self.placement.slice_axis,
+                "part": self.part, "num_parts": self.num_parts, "fused": list(self.placement.fused),
+                "logical_size": self.placement.logical_size}
 
 
 class FlatParamGroup:
@@ -55,20 +81,20 @@ class FlatParamGroup:
     registration: sharded_access.Registration | None = None
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, policy: ShardingPolicy,
-                 domain_group: DomainGroup, bucket_numel: int, use_reduce_scatter: bool, param_dtype: torch.dtype):
+                 domain_group: DomainGroup, bucket_numel: int, use_reduce_scatter: bool, param_dtype: torch.dtype,
+                 placements: list[Placement] | None = None):
         # Reverse order: backward produces the last parameters' gradients first, so the first
         # buckets fill first and their collectives start while backward goes on.
         params, names = params[::-1], names[::-1]
+        placements = placements[::-1] if placements is not None else [Placement(domain_group.domain)] * len(params)
+        if any(p.domain != domain_group.domain for p in placements):
+            raise ValueError(f"a flat group of domain {domain_group.domain} was given parameters of another domain")
         self.policy, self.domain_group = policy, domain_group
         self.group, self.rank, self.world_size = domain_group.group, domain_group.rank, domain_group.size
         self.layout: FlatLayout = plan_layout([p.numel() for p in params], bucket_numel=bucket_numel,
                                               world_size=self.world_size)
-        shapes = [tuple(p.shape) for p in params]
-        # Sharded parameters: their data while sharded, made once ([Note: sharded placeholder]).
-        self.nans, placeholders = (sharded_access.placeholders(shapes, param_dtype, params[0].device)
-                                   if policy.shard_parameters else (None, [None] * len(params)))
-        self.records = [ParamRecord(p, n, shape, slot, domain_group.domain, placeholder)
-                        for p, n, shape, slot, placeholder in zip(params, names, shapes, self.layout.slots, placeholders)]
+        self.nans: torch.Tensor | None = None
+        self.records = self._make_records(params, names, placements, param_dtype)
         # Sharded parameters: only this rank's shard is built when the ranks already agree (no full buffer).
         owned = self._initial_shard() if policy.shard_parameters else None
         initial = self._gather_initial_values() if owned is None else owned
@@ -92,20 +118,37 @@ class FlatParamGroup:
         else:
             self.param_buffer = initial.to(param_dtype)
             self._point_params_at(self.param_buffer)
-        # Without sharded optimizer state this is data parallelism as DDP does it: one all-reduce per
-        # bucket. `reduce_scatter` is a ZeRO 1-3 setting (as in DeepSpeed); with full optimizer state a
-        # reduce-scatter would need an all-gather after it, and gloo implements reduce-scatter as an
-        # all-reduce plus copies (1.5x the bytes).
-        full_grads = not policy.shard_gradients
-        self.plan = GradSyncPlan(use_reduce_scatter and policy.shard_optimizer_state, persistent_full_grad=full_grads,
-                                 divisor=domain_group.grad_divisor)
-        self.grad_buffer = torch.zeros_like(initial, dtype=param_dtype) if full_grads else None
-        # Sharded gradients: the first sync of each accumulation overwrites the shard (Bucket.accumulated),
-        # so it needs no zeros, and untouched pages cost no memory until backward writes them.
-        self.grad_shard = None if full_grads else torch.empty(self.layout.shard_numel, dtype=param_dtype,
-                                                              device=self.device)
+        self._allocate_gradients(use_reduce_scatter)
         self.buckets = [self._make_bucket(i) for i in range(len(self.layout.buckets))]
         self.optimizer_tensors = self._optimizer_views()
+
+    def _make_records(self, params: list[torch.nn.Parameter], names: list[str], placements: list[Placement],
+                      param_dtype: torch.dtype) -> list[ParamRecord]:
+        shapes = [tuple(p.shape) for p in params]
+        placeholders: list[torch.Tensor | None] = [None] * len(params)
+        if self.policy.shard_parameters:
+            # Sharded parameters: their data while sharded, made once ([Note: sharded placeholder]).
+            self.nans, placeholders = sharded_access.placeholders(shapes, param_dtype, params[0].device)
+        return [ParamRecord(p, n, shape, slot, where, *_part_of(where, self.domain_group), placeholder=placeholder)
+                for p, n, shape, slot, where, placeholder in zip(params, names, shapes, self.layout.slots, placements,
+                                                                  placeholders)]
+
+    def _allocate_gradients(self, use_reduce_scatter: bool) -> None:
+        """The gradient buffers the policy asks for, and how buckets sync into them.
+
+        Without sharded optimizer state this is data parallelism as DDP does it: one all-reduce per
+        bucket. `reduce_scatter` is a ZeRO 1-3 setting (as in DeepSpeed); with full optimizer state a
+        reduce-scatter would need an all-gather after it, and gloo implements reduce-scatter as an
+        all-reduce plus copies (1.5x the bytes)."""
+        full_grads = not self.policy.shard_gradients
+        self.plan = GradSyncPlan(use_reduce_scatter and self.policy.shard_optimizer_state,
+                                 persistent_full_grad=full_grads, divisor=self.domain_group.grad_divisor)
+        self.grad_buffer = (torch.zeros(self.layout.total_numel, dtype=self.param_dtype, device=self.device)
+                            if full_grads else None)
+        # Sharded gradients: the first sync of each accumulation overwrites the shard (Bucket.accumulated),
+        # so it needs no zeros, and untouched pages cost no memory until backward writes them.
+        self.grad_shard = None if full_grads else torch.empty(self.layout.shard_numel, dtype=self.param_dtype,
+                                                              device=self.device)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -335,6 +378,13 @@ class FlatParamGroup:
         params = size(self.param_shard) if self.policy.shard_parameters else size(self.param_buffer)
         return {"params": params, "grads": size(self.grad_buffer) + size(self.grad_shard),
                 "master": size(self.master)}
+
+
+def _part_of(placement: Placement, domain_group: DomainGroup) -> tuple[int, int]:
+    """(this rank's part, number of parts) of a tensor sliced by `placement`; (0, 1) when whole."""
+    if placement.slice_axis is None:
+        return 0, 1
+    return domain_group.coords[placement.slice_axis], domain_group.degrees[placement.slice_axis]
 
 
 def _agree_or_broadcast(buffer: torch.Tensor, group: Any) -> None:

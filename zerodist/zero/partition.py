@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 
+from zerodist.comm.domains import Placement
 from zerodist.comm.topology import Domain
 from zerodist.zero.flat_group import FlatParamGroup
+from zerodist.zero.init_keywords import check_init_keywords
 from zerodist.zero.plan import FlatPlan
 from zerodist.zero.policy import DomainGroup, ShardingPolicy
 from zerodist.zero.stage3 import Stage3Runtime, Stage3Settings, Unit, register_replicated
@@ -40,8 +42,10 @@ class InitRecord:
 _INIT_RECORDS: weakref.WeakKeyDictionary[torch.nn.Module, InitRecord] = weakref.WeakKeyDictionary()
 
 
-@contextlib.contextmanager
-def Init() -> Iterator[InitRecord]:  # noqa: N802 - DeepSpeed's name
+def Init(module: torch.nn.Module | None = None, data_parallel_group: Any = None,  # noqa: N802 - DeepSpeed's name
+         mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
+         config_dict_or_path: Any = None, config: Any = None, enabled: bool = True, dtype: torch.dtype | None = None,
+         mpu: Any = None, **deepspeed_keywords: Any) -> contextlib.AbstractContextManager[InitRecord | None]:
     """Build models inside this block on the meta device, for ZeRO-3 partitioned construction.
 
     Nothing is allocated; `zerodist.initialize(model=..., config={"zero_optimization":
@@ -49,7 +53,21 @@ def Init() -> Iterator[InitRecord]:  # noqa: N802 - DeepSpeed's name
     would have had from the RNG state at this block's start. torch's factory functions are not
     replaced: this is torch's own `torch.device("meta")` context plus a parameter-registration
     hook that remembers which parameters were made here.
+
+    DeepSpeed's keywords: `enabled=False` builds eagerly; `config_dict_or_path` is validated now;
+    `dtype` must be the one that config trains in; `mem_efficient_linear` changes nothing (torch's
+    linear is never replaced); keywords asking for offload, other groups or quantization are
+    refused with the reason (zero/init_keywords.py).
     """
+    check_init_keywords(module=module, data_parallel_group=data_parallel_group, remote_device=remote_device,
+                        pin_memory=pin_memory, config_dict_or_path=config_dict_or_path, config=config, dtype=dtype,
+                        mpu=mpu, extra=deepspeed_keywords)
+    del mem_efficient_linear
+    return _meta_construction() if enabled else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _meta_construction() -> Iterator[InitRecord]:
     record = InitRecord(torch.get_rng_state())
 
     def remember(module: torch.nn.Module, name: str, param: torch.Tensor | None) -> None:
@@ -95,6 +113,7 @@ class FlattenSettings:
 
     policy: ShardingPolicy
     domain_groups: Mapping[Domain, DomainGroup]  # every domain of the plan
+    placements: Mapping[int, Placement]  # id(param) -> its declared placement (zerodist.comm.domains)
     use_reduce_scatter: bool
     param_dtype: torch.dtype
     device: torch.device
@@ -118,7 +137,8 @@ def build_groups(model: torch.nn.Module, plan: FlatPlan, names: dict[int, str],
             built[i] = FlatParamGroup(list(planned.params), [names[id(p)] for p in planned.params], policy=policy,
                                       domain_group=settings.domain_groups[planned.domain],
                                       bucket_numel=plan.bucket_numel, use_reduce_scatter=settings.use_reduce_scatter,
-                                      param_dtype=settings.param_dtype)
+                                      param_dtype=settings.param_dtype,
+                                      placements=[settings.placements[id(p)] for p in planned.params])
 
     last_module = {id(list(module.modules())[-1]): unit
                    for unit, (_, module) in enumerate(plan.unit_modules, start=1)}

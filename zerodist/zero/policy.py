@@ -74,13 +74,16 @@ class DomainGroup:
     # global rank -> its index in its own group over the same axes: a rank of another group of the
     # domain stands for the member of this one at that index (same coordinates on the reduce axes)
     index_of: tuple[int, ...]
+    coords: dict[str, int]  # this rank's index along each mesh axis (which slice of a sliced tensor it holds)
+    degrees: dict[str, int]
 
     @classmethod
     def of(cls, topology: Topology, domain: Domain) -> DomainGroup:
         axes = domain.reduce_axes
         index_of = tuple(topology.axis_rank_of(rank, *axes) for rank in range(topology.world_size))
         return cls(domain, topology.group(*axes), topology.axis_rank(*axes), topology.size(*axes),
-                   tuple(topology.ranks(*axes)), topology.num_batch_shards, topology.counts_in_norm(domain), index_of)
+                   tuple(topology.ranks(*axes)), topology.num_batch_shards, topology.counts_in_norm(domain), index_of,
+                   dict(topology.coords), dict(topology.degrees))
 
     def peer_of(self, global_rank: int) -> int:
         """The global rank of this group's member that stands where `global_rank` stands in its own."""

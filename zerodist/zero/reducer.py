@@ -28,7 +28,7 @@ class GradReducer:
     """Owns the gradient hooks of all groups and starts/finishes their buckets in order."""
 
     def __init__(self, groups: list[FlatParamGroup], positions: list[list[int]], *, max_in_flight: int | None,
-                 before_sync: Callable[[Bucket], None] | None = None,
+                 overlap: bool = True, before_sync: Callable[[Bucket], None] | None = None,
                  on_complete: Callable[[Bucket], None] | None = None):
         self.groups = groups
         keyed = []
@@ -38,6 +38,9 @@ class GradReducer:
                 keyed.append((earliest, bucket))
         self.order: list[Bucket] = [b for _, b in sorted(keyed, key=lambda kb: -kb[0])]
         self.max_in_flight = max_in_flight
+        # overlap_comm: start each bucket's collective as soon as it (and every earlier one) is full,
+        # while backward goes on; off: start them all when backward ends (same collectives, same order).
+        self.overlap = overlap
         # Debug observers (zerodist.debug: NaN hunt, gradient sync check): fn(group, index, grad) sees each
         # parameter's local gradient before it is added to its bucket. Empty: no cost.
         self.grad_observers: list[Callable[[FlatParamGroup, int, torch.Tensor], None]] = []
@@ -66,7 +69,7 @@ class GradReducer:
         param.grad = None  # the gradient now lives in the bucket; free autograd's copy
         self.grads_seen += 1
         if bucket.register_grad_ready():
-            if self.sync_enabled:
+            if self.sync_enabled and self.overlap:
                 self._start_complete_buckets()
             if self.on_complete is not None:
                 self.on_complete(bucket)
