@@ -1,7 +1,9 @@
 """Where a tensor-parallel slice's elements live in its logical (unsliced) tensor.
 
 Checkpoints describe every parameter in its logical coordinates (the flat element index of the
-unparallelized tensor), so a checkpoint saved at one tensor degree loads at any other. A slice's
+unparallelized tensor), so a checkpoint saved at one tensor degree loads at any other. An even
+split is `zerodist.zero.layout.slice_runs`; this module serves the placements that refine it
+(`Placement.fused`, `Placement.logical_size`), through `zerodist.checkpoint.shards.logical_runs`. A slice's
 elements are not contiguous there in general (a row-parallel weight `[out, in/t]` holds one run
 of `in/t` elements per row; a fused QKV slice three runs of rows; a padded vocabulary slice may
 end in rows that exist in no logical tensor), so a range of the local flat tensor maps to a list
@@ -13,9 +15,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch import nn
 
-from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, SliceSpec, VocabParallelEmbedding
+from zerodist.tensor_parallel.layers import SliceSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,18 +70,3 @@ class ParamSlicing:
             breaks[1:] = (logical[1:] != logical[:-1] + 1) | (valid[1:] != valid[:-1])
         starts = torch.nonzero(breaks).flatten().tolist() + [length]
         return [(int(logical[a]), b - a, a) for a, b in zip(starts[:-1], starts[1:]) if bool(valid[a])]
-
-
-def parameter_slicings(model: nn.Module) -> dict[str, ParamSlicing]:
-    """Parameter name -> slicing for every tensor-parallel slice in `model` (replicated
-    parameters, row-parallel biases included, are absent)."""
-    found: dict[str, ParamSlicing] = {}
-    for prefix, module in model.named_modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
-            continue
-        dot = prefix + "." if prefix else ""
-        region = module.region
-        found[dot + "weight"] = ParamSlicing(module.weight_spec, tuple(module.weight.shape), region.rank, region.size)
-        if isinstance(module, ColumnParallelLinear) and module.bias is not None:
-            found[dot + "bias"] = ParamSlicing(module.weight_spec, tuple(module.bias.shape), region.rank, region.size)
-    return found
