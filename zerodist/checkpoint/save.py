@@ -203,7 +203,8 @@ def _merge_module_facts(reports: list[RankReport]) -> tuple[list[str], dict[str,
 def _logical_shape(facts: dict[str, Any]) -> list[int]:
     placement, shape = facts["placement"], list(facts["shape"])
     if placement["slice_dim"] is not None:
-        shape[placement["slice_dim"]] *= placement["num_parts"]
+        dim = placement["slice_dim"]
+        shape[dim] = placement.get("logical_size") or shape[dim] * placement["num_parts"]
     return shape
 
 

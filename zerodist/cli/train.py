@@ -42,6 +42,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="save a checkpoint every N steps in OUT/checkpoints")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in OUT/checkpoints (give the earlier run's --out)")
+    p.add_argument("--tp", type=_positive_int, default=None, metavar="T",
+                   help="tensor-parallel degree (ranks per tensor group); the data degree is nproc / T")
+    p.add_argument("--domino", type=_positive_int, default=None, metavar="K",
+                   help="Domino: split each block's batch into K >= 2 chunks to overlap tensor-parallel all-reduces")
     p.set_defaults(handler=run)
 
 
@@ -78,12 +82,15 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     out = Path(args.out or default_out()).resolve()
     overrides = Overrides(stage=args.stage, micro_batch=args.micro_batch, lr=args.lr, steps=args.steps,
                           bf16=args.bf16, fp16=args.fp16, save_interval=args.save_interval, resume=args.resume,
-                          save_dir=str(out / "checkpoints"))
+                          save_dir=str(out / "checkpoints"), tensor_parallel=args.tp, domino_chunks=args.domino)
     config = merge_config(file_config, overrides, steps)
     source = f"{args.config} with the command-line flags" if args.config else None
     try:
         checked = Config.load(config)
-        checked.batch_sizes(world_size, world_size_source=f"{world_size} rank(s)")
+        tensor = checked.tensor_degree
+        if world_size % tensor:
+            raise ValueError(f"--nproc {world_size} is not divisible by the tensor-parallel degree {tensor} (--tp)")
+        checked.batch_sizes(world_size // tensor, world_size_source=f"{world_size} rank(s) / tensor {tensor}")
         if checked.optimizer is not None:
             optimizer_from_config(checked)
     except ConfigError as err:
@@ -101,7 +108,7 @@ def worker_args(args: argparse.Namespace, out: Path) -> list[str]:
     argv = ["train", "--out", str(out)]
     flags = {"--config": args.config, "--stage": args.stage, "--steps": args.steps, "--model": args.model,
              "--micro-batch": args.micro_batch, "--lr": args.lr, "--seed": args.seed,
-             "--save-interval": args.save_interval, "--moe": args.moe}
+             "--save-interval": args.save_interval, "--moe": args.moe, "--tp": args.tp, "--domino": args.domino}
     for flag, value in flags.items():
         if value is not None:
             argv += [flag, str(value)]

@@ -17,6 +17,7 @@ from typing import Any
 
 from zerodist.checkpoint.state import capture_rng, restore_rng
 from zerodist.moe.parallel import restore_routing_clock
+from zerodist.tensor_parallel.random import rng_tracker_of
 from zerodist.utils import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -31,7 +32,7 @@ def training_state_dict(engine: Any) -> dict[str, Any]:
         "gradient_accumulation_steps": engine.batch.gradient_accumulation_steps,
         "loss_scaler": engine.optimizer.scaler.state_dict(),
         "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "rng": capture_rng(),
+        "rng": _capture_rng(engine),
         "data": loader.state_dict() if loader is not None and hasattr(loader, "state_dict") else None,
     }
 
@@ -61,3 +62,15 @@ def load_training_state_dict(engine: Any, state: dict[str, Any]) -> None:
         loader.load_state_dict(state["data"])
     if state.get("rng") is not None:
         restore_rng(state["rng"])
+        tracker = rng_tracker_of(engine.module)
+        if tracker is not None and "tensor_parallel" in state["rng"]:
+            tracker.load_state_dict(state["rng"]["tensor_parallel"])
+
+
+def _capture_rng(engine: Any) -> dict[str, Any]:
+    """This process's streams, and tensor parallelism's dropout streams (replicated / sharded)."""
+    rng = capture_rng()
+    tracker = rng_tracker_of(engine.module)
+    if tracker is not None:
+        rng["tensor_parallel"] = tracker.state_dict()
+    return rng

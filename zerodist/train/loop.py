@@ -26,10 +26,12 @@ import zerodist.comm as comm
 from zerodist.data import TokenDataset, split_corpus, stdlib_corpus
 from zerodist.engine import Engine
 from zerodist.models import GPT, count_parameters, gpt_config
+from zerodist.tensor_parallel import schedule_log
 from zerodist.debug.memory import peak_rss_bytes, rss_bytes
 from zerodist.train.metrics import StepRecord, plot_loss, write_csv
 from zerodist.train.options import TrainPlan
 from zerodist.train.report import RankMemory, RunSummary, expected_bus_bytes, format_summary
+from zerodist.train.tp_report import measure_from_log, report_lines
 
 try:  # the debug layer's reduction, token-weighted and checked on every rank
     from zerodist.debug import reduce_loss
@@ -156,6 +158,7 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
             stage=zero.stage, psi=psi, world_size=world, accumulation_steps=engine.gradient_accumulation_steps(),
             reduce_scatter=zero.reduce_scatter, element_bytes=engine.policy.param_dtype.itemsize),
         narrow_groups=tuple(narrow),
+        tensor_degree=engine.topology.size("tensor"),
     )
 
 
@@ -216,7 +219,8 @@ def train(plan: TrainPlan) -> int:
     if rank0:
         print_header(plan, engine, model)
     try:
-        records, elapsed, everything, logging_traces = run_steps(engine, loader, plan.steps, seq_len)
+        with schedule_log() as tensor_parallel_log:  # tensor-parallel bytes and Domino's schedule
+            records, elapsed, everything, logging_traces = run_steps(engine, loader, plan.steps, seq_len)
         memory = gather_memory(engine)
         load = tracker.gather() if plan.moe_experts else None
     finally:
@@ -227,6 +231,9 @@ def train(plan: TrainPlan) -> int:
         if load is not None:
             for line in _moe_lines(plan, engine, model, load, everything, len(records), seq_len):
                 print(line, flush=True)
+        if engine.topology.size("tensor") > 1:
+            report = measure_from_log(engine, tensor_parallel_log, len(records) * engine.batch.gradient_accumulation_steps)
+            print("\n".join("  " + line for line in report_lines(report)), flush=True)
         for line in write_outputs(plan, records, summary):
             print(line, flush=True)
     if not all(math.isfinite(r.loss) for r in records[-1:]):
