@@ -155,7 +155,8 @@ def _train_cli_in_place(out):
     from zerodist.train import train
 
     args = argparse.Namespace(model="tiny", steps=3, config=None, out=out, stage=None, micro_batch=2, lr=None,
-                              bf16=False, fp16=False, seed=None, save_interval=None, resume=False, tp=2, domino=2)
+                              bf16=False, fp16=False, seed=None, save_interval=None, resume=False, tp=2, domino=2,
+                              moe=None)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         code = train(build_plan(args, comm.get_world_size()))

@@ -74,6 +74,9 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     model = args.model or DEFAULT_MODEL
     if model not in GPT_PRESETS:
         raise ValueError(f"unknown --model {model!r}; choose one of: {', '.join(GPT_PRESETS)}")
+    if args.moe is not None and (args.tp or 1) > 1:
+        raise ValueError("--moe with --tp: the demo does not combine expert and tensor parallelism yet; "
+                         "use one of them")
     if args.moe is not None and args.moe % world_size:
         raise ValueError(f"--moe {args.moe}: the experts are spread over the {world_size} rank(s), so their number "
                          f"must be a multiple of {world_size}")
