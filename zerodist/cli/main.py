@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from typing import NoReturn
 
 # (command, module): each module defines register(subparsers) and run(args) -> int.
 COMMANDS = [
@@ -46,3 +48,47 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     return int(args.handler(args) or 0)
+
+
+def run_and_exit() -> NoReturn:
+    """The `zerodist` program (console script and `python -m zerodist`): `main()`, then an exit
+    with its status that no rank turns into a crash (see [Note: leaving together])."""
+    code = main()
+    if is_rank_of_a_world():
+        leave_together(code)
+    raise SystemExit(code)
+
+
+# [Note: leaving together]
+# When every rank of a `zerodist` command reports the same error (a config error found after the
+# group formed), the ranks end within a few milliseconds of each other, yet torchrun's agent
+# SIGTERMs every rank still running as soon as it sees the first failure: the slower rank was
+# reported as "exitcode -15 (SIGTERM)", and an interpreter torn down with a gloo group alive can
+# abort instead ("terminate called without an active exception", exit -6). So a rank of a world
+# (1) waits, through the store and for at most LEAVE_WAIT_S, until every rank is leaving,
+# (2) destroys the process group while the interpreter is whole, and (3) exits at once with
+# os._exit, skipping the interpreter's finalization, where the gloo and tensor destructors would
+# run after Python's own state is gone. Files are closed and the streams flushed before it.
+LEAVE_WAIT_S = 30.0
+
+
+def is_rank_of_a_world() -> bool:
+    import zerodist.comm as comm
+
+    return comm.is_initialized()
+
+
+def leave_together(code: int) -> NoReturn:
+    from zerodist.comm import ExchangeTimeoutError, exchange_with_deadline
+    from zerodist.comm.init import destroy_world
+
+    try:
+        exchange_with_deadline("zerodist-cli-exit", str(code), timeout_s=LEAVE_WAIT_S)
+    except ExchangeTimeoutError:
+        pass  # a rank that does not come (hung, or already gone) must not keep the others
+    except Exception:  # the store's host already left: nothing to wait for
+        pass
+    destroy_world()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
