@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -71,6 +72,8 @@ def _initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None, 
     if info.backend == "nccl" and not any(p.is_meta for p in model.parameters()):
         model.to(comm.device_for_rank())
     policy = PrecisionPolicy.from_config(config)
+    if (recast := policy.describe_recast(model)) is not None:  # before _flatten and model.to() cast it
+        log_rank0(logger, recast, level=logging.WARNING)
     specs, build_optimizer = resolve_optimizer(model, model_parameters, optimizer, config)
     names = check_groups_cover_model(model, specs)
     specs = [s for s in specs if s.params]
