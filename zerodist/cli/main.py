@@ -73,20 +73,18 @@ LEAVE_WAIT_S = 30.0
 
 
 def is_rank_of_a_world() -> bool:
-    import zerodist.comm as comm
-
-    return comm.is_initialized()
+    # Not imported means no world, and `zerodist config show` need not import torch to learn it.
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 def leave_together(code: int) -> NoReturn:
-    from zerodist.comm import ExchangeTimeoutError, exchange_with_deadline
+    from zerodist.comm import exchange_with_deadline
     from zerodist.comm.init import destroy_world
 
     try:
         exchange_with_deadline("zerodist-cli-exit", str(code), timeout_s=LEAVE_WAIT_S)
-    except ExchangeTimeoutError:
-        pass  # a rank that does not come (hung, or already gone) must not keep the others
-    except Exception:  # the store's host already left: nothing to wait for
+    except Exception:  # a rank did not come (hung, or gone) or the store's host left: wait no more
         pass
     destroy_world()
     sys.stdout.flush()
