@@ -265,8 +265,9 @@ def destroy_world() -> None:
     the tensors of work still in flight) lives on while any Python object refers to it. After an
     uncaught exception the traceback kept for post-mortem debugging (sys.last_traceback) holds
     the failed frames, and with them the engine, the topology's groups and their tensors, until
-    the interpreter's finalization, which is where gloo's teardown then aborted. So the
-    traceback is dropped and the garbage collected here, while the interpreter is whole."""
+    the interpreter's finalization, where releasing a tensor that gloo's work still holds needs a
+    Python that is gone and aborts (pytorch#179291). So the traceback is dropped and the garbage
+    collected here, while the interpreter is whole."""
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
