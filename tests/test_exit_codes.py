@@ -30,7 +30,9 @@ def test_a_config_error_every_rank_finds_ends_both_ranks_with_status_2(tmp_path:
     assert text.count("zerodist train: invalid zerodist config: WarmupDecayLR: total_num_steps (5) < "
                       "warmup_num_steps (10)") == 1, text[-3000:]  # said once, by rank 0
     assert "zerodist: rank 0 exited with status 2; rank 1 exited with status 2" in out.stderr, text[-3000:]
-    assert "Traceback" not in text and "terminate called" not in text and "SIG" not in text, text[-3000:]
+    # torchrun may still log that it sent SIGTERM to the rank that left a moment later: that rank
+    # ignores it from the moment it leaves, so its status above is its own.
+    assert "Traceback" not in text and "terminate called" not in text and "killed by" not in text, text[-3000:]
 
 
 def test_failures_are_described_per_rank_in_rank_order() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -65,10 +66,10 @@ def run_and_exit() -> NoReturn:
 # SIGTERMs every rank still running as soon as it sees the first failure: the slower rank was
 # reported as "exitcode -15 (SIGTERM)", and an interpreter torn down with a gloo group alive can
 # abort instead ("terminate called without an active exception", exit -6). So a rank of a world
-# (1) waits, through the store and for at most LEAVE_WAIT_S, until every rank is leaving,
-# (2) destroys the process group while the interpreter is whole, and (3) exits at once with
-# os._exit, skipping the interpreter's finalization, where the gloo and tensor destructors would
-# run after Python's own state is gone. Files are closed and the streams flushed before it.
+# (1) ignores SIGTERM from then on, (2) waits, through the store and for at most LEAVE_WAIT_S,
+# until every rank is leaving, and (3) exits at once with os._exit, skipping the interpreter's
+# finalization, where the gloo and tensor destructors would run after Python's own state is gone
+# (no destructor runs at all). Files are closed and the streams flushed before it.
 LEAVE_WAIT_S = 30.0
 
 
@@ -80,13 +81,14 @@ def is_rank_of_a_world() -> bool:
 
 def leave_together(code: int) -> NoReturn:
     from zerodist.comm import exchange_with_deadline
-    from zerodist.comm.init import destroy_world
 
+    # From here this rank only leaves: the agent's SIGTERM, sent as soon as a faster rank has
+    # gone, must not replace the status it leaves with (seen as -15 with the status 2 it had).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         exchange_with_deadline("zerodist-cli-exit", str(code), timeout_s=LEAVE_WAIT_S)
     except Exception:  # a rank did not come (hung, or gone) or the store's host left: wait no more
         pass
-    destroy_world()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
