@@ -19,9 +19,9 @@ TARGET = "blocks.1.mlp.fc_in.weight"
 
 def _slot(engine, name):
     for group in engine.groups:
-        if name in group.names:
-            index = group.names.index(name)
-            return group, group.layout.slots[index]
+        for record in group.records:
+            if record.name == name:
+                return group, record.slot
     raise KeyError(name)
 
 
@@ -86,7 +86,7 @@ def test_sharded_gradients_checked_against_a_reference_reduction(stage):
             engine.step()
         train_step(engine, 4)
         train_step(engine, 5, optimizer_step=False)
-        name = next(n for n in engine.groups[0].names if _owned_by(engine, n, 1) and n.startswith("blocks.1"))
+        name = next(n for n in (r.name for r in engine.groups[0].records) if _owned_by(engine, n, 1) and n.startswith("blocks.1"))
         if comm.get_rank() == 1:  # after the reduction: rank 1's shard of `name` drifted
             assert _inject_owned(engine, name, 0.25)
         with pytest.raises(GradientSyncError) as caught:

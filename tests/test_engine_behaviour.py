@@ -207,8 +207,11 @@ class _FakeOptimizer:
 
 
 def test_deepspeed_schedules_follow_their_formulas():
+    # Built at iteration -1 (the warmup minimum), then step() moves one iteration: [Note: schedule iterations].
     s = WarmupLR(_FakeOptimizer(), warmup_min_lr=0.0, warmup_max_lr=0.01, warmup_num_steps=100, warmup_type="log")
     assert s.get_last_lr() == [0.0]
+    s.step()
+    assert s.get_last_lr() == [0.0]  # iteration 0: log(1) = 0
     for _ in range(9):
         s.step()
     assert s.get_last_lr()[0] == pytest.approx(0.01 * math.log(10) / math.log(100))
@@ -217,16 +220,18 @@ def test_deepspeed_schedules_follow_their_formulas():
         s.step()
     assert s.get_last_lr() == [0.01]
     s = WarmupDecayLR(_FakeOptimizer(), total_num_steps=20, warmup_max_lr=0.01, warmup_num_steps=10, warmup_type="linear")
-    for _ in range(15):
+    for _ in range(16):
         s.step()
-    assert s.get_last_lr()[0] == pytest.approx(0.01 * 5 / 10)
+    assert s.get_last_lr()[0] == pytest.approx(0.01 * 5 / 10)  # iteration 15
     s = WarmupCosineLR(_FakeOptimizer(0.1), total_num_steps=110, warmup_num_steps=10, cos_min_ratio=0.0,
                        warmup_type="linear")
+    assert s.get_last_lr() == [0.0]
     for _ in range(60):
         s.step()
-    assert s.get_last_lr()[0] == pytest.approx(0.1 * 0.5)  # half way down the cosine
+    assert s.get_last_lr()[0] == pytest.approx(0.1 * 0.5)  # iteration 59: half way down the cosine
     opt = _FakeOptimizer()
     s = OneCycle(opt, cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=10)
+    assert s.get_last_lr() == [0.01] and opt.param_groups[0]["betas"][0] == pytest.approx(0.8)
     for _ in range(10):
         s.step()
     assert s.get_last_lr()[0] == pytest.approx(0.1) and opt.param_groups[0]["betas"][0] == pytest.approx(0.8)
@@ -238,6 +243,35 @@ def test_deepspeed_schedules_follow_their_formulas():
     assert resumed.get_last_lr() == source.get_last_lr()
 
 
+_SCHEDULE_CASES = [
+    ("WarmupLR", {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 10, "warmup_type": "log"}),
+    ("WarmupLR", {"warmup_max_lr": 0.01, "warmup_num_steps": 7, "warmup_type": "linear"}),
+    ("WarmupLR", {"warmup_max_lr": 0.01, "warmup_num_steps": 1}),
+    ("WarmupDecayLR", {"total_num_steps": 25, "warmup_max_lr": 0.01, "warmup_num_steps": 8, "warmup_type": "linear"}),
+    ("WarmupCosineLR", {"total_num_steps": 25, "warmup_num_steps": 6, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01}),
+    ("WarmupCosineLR", {"total_num_steps": 20, "warmup_num_steps": 5, "warmup_type": "linear"}),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 6, "cycle_momentum": False,
+                  "decay_lr_rate": 0.5, "decay_step_size": 2}),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 5, "cycle_second_step_size": 7,
+                  "cycle_momentum": False}),
+]
+
+
+@pytest.mark.parametrize("name, params", _SCHEDULE_CASES)
+def test_schedules_match_deepspeed_step_for_step(name, params):
+    """Where DeepSpeed is installed: the rate every step uses, from construction over 30 steps,
+    equals DeepSpeed's own schedule's (the same iteration numbering, [Note: schedule iterations])."""
+    schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    from zerodist.engine.schedulers import SCHEDULES
+
+    theirs_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    ours_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    theirs, ours = getattr(schedules, name)(theirs_opt, **params), SCHEDULES[name](ours_opt, **params)
+    for _ in range(30):
+        assert ours_opt.param_groups[0]["lr"] == pytest.approx(theirs_opt.param_groups[0]["lr"], rel=1e-12, abs=1e-15)
+        theirs.step(), ours.step()
+
+
 @distributed_test(world_size=2)
 def test_config_and_user_schedulers_drive_the_sharded_optimizer():
     config = base_config(1, scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": 0.02, "warmup_num_steps": 4,
@@ -247,7 +281,7 @@ def test_config_and_user_schedulers_drive_the_sharded_optimizer():
     for _ in range(5):
         _one_step(engine)
         lrs.append(engine.get_lr()[0])
-    assert lrs == pytest.approx([0.005, 0.01, 0.015, 0.02, 0.02])
+    assert lrs == pytest.approx([0.0, 0.005, 0.01, 0.015, 0.02])  # the rate of the next step
     model = make_mlp()
     user_opt = torch.optim.SGD(model.parameters(), lr=0.1)
     user_sched = torch.optim.lr_scheduler.StepLR(user_opt, step_size=1, gamma=0.5)

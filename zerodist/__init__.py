@@ -1,6 +1,10 @@
 """zerodist: ZeRO-partitioned multi-process training for PyTorch, small, exact and hard to misuse.
 
     engine, optimizer, dataloader, lr_scheduler = zerodist.initialize(model=model, config="ds_config.json")
+
+DeepSpeed's top-level API (`initialize`, `init_distributed`, `add_config_arguments`, `comm`,
+`zero`) has DeepSpeed's signatures, so `import zerodist as deepspeed` runs DeepSpeed scripts
+within what docs/deepspeed.md lists.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ _EXPORTS = {
     "initialize": ("zerodist.engine", "initialize"),
     "Engine": ("zerodist.engine", "Engine"),
     "init_distributed": ("zerodist.comm", "init_distributed"),
+    "add_config_arguments": ("zerodist.engine.deepspeed_args", "add_config_arguments"),
+    "DeepSpeedEngine": ("zerodist.engine", "Engine"),
     "Config": ("zerodist.config", "Config"),
     "ConfigError": ("zerodist.config", "ConfigError"),
     "ShardedParameterError": ("zerodist.zero", "ShardedParameterError"),

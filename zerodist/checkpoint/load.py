@@ -19,12 +19,15 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
+from zerodist.checkpoint.deepspeed_import import agreed_tag_dir, load_deepspeed_checkpoint
 from zerodist.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from zerodist.checkpoint.files import RangeReader, file_problem, read_verified
 from zerodist.checkpoint.manifest import Manifest, list_checkpoints, read_manifest
 from zerodist.checkpoint.shards import check_parameters, files_needed, load_groups
-from zerodist.checkpoint.state import group_mapping, remap_scheduler_state, restore_optimizer, restore_rng
+from zerodist.checkpoint.state import group_mapping, remap_scheduler_state, restore_optimizer
+from zerodist.comm.domains import logical_keys
 from zerodist.utils import get_logger, log_rank0
+from zerodist.zero.state import Resumable, ZeroState
 
 logger = get_logger(__name__)
 
@@ -71,11 +74,16 @@ def _read_state(tag_dir: Path, manifest: Manifest, rank: int) -> dict[str, Any]:
 
 @torch.no_grad()
 def load_extra(module: torch.nn.Module, manifest: Manifest, reader: RangeReader) -> None:
-    """Buffers and frozen parameters, stored whole by rank 0."""
-    live = module.state_dict(keep_vars=True)
-    missing = [k for k in manifest.extra if k not in live]
+    """Buffers and frozen parameters, each stored whole once, by logical key. Collective: a key
+    is reported missing only when no rank's model has it (another rank may hold that expert)."""
+    logical = logical_keys(module)
+    live = {logical[key]: value for key, value in module.state_dict(keep_vars=True).items()}
+    everyone: list[Any] = [None] * comm.get_world_size()
+    comm.all_gather_object(everyone, [k for k in manifest.extra if k not in live])
+    missing = [k for k in manifest.extra if all(k in keys for keys in everyone)]
     if missing:
-        logger.warning("checkpoint %s holds %s, which this model does not have; ignored", manifest.tag, missing)
+        log_rank0(logger, "checkpoint %s holds %s, which this model does not have; ignored", manifest.tag, missing,
+                  level=30)
     for key, info in manifest.extra.items():
         if key not in live:
             continue
@@ -84,30 +92,36 @@ def load_extra(module: torch.nn.Module, manifest: Manifest, reader: RangeReader)
         live[key].data.copy_(saved)
 
 
-def restore_training_state(engine: Any, manifest: Manifest, common: dict[str, Any], own: dict[str, Any] | None,
-                           load_lr_scheduler_states: bool) -> None:
-    engine.global_steps, engine.micro_steps = common["global_steps"], common["micro_steps"]
-    engine.skipped_steps = common["skipped_steps"]
-    engine.optimizer.scaler.load_state_dict(common["loss_scaler"])
+def training_state(zero: ZeroState, manifest: Manifest, common: dict[str, Any], own: dict[str, Any] | None,
+                   load_lr_scheduler_states: bool) -> dict[str, Any]:
+    """The training state to hand to `load_training_state_dict`: the saved counters and scaler,
+    the scheduler's state remapped onto this engine's param groups ([Note: param groups by name]),
+    and this rank's RNG streams and data position when the world size is the one saved (rank 0's
+    data position otherwise)."""
+    state = {key: common[key] for key in ("global_steps", "micro_steps", "skipped_steps", "loss_scaler")}
+    state["gradient_accumulation_steps"] = common.get("gradient_accumulation_steps")  # absent in older checkpoints
     saved_scheduler = common["lr_scheduler"]
     if load_lr_scheduler_states and saved_scheduler is not None:
-        if engine.lr_scheduler is None:
-            log_rank0(logger, "checkpoint %s has learning-rate scheduler state but this engine has no scheduler; "
-                      "ignored", manifest.tag, level=30)
-        else:
-            saved = common["optimizer"]
-            mapping = group_mapping(engine.groups, engine.optimizer.inner, saved)
-            engine.lr_scheduler.load_state_dict(remap_scheduler_state(saved_scheduler, mapping, len(saved["options"])))
-    loader = getattr(engine, "training_dataloader", None)
+        saved = common["optimizer"]
+        mapping = group_mapping(zero.groups, zero.inner_optimizer, saved)
+        state["lr_scheduler"] = remap_scheduler_state(saved_scheduler, mapping, len(saved["options"]))
     source = own if own is not None else common.get("rank0")
-    if loader is not None and source is not None and source.get("data") is not None:
-        loader.load_state_dict(source["data"])
-    if own is not None:
-        restore_rng(own["rng"])
-    else:
-        log_rank0(logger, "checkpoint %s was saved by %d ranks, this run has %d: random number streams start "
-                  "afresh (parameters, optimizer and data position are restored)", manifest.tag, manifest.world_size,
-                  comm.get_world_size())
+    state["data"] = source.get("data") if source is not None else None
+    state["rng"] = own["rng"] if own is not None else None  # None too when imported from DeepSpeed (no RNG saved)
+    if state["rng"] is None:
+        log_rank0(logger, "checkpoint %s (saved by %d ranks) has no random number streams for this run's %d: they "
+                  "start afresh (parameters, optimizer and data position are restored)", manifest.tag,
+                  manifest.world_size, comm.get_world_size())
+    return state
+
+
+def _all_shapes(zero: ZeroState) -> dict[str, tuple[int, ...]]:
+    """Logical name -> logical shape of the trained parameters of every rank (collective): a rank
+    holding some experts or a slice knows only its own."""
+    mine = {r.name: r.global_shape for g in zero.groups for r in g.records}
+    everyone: list[Any] = [None] * comm.get_world_size()
+    comm.all_gather_object(everyone, mine)
+    return {name: tuple(shape) for shapes in everyone for name, shape in shapes.items()}
 
 
 def _pick(load_dir: Path, tag: Any) -> Manifest | None:
@@ -126,13 +140,20 @@ def _pick(load_dir: Path, tag: Any) -> Manifest | None:
     return manifest
 
 
-def load_checkpoint(engine: Any, load_dir: str | Path, tag: Any = None, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[str | None, Any]:
-    """Load `load_dir/tag` (default: the most recently committed) into `engine` (collective).
+def load_checkpoint(zero: ZeroState, resumable: Resumable, load_dir: str | Path, tag: Any = None,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str | None, Any]:
+    """Load `load_dir/tag` (default: the most recently committed) into the ZeRO state `zero` and,
+    unless `load_module_only`, the training state of `resumable` (collective).
 
     Returns `(checkpoint directory, client_state)`, or `(None, None)` when `load_dir` holds no
     committed checkpoint (as DeepSpeed does)."""
     load_dir = Path(load_dir).absolute()
+    deepspeed_dir = agreed_tag_dir(load_dir, tag)
+    if deepspeed_dir is not None:  # DeepSpeed's files: converted, then loaded as ours
+        return load_deepspeed_checkpoint(zero, resumable, deepspeed_dir, load_optimizer_states=load_optimizer_states,
+                                         load_lr_scheduler_states=load_lr_scheduler_states,
+                                         load_module_only=load_module_only)
     manifest = _pick(load_dir, tag)
     if manifest is None:
         log_rank0(logger, "no committed checkpoint in %s; nothing loaded", load_dir, level=30)
@@ -140,9 +161,9 @@ def load_checkpoint(engine: Any, load_dir: str | Path, tag: Any = None, load_opt
     tag_dir = load_dir / manifest.tag
     rank, world = comm.get_rank(), comm.get_world_size()
     with_optimizer = load_optimizer_states and not load_module_only
-    check_parameters(engine.groups, manifest)
+    check_parameters(_all_shapes(zero), manifest)
     same_world = manifest.world_size == world
-    needed = files_needed(engine.groups, manifest, with_optimizer) | {i["file"] for i in manifest.extra.values()}
+    needed = files_needed(zero.groups, manifest, with_optimizer) | {i["file"] for i in manifest.extra.values()}
     needed |= {manifest.state_files[0]} | ({manifest.state_files[rank]} if same_world else set())
     problems: list[Any] = [None] * world
     comm.all_gather_object(problems, _verify(tag_dir, manifest, needed))
@@ -151,20 +172,20 @@ def load_checkpoint(engine: Any, load_dir: str | Path, tag: Any = None, load_opt
         raise CheckpointCorruptError(f"checkpoint {tag_dir} is damaged; nothing was loaded: " + "; ".join(found))
     reader = RangeReader(tag_dir)
     try:
-        elementwise = load_groups(engine.groups, manifest, reader, with_optimizer)
-        load_extra(engine.module, manifest, reader)
+        elementwise = load_groups(zero.groups, manifest, reader, with_optimizer)
+        load_extra(zero.module, manifest, reader)
     finally:
         reader.close()
     rank0 = _read_state(tag_dir, manifest, 0)
     common = rank0["common"]
     common["rank0"] = rank0
     if with_optimizer:
-        restore_optimizer(engine.groups, engine.optimizer.inner, common["optimizer"], elementwise)
+        restore_optimizer(zero.groups, zero.inner_optimizer, common["optimizer"], elementwise)
     if not load_module_only:
         own = (rank0 if rank == 0 else _read_state(tag_dir, manifest, rank)) if same_world else None
-        restore_training_state(engine, manifest, common, own, load_lr_scheduler_states)
+        resumable.load_training_state_dict(training_state(zero, manifest, common, own, load_lr_scheduler_states))
     log_rank0(logger, "loaded checkpoint %s (step %d, saved by %d rank(s) at ZeRO stage %d) into %d rank(s) at "
-              "stage %d", tag_dir, manifest.global_steps, manifest.world_size, manifest.stage, world, engine.stage)
+              "stage %d", tag_dir, manifest.global_steps, manifest.world_size, manifest.stage, world, zero.sharding.stage)
     return str(tag_dir), common["client_state"]
 
 

@@ -30,8 +30,9 @@ from zerodist.checkpoint.files import AtomicFile, kill_point, tensor_bytes, writ
 from zerodist.checkpoint.manifest import (MANIFEST, Manifest, check_tag_name, list_checkpoints, write_latest,
                                           write_manifest)
 from zerodist.checkpoint.shards import collect_chunks, collect_scalars
-from zerodist.checkpoint.state import capture_rng
+from zerodist.comm.domains import logical_keys
 from zerodist.utils import get_logger, log_rank0
+from zerodist.zero.state import Resumable, ZeroState
 
 logger = get_logger(__name__)
 DEFAULT_AGREEMENT_TIMEOUT_S = 1800.0  # torch's default collective timeout
@@ -45,20 +46,21 @@ class RankReport:
     files: dict[str, dict[str, Any]]
     pieces: list[tuple[str, str, str, int, int, str, int]]  # name, kind, dtype, start, length, file, offset
     error: str | None = None
-    common: dict[str, Any] | None = None  # rank 0: model-wide facts for the manifest
+    common: dict[str, Any] | None = None  # every rank: its state_dict keys, aliases and extra tensors, by logical key
+    params: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # logical name -> shape, placement
 
 
-def agreement_timeout(engine: Any) -> float:
-    settings = getattr(engine.config.checkpoint, "agreement_timeout", None)
-    if settings:
-        return float(settings)
+def agreement_timeout(settings: Any) -> float:
+    timeout = getattr(settings, "agreement_timeout", None)
+    if timeout:
+        return float(timeout)
     return comm.ensure_initialized().timeout_s or DEFAULT_AGREEMENT_TIMEOUT_S
 
 
-def agree_on_tag(engine: Any, tag: str, save_dir: Path) -> tuple[str, str]:
+def agree_on_tag(settings: Any, tag: str, save_dir: Path, global_steps: int) -> tuple[str, str]:
     """Every rank must be saving now; returns the tag and save id every rank uses (rank 0's)."""
-    mine = json.dumps({"tag": tag, "step": engine.global_steps, "id": uuid.uuid4().hex[:12], "dir": str(save_dir)})
-    timeout = agreement_timeout(engine)
+    mine = json.dumps({"tag": tag, "step": global_steps, "id": uuid.uuid4().hex[:12], "dir": str(save_dir)})
+    timeout = agreement_timeout(settings)
     try:
         everyone = [json.loads(v) for v in comm.exchange_with_deadline("checkpoint-save", mine, timeout)]
     except comm.ExchangeTimeoutError as err:
@@ -68,7 +70,7 @@ def agree_on_tag(engine: Any, tag: str, save_dir: Path) -> tuple[str, str]:
     tags = {d["tag"] for d in everyone}
     if len(tags) > 1:
         listed = ", ".join(f"rank {r}: {d['tag']!r}" for r, d in enumerate(everyone))
-        policy = engine.config.checkpoint.tag_validation
+        policy = settings.tag_validation
         if policy == "Fail":
             raise CheckpointAgreementError(f"save_checkpoint: the ranks passed different tags ({listed}); "
                                            "checkpoint.tag_validation is Fail")
@@ -78,44 +80,71 @@ def agree_on_tag(engine: Any, tag: str, save_dir: Path) -> tuple[str, str]:
     return everyone[0]["tag"], everyone[0]["id"]
 
 
-def _module_facts(engine: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """State-dict keys, tied-weight aliases and the tensors outside the flat groups (buffers,
-    frozen parameters), which rank 0 stores whole."""
-    canonical = {id(p): name for g in engine.groups for p, name in zip(g.params, g.names)}
+def _module_facts(zero: ZeroState) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """This rank's state-dict keys, tied-weight aliases and the tensors outside the flat groups
+    (buffers, frozen parameters), all by logical key ([Note: logical names] in comm/domains.py)."""
+    canonical = {id(r.param): r.name for g in zero.groups for r in g.records}
+    logical = logical_keys(zero.module)
     keys, aliases, extra = [], {}, {}
-    for key, value in engine.module.state_dict(keep_vars=True).items():
+    for physical, value in zero.module.state_dict(keep_vars=True).items():
+        key = logical[physical]
         keys.append(key)
         if id(value) in canonical:
             if canonical[id(value)] != key:
                 aliases[key] = canonical[id(value)]
         elif value.device.type == "meta":
-            raise CheckpointError(f"save_checkpoint: {key} has no values on this rank (a meta tensor)")
+            raise CheckpointError(f"save_checkpoint: {physical} has no values on this rank (a meta tensor)")
         else:
             extra[key] = value.detach()
     return {"state_dict_keys": keys, "aliases": aliases}, extra
 
 
-def _rank_state(engine: Any, client_state: Any, rank: int) -> dict[str, Any]:
-    loader = getattr(engine, "training_dataloader", None)
-    state: dict[str, Any] = {"rank": rank, "rng": capture_rng(),
-                             "data": loader.state_dict() if loader is not None and hasattr(loader, "state_dict") else None}
+def _rank_state(training: dict[str, Any], scalars: dict[str, Any] | None, client_state: Any,
+                rank: int) -> dict[str, Any]:
+    """This rank's state file: its RNG and data position; rank 0 also the model-wide state
+    (`scalars`: every rank's optimizer settings, merged)."""
+    state: dict[str, Any] = {"rank": rank, "rng": training.get("rng"), "data": training.get("data")}
     if rank == 0:
         state["common"] = {
-            "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.skipped_steps, "loss_scaler": engine.optimizer.scaler.state_dict(),
-            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "optimizer": collect_scalars(engine.groups, engine.optimizer.inner),
-            "client_state": client_state,
+            **{key: training[key] for key in ("global_steps", "micro_steps", "skipped_steps",
+                                              "gradient_accumulation_steps")},
+            "loss_scaler": training.get("loss_scaler"), "lr_scheduler": training.get("lr_scheduler"),
+            "optimizer": scalars, "client_state": client_state,
         }
     return state
 
 
-def write_rank_files(engine: Any, tag_dir: Path, save_id: str, rank: int, client_state: Any) -> RankReport:
+def gather_facts(zero: ZeroState) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+    """What only some ranks know (a rank holding some experts, or a slice, alone knows their
+    names), exchanged in one collective: every rank's optimizer settings merged (rank 0 stores
+    them), this rank's module facts, and the extra tensors this rank writes: those whose logical
+    key no lower rank holds, so each is written once."""
+    try:
+        scalars = collect_scalars(zero.written_groups(), zero.inner_optimizer)
+        facts, extra = _module_facts(zero)
+        mine: Any = (scalars, list(extra))
+    except CheckpointError as err:  # every rank must reach the exchange, then all fail together
+        mine = f"rank {comm.get_rank()}: {err}"
+    everyone: list[Any] = [None] * comm.get_world_size()
+    comm.all_gather_object(everyone, mine)
+    errors = [e for e in everyone if isinstance(e, str)]
+    if errors:
+        raise CheckpointWriteError("save_checkpoint failed and wrote nothing: " + "; ".join(errors))
+    merged = everyone[0][0]
+    for other, _ in everyone[1:]:
+        merged["group_of"].update(other["group_of"])
+        merged["scalars"].update(other["scalars"])
+    lower = {key for _, keys in everyone[: comm.get_rank()] for key in keys}
+    return merged, facts, {key: t for key, t in extra.items() if key not in lower}
+
+
+def write_rank_files(zero: ZeroState, training: dict[str, Any], facts: tuple[dict[str, Any], dict[str, Any], dict[
+                     str, torch.Tensor]], tag_dir: Path, save_id: str, rank: int, client_state: Any) -> RankReport:
     """This rank's shard (raw tensor bytes) and state file, each written atomically."""
-    chunks, pieces = collect_chunks(engine.groups, engine.optimizer.inner.state)
-    common, extra = _module_facts(engine) if rank == 0 else (None, {})
+    chunks, pieces = collect_chunks(zero.written_groups(), zero.inner_optimizer.state)
+    scalars, common, extra = facts
     shard_name, state_name = f"shard-r{rank:05d}-{save_id}.bin", f"state-r{rank:05d}-{save_id}.pt"
-    report = RankReport(rank, {}, [], common=common)
+    report = RankReport(rank, {}, [], common=common, params=zero.param_facts())
     tag_dir.mkdir(parents=True, exist_ok=True)
     with AtomicFile(tag_dir / shard_name, points="shard") as out:
         kill_point("shard-opened")
@@ -124,10 +153,9 @@ def write_rank_files(engine: Any, tag_dir: Path, save_id: str, rank: int, client
             offsets.append(out.write(tensor_bytes(tensor)))
             if number == 0:
                 kill_point("shard-partial")
-        if common is not None:
-            common["extra"] = {key: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-                                     "file": shard_name, "offset": out.write(tensor_bytes(t))}
-                               for key, t in extra.items()}
+        common["extra"] = {key: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                                 "file": shard_name, "offset": out.write(tensor_bytes(t))}
+                           for key, t in extra.items()}
         out.commit()
     report.files[shard_name] = {"rank": rank, "bytes": out.nbytes, "crc32": out.checksum}
     for p in pieces:
@@ -136,18 +164,54 @@ def write_rank_files(engine: Any, tag_dir: Path, save_id: str, rank: int, client
         report.pieces.append((p.name, p.kind, dtype, p.start, p.length, shard_name,
                               offsets[p.chunk] + p.at * tensor.element_size()))
     buffer = io.BytesIO()
-    torch.save(_rank_state(engine, client_state, rank), buffer)
+    torch.save(_rank_state(training, scalars, client_state, rank), buffer)
     nbytes, checksum = write_atomic(tag_dir / state_name, buffer.getvalue(), points="state")
     report.files[state_name] = {"rank": rank, "bytes": nbytes, "crc32": checksum, "state": True}
     return report
 
 
-def build_manifest(engine: Any, tag: str, reports: list[RankReport]) -> Manifest:
+def merge_params(reports: list[RankReport]) -> dict[str, dict[str, Any]]:
+    """Every rank's parameters by logical name: its logical shape and placement, which every rank
+    holding (a part of) it must state alike."""
+    params: dict[str, dict[str, Any]] = {}
+    for report in reports:
+        for name, facts in report.params.items():
+            logical = dict(facts, shape=_logical_shape(facts))
+            known = params.setdefault(name, {**logical, "kinds": {}})
+            if known["shape"] != logical["shape"] or known["placement"]["slice_dim"] != logical["placement"]["slice_dim"]:
+                raise CheckpointError(f"internal: ranks disagree on the shape or slicing of {name}: {known['shape']} "
+                                      f"and {logical['shape']}")
+    for entry in params.values():
+        entry["placement"] = {k: v for k, v in entry["placement"].items() if k != "part"}  # the rank's own
+    return params
+
+
+def _merge_module_facts(reports: list[RankReport]) -> tuple[list[str], dict[str, str], dict[str, Any]]:
+    """The logical model's state_dict keys (rank 0's order, then keys only later ranks hold), its
+    tied-weight aliases and where each extra tensor was written."""
+    keys: dict[str, None] = {}
+    aliases: dict[str, str] = {}
+    extra: dict[str, Any] = {}
+    for report in reports:
+        assert report.common is not None
+        keys.update(dict.fromkeys(report.common["state_dict_keys"]))
+        aliases.update(report.common["aliases"])
+        extra.update(report.common["extra"])
+    return list(keys), aliases, extra
+
+
+def _logical_shape(facts: dict[str, Any]) -> list[int]:
+    placement, shape = facts["placement"], list(facts["shape"])
+    if placement["slice_dim"] is not None:
+        dim = placement["slice_dim"]
+        shape[dim] = placement.get("logical_size") or shape[dim] * placement["num_parts"]
+    return shape
+
+
+def build_manifest(zero: ZeroState, global_steps: int, tag: str, reports: list[RankReport]) -> Manifest:
     """Rank 0: one manifest from every rank's report, checking each parameter is covered once."""
-    common = reports[0].common
-    assert common is not None
-    shapes = {name: list(shape) for g in engine.groups for name, shape in zip(g.names, g.param_shapes)}
-    params: dict[str, dict[str, Any]] = {name: {"shape": shape, "kinds": {}} for name, shape in shapes.items()}
+    params = merge_params(reports)
+    keys, aliases, extra = _merge_module_facts(reports)
     for report in reports:
         for name, kind, dtype, start, length, file, offset in report.pieces:
             entry = params[name]["kinds"].setdefault(kind, {"dtype": dtype, "slices": []})
@@ -168,12 +232,12 @@ def build_manifest(engine: Any, tag: str, reports: list[RankReport]) -> Manifest
                 raise CheckpointError(f"internal: {kind} of {name} covers {cursor} of {numel} elements")
     files = {name: info for report in reports for name, info in report.files.items()}
     return Manifest(
-        tag=tag, global_steps=engine.global_steps, world_size=comm.get_world_size(), stage=engine.stage,
-        precision=engine.policy.name, param_dtype=str(engine.policy.param_dtype).removeprefix("torch."),
+        tag=tag, global_steps=global_steps, world_size=comm.get_world_size(), stage=zero.sharding.stage,
+        precision=zero.precision.name, param_dtype=str(zero.precision.param_dtype).removeprefix("torch."),
         committed_at=time.time(), versions={"zerodist": zerodist.__version__, "torch": torch.__version__},
         files={k: {kk: vv for kk, vv in v.items() if kk != "state"} for k, v in files.items()},
         state_files={v["rank"]: k for k, v in files.items() if v.get("state")},
-        params=params, extra=common["extra"], aliases=common["aliases"], state_dict_keys=common["state_dict_keys"],
+        params=params, extra=extra, aliases=aliases, state_dict_keys=keys,
     )
 
 
@@ -186,10 +250,11 @@ def check_visible(tag_dir: Path, manifest: Manifest) -> None:
                                   "directory every rank shares (a network or parallel filesystem)")
 
 
-def commit(engine: Any, save_dir: Path, tag: str, reports: list[RankReport], save_latest: bool) -> None:
+def commit(zero: ZeroState, settings: Any, global_steps: int, save_dir: Path, tag: str, reports: list[RankReport],
+           save_latest: bool) -> None:
     """Rank 0: manifest (the commit point), then `latest`, then tidy up. Raises on failure."""
     tag_dir = save_dir / tag
-    manifest = build_manifest(engine, tag, reports)
+    manifest = build_manifest(zero, global_steps, tag, reports)
     check_visible(tag_dir, manifest)
     previous = (tag_dir / MANIFEST).read_bytes() if (tag_dir / MANIFEST).is_file() else None
     write_manifest(tag_dir, manifest)
@@ -207,7 +272,7 @@ def commit(engine: Any, save_dir: Path, tag: str, reports: list[RankReport], sav
     kill_point("cleanup-started")
     try:
         remove_unreferenced(tag_dir, manifest)
-        prune(save_dir, engine.config.checkpoint.keep_last, keep=tag)
+        prune(save_dir, settings.keep_last, keep=tag)
     except OSError as err:  # the checkpoint is committed; tidying is best effort
         logger.warning("checkpoint %s committed, but removing old files failed: %s", tag, err)
 
@@ -257,26 +322,30 @@ def _discard(tag_dir: Path, rank: int, save_id: str) -> None:
     comm.barrier()  # so every rank returns to a tidy directory
 
 
-def save_checkpoint(engine: Any, save_dir: str | Path, tag: Any = None, client_state: Any = None,
-                    save_latest: bool = True) -> str:
-    """Save the engine's full training state under `save_dir/tag` (collective: call on every rank).
+def save_checkpoint(zero: ZeroState, resumable: Resumable, save_dir: str | Path, *, settings: Any, tag: Any = None,
+                    client_state: Any = None, save_latest: bool = True) -> str:
+    """Save the ZeRO state and the training state under `save_dir/tag` (collective: call on every
+    rank). `settings` is the config's `checkpoint` section.
 
     Returns the checkpoint directory. Raises `CheckpointAgreementError` when not every rank
     calls it, `CheckpointWriteError` (on every rank) when a rank cannot write."""
     kill_point("save-start")
+    training = resumable.training_state_dict()
+    steps = training["global_steps"]
     save_dir = Path(save_dir).absolute()
-    tag = check_tag_name(f"global_step{engine.global_steps}" if tag is None else tag)
-    tag, save_id = agree_on_tag(engine, tag, save_dir)
+    tag = check_tag_name(f"global_step{steps}" if tag is None else tag)
+    tag, save_id = agree_on_tag(settings, tag, save_dir, steps)
     kill_point("tag-agreed")
     rank, tag_dir = comm.get_rank(), save_dir / tag
-    if engine.micro_steps % engine.gradient_accumulation_steps:
+    if training["micro_steps"] % training["gradient_accumulation_steps"]:
         log_rank0(logger, "save_checkpoint(%r) in the middle of a gradient accumulation (micro-step %d): the "
                   "gradients accumulated since step %d are not saved; save after engine.step() at a boundary",
-                  tag, engine.micro_steps, engine.global_steps, level=30)
+                  tag, training["micro_steps"], steps, level=30)
     started = time.perf_counter()
+    facts = gather_facts(zero)
     report, failure = None, None
     try:
-        report = write_rank_files(engine, tag_dir, save_id, rank, client_state)
+        report = write_rank_files(zero, training, facts, tag_dir, save_id, rank, client_state)
     except Exception as err:  # reported to rank 0 so every rank fails together, not one of them hanging
         failure = err
         report = RankReport(rank, {}, [], error=f"rank {rank}: {type(err).__name__}: {err}")
@@ -289,7 +358,7 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: Any = None, client_s
         errors = [r.error for r in reports if r.error]
         if not errors:
             try:
-                commit(engine, save_dir, tag, reports, save_latest)
+                commit(zero, settings, steps, save_dir, tag, reports, save_latest)
             except Exception as err:
                 failure = failure or err
                 errors.append(f"rank 0 committing: {type(err).__name__}: {err}")
@@ -301,6 +370,6 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: Any = None, client_s
         raise CheckpointWriteError(f"save_checkpoint({tag!r}) failed and committed nothing (earlier checkpoints in "
                                    f"{save_dir} are untouched): {outcome[0]}") from failure
     kill_point("save-done")
-    log_rank0(logger, "saved checkpoint %s (step %d) in %.2f s", tag_dir, engine.global_steps,
+    log_rank0(logger, "saved checkpoint %s (step %d) in %.2f s", tag_dir, steps,
               time.perf_counter() - started)
     return str(tag_dir)

@@ -8,6 +8,11 @@ its shard, so the ranks write disjoint data in parallel.
 
 Load: a rank asks, for its own (possibly different) layout, which elements of which parameter
 it owns, and copies each from the saved slices that overlap it ([Note: layout-free manifest]).
+
+Both sides speak of the *logical* tensor: a parameter that is a slice of a larger one (its
+placement cuts dimension d over a mesh axis) maps each of its owned ranges onto the runs of the
+logical tensor it covers (`zerodist.zero.layout.slice_runs`), so a tensor saved as slices along
+any dimension loads into any other slicing of it, or whole.
 Groups whose optimizer steps whole buckets (stage 0) then all-gather the shards, and each group
 refreshes its parameters from its optimizer tensors (`copy_master_to_params`, `gather_params`),
 so the model, the master weights and the optimizer state agree whatever the stage.
@@ -25,6 +30,7 @@ import zerodist.comm as comm
 from zerodist.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from zerodist.checkpoint.files import RangeReader
 from zerodist.checkpoint.manifest import OPTIMIZER_PREFIX, PARAM, Manifest
+from zerodist.zero.layout import slice_runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +71,22 @@ def bucket_slices(group: Any) -> list[list[tuple[int, int, int, int]]]:
     return per_bucket
 
 
+def logical_runs(record: Any, start: int, length: int) -> list[tuple[int, int, int]]:
+    """`(logical start, length, offset)` runs of elements [start, start + length) of `record`'s parameter."""
+    placement = record.placement
+    if placement.fused or placement.logical_size is not None:
+        # Fused sub-tensors or padded parts (tensor parallelism): padding belongs to no run.
+        from zerodist.tensor_parallel.slicing import ParamSlicing, SliceSpec
+
+        dim = placement.slice_dim
+        padded = record.shape[dim] * record.num_parts
+        logical = placement.logical_size or padded
+        spec = SliceSpec(dim, logical, tuple(placement.fused), padded_size=padded if padded != logical else None)
+        return ParamSlicing(spec, tuple(record.shape), record.part, record.num_parts).runs(start, length)
+    return slice_runs(start, length, shape=record.shape, dim=record.placement.slice_dim, part=record.part,
+                      num_parts=record.num_parts)
+
+
 def optimizer_space(group: Any, index: int, state: Any) -> dict[str, torch.Tensor]:
     """Bucket `index`'s per-element tensors: the stepped values and each elementwise state."""
     tensor = group.optimizer_tensors[index]
@@ -88,7 +110,9 @@ def collect_chunks(groups: list[Any], state: Any) -> tuple[list[tuple[str, torch
             for kind, full in optimizer_space(group, index, state).items():
                 chunks.append((kind, group.owned_part(index, full).detach()))
                 for param_index, start, length, at in per_bucket[index]:
-                    pieces.append(Piece(group.names[param_index], kind, start, length, len(chunks) - 1, at))
+                    record = group.records[param_index]
+                    for logical, run, offset in logical_runs(record, start, length):
+                        pieces.append(Piece(record.name, kind, logical, run, len(chunks) - 1, at + offset))
     return chunks, pieces
 
 
@@ -104,7 +128,7 @@ def collect_scalars(groups: list[Any], inner: torch.optim.Optimizer) -> dict[str
                       for k, v in inner.state.get(tensor, {}).items()
                       if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
             for param_index in group.layout.buckets[index].param_indices:
-                name = group.names[param_index]
+                name = group.records[param_index].name
                 group_of[name] = group_index[id(tensor)]
                 scalars[name] = values
     options = [{k: v for k, v in pg.items() if k != "params"} for pg in inner.param_groups]
@@ -113,9 +137,9 @@ def collect_scalars(groups: list[Any], inner: torch.optim.Optimizer) -> dict[str
 
 # ---------------------------------------------------------------------------------------- load
 
-def check_parameters(groups: list[Any], manifest: Manifest) -> None:
-    """The checkpoint must hold exactly the trained parameters, with the same shapes."""
-    shapes = {name: tuple(shape) for g in groups for name, shape in zip(g.names, g.param_shapes)}
+def check_parameters(shapes: dict[str, tuple[int, ...]], manifest: Manifest) -> None:
+    """The checkpoint must hold exactly the trained parameters (logical name -> logical shape, over
+    every rank), with the same shapes."""
     missing = sorted(set(shapes) - set(manifest.params))
     unexpected = sorted(set(manifest.params) - set(shapes))
     wrong = [f"{n}: {tuple(manifest.params[n]['shape'])} in the checkpoint, {shapes[n]} in the model"
@@ -132,7 +156,7 @@ def check_parameters(groups: list[Any], manifest: Manifest) -> None:
 
 def bucket_kinds(group: Any, index: int, manifest: Manifest, with_optimizer: bool) -> list[str]:
     """Kinds to load for bucket `index`: every parameter in a bucket shares one optimizer."""
-    names = [group.names[p] for p in group.layout.buckets[index].param_indices]
+    names = [group.records[p].name for p in group.layout.buckets[index].param_indices]
     if not with_optimizer:
         return [PARAM]
     kinds = manifest.kinds(names[0])
@@ -148,7 +172,9 @@ def plan_group(group: Any, manifest: Manifest, with_optimizer: bool) -> Iterator
     per_bucket = bucket_slices(group)
     for index in range(len(group.optimizer_tensors)):
         for kind in bucket_kinds(group, index, manifest, with_optimizer):
-            yield index, kind, [Request(group.names[p], kind, start, length, at) for p, start, length, at in per_bucket[index]]
+            yield index, kind, [Request(group.records[p].name, kind, logical, run, at + offset)
+                                for p, start, length, at in per_bucket[index]
+                                for logical, run, offset in logical_runs(group.records[p], start, length)]
 
 
 def files_needed(groups: list[Any], manifest: Manifest, with_optimizer: bool) -> set[str]:

@@ -49,7 +49,7 @@ def _first_names(groups: list[Any], inner: torch.optim.Optimizer) -> list[str]:
     name_of = {}
     for group in groups:
         for index, tensor in enumerate(group.optimizer_tensors):
-            name_of[id(tensor)] = group.names[group.layout.buckets[index].param_indices[0]]
+            name_of[id(tensor)] = group.records[group.layout.buckets[index].param_indices[0]].name
     return [name_of[id(pg["params"][0])] for pg in inner.param_groups]
 
 
@@ -72,7 +72,7 @@ def restore_optimizer(groups: list[Any], inner: torch.optim.Optimizer, saved: di
     first_name = {}
     for group in groups:
         for index, tensor in enumerate(group.optimizer_tensors):
-            first_name[id(tensor)] = group.names[group.layout.buckets[index].param_indices[0]]
+            first_name[id(tensor)] = group.records[group.layout.buckets[index].param_indices[0]].name
     state: dict[int, dict[str, Any]] = {}
     position = 0
     for pg in inner.param_groups:

@@ -4,6 +4,9 @@
                                                check of every file (exit 1 if one is damaged)
     zerodist checkpoint consolidate DIR OUT    the plain model's fp32 state_dict() in one file
         [--tag T] [--format safetensors|torch] (default: by OUT's suffix; .pt/.pth/.bin: torch)
+    zerodist checkpoint import-deepspeed DIR OUT   a DeepSpeed checkpoint (ZeRO 0-3) as a zerodist
+        [--tag T] [--trust-pickle]             one under OUT, optimizer state and steps included,
+                                               loadable at any world size and stage
 
 DIR is a save directory (the newest committed tag is used unless --tag) or one tag's directory.
 No process group is needed: these run on a laptop against a copy of the checkpoint.
@@ -28,6 +31,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     consolidate.add_argument("--tag", default=None, help="tag to consolidate (default: the newest committed)")
     consolidate.add_argument("--format", choices=("safetensors", "torch"), default=None,
                              help="file format (default: from OUT's suffix, safetensors otherwise)")
+    imported = actions.add_parser("import-deepspeed", help="convert a DeepSpeed checkpoint (ZeRO 0-3) to zerodist's "
+                                  "format, optimizer state included")
+    imported.add_argument("dir", help="DeepSpeed's save directory (its 'latest' tag is used) or one tag's directory")
+    imported.add_argument("out", help="zerodist save directory to write the checkpoint into (same tag name)")
+    imported.add_argument("--tag", default=None, help="DeepSpeed tag to convert (default: the one 'latest' names)")
+    imported.add_argument("--trust-pickle", action="store_true",
+                          help="unpickle the model-states files fully (runs what they ask): only for a trusted "
+                          "checkpoint whose client_state holds classes other than DeepSpeed's")
     p.set_defaults(handler=run)
 
 
@@ -35,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     from zerodist.checkpoint import CheckpointError
 
     try:
-        return inspect(args) if args.action == "inspect" else consolidate(args)
+        actions = {"inspect": inspect, "consolidate": consolidate, "import-deepspeed": import_deepspeed}
+        return actions[args.action](args)
     except (CheckpointError, ValueError, OSError) as err:
         print(f"zerodist checkpoint {args.action}: {err}", file=sys.stderr)
         return 1
@@ -87,4 +99,17 @@ def consolidate(args: argparse.Namespace) -> int:
     print(f"wrote {out}: {len(state)} tensors, {numel:,} values, {_size(out.stat().st_size)}, from checkpoint "
           f"{manifest.tag} (step {manifest.global_steps}, {manifest.world_size} rank(s), ZeRO stage {manifest.stage}, "
           f"{manifest.precision})")
+    return 0
+
+
+def import_deepspeed(args: argparse.Namespace) -> int:
+    from zerodist.checkpoint.deepspeed_import import import_deepspeed as convert
+
+    tag_dir, state = convert(args.dir, args.out, tag=args.tag, trust_pickle=args.trust_pickle)
+    numel = sum(t.numel() for t in state.params.values())
+    kinds = sorted({k for values in state.optimizer.values() for k in values})
+    print(f"wrote {tag_dir}: {len(state.params)} trained parameters ({numel:,} values) with {state.optimizer_class} "
+          f"state {', '.join(kinds) or '(none)'}, {len(state.extra)} buffers/frozen tensors, step {state.global_steps}, "
+          f"{state.precision}, from {state.source}")
+    print(f"resume with engine.load_checkpoint({str(args.out)!r}) at any world size and ZeRO stage")
     return 0

@@ -3,13 +3,14 @@
 Initialisation (`init_distributed`), collectives with torch.distributed's signatures, the
 `Topology` of parallel axes, the communication tracer (`trace`) and the desync guard
 (`enable_collective_guard`, on for any program with `ZERODIST_COLLECTIVE_GUARD=1`).
+`init_distributed`, `all_gather`, `reduce_scatter` and the `get_*` helpers also take
+`deepspeed.comm`'s signatures (deepspeed_names.py), so `from deepspeed import comm` code runs.
 """
 
 from zerodist.comm.collectives import (
     CommHandle,
     ProcessGroup,
     ReduceOp,
-    all_gather,
     all_gather_object,
     all_reduce,
     all_to_all_single,
@@ -18,7 +19,27 @@ from zerodist.comm.collectives import (
     broadcast_object_list,
     gather_object,
     reduce,
+)
+
+# DeepSpeed's names and signatures; the flat-tensor forms of all_gather / reduce_scatter still work.
+from zerodist.comm.deepspeed_names import (
+    DEFAULT_PORT,
+    all_gather,
+    all_gather_into_tensor,
+    allgather_fn,
+    get_all_ranks_from_group,
+    get_global_rank,
+    get_world_group,
+    has_all_gather_into_tensor,
+    has_reduce_scatter_tensor,
+    inference_all_reduce,
+    init_distributed,
+    is_available,
+    new_group,
     reduce_scatter,
+    reduce_scatter_fn,
+    reduce_scatter_tensor,
+    use_default_port,
 )
 from zerodist.comm.errors import DistributedInitError, TopologyError
 from zerodist.comm.exchange import ExchangeTimeoutError, exchange_with_deadline
@@ -34,11 +55,9 @@ from zerodist.comm.init import (
     WorldInfo,
     device_for_rank,
     ensure_initialized,
-    get_global_rank,
     get_local_rank,
     get_rank,
     get_world_size,
-    init_distributed,
     is_initialized,
 )
 from zerodist.comm.topology import DENSE, EXPERT, TENSOR_SLICE, Domain, Topology
@@ -51,4 +70,8 @@ __all__ = [
     "bus_factor", "collective_guard", "device_for_rank", "disable_collective_guard", "enable_collective_guard",
     "ensure_initialized", "exchange_with_deadline", "gather_object", "get_global_rank", "get_local_rank", "get_rank", "get_world_size", "init_distributed",
     "is_initialized", "reduce", "reduce_scatter", "trace",
+    # deepspeed.comm's names (deepspeed_names.py)
+    "DEFAULT_PORT", "all_gather_into_tensor", "allgather_fn", "get_all_ranks_from_group", "get_world_group",
+    "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "inference_all_reduce", "is_available", "new_group",
+    "reduce_scatter_fn", "reduce_scatter_tensor", "use_default_port",
 ]

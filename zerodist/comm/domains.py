@@ -10,6 +10,11 @@ module that dies takes its declarations with it.
 A parameter nobody declared is dense (`DENSE`). A declaration on a module covers the named
 parameters of that module itself, or all parameters below it; a declaration on a module deeper
 in the tree wins over one on its ancestor.
+
+Two more declarations live here for the same reason: `declare_logical_offset` (a container of
+local experts is part of a larger logical model: `logical_names`, which checkpoints use) and
+`declare_expert_parallel` (the expert degree a module was built for, which the engine's topology
+takes).
 """
 
 from __future__ import annotations
@@ -28,11 +33,18 @@ from zerodist.comm.topology import AXES, DENSE, Domain
 class Placement:
     """A parameter's domain, and for a slice of a larger logical tensor, how it was cut:
     `slice_dim` of the logical tensor is split evenly over mesh axis `slice_axis`, this rank
-    holding part `coords[slice_axis]`. `None` for a whole tensor."""
+    holding part `coords[slice_axis]`. `None` for a whole tensor.
+
+    Two refinements of an even split, declared by tensor parallelism: `fused` (sub-tensor lengths
+    along `slice_dim`, each split on its own: a fused QKV weight's part is `[q_r; k_r; v_r]`) and
+    `logical_size` (the logical length along `slice_dim` when the parts are padded beyond it: a
+    vocabulary the degree does not divide)."""
 
     domain: Domain
     slice_dim: int | None = None
     slice_axis: str | None = None
+    fused: tuple[int, ...] = ()
+    logical_size: int | None = None
 
     def __post_init__(self) -> None:
         if (self.slice_dim is None) != (self.slice_axis is None):
@@ -79,3 +91,86 @@ def parameter_placements(model: torch.nn.Module) -> dict[int, Placement]:
             if name in entries:
                 found[id(param)] = entries[name]
     return found
+
+
+def buffer_placements(model: torch.nn.Module) -> dict[int, Placement]:
+    """`id(buffer)` -> Placement for every buffer of `model`: a declaration covering every
+    parameter below a module (`names=None`) covers its buffers too; others are dense."""
+    found: dict[int, Placement] = {id(b): DENSE_PLACEMENT for b in model.buffers()}
+    for module in model.modules():  # pre-order: a deeper declaration wins
+        entries = _DECLARED.get(module)
+        if entries and "" in entries:
+            for buffer in module.buffers():
+                found[id(buffer)] = entries[""]
+    return found
+
+
+# ---------------------------------------------------------------------------------------- logical names
+# [Note: logical names] A rank that holds a part of a larger logical model names its parameters as
+# that model would: a container of local experts whose child k is the model's expert k + offset
+# (expert-parallel rank r of E experts in groups of E_local holds experts r*E_local ...), so the
+# checkpoint keys by global expert id and reshards across expert-parallel sizes. Kept, like the
+# placements, in a weak side table: nothing is written on the container.
+_OFFSETS: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+# module -> the expert-parallel degree it was built for (an MoE layer's ep_size)
+_EXPERT_DEGREES: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def declare_logical_offset(container: torch.nn.Module, offset: int) -> None:
+    """Declare that `container`'s child named `k` (an integer, as in a ModuleList) is child
+    `k + offset` of the logical model ([Note: logical names])."""
+    if not isinstance(offset, int) or offset < 0:
+        raise TopologyError(f"a logical offset is a non-negative integer, got {offset!r}")
+    names = [name for name, _ in container.named_children()]
+    if not names or not all(name.isdigit() for name in names):
+        raise TopologyError(f"{type(container).__name__} must have integer-named children (as a ModuleList) to be "
+                            f"offset; it has {names or 'none'}")
+    _OFFSETS[container] = offset
+
+
+def logical_names(model: torch.nn.Module) -> dict[int, str]:
+    """`id(param)` -> the parameter's name in the logical model: its `named_parameters()` name,
+    with the child index of every offset container shifted ([Note: logical names])."""
+    keys = logical_keys(model)
+    return {id(param): keys[name] for name, param in model.named_parameters()}
+
+
+def logical_keys(model: torch.nn.Module) -> dict[str, str]:
+    """Every `state_dict()` key of `model` (parameters, buffers, tied aliases) -> its key in the
+    logical model ([Note: logical names])."""
+    prefixes: dict[str, str] = {}
+
+    def visit(module: torch.nn.Module, physical: str, logical: str) -> None:
+        prefixes[physical] = logical
+        offset = _OFFSETS.get(module, 0)
+        for name, child in module._modules.items():  # as state_dict() walks: a child registered twice, twice
+            if child is not None:
+                shifted = str(int(name) + offset) if offset else name
+                visit(child, f"{physical}{name}.", f"{logical}{shifted}.")
+
+    visit(model, "", "")
+    keys = {}
+    for key in model.state_dict(keep_vars=True):
+        module_path, _, leaf = key.rpartition(".")
+        physical = f"{module_path}." if module_path else ""
+        keys[key] = prefixes.get(physical, physical) + leaf  # a key no module path explains stays as it is
+    return keys
+
+
+def declare_expert_parallel(module: torch.nn.Module, degree: int) -> None:
+    """Declare that `module` (e.g. an MoE layer) was built for an expert axis of `degree` ranks:
+    `zerodist.initialize` builds its topology with that expert degree."""
+    if not isinstance(degree, int) or degree < 1:
+        raise TopologyError(f"an expert-parallel degree is a positive integer, got {degree!r}")
+    _EXPERT_DEGREES[module] = degree
+
+
+def expert_parallel_degree(model: torch.nn.Module) -> int:
+    """The expert degree the modules of `model` were built for (1 when none declared one)."""
+    declared = {f"{name or '<root>'}": _EXPERT_DEGREES[m] for name, m in model.named_modules() if m in _EXPERT_DEGREES}
+    degrees = set(declared.values())
+    if len(degrees) > 1:
+        listed = ", ".join(f"{name}: {degree}" for name, degree in declared.items())
+        raise TopologyError(f"the model's modules were built for different expert-parallel degrees ({listed}); "
+                            "one model runs on one mesh, so give every MoE layer the same ep_size")
+    return degrees.pop() if degrees else 1

@@ -211,7 +211,40 @@ class Topology:
         """This rank's index within its group over `axes`."""
         return self.ranks(*axes).index(self.rank)
 
+    def axis_rank_of(self, rank: int, *axes: str) -> int:
+        """Global rank `rank`'s index within its own group over `axes`."""
+        for members in self._partitions[_canonical(axes)]:
+            if rank in members:
+                return members.index(rank)
+        raise TopologyError(f"rank {rank} is not in a world of {self.world_size}")
+
     # ------------------------------------------------------------------ named groups
+    # Code outside this module names groups by what they are for, never by spelling out axes.
+    @property
+    def dense_axes(self) -> tuple[str, ...]:
+        """Where a dense parameter's gradient is reduced and ZeRO-sharded: `DENSE.reduce_axes`."""
+        return DENSE.reduce_axes
+
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """The axis experts are split over (expert parallelism's all-to-all runs here)."""
+        return ("expert",)
+
+    @property
+    def expert_data_axes(self) -> tuple[str, ...]:
+        """Where an expert's gradient is reduced: `EXPERT.reduce_axes` (DeepSpeed's expert-data group)."""
+        return EXPERT.reduce_axes
+
+    @property
+    def tensor_axes(self) -> tuple[str, ...]:
+        """The axis tensor-parallel slices and their all-reduces run over."""
+        return ("tensor",)
+
+    @property
+    def world_group(self) -> Any:
+        """Every rank of the mesh: the step's one all-reduce and the run-order checks."""
+        return self._groups[AXES]
+
     @property
     def batch_axes(self) -> tuple[str, ...]:
         """The axes the batch is dealt over (data loader, loss mean, gradient divisor)."""

@@ -3,9 +3,23 @@
 A DeepSpeed config that sets one of these would train differently under zerodist if the key
 were silently dropped (no offload, no activation checkpointing, ...), so each one is an error
 that says so. The tables are keyed by section: ``""`` is the top level.
+
+Some values of those keys ask for nothing zerodist lacks: a disabled offload
+(``"cpu_offload": false``), a default (``"allgather_partitions": true``), a feature section with
+``"enabled": false``. DeepSpeed's own tutorials write them, so ``NO_OP_VALUES`` lists them;
+``drop_no_op_keys`` removes them before validation and names them in one info line. Any other
+value of the key is still refused.
 """
 
 from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from zerodist.utils import get_logger, log_rank0
+
+logger = get_logger(__name__)
 
 
 def _keys(names: str) -> tuple[str, ...]:
@@ -20,23 +34,25 @@ NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
         dump_state eigenvalue elasticity flops_profiler gradient_predivide_factor
         graph_harvesting hybrid_engine nebula pipeline prescale_gradients
         progressive_layer_drop quantize_training seq_parallel_communication_data_type
-        sparse_attention sparse_gradients tensor_parallel timers torch_autocast wandb
+        sparse_attention sparse_gradients timers torch_autocast wandb
         weight_quantization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer
         """),
     "zero_optimization": _keys("""
-        allgather_partitions cpu_offload elastic_checkpoint ignore_unused_parameters
-        legacy_stage1 load_from_fp32_weights log_trace_cache_warnings
+        allgather_partitions compute_grad_norm cpu_offload cpu_offload_param
+        cpu_offload_use_pin_memory elastic_checkpoint enable_sanity_checks ignore_unused_parameters
+        leaf_module legacy_stage1 load_from_fp32_weights log_trace_cache_warnings
         memory_efficient_linear mics_hierarchical_params_gather mics_shard_size
-        offload_optimizer offload_param override_module_apply
+        offload_optimizer offload_param override_module_apply parameter_alignment
         pipeline_loading_checkpoint round_robin_gradients
-        stage3_gather_fp16_weights_on_model_save
+        stage3_allgather_sequential stage3_gather_fp16_weights_on_model_save
         stage3_model_persistence_threshold stage3_module_granularity_threshold
-        sub_group_size use_multi_rank_bucket_allreduce zero_hpz_partition_size
+        stage3_use_all_reduce_for_fetch_params
+        sub_group_size use_multi_rank_bucket_allreduce zenflow zero_hpz_partition_size
         zero_quantized_gradients zero_quantized_nontrainable_weights
         zero_quantized_weights zeropp_loco_param
         """),
     "fp16": _keys("auto_cast consecutive_hysteresis fp16_master_weights_and_grads"),
-    "bf16": _keys("immediate_grad_update"),
+    "bf16": _keys("bf16_master_weights_and_grads bf16_optimizer_states check_grad_overflow immediate_grad_update"),
     "comms_logger": _keys("debug"),
     "checkpoint": _keys("load_universal parallel_write use_node_local_storage"),
 }
@@ -47,9 +63,141 @@ RENAMED: dict[tuple[str, str], str] = {
 }
 
 
-def not_implemented_message(path: str) -> str:
-    return f"'{path}' is a DeepSpeed setting that zerodist does not implement yet; remove it"
+def not_implemented_message(path: str, section: str = "", key: str = "") -> str:
+    accepted = no_op_values(section, key)
+    if accepted is None:
+        return f"'{path}' is a DeepSpeed setting that zerodist does not implement yet; remove it"
+    return (f"'{path}' is a DeepSpeed setting that zerodist does not implement yet; remove it (accepted, as "
+            f"changing nothing here: {accepted})")
 
 
 def is_not_implemented(section: str, key: str) -> bool:
     return key in NOT_IMPLEMENTED.get(section, ())
+
+
+def _same(expected: Any) -> Callable[[Any], bool]:
+    """Equal to `expected` in JSON's sense: `true` is not `1`, `1.0` is `1`."""
+    def matches(value: Any) -> bool:
+        if isinstance(expected, bool) or expected is None:
+            return value is expected
+        if isinstance(value, bool):
+            return False
+        return value == expected
+    return matches
+
+
+def _any_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _disabled_section(value: Any) -> bool:
+    """A feature section switched off: `{"enabled": false, ...}` (its other keys then do nothing)."""
+    return isinstance(value, Mapping) and value.get("enabled", None) is False
+
+
+def _all_off(value: Any) -> bool:
+    """A section whose every setting is false or null (activation_checkpointing's defaults)."""
+    return isinstance(value, Mapping) and all(v is False or v is None for v in value.values())
+
+
+def _no_offload(value: Any) -> bool:
+    return value is None or (isinstance(value, Mapping) and value.get("device") in ("none", None))
+
+
+_OFF_SECTION = (_disabled_section, 'a section with "enabled": false')
+
+# (section, key) -> (the values that change nothing here, those values in words).
+NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
+    ("", "prescale_gradients"): (_same(False), "false"),
+    ("", "gradient_predivide_factor"): (_same(1.0), "1.0"),
+    ("", "sparse_gradients"): (_same(False), "false"),
+    ("", "dump_state"): (_same(False), "false"),
+    ("", "graph_harvesting"): (_same(False), "false"),
+    ("", "communication_data_type"): (_same(None), "null"),
+    # Any torch.optim optimizer runs under every ZeRO stage, and the CPU optimizer only matters with offload.
+    ("", "zero_allow_untested_optimizer"): (_any_bool, "true or false"),
+    ("", "zero_force_ds_cpu_optimizer"): (_any_bool, "true or false (there is no offload)"),
+    ("", "activation_checkpointing"): (_all_off, "every setting false or null"),
+    **{("", name): _OFF_SECTION for name in (
+        "amp", "flops_profiler", "wandb", "comet", "nebula", "elasticity", "autotuning", "curriculum_learning",
+        "data_efficiency", "progressive_layer_drop", "eigenvalue", "hybrid_engine", "torch_autocast",
+        "quantize_training")},
+    ("zero_optimization", "allgather_partitions"): (_same(True), "true"),
+    ("zero_optimization", "cpu_offload"): (_same(False), "false"),
+    ("zero_optimization", "cpu_offload_param"): (_same(False), "false"),
+    ("zero_optimization", "cpu_offload_use_pin_memory"): (_same(False), "false"),
+    ("zero_optimization", "offload_optimizer"): (_no_offload, 'null or {"device": "none"}'),
+    ("zero_optimization", "offload_param"): (_no_offload, 'null or {"device": "none"}'),
+    # zerodist checkpoints load at any world size and stage, which is what this asks for.
+    ("zero_optimization", "elastic_checkpoint"): (_any_bool, "true or false (checkpoints always reshard)"),
+    ("zero_optimization", "ignore_unused_parameters"): (_same(True), "true"),
+    ("zero_optimization", "legacy_stage1"): (_same(False), "false"),
+    ("zero_optimization", "load_from_fp32_weights"): (_same(True), "true"),
+    ("zero_optimization", "log_trace_cache_warnings"): (_same(False), "false"),
+    ("zero_optimization", "memory_efficient_linear"): (_any_bool, "true or false (torch's linear is never replaced)"),
+    ("zero_optimization", "override_module_apply"): (_same(True), "true"),
+    ("zero_optimization", "pipeline_loading_checkpoint"): (_same(False), "false"),
+    ("zero_optimization", "round_robin_gradients"): (_same(False), "false"),
+    ("zero_optimization", "stage3_gather_fp16_weights_on_model_save"): (_same(False), "false"),
+    ("zero_optimization", "stage3_module_granularity_threshold"): (_same(0), "0"),
+    ("zero_optimization", "sub_group_size"): (_same(1_000_000_000), "1e9"),
+    ("zero_optimization", "use_multi_rank_bucket_allreduce"): (_same(True), "true"),
+    ("zero_optimization", "zero_hpz_partition_size"): (_same(1), "1"),
+    ("zero_optimization", "zero_quantized_gradients"): (_same(False), "false"),
+    ("zero_optimization", "zero_quantized_weights"): (_same(False), "false"),
+    ("zero_optimization", "zero_quantized_nontrainable_weights"): (_same(False), "false"),
+    ("zero_optimization", "zeropp_loco_param"): (_same(None), "null"),
+    ("zero_optimization", "mics_shard_size"): (_same(-1), "-1"),
+    ("zero_optimization", "mics_hierarchical_params_gather"): (_same(False), "false"),
+    ("zero_optimization", "compute_grad_norm"): (_same(True), "true"),
+    ("zero_optimization", "parameter_alignment"): (_same(False), "false"),
+    ("zero_optimization", "enable_sanity_checks"): (_same(False), "false"),
+    ("zero_optimization", "stage3_use_all_reduce_for_fetch_params"): (_same(False), "false"),
+    ("zero_optimization", "stage3_allgather_sequential"): (_same(False), "false"),
+    ("fp16", "fp16_master_weights_and_grads"): (_same(False), "false"),
+    ("fp16", "consecutive_hysteresis"): (_same(False), "false"),
+    ("fp16", "auto_cast"): (_same(False), "false"),
+    ("bf16", "immediate_grad_update"): (_same(False), "false"),
+    ("bf16", "bf16_master_weights_and_grads"): (_same(False), "false"),
+    ("bf16", "bf16_optimizer_states"): (_same(False), "false"),
+    ("bf16", "check_grad_overflow"): (_same(False), "false (zerodist does not skip bf16 steps on overflow)"),
+    ("comms_logger", "debug"): (_same(False), "false"),
+    ("checkpoint", "load_universal"): (_same(False), "false"),
+    ("checkpoint", "use_node_local_storage"): (_same(False), "false"),
+}
+
+
+def no_op_values(section: str, key: str) -> str | None:
+    """The accepted values of a not-implemented key, in words, or None when no value is accepted."""
+    entry = NO_OP_VALUES.get((section, key))
+    return None if entry is None else entry[1]
+
+
+def drop_no_op_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` without the DeepSpeed keys whose values change nothing here, named in one info line
+    (on rank 0). Other values stay, so validation refuses them with the reason."""
+    dropped: list[str] = []
+    result = _without_no_op(raw, "", dropped)
+    for section, value in raw.items():
+        if isinstance(value, Mapping) and any(s == section for s, _ in NO_OP_VALUES):
+            result[section] = _without_no_op(value, section, dropped)
+    if dropped:
+        log_rank0(logger, "config: ignoring DeepSpeed settings that change nothing in zerodist: %s", ", ".join(dropped))
+    return result
+
+
+def _without_no_op(section_value: Mapping[str, Any], section: str, dropped: list[str]) -> dict[str, Any]:
+    kept = {}
+    for key, value in section_value.items():
+        entry = NO_OP_VALUES.get((section, key))
+        if entry is not None and entry[0](value):
+            dropped.append(f"{section + '.' if section else ''}{key}={_show(value)}")
+        else:
+            kept[key] = value
+    return kept
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return '{"enabled": false, ...}' if value.get("enabled", None) is False else "{...}"
+    return json.dumps(value)

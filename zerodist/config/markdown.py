@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from zerodist.config.deepspeed_keys import NOT_IMPLEMENTED
+from zerodist.config.deepspeed_keys import NO_OP_VALUES, NOT_IMPLEMENTED
 from zerodist.config.errors import show_value
 from zerodist.config.problems import describe_schema, field_schemas, nested_model
 from zerodist.config.schema import Config
@@ -81,4 +81,14 @@ def _not_implemented_markdown() -> str:
     for section, keys in NOT_IMPLEMENTED.items():
         where = f"`{section}`" if section else "top level"
         lines.append(f"- {where}: " + ", ".join(f"`{key}`" for key in sorted(keys)))
+    lines += [
+        "",
+        "Except for these values, which ask for nothing zerodist lacks (a disabled feature, DeepSpeed's",
+        "default): a config that sets them loads, and one info line names what was ignored.",
+        "",
+        "| key | accepted values |",
+        "| --- | --- |",
+    ]
+    for (section, key), (_, accepted) in NO_OP_VALUES.items():
+        lines.append(f"| `{section + '.' if section else ''}{key}` | {accepted} |")
     return "\n".join(lines) + "\n"

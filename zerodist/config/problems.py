@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from zerodist.config.deepspeed_keys import RENAMED, is_not_implemented, not_implemented_message
+from zerodist.config.deepspeed_keys import NOT_IMPLEMENTED, RENAMED, is_not_implemented, not_implemented_message
 from zerodist.config.errors import show_value
 from zerodist.utils import did_you_mean
 
@@ -53,11 +53,13 @@ def _unknown_key_problem(location: Location, root: type[BaseModel]) -> str:
     section = dotted_path(section_location)
     path = dotted_path(location)
     if is_not_implemented(section, key):
-        return not_implemented_message(path)
+        return not_implemented_message(path, section, key)
     if (section, key) in RENAMED:
         return f"'{path}' is DeepSpeed's old name for '{RENAMED[section, key]}'; rename it"
     valid_keys = list(model_at(root, section_location).model_fields)
-    hint = did_you_mean(key, valid_keys)
+    # A misspelt DeepSpeed key is suggested too (`cpu_ofload` -> `cpu_offload`), so that its own
+    # message (refused, or accepted with a value that changes nothing) follows the fix.
+    hint = did_you_mean(key, valid_keys + list(NOT_IMPLEMENTED.get(section, ())))
     if hint:
         return f"unknown key '{path}'{hint}"
     where = f" in '{section}'" if section else ""

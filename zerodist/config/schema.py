@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from zerodist.config.batch import BatchSizes, resolve_batch_sizes
+from zerodist.config.deepspeed_keys import drop_no_op_keys
 from zerodist.config.errors import ConfigError
 from zerodist.config.problems import validation_problems
 from zerodist.config.source import read_source
@@ -138,10 +139,12 @@ class ZeroConfig(Section):
         True, description="Reduce gradients with reduce-scatter; false runs all-reduce."
     )
     overlap_comm: bool = Field(
-        True, description="Reduce each gradient bucket while backward is still running."
+        True, description="Reduce each gradient bucket as soon as it is full, while backward still runs; "
+        "false reduces every bucket after backward (same collectives, same order)."
     )
     contiguous_gradients: bool = Field(
-        True, description="Copy gradients into one flat buffer as they are produced."
+        True, description="Gradients are copied into flat contiguous buckets as they are produced; zerodist "
+        "always does this, so false (separate gradient tensors) is refused."
     )
     reduce_bucket_size: ElementCount = Field(
         500_000_000, description="Elements per gradient bucket, at every stage; buckets hold at most "
@@ -167,7 +170,8 @@ class ZeroConfig(Section):
         "parameter elements than this are used in between (0: always free it after forward).",
     )
     stage3_gather_16bit_weights_on_model_save: bool = Field(
-        False, description="Stage 3: gather full 16-bit weights when saving the model."
+        False, description="Stage 3: engine.save_16bit_model gathers the full 16-bit weights. zerodist's "
+        "always gathers them (DeepSpeed's true), whatever this says."
     )
 
     @field_validator(*_ELEMENT_COUNT_FIELDS, mode="before")
@@ -246,6 +250,59 @@ class DebugConfig(Section):
     )
 
 
+class LayerSpecConfig(Section):
+    patterns: list[str] = Field(
+        min_length=1, description="Regular expressions over parameter names, e.g. \".*\\\\.q_proj\\\\.weight$\"."
+    )
+    partition_type: Literal["column", "row", "skip"] = Field(
+        description="column: split the output features; row: split the input features; skip: replicate."
+    )
+    shape: list[int] | None = Field(
+        None, description="[k, -1]: the weight fuses k equal sub-parameters (QKV: [3, -1]), each split on its own."
+    )
+    partition_dim: int = Field(0, description="Dimension a column layer splits; only 0 is supported.")
+    gather_output: bool = Field(False, description="Column layers: all-gather the output (an LM head).")
+
+
+class PartitionConfig(Section):
+    use_default_specs: bool = Field(
+        True, description="Accepted for DeepSpeed compatibility; zerodist applies layer_specs only."
+    )
+    layer_specs: list[LayerSpecConfig] = Field(
+        default_factory=list, description="How the layers whose parameters match each pattern are split."
+    )
+
+
+class TensorParallelConfig(Section):
+    autotp_size: int = Field(
+        1, ge=1, description="Tensor-parallel degree (ranks per tensor-parallel group); 1 turns it off."
+    )
+    partition_config: PartitionConfig | None = Field(
+        None, description="Layer specs by parameter-name pattern; absent uses the model's built-in plan "
+        "(zerodist's GPT, Hugging Face models with a base_model_tp_plan)."
+    )
+
+
+class DominoSettings(Section):
+    chunks: int = Field(2, ge=2, description="Domino: micro-batch chunks per block (any k >= 2).")
+    overlap: Literal["intra", "inter"] = Field(
+        "inter", description="intra: blocks wait for their reductions before returning; inter: the last "
+        "chunk's reduction also runs under the next block's first chunk."
+    )
+
+
+class ZerodistTensorParallelConfig(Section):
+    size: int | None = Field(
+        None, ge=1, description="Tensor-parallel degree; the same as tensor_parallel.autotp_size (give one)."
+    )
+    sequence_parallel: bool = Field(
+        False, description="Split activations along the sequence between tensor-parallel layers."
+    )
+    domino: DominoSettings | None = Field(
+        None, description="Overlap tensor-parallel all-reduces with compute by splitting each block's batch."
+    )
+
+
 class ZerodistConfig(Section):
     timeout: Annotated[float, Field(gt=0)] | None = Field(
         None,
@@ -254,6 +311,10 @@ class ZerodistConfig(Section):
     )
     debug: DebugConfig = Field(
         default_factory=DebugConfig, description="Checks that trade speed for early, named errors."
+    )
+    tensor_parallel: ZerodistTensorParallelConfig = Field(
+        default_factory=ZerodistTensorParallelConfig,
+        description="Tensor parallelism settings DeepSpeed has no key for (sequence parallelism, Domino).",
     )
     stage3_unit_classes: list[str] = Field(
         default_factory=list,
@@ -319,6 +380,9 @@ class Config(Section):
     tensorboard: MonitorConfig = Field(
         default_factory=MonitorConfig, description="Training metrics as TensorBoard events."
     )
+    tensor_parallel: TensorParallelConfig = Field(
+        default_factory=TensorParallelConfig, description="Tensor parallelism (DeepSpeed AutoTP's keys)."
+    )
     zerodist: ZerodistConfig = Field(
         default_factory=ZerodistConfig, description="zerodist settings DeepSpeed has no key for."
     )
@@ -336,11 +400,36 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _asks_only_for_what_runs(self) -> Config:
+        """Values that ask for behaviour zerodist lacks are refused, saying what it does instead."""
+        zero, problems = self.zero_optimization, []
+        if not zero.contiguous_gradients:
+            problems.append("'zero_optimization.contiguous_gradients' is false, but zerodist always copies gradients "
+                            "into flat contiguous buckets as they are produced (DeepSpeed's true); remove the key or "
+                            "set it to true")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
     def _checkpoint_needs_save_dir(self) -> Config:
         wanted = [key for key in ("save_interval", "auto_resume") if getattr(self.checkpoint, key)]
         if wanted and self.checkpoint.save_dir is None:
             raise ValueError(f"'checkpoint.{wanted[0]}' is set but 'checkpoint.save_dir' is not; name the directory")
         return self
+
+    @model_validator(mode="after")
+    def _one_tensor_degree(self) -> Config:
+        size = self.zerodist.tensor_parallel.size
+        if size is not None and self.tensor_parallel.autotp_size not in (1, size):
+            raise ValueError(f"'tensor_parallel.autotp_size' ({self.tensor_parallel.autotp_size}) and "
+                             f"'zerodist.tensor_parallel.size' ({size}) disagree; give one of them")
+        return self
+
+    @property
+    def tensor_degree(self) -> int:
+        """The tensor-parallel degree from either key (1 when neither is set)."""
+        return self.zerodist.tensor_parallel.size or self.tensor_parallel.autotp_size
 
     @classmethod
     def load(cls, source: Config | Mapping[str, Any] | str | os.PathLike[str]) -> Config:
@@ -351,6 +440,7 @@ class Config(Section):
         if isinstance(source, Config):
             return source
         raw, source_name = read_source(source)
+        raw = drop_no_op_keys(raw)  # DeepSpeed keys set to values that change nothing here
         try:
             return cls.model_validate(raw)
         except ValidationError as error:

@@ -39,6 +39,7 @@ import decimal
 import re
 
 from zerodist.utils import format_bytes
+from zerodist.zero.policy import ShardingPolicy
 
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 1}  # fp32 states per parameter (sgd: momentum)
@@ -102,8 +103,9 @@ def estimate_memory(
     element = PARAM_BYTES[dtype]
     master = 4 if element != 4 else 0  # fp32 training updates the parameters themselves
     optimizer_per_param = master + 4 * OPTIMIZER_STATES[optimizer]
+    policy = ShardingPolicy.from_stage(stage)
     buckets = min(int(reduce_bucket_size), full) * element
-    if stage >= 1:
+    if policy.shard_optimizer_state:
         buckets += min(int(allgather_bucket_size), full) * element
     shape = (hidden, layers, seq_len, micro_batch)
     activations = None
@@ -114,9 +116,9 @@ def estimate_memory(
         )
     return MemoryEstimate(
         num_params, world_size, stage, dtype, optimizer,
-        parameters=(shard if stage >= 3 else full) * element,
-        gradients=(shard if stage >= 2 else full) * element,
-        optimizer_states=(shard if stage >= 1 else full) * optimizer_per_param,
+        parameters=(shard if policy.shard_parameters else full) * element,
+        gradients=(shard if policy.shard_gradients else full) * element,
+        optimizer_states=(shard if policy.shard_optimizer_state else full) * optimizer_per_param,
         buckets=buckets,
         activations=activations,
     )
@@ -173,9 +175,11 @@ def formula(stage: int, dtype: str, optimizer: str = "adam") -> str:
     """The per-rank model-state formula, e.g. '4Ψ + 12Ψ/N' (stage 1, mixed precision, Adam)."""
     element = PARAM_BYTES[dtype]
     optimizer_per_param = (4 if element != 4 else 0) + 4 * OPTIMIZER_STATES[optimizer]
+    policy = ShardingPolicy.from_stage(stage)
     replicated = sharded = 0
-    for per_param, first_sharded_stage in ((element, 3), (element, 2), (optimizer_per_param, 1)):
-        if stage >= first_sharded_stage:
+    for per_param, is_sharded in ((element, policy.shard_parameters), (element, policy.shard_gradients),
+                                  (optimizer_per_param, policy.shard_optimizer_state)):
+        if is_sharded:
             sharded += per_param
         else:
             replicated += per_param

@@ -33,6 +33,7 @@ import torch
 import zerodist.comm as comm
 from zerodist.debug.estimate import OPTIMIZER_STATES, MemoryEstimate, estimate_memory, formula
 from zerodist.utils import format_bytes, get_logger, log_rank0
+from zerodist.zero.state import zero_state_of
 
 logger = get_logger(__name__)
 
@@ -82,7 +83,8 @@ def peak_rss_bytes() -> int:
 def _cuda_device(engine: Any) -> torch.device | None:
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
-    if engine is not None and engine.groups and engine.groups[0].device.type != "cuda":
+    zero = zero_state_of(engine)
+    if zero is not None and zero.groups and zero.groups[0].device.type != "cuda":
         return None
     return torch.device("cuda", torch.cuda.current_device())
 
@@ -125,7 +127,7 @@ class MemoryReport:
 
 def padded_num_params(engine: Any) -> int:
     """Ψ as the engine lays it out: every bucket padded to a multiple of N x 64 elements."""
-    return sum(g.layout.total_numel for g in engine.groups)
+    return zero_state_of(engine).padded_num_params()
 
 
 def optimizer_kind(optimizer: Any) -> str | None:
@@ -143,15 +145,18 @@ def estimate_for_engine(engine: Any, **kwargs: Any) -> MemoryEstimate | None:
     and bucket sizes, so the model states agree with `engine.model_state_bytes()` exactly (once
     the optimizer has stepped: Adam's states are created at the first step). `kwargs` go to
     `estimate_memory` (hidden=, layers=, seq_len=, micro_batch=, heads=, flash_attention=...).
-    None for an optimizer the estimator has no formula for."""
-    kind = optimizer_kind(engine.optimizer)
-    if kind is None or kind not in OPTIMIZER_STATES or not engine.groups:
+    None for an optimizer the estimator has no formula for, or parameters in several sharding
+    domains (the formula has one N)."""
+    state = zero_state_of(engine)
+    kind = optimizer_kind(state.optimizer)
+    sizes = {g.world_size for g in state.groups}
+    if kind is None or kind not in OPTIMIZER_STATES or len(sizes) != 1:
         return None
     zero = engine.config.zero_optimization
     kwargs.setdefault("reduce_bucket_size", zero.reduce_bucket_size)
     kwargs.setdefault("allgather_bucket_size", zero.allgather_bucket_size)
-    return estimate_memory(padded_num_params(engine), world_size=engine.groups[0].world_size, stage=engine.stage,
-                           dtype=engine.policy.name, optimizer=kind, **kwargs)
+    return estimate_memory(state.padded_num_params(), world_size=sizes.pop(), stage=state.sharding.stage,
+                           dtype=state.precision.name, optimizer=kind, **kwargs)
 
 
 def memory_report(engine: Any = None, *, all_ranks: bool = False, group: Any = None) -> Any:
@@ -164,7 +169,7 @@ def memory_report(engine: Any = None, *, all_ranks: bool = False, group: Any = N
         cuda_allocated=None if cuda is None else torch.cuda.memory_allocated(cuda),
         cuda_reserved=None if cuda is None else torch.cuda.memory_reserved(cuda),
         cuda_peak_allocated=None if cuda is None else torch.cuda.max_memory_allocated(cuda),
-        model_states=None if engine is None else engine.model_state_bytes(),
+        model_states=None if engine is None else zero_state_of(engine).model_state_bytes(),
         estimate=None if engine is None else estimate_for_engine(engine),
     )
     if not all_ranks:

@@ -38,6 +38,7 @@ import torch
 
 import zerodist.comm as comm
 from zerodist.utils import get_logger
+from zerodist.zero.state import zero_state_of
 
 logger = get_logger(__name__)
 
@@ -119,16 +120,17 @@ def _all_finite(values: list[torch.Tensor]) -> list[bool]:
 
 class NanHunter:
     """Find the first NaN/Inf of a step (see the module docstring). Takes a zerodist engine
-    (duck-typed) or a plain `torch.nn.Module`. `check()` is a collective over `group`
+    (its typed `zero_state`), a `ZeroState`, or a plain `torch.nn.Module`. `check()` is a collective over `group`
     (default: the whole world, since every rank must stop)."""
 
     def __init__(self, model_or_engine: Any, *, forward: bool = True, gradients: bool | None = None,
                  group: Any = None):
-        self.engine = model_or_engine if hasattr(model_or_engine, "reducer") else None
-        module = model_or_engine.module if self.engine is not None else model_or_engine
+        self.zero = zero_state_of(model_or_engine)
+        # an engine's public step counters, for the message (a ZeroState or a module has none)
+        self.engine = model_or_engine if self.zero is not None and self.zero is not model_or_engine else None
+        module = self.zero.module if self.zero is not None else model_or_engine
         if gradients is None:
-            policy = getattr(self.engine, "policy", None)
-            gradients = not getattr(policy, "loss_scaling", False)
+            gradients = self.zero is None or not self.zero.precision.loss_scaling
         self.group = group
         self._forward: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # name, extremes of inputs, of output
         self._grads: list[tuple[str, torch.Tensor]] = []
@@ -139,9 +141,9 @@ class NanHunter:
             for name, sub in module.named_modules():
                 label = f"'{name or '(root)'}' ({type(sub).__name__})"
                 self._handles.append(sub.register_forward_hook(functools.partial(self._on_output, label)))
-        if gradients and self.engine is not None:
+        if gradients and self.zero is not None:
             self._observer = self._on_engine_grad
-            self.engine.reducer.grad_observers.append(self._observer)
+            self.zero.reducer.grad_observers.append(self._observer)
         elif gradients:
             for name, param in module.named_parameters():
                 if param.requires_grad:
@@ -158,7 +160,7 @@ class NanHunter:
             self._forward.append((label, out.new_zeros(0) if inputs is None else inputs, out))
 
     def _on_engine_grad(self, group: Any, index: int, grad: torch.Tensor) -> None:
-        self._on_grad(group.names[index], grad)
+        self._on_grad(group.records[index].name, grad)
 
     def _on_grad(self, name: str, grad: torch.Tensor) -> None:
         extremes = _extremes([grad])
@@ -223,8 +225,8 @@ class NanHunter:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._observer is not None and self.engine is not None:
-            observers = self.engine.reducer.grad_observers
+        if self._observer is not None and self.zero is not None:
+            observers = self.zero.reducer.grad_observers
             if self._observer in observers:
                 observers.remove(self._observer)
             self._observer = None

@@ -23,11 +23,13 @@ for parameters where groups differ is the reference rank's tensor broadcast so t
 can report its max abs difference. In-sync parameters cost O(1) communication each.
 
 All functions are collectives over the data-parallel group: call them on every rank.
-The engine is taken duck-typed (`.groups`, `.stage`, `.module`): this layer never imports it.
+This layer never imports the engine: it reads the engine's typed `zero_state`
+(`zerodist.zero.state.ZeroState`) and its public step counter and accumulation boundary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -37,6 +39,7 @@ import zerodist.comm as comm
 from zerodist.debug.sync_report import (GradientSyncError, ParamSync, SyncReport, WeightSyncError,
                                         reference_label)
 from zerodist.utils import get_logger
+from zerodist.zero.state import ZeroState, single_domain_group, zero_state_of
 
 logger = get_logger(__name__)
 
@@ -50,7 +53,7 @@ Named = list[tuple[str, int, "torch.Tensor | None"]]  # (name, numel, tensor or 
 
 
 def _is_engine(obj: Any) -> bool:
-    return hasattr(obj, "groups") and hasattr(obj, "stage") and hasattr(obj, "module")
+    return zero_state_of(obj) is not None
 
 
 def checksum(tensor: torch.Tensor) -> int:
@@ -152,11 +155,11 @@ class GradSyncWatch:
     def __init__(self, engine: Any):
         if not _is_engine(engine):
             raise TypeError(f"GradSyncWatch takes a zerodist engine, got {type(engine).__name__}")
-        self.engine = engine
-        self.local = {id(g): torch.zeros(g.layout.total_numel, dtype=torch.float32, device=g.param_buffer.device)
-                      for g in engine.groups}
+        self.engine, self.zero = engine, zero_state_of(engine)
+        self.local = {id(g): torch.zeros(g.layout.total_numel, dtype=torch.float32, device=g.device)
+                      for g in self.zero.groups}
         self._step = engine.global_steps
-        engine.reducer.grad_observers.append(self._on_grad)
+        self.zero.reducer.grad_observers.append(self._on_grad)
 
     def _on_grad(self, group: Any, index: int, grad: torch.Tensor) -> None:
         if self._step != self.engine.global_steps:  # an optimizer step cleared the buckets
@@ -170,7 +173,7 @@ class GradSyncWatch:
         return check_gradient_sync(self.engine, raise_on_mismatch=raise_on_mismatch, reference=self, rtol=rtol)
 
     def close(self) -> None:
-        observers = self.engine.reducer.grad_observers
+        observers = self.zero.reducer.grad_observers
         if self._on_grad in observers:
             observers.remove(self._on_grad)
         self.local = {}
@@ -209,38 +212,40 @@ def _how(atol: float) -> str:
 
 
 def _engine_gradients(engine: Any, atol: float, reference: GradSyncWatch | None, rtol: float | None) -> SyncReport:
-    stage, group = engine.stage, engine.groups[0].group
-    if stage > 0 and reference is None:
+    state = zero_state_of(engine)
+    group, sharding = single_domain_group(state, "check_gradient_sync"), state.sharding
+    stage = sharding.stage
+    if sharding.shard_optimizer_state and reference is None:
         raise ValueError(f"check_gradient_sync: at ZeRO stage {stage} each rank holds only its own shard of the "
                          "reduced gradient, so there is nothing replicated to compare; create "
                          "zerodist.debug.GradSyncWatch(engine) before backward and pass it as reference=")
-    if stage < 2 and not engine.is_gradient_accumulation_boundary():
+    if not sharding.shard_gradients and not engine.is_gradient_accumulation_boundary():
         raise ValueError(f"check_gradient_sync: at ZeRO stage {stage} gradients are reduced only at the "
                          "accumulation boundary; call it after the boundary micro-step's engine.backward(loss)")
     if reference is not None:
-        params = _compare_with_reference(engine, reference, rtol)
+        params = _compare_with_reference(state, reference, rtol)
         method = f"ZeRO stage {stage}: each rank's owned shard against a reference all_reduce of the local gradients"
     else:
-        named = [(name, slot.numel, g.grad_buffer[slot.offset: slot.offset + slot.numel])
-                 for g in engine.groups for name, slot in zip(g.names, g.layout.slots)]
+        named = [(r.name, r.slot.numel, g.grad_buffer[r.slot.offset: r.slot.offset + r.slot.numel])
+                 for g in state.groups for r in g.records]
         params = compare_replicated(named, group, atol=atol)
         method = "ZeRO stage 0: the reduced gradient is replicated, compared " + _how(atol)
-    zero = all(float(g.norm()) == 0.0 for grp in engine.groups for g in grp.owned_grads())
+    zero = all(float(g.norm()) == 0.0 for grp in state.groups for g in grp.owned_grads())
     note = "every gradient is zero: called after engine.step(), which clears them?" if zero else ""
     return SyncReport("gradients", method, tuple(group_ranks(group)), params, note)
 
 
-def _compare_with_reference(engine: Any, watch: GradSyncWatch, rtol: float | None) -> tuple[ParamSync, ...]:
+def _compare_with_reference(zero: ZeroState, watch: GradSyncWatch, rtol: float | None) -> tuple[ParamSync, ...]:
     """Each rank's owned shard of every bucket against its slice of all_reduce(local) / N."""
     results = []
-    for flat in engine.groups:
+    for flat in zero.groups:
         group, rank, size = flat.group, flat.rank, flat.world_size
         expected = watch.local[id(flat)].clone()
         comm.all_reduce(expected, group=group)
-        expected.div_(size)
+        expected.div_(flat.domain_group.grad_divisor)
         tol = rtol if rtol is not None else DEFAULT_RTOL.get(flat.param_buffer.dtype, 1e-5)
         # per parameter: squared norm of the owned part, max |owned - expected|, owns any
-        local = torch.zeros(len(flat.params), 3, dtype=torch.float64, device=expected.device)
+        local = torch.zeros(len(flat.records), 3, dtype=torch.float64, device=expected.device)
         for bucket in flat.buckets:
             lo = bucket.span.shard_offset(rank)
             owned = bucket.grad_owned.double()
@@ -254,7 +259,8 @@ def _compare_with_reference(engine: Any, watch: GradSyncWatch, rtol: float | Non
                                             torch.ones((), dtype=torch.float64)])
         everyone = _gather(local, group).cpu()
         ranks = group_ranks(group)
-        for index, (name, slot) in enumerate(zip(flat.names, flat.layout.slots)):
+        for index, record in enumerate(flat.records):
+            name, slot = record.name, record.slot
             full = expected[slot.offset: slot.offset + slot.numel].double()
             threshold = tol * float(full.abs().max())
             owners = [r for r in range(size) if everyone[r, index, 2] > 0]
@@ -269,20 +275,54 @@ def _compare_with_reference(engine: Any, watch: GradSyncWatch, rtol: float | Non
 
 # ---------------------------------------------------------------------------------------- weights
 
+def _check_engine_weights(zero: Any, *, raise_on_mismatch: bool, atol: float, buffers: bool) -> SyncReport:
+    """Each parameter compared over the ranks its domain replicates it on (a tensor-parallel slice
+    over the data axes; a LayerNorm beside it over the data and tensor axes), buffers over all."""
+    topology = zero.topology
+    domains = {id(r.param): r.domain for g in zero.groups for r in g.records}
+    by_axes: dict[tuple[str, ...], Named] = {}
+    for name, param in zero.module.named_parameters():
+        axes = domains[id(param)].replicated_axes if id(param) in domains else topology.batch_axes
+        by_axes.setdefault(axes, []).append((name, param.numel(), param.detach()))
+    if buffers:
+        by_axes.setdefault(("data", "expert", "tensor"), []).extend(
+            (n, b.numel(), b) for n, b in zero.module.named_buffers())
+    params: tuple[ParamSync, ...] = ()
+    for axes in sorted(by_axes):  # the same order on every rank: each comparison is a collective
+        group = topology.group(*axes)
+        members = group_ranks(group)
+        for found in compare_replicated(by_axes[axes], group, atol=atol):
+            # Norms by global rank; nan for ranks outside this comparison (they hold another slice).
+            norms = [math.nan] * topology.world_size
+            for rank, norm in zip(members, found.rank_norms):
+                norms[rank] = norm
+            params += (dataclasses.replace(found, rank_norms=tuple(norms)),)
+    what = "parameters and buffers" if buffers else "parameters"
+    report = SyncReport(what, "compared " + _how(atol) + " over each parameter's replicated axes",
+                        tuple(range(topology.world_size)), params)
+    if not report.ok:
+        logger.warning("check_weight_sync: %s", report.format())
+        if raise_on_mismatch:
+            raise WeightSyncError(report, "check_weight_sync")
+    return report
+
+
 def check_weight_sync(model_or_engine: Any, *, raise_on_mismatch: bool = False, atol: float = 0.0,
                       buffers: bool = False, group: Any = None) -> SyncReport:
     """Compare every parameter (and, with `buffers`, every buffer) across data-parallel ranks,
     bitwise unless `atol` is given: replicas that drifted apart (a missed sync, a rank-dependent
     update) are named with the ranks that differ. Raises `WeightSyncError` on every rank with
-    `raise_on_mismatch`. Collective over the engine's data-parallel group, or `group` (default
-    world) for a plain model.
+    `raise_on_mismatch`. For an engine each parameter is compared over the axes its domain
+    replicates it on (tensor-parallel slices over the data axes only, replicated parameters
+    beside them over the tensor axis too); for a plain model over `group` (default world).
     """
     module = model_or_engine
     if _is_engine(model_or_engine):
-        if model_or_engine.stage >= 3:
+        zero = zero_state_of(model_or_engine)
+        if zero.sharding.shard_parameters:
             raise ValueError("check_weight_sync: at ZeRO stage 3 each rank holds a shard of the parameters; "
                              "nothing is replicated to compare")
-        module, group = model_or_engine.module, model_or_engine.groups[0].group
+        return _check_engine_weights(zero, raise_on_mismatch=raise_on_mismatch, atol=atol, buffers=buffers)
     named = [(n, p.numel(), p.detach()) for n, p in module.named_parameters()]
     if buffers:
         named += [(n, b.numel(), b) for n, b in module.named_buffers()]

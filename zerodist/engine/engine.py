@@ -2,6 +2,12 @@
 
     engine(batch) -> loss;  engine.backward(loss);  engine.step()
 
+The engine is an `nn.Module` whose one submodule is the user's model, `module` (as DeepSpeed's
+engine is): `parameters()`, `named_parameters()` and `state_dict()` are nn.Module's, so their
+names carry the `module.` prefix; `module_state_dict()` gives the plain model's keys. The
+engine's own training state (counters, scheduler, loss scale) is not part of `state_dict()`;
+`save_checkpoint()` holds it. docs/deepspeed.md lists DeepSpeed's engine API, name by name.
+
 `step()` is called every micro-step; it steps the optimizer only at the gradient
 accumulation boundary, which `is_gradient_accumulation_boundary()` states and
 `set_gradient_accumulation_boundary()` can override.
@@ -20,29 +26,41 @@ import zerodist.checkpoint as checkpoint
 import zerodist.comm as comm
 from zerodist.config import BatchSizes, Config
 from zerodist.debug import MemoryMonitor, NanHunter, reduce_loss
+from zerodist.engine import training_state
+from zerodist.engine.deepspeed_surface import DeepSpeedEngineAPI
 from zerodist.engine.monitor import Monitors
+from zerodist.moe.state import gather_global_state_dict
 from zerodist.precision import PrecisionPolicy
+from zerodist.tensor_parallel.plan import unsliced_state_dict
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, StepResult, ZeroOptimizer, sharded_access
+from zerodist.zero.policy import ShardingPolicy
+from zerodist.zero.state import ZeroState
 from zerodist.zero.stage3 import GatheredParameters, Stage3Runtime
 
 logger = get_logger(__name__)
 
 
-class Engine:
-    """Made by `zerodist.initialize()`; wraps the user's module without changing its attributes."""
+class Engine(DeepSpeedEngineAPI, torch.nn.Module):
+    """Made by `zerodist.initialize()`; wraps the user's module without changing its attributes.
+    DeepSpeed's accessors (`train_batch_size()`, `local_rank`, ...) come from `DeepSpeedEngineAPI`."""
 
     # The loader initialize() returned, if any: checkpoints record and restore its position.
     training_dataloader: Any = None
 
     def __init__(self, module: torch.nn.Module, *, config: Config, batch: BatchSizes, policy: PrecisionPolicy,
                  groups: list[FlatParamGroup], reducer: GradReducer, optimizer: ZeroOptimizer, lr_scheduler: Any,
-                 topology: comm.Topology, stage3: Stage3Runtime | None = None):
+                 topology: comm.Topology, sharding: ShardingPolicy, stage3: Stage3Runtime | None = None,
+                 training_dataloader: Any = None):
+        super().__init__()  # nn.Module's bookkeeping first; `self.module = module` then registers the submodule
         self.module, self.config, self.batch, self.policy = module, config, batch, policy
         self.groups, self.reducer, self.optimizer, self.lr_scheduler = groups, reducer, optimizer, lr_scheduler
         self.topology = topology
+        self._record_world()
         self.stage3 = stage3  # the ZeRO-3 hooks and units, None at stages 0-2
-        self.stage = config.zero_optimization.stage
+        self.sharding = sharding  # what ZeRO shards; decisions read it, never the stage number
+        self.stage = sharding.stage  # DeepSpeed's number, for reports
+        self.training_dataloader = training_dataloader
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -62,14 +80,10 @@ class Engine:
             self.comms_trace = self._trace.__enter__()
 
     # ------------------------------------------------------------------ accumulation boundary
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.batch.gradient_accumulation_steps
-
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Force (True/False) or restore (None) the boundary decision for the next micro-steps."""
@@ -78,7 +92,7 @@ class Engine:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward inside accumulates locally without reducing (stages 0 and 1 only)."""
-        if self.stage >= 2:
+        if self.sharding.shard_gradients:
             raise RuntimeError(f"no_sync() is not available at ZeRO stage {self.stage}: gradients are reduced into "
                                "shards as they are produced; use gradient_accumulation_steps instead")
         self._no_sync, previous = True, self._no_sync
@@ -88,9 +102,6 @@ class Engine:
             self._no_sync = previous
 
     # ------------------------------------------------------------------ the training step
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
-
     # forward, backward and step run without the stage-3 access check: they gather what they use,
     # and a torch-function mode would cost every op (see [Note: sharded access check]).
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -99,21 +110,23 @@ class Engine:
                 args, kwargs = _cast_floating((args, kwargs), self.policy.param_dtype)
             return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """Backward of `loss` scaled for accumulation (and fp16 loss scaling); gradients are
         reduced as buckets fill when this micro-step syncs."""
         with sharded_access.suspended():
-            self._backward(loss)
+            self._backward(loss, retain_graph, scale_wrt_gas)
 
-    def _backward(self, loss: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward() takes the scalar loss, got {type(loss).__name__} "
                              f"{tuple(getattr(loss, 'shape', ()))}")
-        self.reducer.sync_enabled = self.stage >= 2 or (self.is_gradient_accumulation_boundary() and not self._no_sync)
-        scale = self.optimizer.scaler.scale / self.gradient_accumulation_steps
+        self.reducer.sync_enabled = self.sharding.shard_gradients or (
+            self.is_gradient_accumulation_boundary() and not self._no_sync)
+        # DeepSpeed's scale_wrt_gas=False: the script already divided its loss by the accumulation steps.
+        scale = self.optimizer.scaler.scale / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
         scaled = loss.float() * scale if scale != 1.0 else loss
         seen = self.reducer.grads_seen
-        scaled.backward()
+        scaled.backward(retain_graph=retain_graph)
         self.reducer.end_backward()
         if self.stage3 is not None:
             self.stage3.end_backward()
@@ -125,29 +138,31 @@ class Engine:
             self.nan_hunter.check(loss)  # collective: every rank raises together, naming the first NaN/Inf
         self._backward_pending = True
 
-    def step(self) -> None:
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """One micro-step done; at the accumulation boundary, the optimizer steps."""
         with sharded_access.suspended():
-            self._step()
+            self._step(lr_kwargs or {})
 
-    def _step(self) -> None:
+    def _step(self, lr_kwargs: dict[str, Any]) -> None:
         if not self._backward_pending:
             raise RuntimeError("engine.step() without engine.backward(loss) since the last step: call "
                                "engine.backward(loss) (not loss.backward()) so gradients are scaled and reduced")
         self._backward_pending = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
+        self._step_applied = False
         if not boundary:
             return
         result = self.optimizer.step()
         self.last_step = result
+        self._step_applied = not result.overflow
         self.global_steps += 1
         if result.overflow:
             self.skipped_steps += 1
             log_rank0(logger, "step %d: gradient overflow on some rank; every rank skipped the step, loss scale now %g",
                       self.global_steps, self.optimizer.scaler.scale)
         elif self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            self.lr_scheduler.step(**lr_kwargs)
         self._report()
         self._save_at_interval()
 
@@ -161,7 +176,7 @@ class Engine:
             return
         # The global batch's loss (mean over the data-parallel ranks and this step's micro-batches), not
         # rank 0's own: one scalar all_reduce, only on steps that report it.
-        loss = reduce_loss(torch.stack(losses).float().mean(), group=self.topology.group("data", "expert")).item()
+        loss = reduce_loss(torch.stack(losses).float().mean(), group=self.topology.group(*self.topology.batch_axes)).item()
         if self.monitors and comm.get_rank() == 0:
             self.monitors.write(self.global_steps * self.batch.train_batch_size, loss=loss, lr=self.get_lr()[0],
                                 loss_scale=self.optimizer.scaler.scale)
@@ -182,18 +197,50 @@ class Engine:
         self.optimizer.zero_grad()
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Any = None, save_latest: bool = True) -> str:
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Any = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> str:
         """Save everything needed to resume under `save_dir/tag` (default tag `global_step{N}`);
-        collective: call it on every rank. Returns the checkpoint directory. See docs/checkpoints.md."""
-        return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        collective: call it on every rank. Returns the checkpoint directory. See docs/checkpoints.md.
+        DeepSpeed's signature; `exclude_frozen_parameters=True` is refused (the manifest holds every tensor)."""
+        if exclude_frozen_parameters:
+            raise ValueError("save_checkpoint(exclude_frozen_parameters=True): zerodist checkpoints hold every "
+                             "parameter, so any world size and stage can load them; leave it False")
+        return checkpoint.save_checkpoint(self.zero_state, self, save_dir, settings=self.config.checkpoint, tag=tag,
+                                          client_state=client_state, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir: str, tag: Any = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[str | None, Any]:
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
         """Load a checkpoint saved at any world size and ZeRO stage (default: the newest committed);
-        collective. Returns `(load_path, client_state)`, `(None, None)` when there is none."""
-        return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+        collective. Returns `(load_path, client_state)`, `(None, None)` when there is none.
+        DeepSpeed's signature; loading is always strict and `custom_load_fn` is refused."""
+        if not load_module_strict or custom_load_fn is not None:
+            raise ValueError("load_checkpoint(load_module_strict=False / custom_load_fn=...): zerodist loads every "
+                             "parameter by name, strictly; for a partial load, call model.load_state_dict(state, "
+                             "strict=False) on the model before initialize()")
+        return checkpoint.load_checkpoint(self.zero_state, self, load_dir, tag=tag,
+                                          load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's: the whole module in its training dtype in one file (safetensors if the name
+        ends in .safetensors), gathered one unit at a time, written by rank 0; collective."""
+        return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def training_state_dict(self) -> dict[str, Any]:
+        """This rank's resumable training state: counters, loss scaler, scheduler, RNG, data position."""
+        return training_state.training_state_dict(self)
+
+    def load_training_state_dict(self, state: dict[str, Any]) -> None:
+        training_state.load_training_state_dict(self, state)
+
+    @property
+    def zero_state(self) -> ZeroState:
+        """The typed ZeRO state that checkpoint/ and debug/ take."""
+        return ZeroState(self.module, self.groups, self.reducer, self.optimizer, self.sharding, self.topology,
+                         self.policy)
 
     def _save_at_interval(self) -> None:
         settings = self.config.checkpoint
@@ -201,14 +248,6 @@ class Engine:
             self.save_checkpoint(settings.save_dir)
 
     # ------------------------------------------------------------------ queries
-    def train(self, mode: bool = True) -> Engine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> Engine:
-        self.module.eval()
-        return self
-
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
 
@@ -222,19 +261,20 @@ class Engine:
 
     def module_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
         """The plain model's `state_dict()` (same keys), cloned; None off rank 0 with `rank0_only`.
-        At stage 3 the parameters are gathered for it (all ranks must call it together)."""
+        At stage 3 the parameters are gathered for it, and MoE experts are gathered from their
+        expert groups under global ids, so the result loads into the same model built with
+        `ep_size=1` (all ranks must call it together)."""
         with GatheredParameters(list(self.module.parameters()), enabled=self.stage3 is not None):
-            state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+            # Tensor-parallel slices are gathered too: the keys and shapes of the unparallelized model.
+            state = unsliced_state_dict(self.module)
+        state = gather_global_state_dict(self.module, state)  # experts under global ids (zerodist/moe/state.py)
         if rank0_only and comm.get_rank() != 0:
             return None
         return state
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state on this rank: parameters, gradients, optimizer (master + states)."""
-        params = sum(g.state_bytes()["params"] for g in self.groups)
-        grads = sum(g.state_bytes()["grads"] for g in self.groups)
-        optimizer = self.optimizer.state_bytes()
-        return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+        return self.zero_state.model_state_bytes()
 
     def destroy(self) -> None:
         """Remove hooks and stop the comms trace; the module keeps working as a plain module."""

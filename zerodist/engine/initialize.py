@@ -1,11 +1,15 @@
 """`zerodist.initialize()`: DeepSpeed's entry point, composed from the layers below.
 
-One short ordered recipe: config -> world -> topology -> batch sizes -> precision ->
-optimizer groups -> flat groups (ZeRO) -> reducer -> sharded optimizer -> scheduler -> data.
+One short ordered recipe, each step a function with a typed input and output:
+
+    validate -> topology -> apply tensor parallel -> apply expert parallel (none yet)
+             -> apply ZeRO (batch sizes, precision, flat groups per domain, reducer, sharded
+                optimizer, scheduler) -> engine (+ data loader)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -16,16 +20,22 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
-from zerodist.config import Config
+from zerodist.comm.domains import buffer_placements, expert_parallel_degree, logical_names, parameter_placements
+from zerodist.config import BatchSizes, Config
 from zerodist.engine.dataloader import EngineDataLoader
+from zerodist.engine.deepspeed_args import DEFAULT_PORT, resolve_initialize_arguments, update_args_local_rank
 from zerodist.engine.engine import Engine
 from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
 from zerodist.engine.schedulers import build_scheduler
+from zerodist.moe.parallel import RoutingClock, apply_expert_parallel
 from zerodist.precision import LossScaler, PrecisionPolicy
+from zerodist.tensor_parallel.apply import TensorParallelSettings, apply_tensor_parallel
+from zerodist.tensor_parallel.domino import DominoConfig
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, ZeroOptimizer, sharded_access
 from zerodist.zero.partition import FlattenSettings, build_groups, build_stage3
 from zerodist.zero.plan import bucket_capacity, plan_groups
+from zerodist.zero.policy import DomainGroup, ShardingPolicy
 from zerodist.zero.stage3 import Stage3Runtime, register_replicated
 
 logger = get_logger(__name__)
@@ -34,97 +44,194 @@ logger = get_logger(__name__)
 _INITIALIZED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
+@dataclasses.dataclass(frozen=True)
+class Validated:
+    """The output of `_validate`: a config every rank agrees on, in an initialised world."""
+
+    config: Config
+    world: comm.WorldInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroParts:
+    """The output of `_apply_zero`: everything the engine composes."""
+
+    sharding: ShardingPolicy
+    batch: BatchSizes
+    precision: PrecisionPolicy
+    groups: list[FlatParamGroup]
+    reducer: GradReducer
+    optimizer: ZeroOptimizer
+    scheduler: Any
+    stage3: Stage3Runtime | None
+
+
 def initialize(
-    model: torch.nn.Module,
-    model_parameters: Iterable[Any] | None = None,
+    args: Any = None,
+    model: torch.nn.Module | None = None,
     optimizer: Any = None,
-    config: Config | dict[str, Any] | str | None = None,
+    model_parameters: Iterable[Any] | None = None,
     training_data: torch.utils.data.Dataset | None = None,
     lr_scheduler: Any = None,
+    distributed_port: int = DEFAULT_PORT,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
     collate_fn: Callable[..., Any] | None = None,
+    config: Config | dict[str, Any] | str | None = None,
+    mesh_param: Any = None,
+    config_params: Config | dict[str, Any] | str | None = None,
 ) -> tuple[Engine, ZeroOptimizer, EngineDataLoader | None, Any]:
-    """Wrap `model` for distributed training: `engine, optimizer, dataloader, lr_scheduler`."""
+    """Wrap `model` for distributed training: `engine, optimizer, dataloader, lr_scheduler`.
+    DeepSpeed's signature and meanings (the config from `args.deepspeed_config` when `config` is
+    None); see zerodist/engine/deepspeed_args.py and docs/deepspeed.md."""
+    config = resolve_initialize_arguments(args=args, model=model, config=config, config_params=config_params, mpu=mpu,
+                                          mesh_param=mesh_param, distributed_port=distributed_port,
+                                          dist_init_required=dist_init_required)
     # Unchecked while building (the model is moved and cast after stage 3 registered its
     # placeholders); on leaving, the stage-3 access check is installed if any are registered.
     with sharded_access.suspended():
-        return _initialize(model, model_parameters, optimizer, config, training_data, lr_scheduler, collate_fn)
+        result = _initialize(model, model_parameters, optimizer, config, training_data, lr_scheduler, collate_fn)
+    update_args_local_rank(args, result[0].local_rank)
+    return result
 
 
 def _initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None, optimizer: Any,
                 config: Config | dict[str, Any] | str | None, training_data: torch.utils.data.Dataset | None,
                 lr_scheduler: Any, collate_fn: Callable[..., Any] | None,
                 ) -> tuple[Engine, ZeroOptimizer, EngineDataLoader | None, Any]:
+    """The ordered steps; each takes what the previous ones made."""
+    validated = _validate(model, config)
+    topology = _build_topology(validated, model)
+    model = _apply_tensor_parallel(model, topology, validated.config)
+    model = _apply_expert_parallel(model, topology, validated.config)
+    zero = _apply_zero(model, model_parameters, optimizer, lr_scheduler, topology, validated)
+    engine, loader = _build_engine(model, zero, topology, validated, training_data, collate_fn)
+    return engine, zero.optimizer, loader, zero.scheduler
+
+
+def _validate(model: torch.nn.Module, config: Config | dict[str, Any] | str | None) -> Validated:
+    """The model is a fresh module, the config valid, the world initialised, and every rank
+    brings the same config and model structure."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize(model=...) takes a torch.nn.Module, got {type(model).__name__}")
     if model in _INITIALIZED:
         raise RuntimeError(f"initialize() was already called on this {type(model).__name__}; build a new model, "
                            "or keep using the engine returned the first time")
     config = Config.load(config if config is not None else {})
-    info = comm.init_distributed(timeout=config.zerodist.timeout)
+    world = comm.init_distributed(timeout=config.zerodist.timeout)
     if config.zerodist.debug.collective_guard:
         from zerodist.comm.guard import enable_collective_guard
 
         enable_collective_guard()
-    topology = comm.Topology()
-    data_size = topology.size("data", "expert")
-    batch = config.batch_sizes(data_size, world_size_source=f"{info.source}, WORLD_SIZE={info.world_size}")
     _check_ranks_agree(model, config)
-    if info.backend == "nccl" and not any(p.is_meta for p in model.parameters()):
+    return Validated(config, world)
+
+
+def _build_topology(validated: Validated, model: torch.nn.Module) -> comm.Topology:
+    """The mesh: the expert degree the model declares (`zerodist.comm.domains.
+    declare_expert_parallel`, 1 when none), the tensor degree from the config
+    (`tensor_parallel.autotp_size` or `zerodist.tensor_parallel.size`), data the rest."""
+    return comm.Topology(expert=expert_parallel_degree(model), tensor=validated.config.tensor_degree)
+
+
+def _apply_tensor_parallel(model: torch.nn.Module, topology: comm.Topology, config: Config) -> torch.nn.Module:
+    """Converts the model's layers to tensor-parallel ones by its plan and declares their slices'
+    placements (zerodist.comm.domains); Domino when configured."""
+    section = config.zerodist.tensor_parallel
+    partition = config.tensor_parallel.partition_config
+    settings = TensorParallelSettings(
+        degree=config.tensor_degree, partition_config=partition.model_dump() if partition is not None else None,
+        sequence_parallel=section.sequence_parallel,
+        sharded_parameters=ShardingPolicy.from_stage(config.zero_optimization.stage).shard_parameters,
+        domino=DominoConfig(section.domino.chunks, section.domino.overlap) if section.domino is not None else None)
+    return apply_tensor_parallel(model, topology, settings)
+
+
+def _apply_expert_parallel(model: torch.nn.Module, topology: comm.Topology, config: Config) -> torch.nn.Module:
+    """Gives the model's MoE layers their expert group and routing keys (their `Experts` containers
+    declared the `EXPERT` placement when built), and counts training forwards to key random
+    routing by step (zerodist/moe/parallel.py)."""
+    if apply_expert_parallel(model, topology):
+        batch = config.batch_sizes(topology.num_batch_shards, world_size_source="the topology's batch shards")
+        RoutingClock(model, batch.gradient_accumulation_steps, topology)
+    return model
+
+
+def _apply_zero(model: torch.nn.Module, model_parameters: Iterable[Any] | None, optimizer: Any, lr_scheduler: Any,
+                topology: comm.Topology, validated: Validated) -> ZeroParts:
+    """Flatten the trained parameters into one group per (unit, param group, domain), each
+    reducing over its domain's group, and build the reducer, sharded optimizer and scheduler."""
+    config, world = validated.config, validated.world
+    batch = config.batch_sizes(topology.num_batch_shards, world_size_source=f"{world.source}, WORLD_SIZE={world.world_size}")
+    if world.backend == "nccl" and not any(p.is_meta for p in model.parameters()):
         model.to(comm.device_for_rank())
-    policy = PrecisionPolicy.from_config(config)
-    if (recast := policy.describe_recast(model)) is not None:  # before _flatten and model.to() cast it
+    precision = PrecisionPolicy.from_config(config)
+    if (recast := precision.describe_recast(model)) is not None:  # before _flatten and model.to() cast it
         log_rank0(logger, recast, level=logging.WARNING)
+    sharding = ShardingPolicy.from_stage(config.zero_optimization.stage)
     specs, build_optimizer = resolve_optimizer(model, model_parameters, optimizer, config)
-    names = check_groups_cover_model(model, specs)
+    check_groups_cover_model(model, specs)
+    names = logical_names(model)  # checkpoints key by them ([Note: logical names] in comm/domains.py)
     specs = [s for s in specs if s.params]
     positions = {id(p): i for i, p in enumerate(model.parameters())}
-    groups_by_spec, runtime = _flatten(model, specs, names, config, topology, policy)
+    groups_by_spec, runtime = _flatten(model, specs, names, config, topology, precision, sharding)
     groups = [g for spec_groups in groups_by_spec for g in spec_groups]
-    _sync_untrained_state(model, {id(p) for s in specs for p in s.params})
-    model.to(policy.param_dtype)  # the rest of the floating state; flattened parameters already are
-    zero = config.zero_optimization
+    _sync_untrained_state(model, {id(p) for s in specs for p in s.params}, topology)
+    model.to(precision.param_dtype)  # the rest of the floating state; flattened parameters already are
     reducer = GradReducer(groups, [[positions[id(p)] for p in g.params] for g in groups],
-                          max_in_flight=None if zero.stage < 2 else 2)
-    if runtime is not None:
-        reducer.before_sync, reducer.on_complete = runtime.before_grad_sync, runtime.on_bucket_complete
+                          max_in_flight=2 if sharding.shard_gradients else None,
+                          overlap=config.zero_optimization.overlap_comm,
+                          before_sync=runtime.before_grad_sync if runtime is not None else None,
+                          on_complete=runtime.on_bucket_complete if runtime is not None else None)
     inner = build_optimizer([{"params": [t for g in spec_groups for t in g.optimizer_tensors], **s.options}
                              for spec_groups, s in zip(groups_by_spec, specs)])
-    scaler = LossScaler.from_fp16_config(config.fp16) if policy.loss_scaling else LossScaler.disabled()
+    scaler = LossScaler.from_fp16_config(config.fp16) if precision.loss_scaling else LossScaler.disabled()
+    checks = [runtime.runs] if runtime is not None and config.zerodist.debug.unit_order_check else []
     sharded = ZeroOptimizer(groups, reducer, inner, scaler=scaler, gradient_clipping=config.gradient_clipping,
-                            check_overflow=policy.loss_scaling, norm_group=topology.group("data", "expert"))
-    if runtime is not None and config.zerodist.debug.unit_order_check:
-        sharded.step_checks.append(runtime.runs)
+                            check_overflow=precision.loss_scaling, world_group=topology.world_group, step_checks=checks)
     scheduler = build_scheduler(config, inner, lr_scheduler)
+    return ZeroParts(sharding, batch, precision, groups, reducer, sharded, scheduler, runtime)
+
+
+def _build_engine(model: torch.nn.Module, zero: ZeroParts, topology: comm.Topology, validated: Validated,
+                  training_data: torch.utils.data.Dataset | None,
+                  collate_fn: Callable[..., Any] | None) -> tuple[Engine, EngineDataLoader | None]:
     loader = None
-    if training_data is not None:
-        loader = EngineDataLoader(training_data, batch_size=batch.micro_batch_size, num_replicas=data_size,
-                                  rank=topology.axis_rank("data", "expert"), collate_fn=collate_fn)
-    engine = Engine(model, config=config, batch=batch, policy=policy, groups=groups, reducer=reducer,
-                    optimizer=sharded, lr_scheduler=scheduler, topology=topology, stage3=runtime)
-    engine.training_dataloader = loader
+    if training_data is not None:  # dealt by batch shard: tensor-parallel peers read the same samples
+        loader = EngineDataLoader(training_data, batch_size=zero.batch.micro_batch_size,
+                                  num_replicas=topology.num_batch_shards, rank=topology.batch_rank,
+                                  collate_fn=collate_fn)
+    engine = Engine(model, config=validated.config, batch=zero.batch, policy=zero.precision, groups=zero.groups,
+                    reducer=zero.reducer, optimizer=zero.optimizer, lr_scheduler=zero.scheduler, topology=topology,
+                    stage3=zero.stage3, sharding=zero.sharding, training_dataloader=loader)
     _INITIALIZED.add(model)
-    _log_summary(engine, info)
-    if config.checkpoint.auto_resume:  # e.g. after the elastic agent restarted the job
-        engine.load_checkpoint(config.checkpoint.save_dir)
-    return engine, sharded, loader, scheduler
+    _log_summary(engine, validated.world)
+    if validated.config.checkpoint.auto_resume:  # e.g. after the elastic agent restarted the job
+        engine.load_checkpoint(validated.config.checkpoint.save_dir)
+    return engine, loader
 
 
-def _flatten(model: torch.nn.Module, specs: list[Any], names: dict[int, str], config: Config,
-             topology: comm.Topology, policy: PrecisionPolicy) -> tuple[list[list[FlatParamGroup]], Stage3Runtime | None]:
-    """The flat groups of each optimizer param group, by one plan at every stage
-    ([Note: one plan for every stage]); at stage 3 also the runtime that gathers the units."""
+def _flatten(model: torch.nn.Module, specs: list[Any], names: dict[int, str], config: Config, topology: comm.Topology,
+             precision: PrecisionPolicy, sharding: ShardingPolicy,
+             ) -> tuple[list[list[FlatParamGroup]], Stage3Runtime | None]:
+    """The flat groups of each optimizer param group, by one plan at every stage ([Note: one
+    plan for every stage]), each over its domain's group (declared placements, zerodist.comm.
+    domains); with sharded parameters also the runtime that gathers the units."""
     zero = config.zero_optimization
-    group = topology.group("data", "expert")
+    placements = parameter_placements(model)
+    domains = {key: placement.domain for key, placement in placements.items()}
     plan = plan_groups(model, [s.params for s in specs], unit_classes=config.zerodist.stage3_unit_classes,
                        persistence_threshold=zero.stage3_param_persistence_threshold,
-                       bucket_numel=bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size))
-    settings = FlattenSettings(stage=zero.stage, group=group, rank=topology.axis_rank("data", "expert"),
-                               world_size=topology.size("data", "expert"), use_reduce_scatter=zero.reduce_scatter,
-                               param_dtype=policy.param_dtype, device=comm.device_for_rank())
+                       bucket_numel=bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
+                       domains=domains)
+    domain_groups = {g.domain: DomainGroup.of(topology, g.domain) for g in plan.groups}
+    settings = FlattenSettings(policy=sharding, domain_groups=domain_groups, placements=placements,
+                               use_reduce_scatter=zero.reduce_scatter, param_dtype=precision.param_dtype,
+                               device=comm.device_for_rank())
     groups = build_groups(model, plan, names, settings)
     runtime = None
-    if zero.stage == 3:
-        runtime = build_stage3(model, plan, groups, config=config, group=group, device=settings.device)
+    if sharding.shard_parameters:
+        runtime = build_stage3(model, plan, groups, config=config, group=topology.world_group, device=settings.device)
     else:
         register_replicated(groups)
     return plan.by_spec(len(specs), groups), runtime
@@ -153,21 +260,37 @@ def _check_ranks_agree(model: torch.nn.Module, config: Config) -> None:
                                "the same script with the same config.")
 
 
-def _sync_untrained_state(model: torch.nn.Module, trained: set[int]) -> None:
-    """Frozen parameters and buffers start as rank 0's, like the trained ones."""
-    for tensor in list(model.buffers()) + [p for p in model.parameters() if id(p) not in trained]:
-        comm.broadcast(tensor.data, src=0)
+def _sync_untrained_state(model: torch.nn.Module, trained: set[int], topology: comm.Topology) -> None:
+    """Frozen parameters and buffers start as the first rank's of their domain group, like the
+    trained ones (an expert's buffers are its own: they agree within its expert-data group only)."""
+    placements = {**parameter_placements(model), **buffer_placements(model)}
+    tensors = list(model.buffers()) + [p for p in model.parameters() if id(p) not in trained]
+    for tensor in tensors:
+        axes = placements[id(tensor)].domain.replicated_axes
+        group = topology.group(*axes)
+        comm.broadcast(tensor.data, src=topology.ranks(*axes)[0], group=group)
+
+
+def reduce_collective(sharding: ShardingPolicy, reduce_scatter: bool) -> str:
+    """The collective that really reduces gradient buckets: with full optimizer state (stage 0)
+    always all-reduce, as DDP; otherwise the configured one."""
+    if not sharding.shard_optimizer_state:
+        return "all-reduce" + (" (reduce_scatter applies from stage 1)" if reduce_scatter else "")
+    return "reduce-scatter" if reduce_scatter else "all-reduce"
 
 
 def _log_summary(engine: Engine, info: comm.WorldInfo) -> None:
     zero = engine.config.zero_optimization
+    domains = {g.domain.reduce_axes: g.world_size for g in engine.groups}
     log_rank0(
         logger,
         "initialized: %d rank(s) (%s), ZeRO stage %d, %s, batch %d = micro %d x accumulation %d x data-parallel %d, "
-        "gradient_clipping %s, reduce with %s, %d flat group(s) in %d bucket(s) of at most %d elements",
+        "gradient_clipping %s, reduce with %s %s, %d flat group(s) in %d bucket(s) of at most %d elements over %s",
         info.world_size, info.backend, zero.stage, engine.policy.name, engine.batch.train_batch_size,
-        engine.batch.micro_batch_size, engine.batch.gradient_accumulation_steps, engine.topology.size("data", "expert"),
-        engine.config.gradient_clipping or "0 (off)", "reduce-scatter" if zero.reduce_scatter else "all-reduce",
+        engine.batch.micro_batch_size, engine.batch.gradient_accumulation_steps, engine.topology.num_batch_shards,
+        engine.config.gradient_clipping or "0 (off)", reduce_collective(engine.sharding, zero.reduce_scatter),
+        "during backward" if zero.overlap_comm else "after backward (overlap_comm false)",
         len(engine.groups), len(engine.reducer.order),
         bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
+        ", ".join(f"{'x'.join(axes)} ({size} ranks)" for axes, size in domains.items()),
     )

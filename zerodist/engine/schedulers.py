@@ -3,6 +3,13 @@
 Each schedule sets absolute learning rates on the optimizer's param groups at every
 `step()`; `state_dict()` holds the iteration so a resumed run continues the schedule.
 Any `torch.optim.lr_scheduler` class may also be named in the config.
+
+[Note: schedule iterations] As in DeepSpeed, a schedule is built at iteration -1 and sets the
+"not started" rate (the warmup minimum; 0 for WarmupCosineLR), which the first optimizer step
+uses; each `step()` then moves to the next iteration, so step n+1 uses iteration n-1's rate
+(a log or linear warmup therefore uses its minimum for two steps). The same iteration numbers
+make a DeepSpeed run and a zerodist run step with the same rates, and let a checkpoint's
+`last_batch_iteration` mean the same thing in both.
 """
 
 from __future__ import annotations
@@ -17,10 +24,11 @@ from zerodist.utils import did_you_mean
 
 
 def _warmup_gamma(iteration: int, num_steps: int, kind: str) -> float:
+    """Warmup progress in [0, 1] at `iteration` >= 0; `num_steps` >= 2 (DeepSpeed's floor)."""
     if iteration >= num_steps:
         return 1.0
     if kind == "log":
-        return math.log(iteration + 1) / math.log(num_steps) if num_steps > 1 else 1.0
+        return math.log(iteration + 1) / math.log(num_steps)
     return iteration / num_steps
 
 
@@ -32,9 +40,10 @@ class Schedule:
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]
         self.last_batch_iteration = last_batch_iteration
         self._last_lr: list[float] = []
-        self.step(last_batch_iteration + 1)
+        self.step(last_batch_iteration)  # iteration -1: the "not started" rate ([Note: schedule iterations])
 
     def lrs(self, iteration: int) -> list[float]:
+        """The rates at `iteration` (-1: before the first step)."""
         raise NotImplementedError
 
     def momentum(self, iteration: int) -> float | None:
@@ -72,13 +81,15 @@ class WarmupLR(Schedule):
         if warmup_type not in ("log", "linear"):
             raise ConfigError(f"scheduler warmup_type must be 'log' or 'linear', got {warmup_type!r}")
         self.min_lr, self.max_lr = warmup_min_lr, warmup_max_lr
-        self.warmup_num_steps, self.warmup_type = max(1, warmup_num_steps), warmup_type
+        self.warmup_num_steps, self.warmup_type = max(2, warmup_num_steps), warmup_type
         super().__init__(optimizer, last_batch_iteration)
 
     def gamma(self, iteration: int) -> float:
         return _warmup_gamma(iteration, self.warmup_num_steps, self.warmup_type)
 
     def lrs(self, iteration: int) -> list[float]:
+        if iteration < 0:
+            return [self.min_lr for _ in self.optimizer.param_groups]
         lr = self.min_lr + (self.max_lr - self.min_lr) * self.gamma(iteration)
         return [lr for _ in self.optimizer.param_groups]
 
@@ -102,14 +113,16 @@ class WarmupCosineLR(Schedule):
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
                  last_batch_iteration: int = -1):
         self.total_num_steps, self.warmup_min_ratio = total_num_steps, warmup_min_ratio
-        self.warmup_num_steps, self.cos_min_ratio, self.warmup_type = max(1, warmup_num_steps), cos_min_ratio, warmup_type
+        self.warmup_num_steps, self.cos_min_ratio, self.warmup_type = max(2, warmup_num_steps), cos_min_ratio, warmup_type
         super().__init__(optimizer, last_batch_iteration)
 
     def ratio(self, iteration: int) -> float:
+        if iteration < 0:
+            return 0.0
         if iteration < self.warmup_num_steps:
             gamma = _warmup_gamma(iteration, self.warmup_num_steps, self.warmup_type)
             return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * gamma
-        progress = min(1.0, (iteration - self.warmup_num_steps) / max(1, self.total_num_steps - self.warmup_num_steps))
+        progress = min(1.0, (iteration - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps))
         return self.cos_min_ratio + (1.0 - self.cos_min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def lrs(self, iteration: int) -> list[float]:
@@ -136,13 +149,17 @@ class OneCycle(Schedule):
         super().__init__(optimizer, last_batch_iteration)
 
     def _scale(self, iteration: int) -> float:
-        x = iteration / self.total_size
+        # DeepSpeed's position in the cycle counts the batch about to run: iteration + 1.
+        position = (iteration + 1) / self.total_size
+        x = 1.0 + position - math.floor(1.0 + position)
         return x / self.step_ratio if x <= self.step_ratio else (x - 1) / (self.step_ratio - 1)
 
     def _decay_interval(self, iteration: int) -> float:
-        return (iteration - self.total_size) / self.decay_step_size if self.decay_step_size else 0.0
+        return (iteration - self.total_size + 1) / self.decay_step_size if self.decay_step_size else 0.0
 
     def lrs(self, iteration: int) -> list[float]:
+        if iteration < 0:
+            return [self.min_lr for _ in self.optimizer.param_groups]
         if iteration < self.total_size:
             lr = self.min_lr + (self.max_lr - self.min_lr) * self._scale(iteration)
         else:
@@ -152,6 +169,8 @@ class OneCycle(Schedule):
     def momentum(self, iteration: int) -> float | None:
         if not self.cycle_momentum:
             return None
+        if iteration < 0:
+            return self.min_mom
         if iteration < self.total_size:
             return self.max_mom - (self.max_mom - self.min_mom) * self._scale(iteration)
         return self.max_mom * (1.0 + self.decay_mom_rate * self._decay_interval(iteration))

@@ -11,8 +11,10 @@ What a sync moves depends on the stage, set once in `GradSyncPlan`:
   straight into this rank's shard and frees the staging buffer.
 At stages 1-3 the collective is the one configured: reduce-scatter (`reduce_scatter: true`)
 or all-reduce.
-The sum is divided by the group size after reduction, in the same way in every stage
-([Note: alignment] in layout.py says why that matters).
+The sum is divided after reduction, in the same way in every stage ([Note: alignment] in
+layout.py says why that matters), by the number of batch shards: the group's size for a dense
+parameter, more than it for one whose domain is a strict subgroup ([Note: sharding domains] in
+zerodist/comm/topology.py).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class BucketState(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class GradSyncPlan:
     use_reduce_scatter: bool
-    persistent_full_grad: bool  # stages 0/1: a full-size gradient buffer lives across micro-steps
+    persistent_full_grad: bool  # full gradients (stages 0/1): a full-size buffer lives across micro-steps
+    divisor: int  # the reduced sum is divided by this: the number of batch shards
 
 
 class Bucket:
@@ -56,7 +59,6 @@ class Bucket:
         self.span, self.plan, self.group, self.rank, self.label = span, plan, group, rank, label
         self.num_params = len(span.param_indices)
         self.grad_full, self.grad_owned = grad_full, grad_owned
-        self.group_size = comm.get_world_size(group)
         self.staging = None
         self.accumulated = False
         self._pending: tuple[comm.CommHandle, torch.Tensor] | None = None
@@ -108,9 +110,9 @@ class Bucket:
         handle.wait()
         self._pending = None
         if self.plan.use_reduce_scatter:
-            out.div_(self.group_size)
+            out.div_(self.plan.divisor)
         else:
-            self.grad_target().div_(self.group_size)
+            self.grad_target().div_(self.plan.divisor)
         if not self.plan.persistent_full_grad:
             if out is not self.grad_owned:
                 if self.accumulated:

@@ -1,14 +1,16 @@
 """One planned group of parameters (see plan.py) packed into flat buffers, one allocation per kind.
 
     param_buffer   all parameters, padded (the module's parameters become views into it)
-    grad_buffer    stages 0/1: the full gradient, same layout
-    grad_shard     stage 2: only this rank's shard of every bucket
+    param_shard    sharded parameters (stage 3): only this rank's shard of every bucket
+    grad_buffer    full gradients (stages 0/1): the full gradient, same layout
+    grad_shard     sharded gradients (stages 2/3): only this rank's shard of every bucket
     master         mixed precision: fp32 copy of what this rank's optimizer steps
-                   (the full buffer at stage 0, this rank's shards at stages 1/2)
+                   (the full buffer with full optimizer state, this rank's shards otherwise)
 
-`optimizer_tensors[i]` is what the optimizer steps for bucket i: a view into `param_buffer`
-(fp32 training: the master weights *are* the parameters, no copy) or into `master`. Its
-gradient is bucket i's reduced gradient.
+What is sharded is the group's `ShardingPolicy`; over which ranks, its `DomainGroup` (the
+process group of its parameters' domain). `optimizer_tensors[i]` is what the optimizer steps for
+bucket i: a view into `param_buffer` (fp32 training: the master weights *are* the parameters,
+no copy) or into `master`. Its gradient is bucket i's reduced gradient.
 
 The module's parameters are re-pointed into `param_buffer` with `param.data = view`, which
 changes their storage, not their identity or attributes (no attribute is set on them).
@@ -16,6 +18,7 @@ changes their storage, not their identity or attributes (no attribute is set on 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import weakref
 from typing import Any
@@ -23,35 +26,77 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
+from zerodist.comm.domains import Placement
+from zerodist.comm.topology import Domain
 from zerodist.zero import sharded_access
 from zerodist.zero.bucket import Bucket, GradSyncPlan
-from zerodist.zero.layout import FlatLayout, plan_layout
+from zerodist.zero.layout import FlatLayout, ParamSlot, plan_layout
+from zerodist.zero.policy import DomainGroup, ShardingPolicy
+
+
+@dataclasses.dataclass(eq=False)
+class ParamRecord:
+    """One parameter of a flat group (as FSDP2's `FSDPParam`): the user's parameter object, its
+    logical name ([Note: logical names] in zerodist/comm/domains.py), its shape on this rank,
+    where it lives in the flat layout, its placement (domain, and how a slice was cut from the
+    logical tensor), which part of the logical tensor it is, and (sharded parameters) the
+    placeholder its data is while sharded."""
+
+    param: torch.nn.Parameter
+    name: str
+    shape: tuple[int, ...]
+    slot: ParamSlot
+    placement: Placement
+    part: int = 0  # this rank's index along the placement's slice axis
+    num_parts: int = 1
+    placeholder: torch.Tensor | None = None
+
+    @property
+    def domain(self) -> Domain:
+        return self.placement.domain
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """The logical tensor's shape: the slice dimension times the number of parts."""
+        dim = self.placement.slice_dim
+        if dim is None:
+            return self.shape
+        length = self.placement.logical_size or self.shape[dim] * self.num_parts  # padded parts: the logical length
+        return tuple(length if d == dim else n for d, n in enumerate(self.shape))
+
+    def placement_json(self) -> dict[str, Any]:
+        """The placement as a checkpoint manifest records it."""
+        domain = self.placement.domain
+        return {"reduce_axes": list(domain.reduce_axes), "replicated_axes": list(domain.replicated_axes),
+                "slice_dim": self.placement.slice_dim, "slice_axis": self.placement.slice_axis,
+                "part": self.part, "num_parts": self.num_parts, "fused": list(self.placement.fused),
+                "logical_size": self.placement.logical_size}
 
 
 class FlatParamGroup:
-    """Flat buffers, buckets and optimizer tensors for one list of parameters."""
+    """Flat buffers, buckets and optimizer tensors for one list of parameters of one domain."""
 
-    # Stage 3 with the access check on: this group's registered placeholders ([Note: sharded
-    # access check] in sharded_access.py); None when the check is off.
+    # Sharded parameters with the access check on: this group's registered placeholders ([Note:
+    # sharded access check] in sharded_access.py); None when the check is off.
     registration: sharded_access.Registration | None = None
 
-    def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, stage: int, bucket_numel: int,
-                 group: Any, rank: int, world_size: int, use_reduce_scatter: bool, param_dtype: torch.dtype):
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, policy: ShardingPolicy,
+                 domain_group: DomainGroup, bucket_numel: int, use_reduce_scatter: bool, param_dtype: torch.dtype,
+                 placements: list[Placement] | None = None):
         # Reverse order: backward produces the last parameters' gradients first, so the first
         # buckets fill first and their collectives start while backward goes on.
-        order = list(reversed(range(len(params))))
-        self.params = [params[i] for i in order]
-        self.names = [names[i] for i in order]
-        self.param_shapes = [tuple(p.shape) for p in self.params]
-        self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
-        self.layout: FlatLayout = plan_layout([p.numel() for p in self.params], bucket_numel=bucket_numel,
-                                              world_size=world_size)
-        # Stage 3: the parameters' data while sharded, made once ([Note: sharded placeholder]).
-        self.nans, self.placeholders = (
-            sharded_access.placeholders(self.param_shapes, param_dtype, self.params[0].device) if stage == 3 else (None, [])
-        )
-        # Stage 3 builds only this rank's shard when the ranks already agree (no full buffer).
-        owned = self._initial_shard() if stage == 3 else None
+        params, names = params[::-1], names[::-1]
+        placements = placements[::-1] if placements is not None else [Placement(domain_group.domain)] * len(params)
+        if any(p.domain != domain_group.domain for p in placements):
+            raise ValueError(f"a flat group of domain {domain_group.domain} was given parameters of another domain")
+        self.policy, self.domain_group = policy, domain_group
+        self.group, self.rank, self.world_size = domain_group.group, domain_group.rank, domain_group.size
+        self.layout: FlatLayout = plan_layout([p.numel() for p in params], bucket_numel=bucket_numel,
+                                              world_size=self.world_size)
+        self.nans: torch.Tensor | None = None
+        self.records = self._make_records(params, names, placements, param_dtype)
+        # Sharded parameters: only this rank's shard is built when the ranks already agree (no full buffer).
+        owned = self._initial_shard() if policy.shard_parameters else None
         initial = self._gather_initial_values() if owned is None else owned
 
         def stepped() -> torch.Tensor:  # what this rank steps, as one tensor (a copy)
@@ -66,28 +111,58 @@ class FlatParamGroup:
         self.device, self.param_dtype = initial.device, param_dtype
         self.param_shard: torch.Tensor | None = None
         self.param_buffer: torch.Tensor | None = None
-        if stage == 3:
+        if policy.shard_parameters:
             # Only this rank's shard persists; the full buffer exists between unshard() and reshard().
             self.param_shard = stepped().to(param_dtype)
             self.reshard()
         else:
             self.param_buffer = initial.to(param_dtype)
             self._point_params_at(self.param_buffer)
-        # Stage 0 is data parallelism as DDP does it: one all-reduce per bucket. `reduce_scatter` is
-        # a ZeRO 1-3 setting (as in DeepSpeed); at stage 0 a reduce-scatter would need an all-gather
-        # after it, and gloo implements reduce-scatter as an all-reduce plus copies (1.5x the bytes).
-        self.plan = GradSyncPlan(use_reduce_scatter and stage > 0, persistent_full_grad=stage in (0, 1))
-        self.grad_buffer = torch.zeros_like(initial, dtype=param_dtype) if stage in (0, 1) else None
-        # Stages 2/3: the first sync of each accumulation overwrites the shard (Bucket.accumulated),
-        # so it needs no zeros, and untouched pages cost no memory until backward writes them.
-        self.grad_shard = None if stage in (0, 1) else torch.empty(self.layout.shard_numel, dtype=param_dtype,
-                                                                    device=self.device)
+        self._allocate_gradients(use_reduce_scatter)
         self.buckets = [self._make_bucket(i) for i in range(len(self.layout.buckets))]
         self.optimizer_tensors = self._optimizer_views()
 
+    def _make_records(self, params: list[torch.nn.Parameter], names: list[str], placements: list[Placement],
+                      param_dtype: torch.dtype) -> list[ParamRecord]:
+        shapes = [tuple(p.shape) for p in params]
+        placeholders: list[torch.Tensor | None] = [None] * len(params)
+        if self.policy.shard_parameters:
+            # Sharded parameters: their data while sharded, made once ([Note: sharded placeholder]).
+            self.nans, placeholders = sharded_access.placeholders(shapes, param_dtype, params[0].device)
+        return [ParamRecord(p, n, shape, slot, where, *_part_of(where, self.domain_group), placeholder=placeholder)
+                for p, n, shape, slot, where, placeholder in zip(params, names, shapes, self.layout.slots, placements,
+                                                                  placeholders)]
+
+    def _allocate_gradients(self, use_reduce_scatter: bool) -> None:
+        """The gradient buffers the policy asks for, and how buckets sync into them.
+
+        Without sharded optimizer state this is data parallelism as DDP does it: one all-reduce per
+        bucket. `reduce_scatter` is a ZeRO 1-3 setting (as in DeepSpeed); with full optimizer state a
+        reduce-scatter would need an all-gather after it, and gloo implements reduce-scatter as an
+        all-reduce plus copies (1.5x the bytes)."""
+        full_grads = not self.policy.shard_gradients
+        self.plan = GradSyncPlan(use_reduce_scatter and self.policy.shard_optimizer_state,
+                                 persistent_full_grad=full_grads, divisor=self.domain_group.grad_divisor)
+        self.grad_buffer = (torch.zeros(self.layout.total_numel, dtype=self.param_dtype, device=self.device)
+                            if full_grads else None)
+        # Sharded gradients: the first sync of each accumulation overwrites the shard (Bucket.accumulated),
+        # so it needs no zeros, and untouched pages cost no memory until backward writes them.
+        self.grad_shard = None if full_grads else torch.empty(self.layout.shard_numel, dtype=self.param_dtype,
+                                                              device=self.device)
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The parameters, in layout order."""
+        return [r.param for r in self.records]
+
+    @property
+    def domain(self) -> Domain:
+        return self.domain_group.domain
+
     def _point_params_at(self, buffer: torch.Tensor) -> None:
-        for param, slot in zip(self.params, self.layout.slots):
-            param.data = buffer[slot.offset: slot.offset + slot.numel].view_as(param)
+        for record in self.records:
+            slot = record.slot
+            record.param.data = buffer[slot.offset: slot.offset + slot.numel].view_as(record.param)
 
     # ------------------------------------------------------------------ stage 3: SHARDED <-> UNSHARDED
     @property
@@ -96,8 +171,9 @@ class FlatParamGroup:
 
     def start_unshard(self) -> list[comm.CommHandle]:
         """Allocate the full buffer and all-gather every rank's shard into it (async)."""
-        assert self.stage == 3 and self.param_buffer is None and self.param_shard is not None, (
-            f"start_unshard on {self.names[0]}...: stage {self.stage}, already unsharded: {self.param_buffer is not None}"
+        assert self.param_buffer is None and self.param_shard is not None, (
+            f"start_unshard on {self.records[0].name}...: parameters sharded: {self.policy.shard_parameters}, "
+            f"already unsharded: {self.param_buffer is not None}"
         )
         self.param_buffer = torch.empty(self.layout.total_numel, dtype=self.param_dtype, device=self.device)
         return [
@@ -128,38 +204,38 @@ class FlatParamGroup:
         sharded_access.py). With the check off (`zerodist.debug.sharded_access_check: false`)
         reading gives NaN, never a stale or partial value, and writing in place raises torch's
         own error when the parameter has more than one element (they share one memory location)."""
-        assert self.stage == 3 and self.nans is not None
+        assert self.policy.shard_parameters and self.nans is not None
         self.nans.fill_(float("nan"))  # NaN again, should a one-element parameter have been written to
-        for param, placeholder in zip(self.params, self.placeholders):
-            param.data = placeholder
+        for record in self.records:
+            record.param.data = record.placeholder
         self.param_buffer = None
         self._register_placeholders()
 
     def enable_access_check(self) -> None:
         """Register this group's placeholders with the access check whenever it is sharded,
         until the group is garbage collected."""
-        assert self.stage == 3 and self.registration is None
+        assert self.policy.shard_parameters and self.registration is None
         self.registration = sharded_access.Registration()
         weakref.finalize(self, self.registration.clear)  # the callback holds the registration, not the group
         self._register_placeholders()
 
     def _register_placeholders(self) -> None:
         if self.registration is not None and self.param_buffer is None:
-            for placeholder, name in zip(self.placeholders, self.names):
-                self.registration.add(placeholder, name)
+            for record in self.records:
+                self.registration.add(record.placeholder, record.name)
 
     def _initial_shard(self) -> torch.Tensor | None:
         """Stage 3: this rank's shards of the initial values, concatenated, built without the full
         flat buffer: a digest of every parameter (in layout order) is compared across ranks first,
         and only if they agree is each parameter's owned part copied and its storage released.
         None when the ranks differ (or on GPU): then rank 0's values are broadcast in full."""
-        first = self.params[0]
+        first = self.records[0].param
         if first.is_cuda:
             return None
         digest = hashlib.blake2b(digest_size=16)
-        for param, slot in zip(self.params, self.layout.slots):
-            digest.update(slot.offset.to_bytes(8, "little"))
-            digest.update(memoryview(param.detach().reshape(-1).contiguous().view(torch.uint8).numpy()))
+        for record in self.records:
+            digest.update(record.slot.offset.to_bytes(8, "little"))
+            digest.update(memoryview(record.param.detach().reshape(-1).contiguous().view(torch.uint8).numpy()))
         if not _ranks_agree(digest.digest(), self.group):
             return None
         owned, pieces, start = [], [], 0  # this rank's range of each bucket, and where it lands in the shard
@@ -168,25 +244,26 @@ class FlatParamGroup:
             pieces.append((low, low + span.shard_numel, start))
             start += span.shard_numel
         shard = torch.zeros(self.layout.shard_numel, dtype=first.dtype, device=first.device)
-        for param, slot, placeholder in zip(self.params, self.layout.slots, self.placeholders):
-            flat = param.detach().reshape(-1)
+        for record in self.records:
+            flat, slot = record.param.detach().reshape(-1), record.slot
             for low, high, at in pieces:
                 begin, end = max(low, slot.offset), min(high, slot.offset + slot.numel)
                 if begin < end:
                     shard[at + begin - low: at + end - low].copy_(flat[begin - slot.offset: end - slot.offset])
-            param.data = placeholder
+            record.param.data = record.placeholder
         return shard
 
     def _gather_initial_values(self) -> torch.Tensor:
         """The parameters' values in flat layout, identical on every rank (rank 0's win, as in DDP).
-        At stage 3 each parameter's own storage is released as soon as it is copied, so building
+        With sharded parameters each parameter's own storage is released as soon as it is copied, so building
         a unit needs about one unit of extra memory, not two."""
-        first = self.params[0]
+        first = self.records[0].param
         buffer = torch.zeros(self.layout.total_numel, dtype=first.dtype, device=first.device)
-        for param, slot, placeholder in zip(self.params, self.layout.slots, self.placeholders or self.params):
-            buffer[slot.offset: slot.offset + slot.numel].copy_(param.detach().reshape(-1))
-            if self.stage == 3:
-                param.data = placeholder
+        for record in self.records:
+            slot = record.slot
+            buffer[slot.offset: slot.offset + slot.numel].copy_(record.param.detach().reshape(-1))
+            if record.placeholder is not None:
+                record.param.data = record.placeholder
         _agree_or_broadcast(buffer, self.group)
         return buffer
 
@@ -202,7 +279,7 @@ class FlatParamGroup:
 
     def _stepped_view(self, tensor: torch.Tensor, index: int) -> torch.Tensor:
         """What the optimizer steps for bucket `index`, as a view of a full-layout tensor."""
-        return self._bucket_range(index, tensor, owned=self.stage > 0)
+        return self._bucket_range(index, tensor, owned=self.policy.shard_optimizer_state)
 
     def _make_bucket(self, index: int) -> Bucket:
         if self.grad_buffer is not None:
@@ -211,7 +288,7 @@ class FlatParamGroup:
         else:
             assert self.grad_shard is not None
             grad_full, grad_owned = None, self._shard_range(index, self.grad_shard)
-        label = f"bucket {index} of {len(self.layout.buckets)} ({self.names[self.layout.buckets[index].param_indices[0]]}...)"
+        label = f"bucket {index} of {len(self.layout.buckets)} ({self.records[self.layout.buckets[index].param_indices[0]].name}...)"
         return Bucket(self.layout.buckets[index], plan=self.plan, grad_full=grad_full, grad_owned=grad_owned,
                       group=self.group, rank=self.rank, label=label)
 
@@ -224,7 +301,7 @@ class FlatParamGroup:
         views, start = [], 0
         for i in range(len(self.buckets)):
             span = self.layout.buckets[i]
-            numel = span.numel if self.stage == 0 else span.shard_numel
+            numel = span.shard_numel if self.policy.shard_optimizer_state else span.numel
             views.append(self.master[start: start + numel])
             start += numel
         return views
@@ -232,16 +309,16 @@ class FlatParamGroup:
     def reduced_grad(self, index: int) -> torch.Tensor:
         """Bucket `index`'s reduced gradient, matching `optimizer_tensors[index]`."""
         bucket = self.buckets[index]
-        if self.stage == 0:
-            assert bucket.grad_full is not None
-            return bucket.grad_full
-        return bucket.grad_owned
+        if self.policy.shard_optimizer_state:
+            return bucket.grad_owned
+        assert bucket.grad_full is not None
+        return bucket.grad_full
 
     def owned_part(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's shard of bucket `index` within an optimizer-space tensor (one shaped like
-        `optimizer_tensors[index]`: the whole bucket at stage 0, the shard otherwise). The
+        `optimizer_tensors[index]`: the whole bucket with full optimizer state, the shard otherwise). The
         pieces it holds are listed, in order, by `layout.owned_slices(rank)` for that bucket."""
-        if self.stage != 0:
+        if self.policy.shard_optimizer_state:
             return tensor
         span = self.layout.buckets[index]
         start = span.shard_offset(self.rank) - span.offset
@@ -281,9 +358,10 @@ class FlatParamGroup:
                 self.optimizer_tensors[i].copy_(stepped)
 
     def gather_params(self) -> None:
-        """Stages 1/2: every rank's updated shards back into the full parameter buffer."""
-        if self.stage in (0, 3):
-            return  # stage 0 steps the full buffer; stage 3 gathers lazily, per unit
+        """Sharded optimizer state, full parameters (stages 1/2): every rank's updated shards back
+        into the full parameter buffer."""
+        if not self.policy.shard_optimizer_state or self.policy.shard_parameters:
+            return  # full optimizer state steps the full buffer; sharded parameters are gathered per unit
         assert self.param_buffer is not None
         handles = [
             comm.all_gather(self._bucket_range(i, self.param_buffer, owned=False),
@@ -297,9 +375,16 @@ class FlatParamGroup:
         """Bytes of model state held by this group on this rank, by kind."""
         def size(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
-        params = size(self.param_shard) if self.stage == 3 else size(self.param_buffer)
+        params = size(self.param_shard) if self.policy.shard_parameters else size(self.param_buffer)
         return {"params": params, "grads": size(self.grad_buffer) + size(self.grad_shard),
                 "master": size(self.master)}
+
+
+def _part_of(placement: Placement, domain_group: DomainGroup) -> tuple[int, int]:
+    """(this rank's part, number of parts) of a tensor sliced by `placement`; (0, 1) when whole."""
+    if placement.slice_axis is None:
+        return 0, 1
+    return domain_group.coords[placement.slice_axis], domain_group.degrees[placement.slice_axis]
 
 
 def _agree_or_broadcast(buffer: torch.Tensor, group: Any) -> None:

@@ -120,3 +120,28 @@ def plan_layout(numels: Sequence[int], *, bucket_numel: int, world_size: int, al
         buckets.append(BucketSpan(bucket_index, offset, numel, numel // world_size, tuple(members)))
         offset += numel
     return FlatLayout(tuple(s for s in slots if s is not None), tuple(buckets), world_size)
+
+
+def slice_runs(start: int, length: int, *, shape: Sequence[int], dim: int | None, part: int,
+               num_parts: int) -> list[tuple[int, int, int]]:
+    """Where elements [start, start + length) of a slice, flattened, lie in the flattened logical
+    tensor: `(logical start, run length, offset in the range)` for each contiguous run.
+
+    The slice is part `part` of `num_parts` equal parts of the logical tensor along `dim`, and
+    has `shape` (so the logical tensor has `shape[dim] * num_parts` there). Within the slice,
+    each block of `inner = shape[dim] * prod(shape[dim + 1:])` elements is contiguous in the
+    logical tensor too; block `b` starts at `b * inner * num_parts + part * inner`. A whole
+    tensor (`dim` None or one part) is one run."""
+    if dim is None or num_parts == 1:
+        return [(start, length, 0)] if length else []
+    inner = 1
+    for n in shape[dim:]:
+        inner *= n
+    runs = []
+    position, end = start, start + length
+    while position < end:
+        block, within = divmod(position, inner)
+        run = min(end - position, inner - within)
+        runs.append((block * inner * num_parts + part * inner + within, run, position - start))
+        position += run
+    return runs

@@ -1,9 +1,17 @@
 """The ZeRO optimizer step: agree on overflow, clip by the global norm, step the shards, gather.
 
-    reduced gradients (per bucket) -> one all-reduce: the global norm (partial sums of squares
-    of disjoint shards), overflow (fp16; all ranks agree) and step checks -> scale by 1/loss_scale and the
-    clip coefficient -> torch optimizer steps this rank's tensors -> master -> params ->
-    all-gather updated shards (stages 1/2)
+    reduced gradients (per bucket) -> one all-reduce over the world: the global norm (partial
+    sums of squares of disjoint shards), overflow (fp16; all ranks agree) and step checks ->
+    scale by 1/loss_scale and the clip coefficient -> torch optimizer steps this rank's tensors
+    -> master -> params -> all-gather updated shards (stages 1/2)
+
+[Note: the global norm over domains] Each parameter's squares must be summed exactly once.
+Within a domain group the owned shards are disjoint, so summing them over the group's ranks
+counts each element once; but the domain's groups are repeated over the axes the domain does
+not reduce over: a dense group's over none (one group is the whole batch), an expert group's
+over `expert` (each holds a *different* expert: all count), a LayerNorm weight's over `tensor`
+(every tensor rank holds the same: only tensor index 0 counts). `DomainGroup.counts_in_norm`
+says which; then one all-reduce over the world sums every domain at once.
 
 The inner optimizer is a plain `torch.optim.Optimizer` over `FlatParamGroup.optimizer_tensors`;
 it must be elementwise (the tensors are flattened shards), which the engine checks.
@@ -37,15 +45,16 @@ class ZeroOptimizer:
     optimizer's, so learning-rate schedulers work on it as on any optimizer."""
 
     def __init__(self, groups: list[FlatParamGroup], reducer: GradReducer, inner: torch.optim.Optimizer, *,
-                 scaler: LossScaler, gradient_clipping: float, check_overflow: bool, norm_group: Any):
+                 scaler: LossScaler, gradient_clipping: float, check_overflow: bool, world_group: Any = None,
+                 step_checks: list[Any] | None = None):
         self.groups, self.reducer, self.inner, self.scaler = groups, reducer, inner, scaler
         self.gradient_clipping = gradient_clipping
         self.check_overflow = check_overflow
-        self.norm_group = norm_group
+        self.world_group = world_group  # every rank of the job (None: the default group)
         # Small integers every rank must agree on, compared inside the step's one all-reduce:
         # objects with digests() -> list[int] (each < 2**20), explain() (raises) and reset().
         # Stage 3's run-order check is one ([Note: unit order check]).
-        self.step_checks: list[Any] = []
+        self.step_checks: list[Any] = list(step_checks or [])
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -55,26 +64,28 @@ class ZeroOptimizer:
     def state(self) -> Any:
         return self.inner.state
 
-    def _owned_grads(self) -> list[torch.Tensor]:
-        return [g for group in self.groups for g in group.owned_grads()]
-
     def _reduce_step_stats(self) -> tuple[float, bool]:
-        """One all-reduce for what every rank must agree on before stepping: the sum of squares
-        of the (disjoint) owned gradients, i.e. the squared global norm; whether any rank's
-        gradients overflowed (fp16); and the step checks' digests, each sent with its square
-        (the sums equal n*d and n*d**2 on every rank only if every rank's d is the same)."""
-        grads = self._owned_grads()
+        """One all-reduce over the world for what every rank must agree on before stepping: the sum
+        of squares of the owned gradients that count ([Note: the global norm over domains]), i.e.
+        the squared global norm; whether any rank's gradients overflowed (fp16); and the step
+        checks' digests, each sent with its square (the sums equal n*d and n*d**2 on every rank
+        only if every rank's d is the same)."""
         squares = torch.zeros((), dtype=torch.float32, device=self.groups[0].device)
-        for grad in grads:
-            squares += grad.float().pow(2).sum()
-        overflow = self.check_overflow and not all(bool(torch.isfinite(g).all()) for g in grads)
+        overflow = False
+        for group in self.groups:
+            grads = group.owned_grads()
+            if group.domain_group.counts_in_norm:
+                for grad in grads:
+                    squares += grad.float().pow(2).sum()
+            if self.check_overflow and not overflow:
+                overflow = not all(bool(torch.isfinite(g).all()) for g in grads)
         digests = [float(d) for check in self.step_checks for d in check.digests()]
         stats = torch.tensor([0.0, float(overflow)] + [x for d in digests for x in (d, d * d)],
                              dtype=torch.float64, device=squares.device)
         stats[0] = squares
-        comm.all_reduce(stats, group=self.norm_group)
+        comm.all_reduce(stats, group=self.world_group)
         values = stats.tolist()
-        n = comm.get_world_size(self.norm_group)
+        n = comm.get_world_size(self.world_group)
         position = 2
         for check in self.step_checks:
             mine = check.digests()

@@ -4,10 +4,11 @@
 all-reduce adds an element's contributions from the ranks in an order that depends on the
 element's position within its bucket and on the bucket's size. Two runs therefore sum the
 same gradients to the same bits only if their buckets coincide: same members, same order, same
-size, same padding. Stage 3 needs one group per (unit, optimizer param group) so that a unit
-can be gathered on its own; so every stage flattens the same groups, with the same bucket
-capacity, and a stage only decides which of the resulting buffers are sharded. Stages 0-2 thus
-issue one collective per unit (plus one per persistent group) rather than one per model.
+size, same padding. Stage 3 needs one group per (unit, optimizer param group, domain) so that a unit
+can be gathered on its own, and a group reduces over one process group (its domain's); so every
+stage flattens the same groups, with the same bucket capacity, and the sharding policy only
+decides which of the resulting buffers are sharded. Stages 0-2 thus issue one collective per
+unit and domain (plus one per persistent group) rather than one per model.
 
 The plan reads the model's structure only (names, shapes, module tree), never values, so it
 works on a model built on the meta device (`zerodist.zero.Init`).
@@ -16,23 +17,25 @@ works on a model built on the meta device (`zerodist.zero.Init`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from zerodist.comm.topology import DENSE, Domain
 from zerodist.zero.stage3 import select_unit_modules
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupPlan:
     """One flat group: `params` in `model.parameters()` order, all of optimizer param group
-    `spec`, all of unit `unit` (0 = the root unit), or persistent (`unit` None): parameters
-    under the persistence threshold, which stage 3 never shards."""
+    `spec`, all of `domain`, all of unit `unit` (0 = the root unit), or persistent (`unit` None):
+    parameters under the persistence threshold, which stage 3 never shards."""
 
     params: tuple[torch.nn.Parameter, ...]
     spec: int
     unit: int | None
+    domain: Domain = DENSE
 
     @property
     def persistent(self) -> bool:
@@ -43,7 +46,8 @@ class GroupPlan:
 class FlatPlan:
     """The unit modules (unit k is `unit_modules[k - 1]`) and the groups, in build-independent
     order: each unit's groups (root first, then the units in `modules()` order; within a unit,
-    by param group), then the persistent groups by param group."""
+    by param group, then by domain in order of first appearance in `model.parameters()`), then
+    the persistent groups in the same order."""
 
     unit_modules: tuple[tuple[str, torch.nn.Module], ...]
     groups: tuple[GroupPlan, ...]
@@ -83,18 +87,27 @@ def assign_units(model: torch.nn.Module, unit_modules: Sequence[tuple[str, torch
 
 
 def plan_groups(model: torch.nn.Module, spec_params: Sequence[Iterable[torch.nn.Parameter]], *,
-                unit_classes: Iterable[str], persistence_threshold: int, bucket_numel: int) -> FlatPlan:
+                unit_classes: Iterable[str], persistence_threshold: int, bucket_numel: int,
+                domains: Mapping[int, Domain] | None = None) -> FlatPlan:
     """The groups to flatten `model` into, for the trained parameters `spec_params[k]` of each
-    optimizer param group k. Parameters with fewer than `persistence_threshold` elements go
-    to the persistent groups; every other one to its unit's group."""
+    optimizer param group k, and `domains[id(param)]` the domain of each (default: all dense).
+    Parameters with fewer than `persistence_threshold` elements go to the persistent groups;
+    every other one to its unit's group."""
     unit_modules = tuple(select_unit_modules(model, unit_classes))
     owner = assign_units(model, unit_modules)
     spec_of = {id(p): k for k, params in enumerate(spec_params) for p in params}
-    members: dict[tuple[int, int], list[torch.nn.Parameter]] = {}  # (unit, spec) -> params; unit -1: persistent
+    domains = domains or {}
+    domain_order: list[Domain] = []  # first appearance in model.parameters(): the same on every rank
+    # (unit, spec, domain) -> params; unit -1: persistent
+    members: dict[tuple[int, int, Domain], list[torch.nn.Parameter]] = {}
     for param in model.parameters():
         if id(param) in spec_of:
             unit = -1 if param.numel() < persistence_threshold else owner[id(param)]
-            members.setdefault((unit, spec_of[id(param)]), []).append(param)
-    groups = [GroupPlan(tuple(members[unit, k]), k, None if unit == -1 else unit)
-              for unit in [*range(len(unit_modules) + 1), -1] for k in range(len(spec_params)) if (unit, k) in members]
+            domain = domains.get(id(param), DENSE)
+            if domain not in domain_order:
+                domain_order.append(domain)
+            members.setdefault((unit, spec_of[id(param)], domain), []).append(param)
+    groups = [GroupPlan(tuple(members[key]), key[1], None if key[0] == -1 else key[0], key[2])
+              for unit in [*range(len(unit_modules) + 1), -1] for k in range(len(spec_params))
+              for domain in domain_order if (key := (unit, k, domain)) in members]
     return FlatPlan(unit_modules, tuple(groups), bucket_numel)

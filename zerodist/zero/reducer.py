@@ -27,7 +27,9 @@ from zerodist.zero.flat_group import FlatParamGroup
 class GradReducer:
     """Owns the gradient hooks of all groups and starts/finishes their buckets in order."""
 
-    def __init__(self, groups: list[FlatParamGroup], positions: list[list[int]], *, max_in_flight: int | None):
+    def __init__(self, groups: list[FlatParamGroup], positions: list[list[int]], *, max_in_flight: int | None,
+                 overlap: bool = True, before_sync: Callable[[Bucket], None] | None = None,
+                 on_complete: Callable[[Bucket], None] | None = None):
         self.groups = groups
         keyed = []
         for group, group_positions in zip(groups, positions):
@@ -36,12 +38,14 @@ class GradReducer:
                 keyed.append((earliest, bucket))
         self.order: list[Bucket] = [b for _, b in sorted(keyed, key=lambda kb: -kb[0])]
         self.max_in_flight = max_in_flight
+        # overlap_comm: start each bucket's collective as soon as it (and every earlier one) is full,
+        # while backward goes on; off: start them all when backward ends (same collectives, same order).
+        self.overlap = overlap
         # Debug observers (zerodist.debug: NaN hunt, gradient sync check): fn(group, index, grad) sees each
         # parameter's local gradient before it is added to its bucket. Empty: no cost.
         self.grad_observers: list[Callable[[FlatParamGroup, int, torch.Tensor], None]] = []
         # Stage 3 listens: to check unit order before each sync and to reshard complete units.
-        self.before_sync: Callable[[Bucket], None] | None = None
-        self.on_complete: Callable[[Bucket], None] | None = None
+        self.before_sync, self.on_complete = before_sync, on_complete
         self.sync_enabled = True
         self.grads_seen = 0
         self._next = 0
@@ -65,7 +69,7 @@ class GradReducer:
         param.grad = None  # the gradient now lives in the bucket; free autograd's copy
         self.grads_seen += 1
         if bucket.register_grad_ready():
-            if self.sync_enabled:
+            if self.sync_enabled and self.overlap:
                 self._start_complete_buckets()
             if self.on_complete is not None:
                 self.on_complete(bucket)

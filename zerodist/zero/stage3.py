@@ -471,5 +471,8 @@ class GatheredParameters:
         groups = {id(g): g for _, _, g, _ in _owners(self.params)}
         for group in groups.values():
             assert group.param_buffer is not None, "a gathered group has its full buffer"
-            comm.broadcast(group.param_buffer, src=self.modifier_rank, group=group.group)
+            # a group of a strict-subgroup domain takes the changes of its member standing where the
+            # modifier stands (each expert group publishes its own expert's)
+            source = group.domain_group.peer_of(self.modifier_rank)
+            comm.broadcast(group.param_buffer, src=source, group=group.group)
             group.take_shard_from_full()

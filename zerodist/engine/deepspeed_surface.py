@@ -1,0 +1,142 @@
+"""DeepSpeed's engine accessors, so a script written for `DeepSpeedEngine` runs on the `Engine`.
+
+DeepSpeed scripts query the engine through small methods (`engine.train_batch_size()`,
+`engine.fp16_enabled()`, `engine.zero_optimization_stage()`) and attributes (`local_rank`,
+`global_rank`, `world_size`, `device`, `global_samples`). They live here, apart from the
+training step, so `engine.py` stays about what the engine does; each one reads state the engine
+already has and adds none (docs/deepspeed.md lists them with DeepSpeed's meanings).
+
+The attribute look-up fall-through (`engine.fc1` is `engine.module.fc1`) is DeepSpeed's too: an
+attribute the engine does not have is looked up on the wrapped model, read-only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import zerodist.comm as comm
+from zerodist.utils import get_logger
+
+logger = get_logger(__name__)
+
+
+class DeepSpeedEngineAPI:
+    """Mixed into `Engine` (an `nn.Module`); expects its `module`, `config`, `batch`, `stage`,
+    `global_steps`, `last_step` and `policy`."""
+
+    module: torch.nn.Module
+    # Set by `Engine.__init__` through `_record_world()`: DeepSpeed's plain attributes.
+    local_rank: int
+    global_rank: int
+    world_size: int
+    device: torch.device
+
+    def _record_world(self) -> None:
+        info = comm.ensure_initialized()
+        self.local_rank = info.local_rank
+        self.global_rank = comm.get_rank()
+        self.world_size = comm.get_world_size()
+        self.device = comm.device_for_rank()
+        # DeepSpeed's engine reports this rank's step as applied only after an optimizer step
+        # that was not skipped; False before the first one and after every non-boundary step().
+        self._step_applied = False
+
+    # ------------------------------------------------------------------ batch sizes
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks."""
+        return self.batch.train_batch_size  # type: ignore[attr-defined]
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per rank in one forward and backward."""
+        return self.batch.micro_batch_size  # type: ignore[attr-defined]
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step (a method, as in DeepSpeed)."""
+        return self.batch.gradient_accumulation_steps  # type: ignore[attr-defined]
+
+    @property
+    def global_samples(self) -> int:
+        """Samples consumed by all ranks so far: DeepSpeed adds `train_batch_size()` at every
+        optimizer step (skipped ones included), so this is that product; read-only here."""
+        return self.global_steps * self.train_batch_size()  # type: ignore[attr-defined]
+
+    @property
+    def dp_world_size(self) -> int:
+        """Ranks that each see different samples (the data-parallel degree, DeepSpeed's attribute)."""
+        return self.topology.num_batch_shards  # type: ignore[attr-defined]
+
+    @property
+    def mp_world_size(self) -> int:
+        """The model-parallel (tensor) degree."""
+        return self.topology.size(*self.topology.tensor_axes)  # type: ignore[attr-defined]
+
+    def was_step_applied(self) -> bool:
+        """Whether the latest `step()` updated the parameters: False between accumulation
+        boundaries and when an fp16 overflow skipped the step."""
+        return self._step_applied
+
+    # ------------------------------------------------------------------ what the config chose
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled  # type: ignore[attr-defined]
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled  # type: ignore[attr-defined]
+
+    def amp_enabled(self) -> bool:
+        """Always False: apex AMP is not part of zerodist (the `amp` config key is refused)."""
+        return False
+
+    def zero_optimization(self) -> bool:
+        """Whether any ZeRO stage above 0 is on (DeepSpeed's meaning)."""
+        return self.sharding.shard_optimizer_state  # type: ignore[attr-defined]
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage  # type: ignore[attr-defined]
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.sharding.shard_gradients  # type: ignore[attr-defined]
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.sharding.shard_parameters  # type: ignore[attr-defined]
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping  # type: ignore[attr-defined]
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print  # type: ignore[attr-defined]
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown  # type: ignore[attr-defined]
+
+    def dynamic_loss_scale(self) -> bool:
+        """fp16 with `loss_scale` 0: the scale adapts to overflows."""
+        return self.fp16_enabled() and self.config.fp16.loss_scale == 0  # type: ignore[attr-defined]
+
+    def optimizer_name(self) -> str | None:
+        """The config's optimizer `type`, None when the script passed its own optimizer."""
+        section = self.config.optimizer  # type: ignore[attr-defined]
+        return None if section is None else section.type
+
+    def scheduler_name(self) -> str | None:
+        section = self.config.scheduler  # type: ignore[attr-defined]
+        return None if section is None else section.type
+
+    # ------------------------------------------------------------------ attributes of the model
+    def __getattr__(self, name: str) -> Any:
+        # Called only when normal look-up failed: nn.Module's parameters, buffers and
+        # submodules first, then the wrapped model's attributes (DeepSpeed's fall-through).
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]
+        except AttributeError:
+            pass
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is None:  # still in __init__, before the model is registered
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            pass
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}', and neither has "
+                             f"the model it wraps ({type(module).__name__})")

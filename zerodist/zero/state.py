@@ -1,0 +1,93 @@
+"""The typed view of one engine's ZeRO state that `zerodist.checkpoint` and `zerodist.debug` take.
+
+Those layers sit below the engine and must not reach into it: they receive a `ZeroState` (the
+module, its flat groups, the reducer and sharded optimizer, the sharding policy, the topology
+and the precision policy) and, for the engine's own resumable state (step counters, scheduler,
+loss scaler, RNG, data position), any object with `training_state_dict()` /
+`load_training_state_dict()` (`Resumable`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import torch
+
+from zerodist.comm.topology import Topology
+from zerodist.precision import PrecisionPolicy
+from zerodist.zero.flat_group import FlatParamGroup
+from zerodist.zero.optimizer import ZeroOptimizer
+from zerodist.zero.policy import ShardingPolicy
+from zerodist.zero.reducer import GradReducer
+
+
+class Resumable(Protocol):
+    """The engine's resumable training state: a dict with (at least) `global_steps`,
+    `micro_steps`, `skipped_steps`, `gradient_accumulation_steps`, `loss_scaler`, `lr_scheduler`,
+    `rng` and `data`; loading takes the same keys, each optional but the counters."""
+
+    def training_state_dict(self) -> dict[str, Any]: ...
+
+    def load_training_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroState:
+    """One engine's ZeRO state, typed."""
+
+    module: torch.nn.Module
+    groups: list[FlatParamGroup]
+    reducer: GradReducer
+    optimizer: ZeroOptimizer
+    sharding: ShardingPolicy
+    topology: Topology
+    precision: PrecisionPolicy
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizer.inner
+
+    def written_groups(self) -> list[FlatParamGroup]:
+        """The groups whose shards this rank writes to a checkpoint: every domain group once, so not
+        the copies replicated over axes the domain does not reduce over (`counts_in_norm`)."""
+        return [g for g in self.groups if g.domain_group.counts_in_norm]
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of model state on this rank: parameters, gradients, optimizer (master + states)."""
+        params = sum(g.state_bytes()["params"] for g in self.groups)
+        grads = sum(g.state_bytes()["grads"] for g in self.groups)
+        optimizer = self.optimizer.state_bytes()
+        return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+
+    def padded_num_params(self) -> int:
+        """Ψ as laid out: every bucket padded to a multiple of N x 64 elements."""
+        return sum(g.layout.total_numel for g in self.groups)
+
+    def param_facts(self) -> dict[str, dict[str, Any]]:
+        """Logical name -> {"shape", "placement"} of this rank's trained parameters."""
+        facts = {}
+        for group in self.groups:
+            for record in group.records:
+                facts[record.name] = {"shape": list(record.shape), "placement": record.placement_json()}
+        return facts
+
+
+def zero_state_of(obj: Any) -> ZeroState | None:
+    """`obj`'s ZeRO state: `obj` itself when it is one, an engine's `zero_state`, None otherwise
+    (a plain module)."""
+    if isinstance(obj, ZeroState):
+        return obj
+    state = getattr(obj, "zero_state", None)
+    return state if isinstance(state, ZeroState) else None
+
+
+def single_domain_group(zero: ZeroState, what: str) -> Any:
+    """The one process group every flat group reduces over; raises when the parameters live in
+    several domains (each would need its own comparison group)."""
+    groups = {g.domain: g.group for g in zero.groups}
+    if len(groups) > 1:
+        listed = ", ".join(f"reduced over {d.reduce_axes}" for d in groups)
+        raise ValueError(f"{what} compares replicas over one group, but this engine's parameters live in "
+                         f"{len(groups)} sharding domains ({listed}); it does not support several domains yet")
+    return next(iter(groups.values()))
