@@ -142,7 +142,15 @@ def run(args: argparse.Namespace) -> int:
     if in_place or nproc == 1:
         from zerodist.train import train
 
-        return train(plan)
+        try:
+            return train(plan)
+        except ConfigError as err:
+            # What only the ranks can check (the schedule, the optimizer groups, ...): every rank
+            # raises the same error at the same point, so rank 0 alone says it, without a
+            # traceback, as the launcher does for what it checks before spawning.
+            if os.environ.get("RANK", "0") == "0":
+                print(f"zerodist train: {err}", file=sys.stderr, flush=True)
+            return 2
     from zerodist.cli.run import launch, torchrun_argv
 
     return launch(torchrun_argv(launcher_args(nproc), "zerodist", worker_args(args, plan.out), module=True))

@@ -306,7 +306,8 @@ class ZerodistTensorParallelConfig(Section):
 class ZerodistConfig(Section):
     timeout: Annotated[float, Field(gt=0)] | None = Field(
         None,
-        description="Seconds a collective may wait before failing; null keeps torch's default.",
+        description="Seconds a collective may wait before failing, and ranks may wait for each other to join; "
+                    "null keeps torch's default for collectives (30 minutes on gloo) and 300 s for joining.",
     )
     debug: DebugConfig = Field(
         default_factory=DebugConfig, description="Checks that trade speed for early, named errors."

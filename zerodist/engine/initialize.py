@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -165,6 +166,8 @@ def _apply_zero(model: torch.nn.Module, model_parameters: Iterable[Any] | None, 
     if world.backend == "nccl" and not any(p.is_meta for p in model.parameters()):
         model.to(comm.device_for_rank())
     precision = PrecisionPolicy.from_config(config)
+    if (recast := precision.describe_recast(model)) is not None:  # before _flatten and model.to() cast it
+        log_rank0(logger, recast, level=logging.WARNING)
     sharding = ShardingPolicy.from_stage(config.zero_optimization.stage)
     specs, build_optimizer = resolve_optimizer(model, model_parameters, optimizer, config)
     check_groups_cover_model(model, specs)
