@@ -20,9 +20,7 @@ from torch import nn
 
 from zerodist.comm.domains import declare_placement
 from zerodist.comm.topology import EXPERT
-from zerodist.utils import get_logger
 
-logger = get_logger(__name__)
 
 # Every live expert container; weak, so a dropped model leaves nothing behind.
 _CONTAINERS: weakref.WeakSet[Experts] = weakref.WeakSet()
@@ -47,11 +45,6 @@ class Experts(nn.Module):
         super().__init__()
         if not isinstance(expert, nn.Module):
             raise TypeError(f"expert must be a torch.nn.Module, got {type(expert).__name__}")
-        if any(p.is_meta for p in expert.parameters()):
-            logger.warning("MoE experts built on the meta device (zerodist.zero.Init?): each copy is initialised on "
-                           "its own when materialised, so the values differ from an eager build (where the copies "
-                           "are equal) and depend on ep_size; build MoE models eagerly (ZeRO-3 still partitions "
-                           "them at initialize)")
         self.num_local_experts = num_local_experts
         self.expert_group_name = expert_group_name
         self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])

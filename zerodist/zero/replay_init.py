@@ -300,6 +300,12 @@ class Recording:
         self._pretrained.note(module)
         if submodule is not None:
             self._pretrained.note(submodule)
+            # A module made by copy.deepcopy (MoE's expert copies) registered its tensors without the
+            # parameter hooks; its meta tensors' history (a clone of the original's) is in the log.
+            for inner in submodule.modules():
+                own = [*inner.parameters(recurse=False), *inner.buffers(recurse=False)]
+                if any(t.is_meta for t in own):
+                    self.modules.add(inner)
 
 
 # In-place ops whose result does not depend on the values they overwrite.
