@@ -12,7 +12,6 @@ attribute the engine does not have is looked up on the wrapped model, read-only.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -123,23 +122,6 @@ class DeepSpeedEngineAPI:
     def scheduler_name(self) -> str | None:
         section = self.config.scheduler  # type: ignore[attr-defined]
         return None if section is None else section.type
-
-    # ------------------------------------------------------------------ saving
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """Rank 0 writes the model's weights in the training dtype (its `state_dict()` keys) to
-        `save_dir/save_filename`; collective (stage 3 gathers them). Returns True, as DeepSpeed."""
-        state = self.module_state_dict(rank0_only=True)  # type: ignore[attr-defined]
-        if state is None:
-            return True
-        if exclude_frozen_parameters:
-            frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
-        os.makedirs(save_dir, exist_ok=True)
-        path = os.path.join(save_dir, save_filename)
-        torch.save(state, path)
-        logger.info("saved the %s model to %s", self.policy.name, path)  # type: ignore[attr-defined]
-        return True
 
     # ------------------------------------------------------------------ attributes of the model
     def __getattr__(self, name: str) -> Any:

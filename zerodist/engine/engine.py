@@ -221,6 +221,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_module_only=load_module_only)
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's: the whole module in its training dtype in one file (safetensors if the name
+        ends in .safetensors), gathered one unit at a time, written by rank 0; collective."""
+        return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
     def training_state_dict(self) -> dict[str, Any]:
         """This rank's resumable training state: counters, loss scaler, scheduler, RNG, data position."""
         return training_state.training_state_dict(self)

@@ -71,8 +71,9 @@ class InitLinear(nn.Linear):
     [Note: per-module init] Every random draw of the GPT's initialisation happens inside some
     module's own ``reset_parameters()``, called by that module's constructor, in construction
     (= ``modules()``) order. Replaying those calls in that order from the same RNG state gives
-    the same values, which is how ZeRO-3 materialises a model built on the meta device one unit
-    at a time (``zerodist.zero.Init``) and still matches an eager build bit for bit.
+    the same values, which is how a model put on the meta device by other means is materialised
+    one unit at a time. (``zerodist.zero.Init`` needs no such convention: it records and replays
+    whatever the initialisation did; see [Note: recorded init] in zerodist/zero/replay_init.py.)
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, std: float = 0.02) -> None:

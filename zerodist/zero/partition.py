@@ -1,17 +1,16 @@
 """Building the flat groups of a plan: materialise a meta-built model one unit at a time, flatten it.
 
 Partitioned construction (`zerodist.zero.Init`) builds the model on the meta device, so no
-rank ever holds it whole. `build_groups()` then walks the modules in `modules()` order (the
-order their constructors ran), gives each module real storage and calls its own
-`reset_parameters()`, from the RNG state recorded when `Init` was entered: the same draws,
-in the same order, as an eager build (see [Note: per-module init] in zerodist/models/gpt.py).
-As soon as a unit's last module is materialised the unit is flattened (and at stage 3
-sharded), so at stage 3 the peak is the shards plus about one unit. `build_stage3()` then
-makes the units and their runtime.
+rank ever holds it whole, and records every operation on its tensors. `build_groups()` then
+walks the modules in `modules()` order, and gives each module real storage holding the values
+an eager build would have had, by replaying its tensors' recorded history (see
+[Note: recorded init] in zerodist/zero/replay_init.py). As soon as a unit's last module is
+materialised the unit is flattened (and at stage 3 sharded), so at stage 3 the peak is the
+shards plus about one unit. `build_stage3()` then makes the units and their runtime.
 
-Contract for models built under `Init`: all random initialisation happens in modules' own
-`reset_parameters()` (the convention of torch.nn's layers, which FSDP's meta-device init
-relies on too); a module with meta tensors and no `reset_parameters()` is an error.
+A model put on the meta device by other means (`torch.device("meta")`) has no record: each of
+its modules with meta tensors is given storage and its own `reset_parameters()` is called, from
+the current RNG state; a module without one is an error.
 """
 
 from __future__ import annotations
@@ -30,29 +29,26 @@ from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.init_keywords import check_init_keywords
 from zerodist.zero.plan import FlatPlan
 from zerodist.zero.policy import DomainGroup, ShardingPolicy
+from zerodist.zero.replay_init import InitLog, Recording, Replayer
 from zerodist.zero.stage3 import Stage3Runtime, Stage3Settings, Unit, register_replicated
 
 
-@dataclasses.dataclass
-class InitRecord:
-    rng_state: torch.Tensor
-
-
 # Keyed by module, not parameter: swap_tensors (used to materialise) refuses weakly-referenced tensors.
-_INIT_RECORDS: weakref.WeakKeyDictionary[torch.nn.Module, InitRecord] = weakref.WeakKeyDictionary()
+_INIT_LOGS: weakref.WeakKeyDictionary[torch.nn.Module, InitLog] = weakref.WeakKeyDictionary()
 
 
 def Init(module: torch.nn.Module | None = None, data_parallel_group: Any = None,  # noqa: N802 - DeepSpeed's name
          mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
          config_dict_or_path: Any = None, config: Any = None, enabled: bool = True, dtype: torch.dtype | None = None,
-         mpu: Any = None, **deepspeed_keywords: Any) -> contextlib.AbstractContextManager[InitRecord | None]:
+         mpu: Any = None, **deepspeed_keywords: Any) -> contextlib.AbstractContextManager[InitLog | None]:
     """Build models inside this block on the meta device, for ZeRO-3 partitioned construction.
 
     Nothing is allocated; `zerodist.initialize(model=..., config={"zero_optimization":
     {"stage": 3}})` materialises and shards it unit by unit, with the values an eager build
-    would have had from the RNG state at this block's start. torch's factory functions are not
-    replaced: this is torch's own `torch.device("meta")` context plus a parameter-registration
-    hook that remembers which parameters were made here.
+    would have had: every operation on the model's tensors is recorded here and replayed
+    later, random ones from the RNG state they drew from (see [Note: recorded init] in
+    zerodist/zero/replay_init.py). torch's factory functions are not replaced: this is torch's
+    own `torch.device("meta")` context, a dispatch mode that records, and registration hooks.
 
     DeepSpeed's keywords: `enabled=False` builds eagerly; `config_dict_or_path` is validated now;
     `dtype` must be the one that config trains in; `mem_efficient_linear` changes nothing (torch's
@@ -67,19 +63,13 @@ def Init(module: torch.nn.Module | None = None, data_parallel_group: Any = None,
 
 
 @contextlib.contextmanager
-def _meta_construction() -> Iterator[InitRecord]:
-    record = InitRecord(torch.get_rng_state())
-
-    def remember(module: torch.nn.Module, name: str, param: torch.Tensor | None) -> None:
-        if param is not None:
-            _INIT_RECORDS[module] = record
-
-    handle = torch.nn.modules.module.register_module_parameter_registration_hook(remember)
-    try:
-        with torch.device("meta"):
-            yield record
-    finally:
-        handle.remove()
+def _meta_construction() -> Iterator[InitLog]:
+    with Recording() as recording:
+        try:
+            yield recording.log
+        finally:
+            for module in recording.modules:
+                _INIT_LOGS[module] = recording.log
 
 
 def _has_meta_state(module: torch.nn.Module) -> bool:
@@ -90,10 +80,15 @@ def _has_meta_state(module: torch.nn.Module) -> bool:
 def _materialise(module: torch.nn.Module, name: str, device: torch.device) -> None:
     if not _has_meta_state(module):
         return
+    log = _INIT_LOGS.get(module)
+    if log is not None:
+        _materialise_recorded(module, name, log, device)
+        return
     if not callable(getattr(module, "reset_parameters", None)):
         raise RuntimeError(
             f"module '{name or '<root>'}' ({type(module).__name__}) was built on the meta device but has no "
-            "reset_parameters() to initialise it; give it one, or build the model outside zerodist.zero.Init()"
+            "reset_parameters() to initialise it; give it one, or build the model inside zerodist.zero.Init() "
+            "(which records and replays its initialisation), or outside the meta device"
         )
     # Swap storage into the existing parameter objects (torch.utils.swap_tensors): plain
     # to_empty() would replace them, and the optimizer groups and the user hold the originals.
@@ -105,6 +100,23 @@ def _materialise(module: torch.nn.Module, name: str, device: torch.device) -> No
         torch.__future__.set_swap_module_params_on_conversion(swap)
     with torch.no_grad():
         module.reset_parameters()
+
+
+def _materialise_recorded(module: torch.nn.Module, name: str, log: InitLog, device: torch.device) -> None:
+    """Replay the recorded history of this module's own meta tensors and swap the values into
+    the same parameter and buffer objects (the optimizer groups and the user hold them)."""
+    replayer = Replayer()
+    tensors = [(f"parameter '{n}'", t, True) for n, t in module.named_parameters(recurse=False)]
+    tensors += [(f"buffer '{n}'", t, False) for n, t in module.named_buffers(recurse=False)]
+    for what, tensor, is_parameter in tensors:
+        if not tensor.is_meta:
+            continue  # already materialised through a module that shares it (tied weights)
+        described = f"{what} of module '{name or '<root>'}' ({type(module).__name__})"
+        value = replayer.final_value(log, tensor, described).to(device)
+        if is_parameter:
+            value = torch.nn.Parameter(value, requires_grad=tensor.requires_grad)
+        torch.utils.swap_tensors(tensor, value)
+    del _INIT_LOGS[module]  # the log (RNG states, copied inputs) goes when its last module is materialised
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,12 +182,9 @@ def build_stage3(model: torch.nn.Module, plan: FlatPlan, groups: list[FlatParamG
 
 @contextlib.contextmanager
 def _replayed_rng(model: torch.nn.Module) -> Iterator[None]:
-    """Run materialisation from the RNG state recorded by `Init` (if the model was built there),
-    leaving the caller's RNG state as it was."""
-    record = next((_INIT_RECORDS[m] for m in model.modules() if m in _INIT_RECORDS), None)
+    """Materialise without disturbing the caller's RNG: replay sets the recorded state before each
+    random operation, and `reset_parameters()` draws from the current one."""
     saved = torch.get_rng_state()
-    if record is not None:
-        torch.set_rng_state(record.rng_state)
     try:
         yield
     finally:

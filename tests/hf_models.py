@@ -1,0 +1,68 @@
+"""Tiny Hugging Face models for the tests, built from local configs (no hub access)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+KINDS = ("gpt2", "llama", "bert")
+VOCAB, SEQ = 96, 16
+
+
+def hf_config(kind: str, **overrides: Any) -> Any:
+    """A tiny config of `kind`, dropout off (so that ranks and the reference agree)."""
+    import transformers
+
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                         eos_token_id=0)
+    elif kind == "llama":
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                          max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+    elif kind == "mixtral":  # a mixture of experts: router and per-expert weights
+        config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                                            bos_token_id=0, eos_token_id=0)
+    elif kind == "bert":
+        config = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
+                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    else:
+        raise ValueError(kind)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    config._attn_implementation = "eager"  # the same kernels everywhere
+    return config
+
+
+def hf_class(kind: str) -> type:
+    import transformers
+
+    return {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
+            "bert": transformers.BertForMaskedLM, "mixtral": transformers.MixtralForCausalLM}[kind]
+
+
+def hf_batch(step: int, rows: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(500 + step)
+    return torch.randint(0, VOCAB, (rows, SEQ), generator=generator)
+
+
+def hf_loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Language-model loss (labels = inputs; HF shifts them for causal models, BERT predicts all)."""
+    return model(input_ids=ids, labels=ids).loss
+
+
+def tied_pairs(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """Names of parameters that are the same object, as (first name, other name)."""
+    first: dict[int, str] = {}
+    pairs = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            pairs.append((first[id(param)], name))
+        else:
+            first[id(param)] = name
+    return pairs
