@@ -115,6 +115,10 @@ def test_plain_model_grads_compared_like_ddp():
         model[2].bias.grad[0] *= 1.5
     report = check_gradient_sync(model)
     assert [(p.name, p.differing_ranks) for p in report.mismatched] == [("2.bias", (1,))]
+    # print(report) reads like the error would: the formatted report, not a dataclass dump
+    assert str(report) == report.format()
+    assert str(report).startswith("gradients differ across the 2 data-parallel ranks for 1 of 6")
+    assert "2.bias: rank 1 differs from rank 0" in str(report) and "ParamSync(" not in str(report)
 
 
 @distributed_test(world_size=2)

@@ -17,7 +17,8 @@ from zerodist.zero.policy import ShardingPolicy
 
 @pytest.mark.parametrize("raw, message", [
     ({"zero_optimization": {"contiguous_gradients": False}}, "always copies gradients into flat contiguous buckets"),
-    ({"tensor_parallel": {"autotp_size": 2}}, "tensor parallelism is not implemented yet"),
+    ({"tensor_parallel": {"autotp_size": 2}, "zerodist": {"tensor_parallel": {"size": 4}}},
+     "'tensor_parallel.autotp_size' \\(2\\) and 'zerodist.tensor_parallel.size' \\(4\\) disagree"),
 ])
 def test_values_asking_for_what_zerodist_lacks_are_refused_with_the_reason(raw, message):
     with pytest.raises(ConfigError, match=message):

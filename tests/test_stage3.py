@@ -373,38 +373,69 @@ def test_partitioned_construction_equals_eager_construction():
     assert torch.rand(1).item() == (torch.manual_seed(999), torch.rand(1).item())[1]  # caller's RNG kept
 
 
-def test_partitioned_construction_of_200m_parameters_stays_under_full_size():
-    script = (
-        "import resource, torch, zerodist\n"
-        "from zerodist.models import GPT, gpt_config\n"
-        "cfg = gpt_config('tiny', d_model=1024, d_ff=4096, n_layers=16, n_heads=8, seq_len=64)\n"
-        "with zerodist.zero.Init():\n"
-        "    model = GPT(cfg)\n"
-        "full = sum(p.numel() for p in model.parameters()) * 4\n"
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
-        "engine, *_ = zerodist.initialize(model=model, config={'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}},"
-        " 'zero_optimization': {'stage': 3, 'stage3_param_persistence_threshold': 0}})\n"
-        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
-        "print(f'\\nRESULT {full} {after - before}', flush=True)\n"
-    )
+# The bytes initialize() itself allocates, counted by torch's CPU allocator (every allocation and
+# free is reported to the profiler with profile_memory=True), in time order: `live` is what the
+# construction still holds when it returns, `peak` the most it held at once. Peak RSS was a noisy
+# proxy for this (0.705x against 0.7x once, in a full suite) and a misleading one: the gradient
+# shards are zero-filled pages that RSS counts only once they are touched.
+_BUILD_200M = """
+import gc, torch, zerodist
+from torch.profiler import ProfilerActivity, profile
+from zerodist.models import GPT, gpt_config
+cfg = gpt_config('tiny', d_model=1024, d_ff=4096, n_layers=16, n_heads=8, seq_len=64)
+with zerodist.zero.Init():
+    model = GPT(cfg)
+full = sum(p.numel() for p in model.parameters()) * 4
+block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks) * 4
+root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith('blocks.')) * 4
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    engine, *_ = zerodist.initialize(model=model, config={'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}},
+                                     'zero_optimization': {'stage': 3, 'stage3_param_persistence_threshold': 0}})
+    gc.collect()  # garbage in a reference cycle is not held: when the collector runs varies from run to run
+events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == '[memory]')
+live = peak = 0
+for _, nbytes in events:
+    live += nbytes
+    peak = max(peak, live)
+state = engine.model_state_bytes()
+print(f"\\nRESULT {full} {block} {root} {peak} {live} {state['params']} {state['grads']} {state['total']}", flush=True)
+"""
+
+
+def test_partitioned_construction_of_200m_parameters_allocates_its_shards_and_one_unit_at_a_time():
     path = os.path.join(REPO, "tests", "_build_200m.py")
     env = {**os.environ, "PYTHONPATH": REPO}
     with open(path, "w") as handle:
-        handle.write(script)
+        handle.write(_BUILD_200M)
     try:
         out = run_group([sys.executable, "-m", "zerodist", "run", "--nproc", "2", path], env=env,
-                             capture_output=True, text=True, timeout=240)
+                        capture_output=True, text=True, timeout=240)
     finally:
         os.remove(path)
     assert out.returncode == 0, out.stderr[-3000:]
     # the two ranks share one stdout: their lines can run together, so match rather than split lines
-    results = re.findall(r"RESULT (\d+) (\d+)", out.stdout)
-    assert len(results) == 2
-    for full, growth in results:
-        full, growth = int(full), int(growth)
+    results = re.findall(r"RESULT" + r" (\d+)" * 8, out.stdout)
+    assert len(results) == 2, out.stdout[-3000:]
+    for full, block, root, peak, live, params, grads, total in (map(int, r) for r in results):
         assert full > 190e6 * 4
-        # this rank's fp32 shard (1/2) plus about one unit being built, well under the whole model
-        assert growth < 0.7 * full, f"peak RSS grew by {growth / 2**20:.0f} MiB for a {full / 2**20:.0f} MiB model"
+        # The engine's own account of its model state is the ZeRO-3 formula for SGD in fp32:
+        # this rank's half of the parameters and of the gradients (Ψ = 202M is a multiple of
+        # 2 x 64: no padding).
+        assert params == grads == full // 2 and total == params + grads
+        # The peak: that state, plus at most one unit being built: the block being materialised
+        # whole before it is sharded (`block`, 6.2% of the model) and the root unit (embeddings,
+        # final norm, head: `root`), materialised first and flattened last, so whole throughout.
+        # Measured in every run, on both ranks: peak - total = block + root - 3.3 MiB (the last
+        # block's shards replace part of it), 1.061 x the full fp32 model. A build that held the
+        # model whole would show peak - total >= full.
+        assert peak - total <= block + root + 1024 * 1024, (
+            f"initialize() held {(peak - total) / 2**20:.1f} MiB beyond its {total / 2**20:.1f} MiB of model "
+            f"state, more than one block ({block / 2**20:.1f} MiB) and the root unit ({root / 2**20:.1f} MiB)")
+        # What stays is that state and a few hundred bytes of small tensors, except that in about
+        # one rank-run in six the root unit's initial full values (`root`) are still referenced
+        # when initialize() returns, after gc.collect() too (seen on one rank only, not yet
+        # explained): bounded here, not hidden.
+        assert total <= live <= total + root + 64 * 1024, (live, total)
 
 
 def _run_skipping_a_backward():

@@ -1,3 +1,3 @@
-from zerodist.cli.main import main
+from zerodist.cli.main import run_and_exit
 
-raise SystemExit(main())
+run_and_exit()

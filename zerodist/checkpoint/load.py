@@ -99,6 +99,7 @@ def training_state(zero: ZeroState, manifest: Manifest, common: dict[str, Any], 
     and this rank's RNG streams and data position when the world size is the one saved (rank 0's
     data position otherwise)."""
     state = {key: common[key] for key in ("global_steps", "micro_steps", "skipped_steps", "loss_scaler")}
+    state["gradient_accumulation_steps"] = common.get("gradient_accumulation_steps")  # absent in older checkpoints
     saved_scheduler = common["lr_scheduler"]
     if load_lr_scheduler_states and saved_scheduler is not None:
         saved = common["optimizer"]

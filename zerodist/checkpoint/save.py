@@ -106,7 +106,8 @@ def _rank_state(training: dict[str, Any], scalars: dict[str, Any] | None, client
     state: dict[str, Any] = {"rank": rank, "rng": training.get("rng"), "data": training.get("data")}
     if rank == 0:
         state["common"] = {
-            **{key: training[key] for key in ("global_steps", "micro_steps", "skipped_steps")},
+            **{key: training[key] for key in ("global_steps", "micro_steps", "skipped_steps",
+                                              "gradient_accumulation_steps")},
             "loss_scaler": training.get("loss_scaler"), "lr_scheduler": training.get("lr_scheduler"),
             "optimizer": scalars, "client_state": client_state,
         }
@@ -202,7 +203,8 @@ def _merge_module_facts(reports: list[RankReport]) -> tuple[list[str], dict[str,
 def _logical_shape(facts: dict[str, Any]) -> list[int]:
     placement, shape = facts["placement"], list(facts["shape"])
     if placement["slice_dim"] is not None:
-        shape[placement["slice_dim"]] *= placement["num_parts"]
+        dim = placement["slice_dim"]
+        shape[dim] = placement.get("logical_size") or shape[dim] * placement["num_parts"]
     return shape
 
 

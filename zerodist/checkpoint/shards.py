@@ -73,6 +73,16 @@ def bucket_slices(group: Any) -> list[list[tuple[int, int, int, int]]]:
 
 def logical_runs(record: Any, start: int, length: int) -> list[tuple[int, int, int]]:
     """`(logical start, length, offset)` runs of elements [start, start + length) of `record`'s parameter."""
+    placement = record.placement
+    if placement.fused or placement.logical_size is not None:
+        # Fused sub-tensors or padded parts (tensor parallelism): padding belongs to no run.
+        from zerodist.tensor_parallel.slicing import ParamSlicing, SliceSpec
+
+        dim = placement.slice_dim
+        padded = record.shape[dim] * record.num_parts
+        logical = placement.logical_size or padded
+        spec = SliceSpec(dim, logical, tuple(placement.fused), padded_size=padded if padded != logical else None)
+        return ParamSlicing(spec, tuple(record.shape), record.part, record.num_parts).runs(start, length)
     return slice_runs(start, length, shape=record.shape, dim=record.placement.slice_dim, part=record.part,
                       num_parts=record.num_parts)
 

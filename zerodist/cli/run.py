@@ -9,6 +9,8 @@ command on each node with `--nnodes N --rdzv-endpoint HOST:PORT` (elastic rendez
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Any
 
 
 def default_nproc() -> int:
@@ -76,9 +78,23 @@ def launch(argv: list[str]) -> int:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         torchrun_main(argv)
-    except ChildFailedError:
-        return 1  # torchrun has already printed which rank failed and why
+    except ChildFailedError as failed:
+        # Each rank's own error is in its output above; this says how each one ended.
+        print("zerodist: " + describe_failures(failed.failures), file=sys.stderr, flush=True)
+        codes = {failure.exitcode for failure in failed.failures.values()}
+        return codes.pop() if len(codes) == 1 and min(codes) > 0 else 1
     return 0
+
+
+def describe_failures(failures: dict[int, Any]) -> str:
+    """'rank 0 exited with status 2; rank 1 was killed by SIGTERM (-15)', in rank order."""
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        if failure.exitcode < 0:
+            parts.append(f"rank {rank} was killed by {failure.signal_name()} ({failure.exitcode})")
+        else:
+            parts.append(f"rank {rank} exited with status {failure.exitcode}")
+    return "; ".join(parts)
 
 
 def run(args: argparse.Namespace) -> int:

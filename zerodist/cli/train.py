@@ -34,12 +34,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     precision = p.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="bf16 parameters and gradients, fp32 master weights")
     precision.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
+    p.add_argument("--moe", type=_positive_int, default=None, metavar="N",
+                   help="MoE demo: every block's MLP becomes N experts, expert parallel over the ranks")
     p.add_argument("--seed", type=int, default=None, help="model and corpus seed (default 0)")
     p.add_argument("--out", default=None, help="output folder (default runs/train-<timestamp>)")
     p.add_argument("--save-interval", type=_positive_int, default=None, metavar="N",
                    help="save a checkpoint every N steps in OUT/checkpoints")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in OUT/checkpoints (give the earlier run's --out)")
+    p.add_argument("--tp", type=_positive_int, default=None, metavar="T",
+                   help="tensor-parallel degree (ranks per tensor group); the data degree is nproc / T")
+    p.add_argument("--domino", type=_positive_int, default=None, metavar="K",
+                   help="Domino: split each block's batch into K >= 2 chunks to overlap tensor-parallel all-reduces")
     p.set_defaults(handler=run)
 
 
@@ -68,23 +74,32 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     model = args.model or DEFAULT_MODEL
     if model not in GPT_PRESETS:
         raise ValueError(f"unknown --model {model!r}; choose one of: {', '.join(GPT_PRESETS)}")
+    if args.moe is not None and (args.tp or 1) > 1:
+        raise ValueError("--moe with --tp: the demo does not combine expert and tensor parallelism yet; "
+                         "use one of them")
+    if args.moe is not None and args.moe % world_size:
+        raise ValueError(f"--moe {args.moe}: the experts are spread over the {world_size} rank(s), so their number "
+                         f"must be a multiple of {world_size}")
     steps = args.steps or DEFAULT_STEPS
     file_config = read_json_file(Path(args.config)) if args.config else None
     out = Path(args.out or default_out()).resolve()
     overrides = Overrides(stage=args.stage, micro_batch=args.micro_batch, lr=args.lr, steps=args.steps,
                           bf16=args.bf16, fp16=args.fp16, save_interval=args.save_interval, resume=args.resume,
-                          save_dir=str(out / "checkpoints"))
+                          save_dir=str(out / "checkpoints"), tensor_parallel=args.tp, domino_chunks=args.domino)
     config = merge_config(file_config, overrides, steps)
     source = f"{args.config} with the command-line flags" if args.config else None
     try:
         checked = Config.load(config)
-        checked.batch_sizes(world_size, world_size_source=f"{world_size} rank(s)")
+        tensor = checked.tensor_degree
+        if world_size % tensor:
+            raise ValueError(f"--nproc {world_size} is not divisible by the tensor-parallel degree {tensor} (--tp)")
+        checked.batch_sizes(world_size // tensor, world_size_source=f"{world_size} rank(s) / tensor {tensor}")
         if checked.optimizer is not None:
             optimizer_from_config(checked)
     except ConfigError as err:
         raise ConfigError(err.problems, source=source) from None
     return TrainPlan(model=model, steps=steps, seed=DEFAULT_SEED if args.seed is None else args.seed, out=out,
-                     config=config)
+                     config=config, moe_experts=args.moe or 0)
 
 
 def default_out() -> str:
@@ -96,7 +111,7 @@ def worker_args(args: argparse.Namespace, out: Path) -> list[str]:
     argv = ["train", "--out", str(out)]
     flags = {"--config": args.config, "--stage": args.stage, "--steps": args.steps, "--model": args.model,
              "--micro-batch": args.micro_batch, "--lr": args.lr, "--seed": args.seed,
-             "--save-interval": args.save_interval}
+             "--save-interval": args.save_interval, "--moe": args.moe, "--tp": args.tp, "--domino": args.domino}
     for flag, value in flags.items():
         if value is not None:
             argv += [flag, str(value)]
@@ -127,7 +142,15 @@ def run(args: argparse.Namespace) -> int:
     if in_place or nproc == 1:
         from zerodist.train import train
 
-        return train(plan)
+        try:
+            return train(plan)
+        except ConfigError as err:
+            # What only the ranks can check (the schedule, the optimizer groups, ...): every rank
+            # raises the same error at the same point, so rank 0 alone says it, without a
+            # traceback, as the launcher does for what it checks before spawning.
+            if os.environ.get("RANK", "0") == "0":
+                print(f"zerodist train: {err}", file=sys.stderr, flush=True)
+            return 2
     from zerodist.cli.run import launch, torchrun_argv
 
     return launch(torchrun_argv(launcher_args(nproc), "zerodist", worker_args(args, plan.out), module=True))

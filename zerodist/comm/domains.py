@@ -33,11 +33,18 @@ from zerodist.comm.topology import AXES, DENSE, Domain
 class Placement:
     """A parameter's domain, and for a slice of a larger logical tensor, how it was cut:
     `slice_dim` of the logical tensor is split evenly over mesh axis `slice_axis`, this rank
-    holding part `coords[slice_axis]`. `None` for a whole tensor."""
+    holding part `coords[slice_axis]`. `None` for a whole tensor.
+
+    Two refinements of an even split, declared by tensor parallelism: `fused` (sub-tensor lengths
+    along `slice_dim`, each split on its own: a fused QKV weight's part is `[q_r; k_r; v_r]`) and
+    `logical_size` (the logical length along `slice_dim` when the parts are padded beyond it: a
+    vocabulary the degree does not divide)."""
 
     domain: Domain
     slice_dim: int | None = None
     slice_axis: str | None = None
+    fused: tuple[int, ...] = ()
+    logical_size: int | None = None
 
     def __post_init__(self) -> None:
         if (self.slice_dim is None) != (self.slice_axis is None):

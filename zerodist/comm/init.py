@@ -13,13 +13,17 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import gc
 import os
+import sys
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from zerodist.comm.errors import DistributedInitError
+from zerodist.comm.join import join_store, join_timeout_s
 from zerodist.utils import get_logger, parse_int_env
 
 logger = get_logger(__name__)
@@ -199,7 +203,9 @@ def init_distributed(
     """Join (or adopt, or create) the default process group. Idempotent.
 
     Returns how this process joined. Raises `DistributedInitError` at once, before any
-    rendezvous, when the launcher's variables are partial or inconsistent.
+    rendezvous, when the launcher's variables are partial or inconsistent, and after the join
+    timeout when a rank never comes (zerodist/comm/join.py: the configured `timeout`, else
+    5 minutes), having logged who waits for whom from the fifth second on.
     """
     global _world
     if dist.is_initialized():
@@ -216,17 +222,20 @@ def init_distributed(
     if launch.world_size == 1 and launch.master_addr is None and init_method is None:
         # No rendezvous needed: an in-memory store, so no port is ever opened.
         dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=delta)
+    elif init_method is None:
+        # The launcher's store, joined by zerodist itself so that a rank that never comes is
+        # reported while the others wait, and fails them within the join timeout.
+        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+        store = join_store(launch.rank, launch.world_size, launch.master_addr, launch.master_port,
+                           join_timeout_s(delta))
+        store.set_timeout(delta or default_pg_timeout)
+        # As torch's own rendezvous does: the group's keys under a prefix of their own.
+        dist.init_process_group(chosen, store=dist.PrefixStore("default_pg", store), rank=launch.rank,
+                                world_size=launch.world_size, timeout=delta)
     else:
-        if launch.master_addr is not None:
-            os.environ.setdefault("MASTER_ADDR", launch.master_addr)
-            os.environ.setdefault("MASTER_PORT", str(launch.master_port))
-        dist.init_process_group(
-            chosen,
-            init_method=init_method or "env://",
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=delta,
-        )
+        dist.init_process_group(chosen, init_method=init_method, rank=launch.rank,
+                                world_size=launch.world_size, timeout=delta)
     _world = WorldInfo(
         launch.rank, launch.world_size, launch.local_rank, chosen, launch.source,
         None if delta is None else delta.total_seconds(),
@@ -246,13 +255,26 @@ def _destroy_at_exit() -> None:
     global _EXIT_HANDLER_REGISTERED
     if not _EXIT_HANDLER_REGISTERED:
         _EXIT_HANDLER_REGISTERED = True
-        atexit.register(_destroy_if_alive)
+        atexit.register(destroy_world)
 
 
-def _destroy_if_alive() -> None:
+def destroy_world() -> None:
+    """Destroy every process group now and free what still holds them. Idempotent; never raises.
+
+    destroy_process_group() only unregisters the groups: a C++ group (with its gloo threads and
+    the tensors of work still in flight) lives on while any Python object refers to it. After an
+    uncaught exception the traceback kept for post-mortem debugging (sys.last_traceback) holds
+    the failed frames, and with them the engine, the topology's groups and their tensors, until
+    the interpreter's finalization, where releasing a tensor that gloo's work still holds needs a
+    Python that is gone and aborts (pytorch#179291). So the traceback is dropped and the garbage
+    collected here, while the interpreter is whole."""
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            if hasattr(sys, name):
+                setattr(sys, name, None)
+        gc.collect()
     except Exception as error:  # exiting anyway: say so, never mask the exit
         logger.debug("destroy_process_group at exit failed: %s", error)
 

@@ -250,13 +250,71 @@ class DebugConfig(Section):
     )
 
 
+class LayerSpecConfig(Section):
+    patterns: list[str] = Field(
+        min_length=1, description="Regular expressions over parameter names, e.g. \".*\\\\.q_proj\\\\.weight$\"."
+    )
+    partition_type: Literal["column", "row", "skip"] = Field(
+        description="column: split the output features; row: split the input features; skip: replicate."
+    )
+    shape: list[int] | None = Field(
+        None, description="[k, -1]: the weight fuses k equal sub-parameters (QKV: [3, -1]), each split on its own."
+    )
+    partition_dim: int = Field(0, description="Dimension a column layer splits; only 0 is supported.")
+    gather_output: bool = Field(False, description="Column layers: all-gather the output (an LM head).")
+
+
+class PartitionConfig(Section):
+    use_default_specs: bool = Field(
+        True, description="Accepted for DeepSpeed compatibility; zerodist applies layer_specs only."
+    )
+    layer_specs: list[LayerSpecConfig] = Field(
+        default_factory=list, description="How the layers whose parameters match each pattern are split."
+    )
+
+
+class TensorParallelConfig(Section):
+    autotp_size: int = Field(
+        1, ge=1, description="Tensor-parallel degree (ranks per tensor-parallel group); 1 turns it off."
+    )
+    partition_config: PartitionConfig | None = Field(
+        None, description="Layer specs by parameter-name pattern; absent uses the model's built-in plan "
+        "(zerodist's GPT, Hugging Face models with a base_model_tp_plan)."
+    )
+
+
+class DominoSettings(Section):
+    chunks: int = Field(2, ge=2, description="Domino: micro-batch chunks per block (any k >= 2).")
+    overlap: Literal["intra", "inter"] = Field(
+        "inter", description="intra: blocks wait for their reductions before returning; inter: the last "
+        "chunk's reduction also runs under the next block's first chunk."
+    )
+
+
+class ZerodistTensorParallelConfig(Section):
+    size: int | None = Field(
+        None, ge=1, description="Tensor-parallel degree; the same as tensor_parallel.autotp_size (give one)."
+    )
+    sequence_parallel: bool = Field(
+        False, description="Split activations along the sequence between tensor-parallel layers."
+    )
+    domino: DominoSettings | None = Field(
+        None, description="Overlap tensor-parallel all-reduces with compute by splitting each block's batch."
+    )
+
+
 class ZerodistConfig(Section):
     timeout: Annotated[float, Field(gt=0)] | None = Field(
         None,
-        description="Seconds a collective may wait before failing; null keeps torch's default.",
+        description="Seconds a collective may wait before failing, and ranks may wait for each other to join; "
+                    "null keeps torch's default for collectives (30 minutes on gloo) and 300 s for joining.",
     )
     debug: DebugConfig = Field(
         default_factory=DebugConfig, description="Checks that trade speed for early, named errors."
+    )
+    tensor_parallel: ZerodistTensorParallelConfig = Field(
+        default_factory=ZerodistTensorParallelConfig,
+        description="Tensor parallelism settings DeepSpeed has no key for (sequence parallelism, Domino).",
     )
     stage3_unit_classes: list[str] = Field(
         default_factory=list,
@@ -271,13 +329,6 @@ def precision_conflict(fp16_enabled: Any, bf16_enabled: Any) -> str | None:
     if fp16_enabled is True and bf16_enabled is True:
         return "'fp16.enabled' and 'bf16.enabled' are both true; choose one precision"
     return None
-
-
-class TensorParallelConfig(Section):
-    autotp_size: int = Field(
-        1, ge=1, description="Tensor-parallel degree of DeepSpeed's automatic tensor parallelism. Not "
-        "implemented yet: only 1 is accepted."
-    )
 
 
 class Config(Section):
@@ -330,7 +381,7 @@ class Config(Section):
         default_factory=MonitorConfig, description="Training metrics as TensorBoard events."
     )
     tensor_parallel: TensorParallelConfig = Field(
-        default_factory=TensorParallelConfig, description="Tensor parallelism (not implemented yet)."
+        default_factory=TensorParallelConfig, description="Tensor parallelism (DeepSpeed AutoTP's keys)."
     )
     zerodist: ZerodistConfig = Field(
         default_factory=ZerodistConfig, description="zerodist settings DeepSpeed has no key for."
@@ -356,9 +407,6 @@ class Config(Section):
             problems.append("'zero_optimization.contiguous_gradients' is false, but zerodist always copies gradients "
                             "into flat contiguous buckets as they are produced (DeepSpeed's true); remove the key or "
                             "set it to true")
-        if self.tensor_parallel.autotp_size > 1:
-            problems.append(f"'tensor_parallel.autotp_size' is {self.tensor_parallel.autotp_size}: tensor "
-                            "parallelism is not implemented yet; remove the key or set it to 1")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -369,6 +417,19 @@ class Config(Section):
         if wanted and self.checkpoint.save_dir is None:
             raise ValueError(f"'checkpoint.{wanted[0]}' is set but 'checkpoint.save_dir' is not; name the directory")
         return self
+
+    @model_validator(mode="after")
+    def _one_tensor_degree(self) -> Config:
+        size = self.zerodist.tensor_parallel.size
+        if size is not None and self.tensor_parallel.autotp_size not in (1, size):
+            raise ValueError(f"'tensor_parallel.autotp_size' ({self.tensor_parallel.autotp_size}) and "
+                             f"'zerodist.tensor_parallel.size' ({size}) disagree; give one of them")
+        return self
+
+    @property
+    def tensor_degree(self) -> int:
+        """The tensor-parallel degree from either key (1 when neither is set)."""
+        return self.zerodist.tensor_parallel.size or self.tensor_parallel.autotp_size
 
     @classmethod
     def load(cls, source: Config | Mapping[str, Any] | str | os.PathLike[str]) -> Config:

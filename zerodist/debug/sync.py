@@ -29,6 +29,7 @@ This layer never imports the engine: it reads the engine's typed `zero_state`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -274,13 +275,46 @@ def _compare_with_reference(zero: ZeroState, watch: GradSyncWatch, rtol: float |
 
 # ---------------------------------------------------------------------------------------- weights
 
+def _check_engine_weights(zero: Any, *, raise_on_mismatch: bool, atol: float, buffers: bool) -> SyncReport:
+    """Each parameter compared over the ranks its domain replicates it on (a tensor-parallel slice
+    over the data axes; a LayerNorm beside it over the data and tensor axes), buffers over all."""
+    topology = zero.topology
+    domains = {id(r.param): r.domain for g in zero.groups for r in g.records}
+    by_axes: dict[tuple[str, ...], Named] = {}
+    for name, param in zero.module.named_parameters():
+        axes = domains[id(param)].replicated_axes if id(param) in domains else topology.batch_axes
+        by_axes.setdefault(axes, []).append((name, param.numel(), param.detach()))
+    if buffers:
+        by_axes.setdefault(("data", "expert", "tensor"), []).extend(
+            (n, b.numel(), b) for n, b in zero.module.named_buffers())
+    params: tuple[ParamSync, ...] = ()
+    for axes in sorted(by_axes):  # the same order on every rank: each comparison is a collective
+        group = topology.group(*axes)
+        members = group_ranks(group)
+        for found in compare_replicated(by_axes[axes], group, atol=atol):
+            # Norms by global rank; nan for ranks outside this comparison (they hold another slice).
+            norms = [math.nan] * topology.world_size
+            for rank, norm in zip(members, found.rank_norms):
+                norms[rank] = norm
+            params += (dataclasses.replace(found, rank_norms=tuple(norms)),)
+    what = "parameters and buffers" if buffers else "parameters"
+    report = SyncReport(what, "compared " + _how(atol) + " over each parameter's replicated axes",
+                        tuple(range(topology.world_size)), params)
+    if not report.ok:
+        logger.warning("check_weight_sync: %s", report.format())
+        if raise_on_mismatch:
+            raise WeightSyncError(report, "check_weight_sync")
+    return report
+
+
 def check_weight_sync(model_or_engine: Any, *, raise_on_mismatch: bool = False, atol: float = 0.0,
                       buffers: bool = False, group: Any = None) -> SyncReport:
     """Compare every parameter (and, with `buffers`, every buffer) across data-parallel ranks,
     bitwise unless `atol` is given: replicas that drifted apart (a missed sync, a rank-dependent
     update) are named with the ranks that differ. Raises `WeightSyncError` on every rank with
-    `raise_on_mismatch`. Collective over the engine's data-parallel group, or `group` (default
-    world) for a plain model.
+    `raise_on_mismatch`. For an engine each parameter is compared over the axes its domain
+    replicates it on (tensor-parallel slices over the data axes only, replicated parameters
+    beside them over the tensor axis too); for a plain model over `group` (default world).
     """
     module = model_or_engine
     if _is_engine(model_or_engine):
@@ -288,7 +322,7 @@ def check_weight_sync(model_or_engine: Any, *, raise_on_mismatch: bool = False, 
         if zero.sharding.shard_parameters:
             raise ValueError("check_weight_sync: at ZeRO stage 3 each rank holds a shard of the parameters; "
                              "nothing is replicated to compare")
-        module, group = zero.module, single_domain_group(zero, "check_weight_sync")
+        return _check_engine_weights(zero, raise_on_mismatch=raise_on_mismatch, atol=atol, buffers=buffers)
     named = [(n, p.numel(), p.detach()) for n, p in module.named_parameters()]
     if buffers:
         named += [(n, b.numel(), b) for n, b in module.named_buffers()]

@@ -49,6 +49,11 @@ class SyncReport:
     def ok(self) -> bool:
         return not self.mismatched
 
+    def __str__(self) -> str:
+        # `print(report)` should read like the error it would raise, not like a dataclass dump
+        # (repr() keeps the fields for debugging).
+        return self.format()
+
     def format(self, limit: int = 20) -> str:
         """One header line, then one line per differing parameter (at most `limit`)."""
         bad = self.mismatched

@@ -29,7 +29,9 @@ from zerodist.debug import MemoryMonitor, NanHunter, reduce_loss
 from zerodist.engine import training_state
 from zerodist.engine.deepspeed_surface import DeepSpeedEngineAPI
 from zerodist.engine.monitor import Monitors
+from zerodist.moe.state import gather_global_state_dict
 from zerodist.precision import PrecisionPolicy
+from zerodist.tensor_parallel.plan import unsliced_state_dict
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, StepResult, ZeroOptimizer, sharded_access
 from zerodist.zero.policy import ShardingPolicy
@@ -259,9 +261,13 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     def module_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
         """The plain model's `state_dict()` (same keys), cloned; None off rank 0 with `rank0_only`.
-        At stage 3 the parameters are gathered for it (all ranks must call it together)."""
+        At stage 3 the parameters are gathered for it, and MoE experts are gathered from their
+        expert groups under global ids, so the result loads into the same model built with
+        `ep_size=1` (all ranks must call it together)."""
         with GatheredParameters(list(self.module.parameters()), enabled=self.stage3 is not None):
-            state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+            # Tensor-parallel slices are gathered too: the keys and shapes of the unparallelized model.
+            state = unsliced_state_dict(self.module)
+        state = gather_global_state_dict(self.module, state)  # experts under global ids (zerodist/moe/state.py)
         if rank0_only and comm.get_rank() != 0:
             return None
         return state

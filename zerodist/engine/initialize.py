@@ -2,7 +2,7 @@
 
 One short ordered recipe, each step a function with a typed input and output:
 
-    validate -> topology -> apply tensor parallel (none yet) -> apply expert parallel (none yet)
+    validate -> topology -> apply tensor parallel -> apply expert parallel (none yet)
              -> apply ZeRO (batch sizes, precision, flat groups per domain, reducer, sharded
                 optimizer, scheduler) -> engine (+ data loader)
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -26,7 +27,10 @@ from zerodist.engine.deepspeed_args import DEFAULT_PORT, resolve_initialize_argu
 from zerodist.engine.engine import Engine
 from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
 from zerodist.engine.schedulers import build_scheduler
+from zerodist.moe.parallel import RoutingClock, apply_expert_parallel
 from zerodist.precision import LossScaler, PrecisionPolicy
+from zerodist.tensor_parallel.apply import TensorParallelSettings, apply_tensor_parallel
+from zerodist.tensor_parallel.domino import DominoConfig
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, ZeroOptimizer, sharded_access
 from zerodist.zero.partition import FlattenSettings, build_groups, build_stage3
@@ -125,20 +129,31 @@ def _validate(model: torch.nn.Module, config: Config | dict[str, Any] | str | No
 
 def _build_topology(validated: Validated, model: torch.nn.Module) -> comm.Topology:
     """The mesh: the expert degree the model declares (`zerodist.comm.domains.
-    declare_expert_parallel`, 1 when none), tensor degree 1 (tensor parallelism is not
-    implemented yet: the config refuses `tensor_parallel.autotp_size` > 1), data the rest."""
-    return comm.Topology(expert=expert_parallel_degree(model), tensor=1)
+    declare_expert_parallel`, 1 when none), the tensor degree from the config
+    (`tensor_parallel.autotp_size` or `zerodist.tensor_parallel.size`), data the rest."""
+    return comm.Topology(expert=expert_parallel_degree(model), tensor=validated.config.tensor_degree)
 
 
 def _apply_tensor_parallel(model: torch.nn.Module, topology: comm.Topology, config: Config) -> torch.nn.Module:
-    """Converts the model's layers to tensor-parallel ones and declares their slices' placements
-    (zerodist.comm.domains). Nothing to do while the tensor degree is 1."""
-    return model
+    """Converts the model's layers to tensor-parallel ones by its plan and declares their slices'
+    placements (zerodist.comm.domains); Domino when configured."""
+    section = config.zerodist.tensor_parallel
+    partition = config.tensor_parallel.partition_config
+    settings = TensorParallelSettings(
+        degree=config.tensor_degree, partition_config=partition.model_dump() if partition is not None else None,
+        sequence_parallel=section.sequence_parallel,
+        sharded_parameters=ShardingPolicy.from_stage(config.zero_optimization.stage).shard_parameters,
+        domino=DominoConfig(section.domino.chunks, section.domino.overlap) if section.domino is not None else None)
+    return apply_tensor_parallel(model, topology, settings)
 
 
 def _apply_expert_parallel(model: torch.nn.Module, topology: comm.Topology, config: Config) -> torch.nn.Module:
-    """Places the experts of MoE layers on the expert axis and declares their placements. Nothing
-    to do while the expert degree is 1 (a model may still declare placements itself)."""
+    """Gives the model's MoE layers their expert group and routing keys (their `Experts` containers
+    declared the `EXPERT` placement when built), and counts training forwards to key random
+    routing by step (zerodist/moe/parallel.py)."""
+    if apply_expert_parallel(model, topology):
+        batch = config.batch_sizes(topology.num_batch_shards, world_size_source="the topology's batch shards")
+        RoutingClock(model, batch.gradient_accumulation_steps, topology)
     return model
 
 
@@ -151,6 +166,8 @@ def _apply_zero(model: torch.nn.Module, model_parameters: Iterable[Any] | None, 
     if world.backend == "nccl" and not any(p.is_meta for p in model.parameters()):
         model.to(comm.device_for_rank())
     precision = PrecisionPolicy.from_config(config)
+    if (recast := precision.describe_recast(model)) is not None:  # before _flatten and model.to() cast it
+        log_rank0(logger, recast, level=logging.WARNING)
     sharding = ShardingPolicy.from_stage(config.zero_optimization.stage)
     specs, build_optimizer = resolve_optimizer(model, model_parameters, optimizer, config)
     check_groups_cover_model(model, specs)

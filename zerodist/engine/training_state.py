@@ -4,7 +4,8 @@ loader's position. The model and optimizer tensors are ZeRO's (`Engine.zero_stat
 checkpoint stores both.
 
 The keys, all of them in a saved dict: `global_steps`, `micro_steps`, `skipped_steps`,
-`gradient_accumulation_steps` (informational), `loss_scaler`, `lr_scheduler` (None without a
+`gradient_accumulation_steps` (a load at another accumulation resumes at its own boundary of the
+saved step), `loss_scaler`, `lr_scheduler` (None without a
 scheduler), `rng` and `data` (None without a loader that has a position). On load the counters
 are required; every other key may be absent (a checkpoint loaded at another world size has no
 RNG stream or data position for this rank) or None.
@@ -15,6 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from zerodist.checkpoint.state import capture_rng, restore_rng
+from zerodist.moe.parallel import restore_routing_clock
+from zerodist.tensor_parallel.random import rng_tracker_of
 from zerodist.utils import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -29,7 +32,7 @@ def training_state_dict(engine: Any) -> dict[str, Any]:
         "gradient_accumulation_steps": engine.batch.gradient_accumulation_steps,
         "loss_scaler": engine.optimizer.scaler.state_dict(),
         "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "rng": capture_rng(),
+        "rng": _capture_rng(engine),
         "data": loader.state_dict() if loader is not None and hasattr(loader, "state_dict") else None,
     }
 
@@ -40,6 +43,12 @@ def load_training_state_dict(engine: Any, state: dict[str, Any]) -> None:
         raise KeyError(f"load_training_state_dict: the state has no {', '.join(missing)}; pass a dict made by "
                        "training_state_dict()")
     engine.global_steps, engine.micro_steps, engine.skipped_steps = (int(state[key]) for key in COUNTERS)
+    accumulation = engine.batch.gradient_accumulation_steps
+    if state.get("gradient_accumulation_steps") != accumulation:
+        # Saved at another accumulation (another world size dealing the same global batch), or not
+        # said: resume at this run's boundary of the saved step, not at the saved micro-step count.
+        engine.micro_steps = engine.global_steps * accumulation
+    restore_routing_clock(engine.module, engine.micro_steps)  # MoE random routing continues where it was
     if state.get("loss_scaler") is not None:
         engine.optimizer.scaler.load_state_dict(state["loss_scaler"])
     if state.get("lr_scheduler") is not None:
@@ -53,3 +62,15 @@ def load_training_state_dict(engine: Any, state: dict[str, Any]) -> None:
         loader.load_state_dict(state["data"])
     if state.get("rng") is not None:
         restore_rng(state["rng"])
+        tracker = rng_tracker_of(engine.module)
+        if tracker is not None and "tensor_parallel" in state["rng"]:
+            tracker.load_state_dict(state["rng"]["tensor_parallel"])
+
+
+def _capture_rng(engine: Any) -> dict[str, Any]:
+    """This process's streams, and tensor parallelism's dropout streams (replicated / sharded)."""
+    rng = capture_rng()
+    tracker = rng_tracker_of(engine.module)
+    if tracker is not None:
+        rng["tensor_parallel"] = tracker.state_dict()
+    return rng

@@ -27,6 +27,25 @@ class PrecisionPolicy:
     def name(self) -> str:
         return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.param_dtype]
 
+    def describe_recast(self, model: torch.nn.Module) -> str | None:
+        """What initialize() will cast that the user chose: floating parameters and buffers in a
+        dtype that is neither fp32 (the ordinary starting point, cast to `param_dtype` by design)
+        nor `param_dtype` itself, such as a layer made fp16 by hand in an fp32 or bf16 run. None
+        when there is none."""
+        modules: dict[torch.dtype, list[str]] = {}
+        for name, module in model.named_modules():
+            own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            for dtype in sorted({t.dtype for t in own if t.is_floating_point()}, key=str):
+                if dtype not in (torch.float32, self.param_dtype):
+                    modules.setdefault(dtype, []).append(name or "<root>")
+        if not modules:
+            return None
+        held = "; ".join(f"{_dtype_name(dtype)} in {_listed(names)}" for dtype, names in modules.items())
+        return (f"initialize(): the model holds {held}; the config trains in {self.name}, so they are cast to "
+                f"{_dtype_name(self.param_dtype)} (every trained parameter has the one dtype the config's "
+                "\"bf16\"/\"fp16\" sections choose). Build those modules in float32 "
+                "to silence this.")
+
     @classmethod
     def from_config(cls, config: Config) -> PrecisionPolicy:
         if config.bf16.enabled:
@@ -34,3 +53,13 @@ class PrecisionPolicy:
         if config.fp16.enabled:
             return cls(torch.float16, loss_scaling=True)
         return cls()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _listed(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(f"'{name}'" for name in names[:limit])
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"module{'s' if len(names) > 1 else ''} {shown}{more}"

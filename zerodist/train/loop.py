@@ -26,10 +26,12 @@ import zerodist.comm as comm
 from zerodist.data import TokenDataset, split_corpus, stdlib_corpus
 from zerodist.engine import Engine
 from zerodist.models import GPT, count_parameters, gpt_config
+from zerodist.tensor_parallel import schedule_log
 from zerodist.debug.memory import peak_rss_bytes, rss_bytes
 from zerodist.train.metrics import StepRecord, plot_loss, write_csv
 from zerodist.train.options import TrainPlan
 from zerodist.train.report import RankMemory, RunSummary, expected_bus_bytes, format_summary
+from zerodist.train.tp_report import measure_from_log, report_lines
 
 try:  # the debug layer's reduction, token-weighted and checked on every rank
     from zerodist.debug import reduce_loss
@@ -138,7 +140,11 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
     world = engine.topology.num_batch_shards
     psi = sum(g.layout.total_numel for g in engine.groups)
     psi_by_stage: dict[int, int] = {}
+    narrow: list[tuple[int, int, int]] = []  # MoE experts: sharded over their data group only
     for group in engine.groups:  # stage 3 keeps parameters under the persistence threshold in stage-2 groups
+        if group.domain_group.size != world:
+            narrow.append((group.policy.stage, group.layout.total_numel, group.domain_group.size))
+            continue
         psi_by_stage[group.policy.stage] = psi_by_stage.get(group.policy.stage, 0) + group.layout.total_numel
     tokens = len(records) * engine.batch.train_batch_size * seq_len
     return RunSummary(
@@ -151,6 +157,8 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
         expected_bus_bytes_per_step=expected_bus_bytes(
             stage=zero.stage, psi=psi, world_size=world, accumulation_steps=engine.gradient_accumulation_steps(),
             reduce_scatter=zero.reduce_scatter, element_bytes=engine.policy.param_dtype.itemsize),
+        narrow_groups=tuple(narrow),
+        tensor_degree=engine.topology.size("tensor"),
     )
 
 
@@ -177,10 +185,33 @@ def write_outputs(plan: TrainPlan, records: list[StepRecord], summary: RunSummar
     return lines
 
 
+def _moe_lines(plan: TrainPlan, engine: Engine, model: Any, load: Any, everything: Any, steps: int,
+               seq_len: int) -> list[str]:
+    """Rank 0: the MoE demo's load-balance section and its expert_load.png."""
+    from zerodist.train import moe_report
+
+    measured = everything.total_bytes("all_to_all") / max(1, steps)
+    formula = moe_report.all_to_all_formula_bytes(model, engine.batch.micro_batch_size * seq_len,
+                                                  engine.batch.gradient_accumulation_steps, engine.policy.param_dtype.itemsize)
+    lines = moe_report.load_lines(load, measured_bytes_per_step=measured, formula_bytes_per_step=formula)
+    plan.out.mkdir(parents=True, exist_ok=True)
+    path = plan.out / "expert_load.png"
+    skipped = moe_report.plot_expert_load(load, path, f"GPT {plan.model}, {plan.moe_experts} experts per block, "
+                                                      f"{comm.get_world_size()} rank(s)")
+    lines.append(f"expert-load plot not written: {skipped}" if skipped else f"wrote {path}")
+    return lines
+
+
 def train(plan: TrainPlan) -> int:
     """Train on this rank; 0 when the run finished with a finite loss, 1 otherwise."""
     torch.manual_seed(plan.seed)  # every rank builds the same weights (rank 0's are broadcast anyway)
-    model = GPT(gpt_config(plan.model))
+    if plan.moe_experts:
+        from zerodist.train import moe_report
+
+        model = moe_report.build_moe_model(plan.model, plan.moe_experts, comm.get_world_size())
+        tracker = moe_report.LoadTracker(model)
+    else:
+        model = GPT(gpt_config(plan.model))
     seq_len = model.config.seq_len
     dataset = build_dataset(plan, seq_len)
     engine, _, loader, _ = zerodist.initialize(model=model, config=plan.config, training_data=dataset)
@@ -188,13 +219,21 @@ def train(plan: TrainPlan) -> int:
     if rank0:
         print_header(plan, engine, model)
     try:
-        records, elapsed, everything, logging_traces = run_steps(engine, loader, plan.steps, seq_len)
+        with schedule_log() as tensor_parallel_log:  # tensor-parallel bytes and Domino's schedule
+            records, elapsed, everything, logging_traces = run_steps(engine, loader, plan.steps, seq_len)
         memory = gather_memory(engine)
+        load = tracker.gather() if plan.moe_experts else None
     finally:
         engine.destroy()
     summary = summarize(engine, records, elapsed, everything, logging_traces, memory, seq_len)
     if rank0:
         print(format_summary(summary), flush=True)
+        if load is not None:
+            for line in _moe_lines(plan, engine, model, load, everything, len(records), seq_len):
+                print(line, flush=True)
+        if engine.topology.size("tensor") > 1:
+            report = measure_from_log(engine, tensor_parallel_log, len(records) * engine.batch.gradient_accumulation_steps)
+            print("\n".join("  " + line for line in report_lines(report)), flush=True)
         for line in write_outputs(plan, records, summary):
             print(line, flush=True)
     if not all(math.isfinite(r.loss) for r in records[-1:]):

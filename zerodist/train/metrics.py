@@ -1,7 +1,8 @@
 """Per-step metrics of a training run and the files a run leaves behind (memory readers: zerodist.debug.memory).
 
     metrics.csv   step, loss (averaged over ranks), lr, tokens_per_s (all ranks), rss_mib (rank 0)
-    loss.png      the loss curve (needs matplotlib; skipped with a message when missing)
+    loss.png      the loss curve (matplotlib, a dependency, imported only here; skipped with a message
+                  when an installation lacks it)
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def plot_loss(records: list[StepRecord], path: Path, title: str) -> str | None:
     try:
         import matplotlib
     except ImportError:
-        return "matplotlib is not installed (pip install 'zerodist[plot]'); no loss curve written"
+        return "matplotlib is not installed (pip install matplotlib); no loss curve written"
     matplotlib.use("Agg")  # no display on a training node; must precede pyplot's import
     import matplotlib.pyplot as plt
 

@@ -8,7 +8,8 @@ Precedence, lowest first:
 2. the `--config` file: each top-level section it names replaces the default section whole
    (a file's `optimizer` never inherits AdamW's betas), and naming any batch key drops the
    default batch keys;
-3. the flags (`--stage`, `--micro-batch`, `--lr`, `--bf16`/`--fp16`, `--steps`), one value each.
+3. the flags (`--stage`, `--micro-batch`, `--lr`, `--bf16`/`--fp16`, `--steps`, `--tp`, `--domino`), one
+   value each.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class Overrides:
     save_interval: int | None = None  # checkpoint every N steps into save_dir
     resume: bool = False  # continue from the newest checkpoint in save_dir
     save_dir: str | None = None  # set by the CLI from --out; a file's checkpoint.save_dir wins
+    tensor_parallel: int | None = None  # --tp: tensor_parallel.autotp_size
+    domino_chunks: int | None = None  # --domino: zerodist.tensor_parallel.domino.chunks (inter-layer overlap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,7 @@ class TrainPlan:
     out: Path
     config: dict[str, Any]
     corpus_bytes: int = CORPUS_BYTES
+    moe_experts: int = 0  # > 0: every block's MLP is an MoE layer of this many experts, expert parallel
 
 
 def default_config(steps: int) -> dict[str, Any]:
@@ -111,6 +115,11 @@ def apply_overrides(config: dict[str, Any], overrides: Overrides) -> None:
         if overrides.save_interval is not None:
             checkpoint["save_interval"] = overrides.save_interval
         checkpoint["auto_resume"] = overrides.resume or checkpoint.get("auto_resume", False)
+    if overrides.tensor_parallel is not None:
+        _section(config, "tensor_parallel", {})["autotp_size"] = overrides.tensor_parallel
+    if overrides.domino_chunks is not None:
+        zerodist_tp = _section(_section(config, "zerodist", {}), "tensor_parallel", {})
+        zerodist_tp["domino"] = {"chunks": overrides.domino_chunks, "overlap": "inter"}
     if overrides.bf16 or overrides.fp16:
         _section(config, "bf16", {})["enabled"] = overrides.bf16
         _section(config, "fp16", {})["enabled"] = overrides.fp16

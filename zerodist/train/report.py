@@ -80,6 +80,10 @@ class RunSummary:
     logging_bytes: int  # of which: the loss averaging for the progress bar
     logging_bus_bytes: float
     expected_bus_bytes_per_step: int
+    # (stage, padded elements, ranks) of groups sharded over fewer ranks than the batch shards:
+    # MoE experts, sharded over ("data",) only (see docs/moe.md)
+    narrow_groups: tuple[tuple[int, int, int], ...] = ()
+    tensor_degree: int = 1  # world_size counts batch shards (the N of the formulas); ranks = N x tensor
 
 
 def loss_line(losses: list[float]) -> str:
@@ -94,14 +98,20 @@ def memory_lines(summary: RunSummary) -> list[str]:
     mixed = summary.precision != "fp32"
     expected = sum(state_formula_bytes(stage, mixed, psi, summary.world_size)
                    for stage, psi in summary.psi_by_stage.items())
+    dense_psi = summary.psi - sum(psi for _, psi, _ in summary.narrow_groups)
     if len(summary.psi_by_stage) == 1:
-        described = f"Ψ = {summary.psi:,} padded parameters, N = {summary.world_size}, Adam; " \
+        described = f"Ψ = {dense_psi:,} padded parameters, N = {summary.world_size}, Adam; " \
                     f"DESIGN.md: {state_formula(summary.stage, mixed)}"
     else:  # stage 3 with parameters under the persistence threshold: those are stage-2 groups
         parts = [f"stage {stage}: {psi:,} ({state_formula(stage, mixed)})"
                  for stage, psi in sorted(summary.psi_by_stage.items(), reverse=True)]
-        described = f"Ψ = {summary.psi:,} padded parameters, of which {'; '.join(parts)}, N = {summary.world_size}, " \
+        described = f"Ψ = {dense_psi:,} padded parameters, of which {'; '.join(parts)}, N = {summary.world_size}, " \
                     "Adam; DESIGN.md"
+    if summary.narrow_groups:
+        expected += sum(state_formula_bytes(stage, mixed, psi, ranks) for stage, psi, ranks in summary.narrow_groups)
+        experts = sum(psi for _, psi, _ in summary.narrow_groups)
+        ranks = sorted({r for _, _, r in summary.narrow_groups})
+        described += f"; plus MoE experts' Ψ = {experts:,} sharded over N = {', '.join(map(str, ranks))}"
     lines = [f"model state per rank ({described} = {format_bytes(expected)}):"]
     for m in summary.memory:
         total = m.state["total"]
@@ -120,15 +130,23 @@ def comm_lines(summary: RunSummary) -> list[str]:
     lines += ["  " + line for line in summary.comm_table.splitlines()]
     lines.append(f"  per step: {format_bytes(training_bytes)} issued, {format_bytes(training_bus)} bus bytes for "
                  f"training; DESIGN.md expects {format_bytes(summary.expected_bus_bytes_per_step)} bus bytes for "
-                 "gradients and parameters (plus a few bytes of norm/overflow all_reduce)")
+                 "gradients and parameters (plus a few bytes of norm/overflow all_reduce)"
+                 + ("; the rest is tensor-parallel traffic (below)" if summary.tensor_degree > 1 else ""))
     lines.append(f"  loss averaging for the progress bar adds {format_bytes(summary.logging_bytes / steps)} per step "
                  "(included in the table)")
     return lines
 
 
+def _ranks(summary: RunSummary) -> str:
+    if summary.tensor_degree == 1:
+        return f"{summary.world_size} rank(s)"
+    return (f"{summary.world_size * summary.tensor_degree} ranks (data {summary.world_size} x tensor "
+            f"{summary.tensor_degree}; Ψ below is each rank's tensor-local count)")
+
+
 def format_summary(summary: RunSummary) -> str:
     lines = [
-        f"summary: {summary.steps} steps on {summary.world_size} rank(s), ZeRO stage {summary.stage}, "
+        f"summary: {summary.steps} steps on {_ranks(summary)}, ZeRO stage {summary.stage}, "
         f"{summary.precision}, {summary.elapsed_s:.1f} s",
         "  " + loss_line(summary.losses),
         f"  throughput {summary.tokens_per_s:,.0f} tokens/s (all ranks)",

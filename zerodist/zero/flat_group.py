@@ -61,14 +61,16 @@ class ParamRecord:
         dim = self.placement.slice_dim
         if dim is None:
             return self.shape
-        return tuple(n * self.num_parts if d == dim else n for d, n in enumerate(self.shape))
+        length = self.placement.logical_size or self.shape[dim] * self.num_parts  # padded parts: the logical length
+        return tuple(length if d == dim else n for d, n in enumerate(self.shape))
 
     def placement_json(self) -> dict[str, Any]:
         """The placement as a checkpoint manifest records it."""
         domain = self.placement.domain
         return {"reduce_axes": list(domain.reduce_axes), "replicated_axes": list(domain.replicated_axes),
                 "slice_dim": self.placement.slice_dim, "slice_axis": self.placement.slice_axis,
-                "part": self.part, "num_parts": self.num_parts}
+                "part": self.part, "num_parts": self.num_parts, "fused": list(self.placement.fused),
+                "logical_size": self.placement.logical_size}
 
 
 class FlatParamGroup:

@@ -1,0 +1,73 @@
+"""Layer 5: tensor parallelism over the `tensor` axis of a `Topology`, with Domino overlap.
+
+- `operators`: the conjugate operators (copy-to / reduce-from the tensor region, gather /
+  scatter along the last dim, sequence-parallel all-gather / reduce-scatter), autograd functions
+  with explicit backwards, every collective through `zerodist.comm`.
+- `layers`: `ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`.
+- `cross_entropy`: `vocab_parallel_cross_entropy`.
+- `plan`: `parallelize(model, plan, topology)` for a model the user wrote, DeepSpeed's
+  `partition_config` form; `plans`: built-in plans (demo GPT, Hugging Face Llama).
+- `domino`: the k-chunk overlapped schedule; `schedule`: the log its overlap is measured from.
+- `random`: the RNG tracker (named streams for replicated and sharded dropout).
+See docs/tensor_parallel.md.
+"""
+
+from zerodist.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from zerodist.tensor_parallel.layers import (
+    SEQUENCE_PARTIAL,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SliceSpec,
+    VocabParallelEmbedding,
+    slice_tensor,
+    unslice_tensor,
+)
+from zerodist.tensor_parallel.plan import (
+    Colwise,
+    PlanError,
+    Replace,
+    Replicate,
+    Rowwise,
+    Sequence,
+    SequenceScatter,
+    Vocab,
+    parallelize,
+    plan_from_deepspeed,
+    reduce_partial_gradients,
+    unsliced_gradients,
+    unsliced_state_dict,
+)
+from zerodist.tensor_parallel.domino import (
+    ChunkedActivations,
+    DominoBlock,
+    DominoChunkError,
+    DominoConfig,
+    ResidualBranch,
+    apply_domino,
+)
+from zerodist.tensor_parallel.plans import HeadParallelAttention, gpt_block_branches, gpt_domino, gpt_plan, hf_llama_plan
+from zerodist.tensor_parallel.schedule import ScheduleLog, schedule_log
+from zerodist.tensor_parallel.random import RNGTracker, attach_rng_tracker, rng_tracker_of, tensor_parallel_rng
+from zerodist.tensor_parallel.operators import (
+    TensorRegion,
+    UnevenSplitError,
+    copy_to_tensor_region,
+    gather_from_sequence_region,
+    gather_from_tensor_region,
+    reduce_from_tensor_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_sequence_region,
+    scatter_to_tensor_region,
+)
+
+__all__ = [
+    "ChunkedActivations", "DominoBlock", "DominoChunkError", "DominoConfig", "ResidualBranch", "ScheduleLog",
+    "apply_domino", "attach_rng_tracker", "gpt_block_branches", "gpt_domino", "rng_tracker_of", "schedule_log",
+    "Colwise", "HeadParallelAttention", "PlanError", "RNGTracker", "Replace", "Replicate", "Rowwise", "Sequence",
+    "SequenceScatter", "Vocab", "gpt_plan", "hf_llama_plan", "parallelize", "plan_from_deepspeed",
+    "reduce_partial_gradients", "tensor_parallel_rng", "unsliced_gradients", "unsliced_state_dict",
+    "ColumnParallelLinear", "RowParallelLinear", "SEQUENCE_PARTIAL", "SliceSpec", "TensorRegion", "UnevenSplitError",
+    "VocabParallelEmbedding", "copy_to_tensor_region", "gather_from_sequence_region", "gather_from_tensor_region",
+    "reduce_from_tensor_region", "reduce_scatter_to_sequence_region", "scatter_to_sequence_region",
+    "scatter_to_tensor_region", "slice_tensor", "unslice_tensor", "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,98 @@
+"""The engine's "apply tensor parallel" step: pick the model's plan, parallelize, add Domino.
+
+The plan, in order of precedence: the config's `tensor_parallel.partition_config.layer_specs`
+(DeepSpeed's form); the built-in plan of zerodist's demo GPT; a Hugging Face model's own
+`config.base_model_tp_plan`. A model the user already parallelized (it holds tensor-parallel
+layers) is left as it is, after checking its degree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerodist.comm.topology import Topology
+from zerodist.tensor_parallel.domino import DominoConfig
+from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from zerodist.tensor_parallel.plan import PlanError, parallelize, plan_from_deepspeed
+from zerodist.tensor_parallel.plans import gpt_domino, gpt_plan, hf_llama_plan
+from zerodist.tensor_parallel.random import RNGTracker, attach_rng_tracker, tensor_parallel_rng
+from zerodist.utils import get_logger, log_rank0
+
+logger = get_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelSettings:
+    """What the step needs from the config (a slice of it)."""
+
+    degree: int = 1
+    partition_config: dict[str, Any] | None = None
+    sequence_parallel: bool = False
+    domino: DominoConfig | None = None
+    sharded_parameters: bool = False  # ZeRO stage 3: blocks' parameters are released after their forward
+
+
+def _is_demo_gpt(model: nn.Module) -> bool:
+    from zerodist.models.gpt import GPT  # the demo model; imported only to recognise it
+
+    return isinstance(model, GPT)
+
+
+def _existing_degree(model: nn.Module) -> int | None:
+    sizes = {m.region.size for m in model.modules()
+             if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))}
+    if len(sizes) > 1:
+        raise PlanError(f"the model holds tensor-parallel layers of several degrees {sorted(sizes)}")
+    return sizes.pop() if sizes else None
+
+
+def choose_plan(model: nn.Module, settings: TensorParallelSettings, rng: RNGTracker | None = None
+                ) -> tuple[dict[str, Any], str]:
+    """(plan, where it came from)."""
+    if settings.partition_config and settings.partition_config.get("layer_specs"):
+        return plan_from_deepspeed(model, settings.partition_config), "tensor_parallel.partition_config"
+    if _is_demo_gpt(model):
+        return gpt_plan(sequence_parallel=settings.sequence_parallel, rng=rng), "the built-in GPT plan"
+    if getattr(getattr(model, "config", None), "base_model_tp_plan", None):
+        return hf_llama_plan(model), f"{type(model).__name__}'s base_model_tp_plan"
+    raise PlanError(f"tensor parallelism of degree {settings.degree} needs a plan for {type(model).__name__}: give "
+                    "tensor_parallel.partition_config.layer_specs in the config, or call "
+                    "zerodist.tensor_parallel.parallelize(model, plan, topology) before initialize()")
+
+
+def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: TensorParallelSettings) -> nn.Module:
+    """Parallelize `model` over `topology`'s tensor axis (in place) and return it."""
+    existing = _existing_degree(model)
+    if existing is not None:
+        if existing != topology.size("tensor"):
+            raise PlanError(f"the model was parallelized at tensor degree {existing}, but the config asks for "
+                            f"{topology.size('tensor')}")
+        return model
+    if settings.degree == 1:
+        if settings.domino is not None or settings.sequence_parallel:
+            raise PlanError("zerodist.tensor_parallel.domino / sequence_parallel need a tensor degree above 1 "
+                            "(tensor_parallel.autotp_size)")
+        return model
+    # Dropout streams: `replicated` equal on the tensor ranks, `sharded` different (attention heads);
+    # seeded from this process's torch seed, which every rank sets alike to build the same model.
+    rng = tensor_parallel_rng(topology, seed=torch.initial_seed())
+    attach_rng_tracker(model, rng)
+    plan, source = choose_plan(model, settings, rng)
+    parallelize(model, plan, topology, sequence_parallel=settings.sequence_parallel)
+    if settings.domino is not None:
+        if settings.domino.overlap == "inter" and settings.sharded_parameters:
+            raise PlanError("Domino's inter-layer overlap finishes a block's last reductions (bias, dropout) in the "
+                            "next block, after ZeRO stage 3 has released the block's parameters; use "
+                            '"overlap": "intra" at stage 3, or stages 0-2')
+        if not _is_demo_gpt(model):
+            raise PlanError("Domino's schedule knows the demo GPT's blocks only; for another model, call "
+                            "zerodist.tensor_parallel.apply_domino with its blocks' residual branches")
+        gpt_domino(model, topology, settings.domino)
+    log_rank0(logger, "tensor parallel: degree %d from %s%s%s", topology.size("tensor"), source,
+              ", sequence parallel" if settings.sequence_parallel else "",
+              f", Domino {settings.domino.chunks} chunks ({settings.domino.overlap})" if settings.domino else "")
+    return model

@@ -1,0 +1,285 @@
+"""Column-parallel and row-parallel linears and the vocab-parallel embedding.
+
+Shapes (t = tensor-parallel degree):
+- `ColumnParallelLinear(in, out)`: weight `[out/t, in]` (the output features are split), bias
+  `[out/t]`. Input replicated (or, under sequence parallelism, split along the sequence), output
+  split along the last dim unless `gather_output` (then `out` need not divide by t: the weight is
+  padded with zero rows and the gathered output narrowed back).
+- `RowParallelLinear(in, out)`: weight `[out, in/t]` (the input features are split), bias `[out]`
+  whole and added once, after the reduction. Input split along the last dim, output replicated
+  (or reduce-scattered along the sequence under sequence parallelism).
+- `VocabParallelEmbedding(V, h)`: weight `[ceil(V/t)... padded/t, h]` (rows split; the vocabulary
+  is padded with zero rows to a multiple of t, and no token id ever reaches the padding).
+
+[Note: degree-independent init] A layer built directly draws the *full* weight with the same
+calls, in the same order, as `nn.Linear` / `nn.Embedding` would (from the global generator), then
+keeps its slice: with the same seed, every slice equals the matching slice of the unparallelized
+layer's weight, at any degree, and the global generator advances identically on every rank.
+
+A fused weight (QKV `[3h, in]`, gate/up `[2f, in]`) names its sub-parameter sizes (`fused`): each
+sub-parameter is split on its own and the local weight is the concatenation of the local parts
+(`[q_r; k_r; v_r]`), so a head-sliced attention sees its q, k and v heads side by side.
+
+The parameters are named `weight` and `bias` as in `nn.Linear` / `nn.Embedding`, so a model whose
+layers are swapped keeps its `state_dict()` keys. Placements are declared in the side table of
+`zerodist.comm.domains`; nothing is set on user objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerodist.comm.domains import Placement, declare_placement
+from zerodist.comm.topology import AXES, BATCH_AXES, TENSOR_SLICE, Domain
+from zerodist.tensor_parallel import operators as ops
+from zerodist.tensor_parallel import schedule
+from zerodist.tensor_parallel.operators import TensorRegion, check_divisible
+
+# A replicated parameter whose gradient is partial across tensor ranks (a norm or row-parallel
+# bias applied to sequence shards): summed over the tensor axis as well as the batch axes.
+SEQUENCE_PARTIAL = Domain(BATCH_AXES + ("tensor",), AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceSpec:
+    """How a parameter of a tensor-parallel layer was cut from its logical tensor."""
+
+    dim: int                        # the logical tensor's dim that is split
+    logical_size: int               # its length along `dim` before padding
+    fused: tuple[int, ...] = ()     # sub-parameter lengths along `dim`, split one by one
+    padded_size: int | None = None  # the padded length (vocabularies), None if unpadded
+
+
+def slice_tensor(full: torch.Tensor, spec: SliceSpec, region: TensorRegion) -> torch.Tensor:
+    """This rank's slice of the logical tensor `full` (pads first when `spec.padded_size`)."""
+    if spec.padded_size is not None and spec.padded_size != full.shape[spec.dim]:
+        pad_shape = list(full.shape)
+        pad_shape[spec.dim] = spec.padded_size - full.shape[spec.dim]
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=spec.dim)
+    parts = full.split(list(spec.fused), dim=spec.dim) if spec.fused else (full,)
+    return torch.cat([ops.local_slice(part, spec.dim, region) for part in parts], dim=spec.dim).contiguous()
+
+
+def unslice_tensor(local: torch.Tensor, spec: SliceSpec, region: TensorRegion) -> torch.Tensor:
+    """The logical tensor from every rank's slice (all-gather; the inverse of `slice_tensor`)."""
+    gathered = ops.all_gather_dim(local.detach(), spec.dim, region)
+    if spec.fused:
+        per_rank = gathered.chunk(region.size, dim=spec.dim)
+        local_sizes = [size // region.size for size in spec.fused]
+        columns = [piece.split(local_sizes, dim=spec.dim) for piece in per_rank]
+        gathered = torch.cat([torch.cat([c[i] for c in columns], dim=spec.dim) for i in range(len(spec.fused))],
+                             dim=spec.dim)
+    return gathered.narrow(spec.dim, 0, spec.logical_size)
+
+
+def _check_fused(length: int, fused: tuple[int, ...], region: TensorRegion, what: str) -> None:
+    if fused and sum(fused) != length:
+        raise ValueError(f"{what}: fused sub-parameter sizes {fused} sum to {sum(fused)}, not {length}")
+    for size in fused or (length,):
+        check_divisible(size, region.size, f"{what} (split over tensor={region.size})")
+
+
+def _linear_init(out_features: int, in_features: int, bias: bool, dtype: torch.dtype | None):
+    """The full weight and bias exactly as `nn.Linear.reset_parameters` draws them."""
+    weight = torch.empty(out_features, in_features, dtype=dtype)
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if not bias:
+        return weight, None
+    bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+    return weight, torch.empty(out_features, dtype=dtype).uniform_(-bound, bound)
+
+
+class _ColumnLinearFunction(torch.autograd.Function):
+    """`x @ w.T + b` whose backward issues the input-gradient reduction (all-reduce, or
+    reduce-scatter under sequence parallelism) *before* the weight-gradient matmul and waits
+    after it, so the collective runs under that matmul (Megatron's async grad all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, region: TensorRegion, sequence_dim):
+        if sequence_dim is not None:
+            # Sequence parallelism: the input arrives split along the sequence; the full one is
+            # kept for the weight gradient (no re-gather in backward).
+            x = ops.all_gather_dim(x, sequence_dim, region)
+        ctx.save_for_backward(x, weight)
+        ctx.region, ctx.sequence_dim, ctx.has_bias = region, sequence_dim, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_input = grad_out.matmul(weight)
+        if ctx.region.size == 1:
+            handle = None
+        elif ctx.sequence_dim is None:
+            handle = ops.all_reduce_(grad_input, ctx.region, async_op=True)
+        else:
+            grad_input, handle = ops.reduce_scatter_dim(grad_input, ctx.sequence_dim, ctx.region, async_op=True)
+        # The payload: the full input gradient (x is the gathered input under sequence parallelism).
+        logged = schedule.log_issue("backward", x.numel() * x.element_size()) if handle is not None else -1
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]))
+        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
+        if handle is not None:
+            if logged >= 0:
+                schedule.log_compute("backward", "weight gradient")
+            schedule.wait(handle, logged, "backward")
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by output columns over the tensor axis (see the module docstring)."""
+
+    def __init__(self, in_features: int, out_features: int, *, region: TensorRegion, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False, fused: tuple[int, ...] = (),
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        full_weight, full_bias = _linear_init(out_features, in_features, bias, dtype)
+        self._setup(full_weight, full_bias, region, gather_output, sequence_parallel, tuple(fused))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, region: TensorRegion, *, gather_output: bool = False,
+                    sequence_parallel: bool = False, fused: tuple[int, ...] = ()) -> ColumnParallelLinear:
+        """The column-parallel layer holding this rank's slice of `linear`'s weights."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        bias = None if linear.bias is None else linear.bias.detach()
+        layer._setup(linear.weight.detach(), bias, region, gather_output, sequence_parallel, tuple(fused))
+        return layer
+
+    def _setup(self, weight, bias, region, gather_output, sequence_parallel, fused) -> None:
+        out_features, in_features = weight.shape
+        padded = None
+        if gather_output and not fused and out_features % region.size:
+            # A gathered output (an LM head over a vocabulary t does not divide) is padded with
+            # zero rows to a multiple of t and narrowed back after the gather.
+            padded = -(-out_features // region.size) * region.size
+        else:
+            _check_fused(out_features, fused, region, f"ColumnParallelLinear output features ({out_features})")
+        self.in_features, self.out_features = in_features, out_features
+        self.region, self.gather_output, self.sequence_parallel = region, gather_output, sequence_parallel
+        self.weight_spec = SliceSpec(0, out_features, fused, padded_size=padded)
+        self.weight = nn.Parameter(slice_tensor(weight, self.weight_spec, region))
+        self.bias = None if bias is None else nn.Parameter(slice_tensor(bias, self.weight_spec, region))
+        declare_placement(self, Placement(TENSOR_SLICE, slice_dim=0, slice_axis="tensor", fused=fused,
+                                          logical_size=out_features if padded else None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sequence_dim = x.dim() - 2 if self.sequence_parallel and self.region.size > 1 else None
+        y = _ColumnLinearFunction.apply(x, self.weight, self.bias, self.region, sequence_dim)
+        if not self.gather_output:
+            return y
+        gathered = ops.gather_from_tensor_region(y, self.region)
+        return gathered if gathered.shape[-1] == self.out_features else gathered[..., : self.out_features]
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (local "
+                f"{self.weight.shape[0]}), tensor={self.region.size}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by input rows; the partial products are summed over the tensor
+    axis (all-reduce, or reduce-scatter along the sequence under sequence parallelism), then the
+    whole bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, *, region: TensorRegion, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, dtype: torch.dtype | None = None):
+        super().__init__()
+        full_weight, full_bias = _linear_init(out_features, in_features, bias, dtype)
+        self._setup(full_weight, full_bias, region, input_is_parallel, sequence_parallel)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, region: TensorRegion, *, input_is_parallel: bool = True,
+                    sequence_parallel: bool = False) -> RowParallelLinear:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        bias = None if linear.bias is None else linear.bias.detach()
+        layer._setup(linear.weight.detach(), bias, region, input_is_parallel, sequence_parallel)
+        return layer
+
+    def _setup(self, weight, bias, region, input_is_parallel, sequence_parallel) -> None:
+        out_features, in_features = weight.shape
+        _check_fused(in_features, (), region, f"RowParallelLinear input features ({in_features})")
+        self.in_features, self.out_features = in_features, out_features
+        self.region, self.input_is_parallel, self.sequence_parallel = region, input_is_parallel, sequence_parallel
+        self.weight_spec = SliceSpec(1, in_features)
+        self.weight = nn.Parameter(slice_tensor(weight, self.weight_spec, region))
+        self.bias = None if bias is None else nn.Parameter(bias.clone())
+        declare_placement(self, Placement(TENSOR_SLICE, slice_dim=1, slice_axis="tensor"), names=["weight"])
+        if self.bias is not None and sequence_parallel:
+            declare_placement(self, SEQUENCE_PARTIAL, names=["bias"])
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product, before the reduction and without the bias (Domino)."""
+        if not self.input_is_parallel:
+            x = ops.scatter_to_tensor_region(x, self.region)
+        return F.linear(x, self.weight)
+
+    def add_bias(self, reduced: torch.Tensor) -> torch.Tensor:
+        return reduced if self.bias is None else reduced + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = self.partial(x)
+        if self.sequence_parallel:
+            reduced = ops.reduce_scatter_to_sequence_region(partial, self.region)
+        else:
+            reduced = ops.reduce_from_tensor_region(partial, self.region)
+        return self.add_bias(reduced)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+                f"tensor={self.region.size}, sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose vocabulary rows are split over the tensor axis. Each rank looks up the
+    ids it owns (others give zero rows) and the partial lookups are summed (all-reduce, or
+    reduce-scatter along the sequence under sequence parallelism)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, region: TensorRegion,
+                 sequence_parallel: bool = False, dtype: torch.dtype | None = None):
+        super().__init__()
+        weight = torch.empty(num_embeddings, embedding_dim, dtype=dtype)
+        nn.init.normal_(weight)  # nn.Embedding.reset_parameters, padding_idx=None
+        self._setup(weight, region, sequence_parallel)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, region: TensorRegion, *,
+                       sequence_parallel: bool = False) -> VocabParallelEmbedding:
+        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+            raise ValueError("VocabParallelEmbedding supports plain embeddings only "
+                             "(no padding_idx, max_norm or sparse gradients)")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._setup(embedding.weight.detach(), region, sequence_parallel)
+        return layer
+
+    def _setup(self, weight: torch.Tensor, region: TensorRegion, sequence_parallel: bool) -> None:
+        num_embeddings, embedding_dim = weight.shape
+        padded = -(-num_embeddings // region.size) * region.size
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.region, self.sequence_parallel = region, sequence_parallel
+        self.weight_spec = SliceSpec(0, num_embeddings, padded_size=padded)
+        self.num_local = padded // region.size
+        self.vocab_start = region.rank * self.num_local
+        self.weight = nn.Parameter(slice_tensor(weight, self.weight_spec, region))
+        declare_placement(self, Placement(TENSOR_SLICE, slice_dim=0, slice_axis="tensor",
+                                          logical_size=num_embeddings if padded != num_embeddings else None))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.region.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.num_local)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return ops.reduce_scatter_to_sequence_region(partial, self.region)
+        return ops.reduce_from_tensor_region(partial, self.region)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, local rows {self.vocab_start}.."
+                f"{self.vocab_start + self.num_local}, tensor={self.region.size}")

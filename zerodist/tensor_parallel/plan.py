@@ -1,0 +1,279 @@
+"""`parallelize(model, plan, topology)`: tensor parallelism for a model the user already wrote.
+
+A plan maps module-name patterns (`fnmatch` globs over `named_modules()` names, e.g.
+`"blocks.*.mlp.fc_in"`) to what to do with the matching modules, as a word or an entry object:
+
+| word          | entry                      | applies to     | becomes                                          |
+| ------------- | -------------------------- | -------------- | ------------------------------------------------ |
+| `colwise`     | `Colwise()`                | `nn.Linear`    | `ColumnParallelLinear`, output split (last dim)  |
+| `colwise_rep` | `Colwise(gather_output=True)` | `nn.Linear` | the same, output gathered (e.g. an LM head)      |
+| `rowwise`     | `Rowwise()`                | `nn.Linear`    | `RowParallelLinear`, input split, output summed  |
+| `vocab`       | `Vocab()`                  | `nn.Embedding` | `VocabParallelEmbedding`                         |
+| `sequence`    | `Sequence()`               | any (norms)    | runs on sequence shards: its parameters' gradients are partial, summed over `tensor` too |
+| `sequence_scatter` | `SequenceScatter()`   | any            | its output is split along the sequence (a positional embedding under sequence parallelism) |
+| `replicate`   | `Replicate()`              | any            | unchanged, replicated (the default for unnamed modules) |
+|               | `Replace(build)`           | any            | `build(module, region)`: a module the plan writes (e.g. head-parallel attention) |
+
+Fused weights name their sub-parameters: `Colwise(fused=3)` (three equal parts: QKV) or
+`Colwise(fused=(q, k, v))`. `sequence_parallel=True` puts every colwise/rowwise/vocab layer in
+sequence-parallel mode (inputs/outputs split along dim -2 between them).
+
+The layers keep the names of the modules they replace (`weight`, `bias`), so the model's
+`state_dict()` keys do not change; `unsliced_state_dict(model)` gathers the model as it was.
+DeepSpeed's `"tensor_parallel": {"autotp_size": t, "partition_config": {"layer_specs": [...]}}`
+becomes a plan through `plan_from_deepspeed(...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from zerodist import comm
+from zerodist.comm.domains import declare_placement, parameter_placements
+from zerodist.comm.topology import Topology
+from zerodist.tensor_parallel import operators as ops
+from zerodist.tensor_parallel.layers import (
+    SEQUENCE_PARTIAL,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    unslice_tensor,
+)
+from zerodist.tensor_parallel.operators import TensorRegion
+from zerodist.utils import did_you_mean
+
+
+class PlanError(ValueError):
+    """A tensor-parallel plan that does not fit the model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Colwise:
+    gather_output: bool = False
+    fused: int | tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Rowwise:
+    input_is_parallel: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocab:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequence:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceScatter:
+    dim: int = -2
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicate:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Replace:
+    build: Callable[[nn.Module, TensorRegion, bool], nn.Module]  # (module, region, sequence_parallel)
+
+
+PlanEntry = Union[Colwise, Rowwise, Vocab, Sequence, SequenceScatter, Replicate, Replace]
+WORDS: dict[str, PlanEntry] = {
+    "colwise": Colwise(), "colwise_rep": Colwise(gather_output=True),
+    "colwise_gather_output": Colwise(gather_output=True), "rowwise": Rowwise(), "vocab": Vocab(),
+    "sequence": Sequence(), "sequence_scatter": SequenceScatter(), "replicate": Replicate(),
+}
+
+
+def _entry(pattern: str, value: str | PlanEntry) -> PlanEntry:
+    if isinstance(value, str):
+        if value not in WORDS:
+            raise PlanError(f"plan entry {pattern!r}: unknown word {value!r}{did_you_mean(value, WORDS)}; "
+                            f"the words are {', '.join(WORDS)}")
+        return WORDS[value]
+    if not isinstance(value, PlanEntry.__args__):  # type: ignore[attr-defined]
+        raise PlanError(f"plan entry {pattern!r}: {value!r} is neither a plan word nor a plan entry object")
+    return value
+
+
+def _match(model: nn.Module, plan: Mapping[str, str | PlanEntry]) -> list[tuple[str, nn.Module, PlanEntry]]:
+    """(name, module, entry) for every module a pattern names, each module named once."""
+    modules = dict(model.named_modules())
+    chosen: dict[str, tuple[str, PlanEntry]] = {}
+    for pattern, value in plan.items():
+        entry = _entry(pattern, value)
+        names = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
+        if not names:
+            sample = ", ".join(list(n for n in modules if n)[:8])
+            raise PlanError(f"plan pattern {pattern!r} matches no module of {type(model).__name__} "
+                            f"(its modules include: {sample}){did_you_mean(pattern, [n for n in modules if n])}")
+        for name in names:
+            if name in chosen:
+                raise PlanError(f"module {name!r} is matched by both {chosen[name][0]!r} and {pattern!r}")
+            chosen[name] = (pattern, entry)
+    replaced = [n for n, (_, e) in chosen.items() if isinstance(e, Replace)]
+    inside = [n for n in chosen if any(n.startswith(r + ".") for r in replaced)]
+    if inside:
+        raise PlanError(f"modules {inside} lie inside a module the plan replaces; the replacement builds them")
+    return [(name, modules[name], entry) for name, (_, entry) in chosen.items()]
+
+
+def _convert(name: str, module: nn.Module, entry: PlanEntry, region: TensorRegion, sequence_parallel: bool):
+    """The module that replaces `module`, or None when it stays (hooks and declarations only)."""
+    wants = {Colwise: nn.Linear, Rowwise: nn.Linear, Vocab: nn.Embedding}.get(type(entry))
+    if wants is not None and not isinstance(module, wants):
+        raise PlanError(f"plan entry for {name!r} is {type(entry).__name__}, which applies to {wants.__name__}, "
+                        f"but {name!r} is a {type(module).__name__}")
+    if isinstance(entry, Colwise):
+        fused = entry.fused
+        if isinstance(fused, int):
+            fused = (module.out_features // fused,) * fused
+        return ColumnParallelLinear.from_linear(module, region, gather_output=entry.gather_output,
+                                                sequence_parallel=sequence_parallel, fused=fused)
+    if isinstance(entry, Rowwise):
+        return RowParallelLinear.from_linear(module, region, input_is_parallel=entry.input_is_parallel,
+                                             sequence_parallel=sequence_parallel)
+    if isinstance(entry, Vocab):
+        return VocabParallelEmbedding.from_embedding(module, region, sequence_parallel=sequence_parallel)
+    if isinstance(entry, Replace):
+        return entry.build(module, region, sequence_parallel)
+    if isinstance(entry, Sequence):
+        declare_placement(module, SEQUENCE_PARTIAL)
+    elif isinstance(entry, SequenceScatter):
+        dim = entry.dim
+        module.register_forward_hook(lambda _m, _a, out: ops.scatter_to_sequence_region(out, region, dim))
+    return None
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    parent.register_module(child, new)
+
+
+def _check_ties(model: nn.Module, matched: list[tuple[str, nn.Module, PlanEntry]]) -> None:
+    seen: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen and any(name.startswith(n + ".") or seen[id(param)].startswith(n + ".")
+                                     for n, _, e in matched if not isinstance(e, (Replicate, Sequence))):
+            raise PlanError(f"{name!r} and {seen[id(param)]!r} are one tied parameter; tensor parallelism "
+                            "slices each layer on its own, so untie them (e.g. tie_embeddings=False)")
+        seen.setdefault(id(param), name)
+
+
+def parallelize(model: nn.Module, plan: Mapping[str, str | PlanEntry], topology: Topology, *,
+                sequence_parallel: bool = False) -> nn.Module:
+    """Apply `plan` to `model` in place over `topology`'s tensor axis; returns `model`.
+
+    Every rank must call it with the same model (the same full weights: build it from the same
+    seed): each rank keeps its slice. With tensor degree 1 the layers are swapped all the same
+    and no collective ever runs."""
+    region = TensorRegion.of(topology)
+    matched = _match(model, plan)
+    _check_ties(model, matched)
+    with torch.no_grad():
+        for name, module, entry in matched:
+            new = _convert(name, module, entry, region, sequence_parallel)
+            if new is not None:
+                _set_submodule(model, name, new)
+    return model
+
+
+def _sliced_modules(model: nn.Module):
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))]
+
+
+def unsliced_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The `state_dict()` of the model before `parallelize`: every slice gathered over the
+    tensor axis (a collective: call on every rank), same keys, logical shapes."""
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for prefix, module in _sliced_modules(model):
+        dot = prefix + "." if prefix else ""
+        state[dot + "weight"] = unslice_tensor(module.weight, module.weight_spec, module.region)
+        if isinstance(module, ColumnParallelLinear) and module.bias is not None:
+            state[dot + "bias"] = unslice_tensor(module.bias, module.weight_spec, module.region)
+    return state
+
+
+def unsliced_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient on the logical (unsliced) shape, keyed by parameter name."""
+    grads = {}
+    specs = {}
+    for prefix, module in _sliced_modules(model):
+        dot = prefix + "." if prefix else ""
+        specs[dot + "weight"] = (module.weight_spec, module.region)
+        if isinstance(module, ColumnParallelLinear) and module.bias is not None:
+            specs[dot + "bias"] = (module.weight_spec, module.region)
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        spec = specs.get(name)
+        grads[name] = param.grad.detach().clone() if spec is None else unslice_tensor(param.grad, *spec)
+    return grads
+
+
+def reduce_partial_gradients(model: nn.Module, topology: Topology) -> None:
+    """Sum over the tensor axis the gradients that are partial there (parameters declared with
+    `tensor` among their reduce axes: norms and row biases under sequence parallelism). The ZeRO
+    engine does this itself; a plain training loop calls it after `backward()`."""
+    placements = parameter_placements(model)
+    group = topology.group("tensor")
+    for param in model.parameters():
+        if param.grad is not None and "tensor" in placements[id(param)].domain.reduce_axes:
+            comm.all_reduce(param.grad, group=group)
+
+
+# ------------------------------------------------------------------ DeepSpeed's config form
+def plan_from_deepspeed(model: nn.Module, partition_config: Mapping[str, Any]) -> dict[str, PlanEntry]:
+    """A plan from DeepSpeed's `partition_config.layer_specs`: each spec's `patterns` are regexes
+    over *parameter* names (`".*\\.q_proj\\.weight$"`), `partition_type` is "column", "row" or
+    "skip"; `shape: [k, -1]` names k equal fused sub-parameters; `gather_output` gathers a column
+    layer's output."""
+    specs = partition_config.get("layer_specs") or []
+    if not specs:
+        raise PlanError("tensor_parallel.partition_config.layer_specs is empty; give at least one "
+                        '{"patterns": [...], "partition_type": "column" | "row"}')
+    plan: dict[str, PlanEntry] = {}
+    for index, spec in enumerate(specs):
+        kind = spec.get("partition_type")
+        if kind not in ("column", "row", "skip"):
+            raise PlanError(f"layer_specs[{index}].partition_type is {kind!r}; use 'column', 'row' or 'skip'")
+        entry = _deepspeed_entry(index, kind, spec)
+        regexes = [re.compile(p) for p in spec.get("patterns", [])]
+        names = [name.rpartition(".")[0] for name, _ in model.named_parameters()
+                 if any(r.search(name) for r in regexes)]
+        if not names:
+            raise PlanError(f"layer_specs[{index}] patterns {spec.get('patterns')} match no parameter name")
+        for name in dict.fromkeys(names):
+            plan.setdefault(name, entry)
+    return plan
+
+
+def _deepspeed_entry(index: int, kind: str, spec: Mapping[str, Any]) -> PlanEntry:
+    if kind == "skip":
+        return Replicate()
+    if kind == "row":
+        return Rowwise()
+    shape = spec.get("shape")
+    fused: int | tuple[int, ...] = ()
+    if shape is not None:
+        if len(shape) != 2 or shape[1] != -1 or not isinstance(shape[0], int) or shape[0] < 1:
+            raise PlanError(f"layer_specs[{index}].shape {shape!r}: only [k, -1] (k equal fused parts) is supported")
+        fused = shape[0]
+    if spec.get("partition_dim", 0) != 0:
+        raise PlanError(f"layer_specs[{index}].partition_dim must be 0 for a column layer")
+    return Colwise(gather_output=bool(spec.get("gather_output", False)), fused=fused)

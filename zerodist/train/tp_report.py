@@ -1,0 +1,75 @@
+"""The tensor-parallel lines of `zerodist train`'s summary: bytes per step against the formula,
+and Domino's schedule-level overlap.
+
+The data-parallel and tensor-parallel groups can have the same size (2 x 2), so the tracer's
+records cannot tell their collectives apart; the tensor-parallel layers count their own bytes in
+the schedule log (`zerodist.tensor_parallel.schedule_log`) that wraps the training steps. Per
+micro-batch of T = micro x seq tokens, hidden h, vocabulary V, L
+blocks, e bytes per element (../shared/research/tensor_parallel.md):
+
+    forward:  2L all-reduces of T*h (Domino: 2kL of T*h/k) + 1 all-reduce T*h (vocab-parallel
+              embedding) + 1 all-gather T*V (the gathered LM head)
+    backward: 2L all-reduces of T*h (Domino: 2kL of T*h/k) + 1 all-reduce T*h (LM head input)
+
+Sequence parallelism replaces the all-reduces with all-gathers and reduce-scatters; the formula
+is then not shown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from zerodist.tensor_parallel import ScheduleLog
+from zerodist.utils import format_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelReport:
+    degree: int
+    domino_chunks: int | None
+    forward_bytes: int
+    backward_bytes: int
+    expected_forward_bytes: int | None
+    expected_backward_bytes: int | None
+    forward_overlap: float | None  # Domino only: fraction of forward bytes whose window holds compute
+    backward_overlap: float | None
+
+
+def gpt_formula(*, tokens: int, hidden: int, vocab: int, layers: int, element_bytes: int) -> tuple[int, int]:
+    """(forward, backward) payload bytes of one micro-batch (module docstring)."""
+    per_direction = (2 * layers + 1) * tokens * hidden * element_bytes
+    return per_direction + tokens * vocab * element_bytes, per_direction
+
+
+def measure_from_log(engine: Any, log: ScheduleLog, micro_steps: int) -> TensorParallelReport:
+    """Per micro-batch bytes and overlap from the schedule log of a training run."""
+    settings = engine.config.zerodist.tensor_parallel
+    chunks = settings.domino.chunks if settings.domino is not None else None
+    gpt = engine.module.config
+    expected = (None, None)
+    if not settings.sequence_parallel:
+        expected = gpt_formula(tokens=engine.batch.micro_batch_size * gpt.seq_len, hidden=gpt.d_model,
+                               vocab=gpt.vocab_size, layers=gpt.n_layers,
+                               element_bytes=engine.policy.param_dtype.itemsize)
+    overlap = (log.overlap_fraction("forward"), log.overlap_fraction("backward")) if chunks else (None, None)
+    steps = max(1, micro_steps)
+    return TensorParallelReport(engine.topology.size("tensor"), chunks, log.all_bytes("forward") // steps,
+                                log.all_bytes("backward") // steps, *expected, *overlap)
+
+
+def report_lines(report: TensorParallelReport) -> list[str]:
+    def verdict(measured: int, expected: int | None) -> str:
+        if expected is None:
+            return "(sequence parallel: no formula shown)"
+        return f"formula {format_bytes(expected)}: " + ("matches" if measured == expected else "differs")
+
+    lines = [f"tensor parallel (degree {report.degree}), per micro-batch on rank 0 (schedule log):",
+             f"  forward {format_bytes(report.forward_bytes)} ({verdict(report.forward_bytes, report.expected_forward_bytes)}),"
+             f" backward {format_bytes(report.backward_bytes)} "
+             f"({verdict(report.backward_bytes, report.expected_backward_bytes)})"]
+    if report.domino_chunks:
+        lines.append(f"  Domino {report.domino_chunks} chunks: {100 * report.forward_overlap:.0f}% of forward and "
+                     f"{100 * report.backward_overlap:.0f}% of backward tensor-parallel bytes are issued before compute "
+                     "that runs until their wait (schedule order; time-level overlap: benchmarks/)")
+    return lines
