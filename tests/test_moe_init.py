@@ -3,7 +3,8 @@ meta-built MoE GPT at ZeRO-3 starts from the eager build's values, at ep_size 1 
 
 from __future__ import annotations
 
-import pytest
+import logging
+
 import torch
 
 import zerodist
@@ -32,3 +33,38 @@ def test_moe_built_under_init_equals_the_eager_build(world_size):
     differ = [k for k in expected if not torch.equal(expected[k], got[k])]
     assert not differ, f"{len(differ)} tensors differ from the eager build, e.g. {differ[:3]}"
     assert any("deepspeed_experts.3." in k for k in got)  # every global expert, gathered under its global id
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@distributed_test(world_size=2)
+def test_step_log_shows_each_moe_layers_load():
+    """At every printed step the engine's log names each MoE layer's routes per expert, imbalance,
+    drops and all-to-all elements (rank 0's last forward), as `zerodist train --moe` summarises."""
+    torch.manual_seed(0)
+    config = {**_config(), "steps_per_print": 1}
+    engine, *_ = zerodist.initialize(model=moe_gpt("tiny", MoEConfig(num_experts=4, ep_size=2)), config=config)
+    handler = _Lines()
+    logging.getLogger("zerodist").addHandler(handler)
+    try:
+        tokens = torch.randint(0, 256, (2, 33))
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+    finally:
+        logging.getLogger("zerodist").removeHandler(handler)
+    moe_lines = [line for line in handler.lines if "MoE 'blocks." in line]
+    if zerodist.comm.get_rank() == 0:
+        assert len(moe_lines) == len(engine.module.moe_layers()), handler.lines
+        routes = [int(x) for x in moe_lines[0].split("routes per expert [")[1].split("]")[0].split(",")]
+        assert len(routes) == 4 and sum(routes) == 2 * 32  # top-1: every token of the micro-batch routed once
+        assert "imbalance" in moe_lines[0] and "all-to-all" in moe_lines[0]
+    else:
+        assert moe_lines == []

@@ -29,6 +29,7 @@ from zerodist.debug import MemoryMonitor, NanHunter, reduce_loss
 from zerodist.engine import training_state
 from zerodist.engine.deepspeed_surface import DeepSpeedEngineAPI
 from zerodist.engine.monitor import Monitors
+from zerodist.moe.layer import routing_lines
 from zerodist.moe.state import gather_global_state_dict
 from zerodist.precision import PrecisionPolicy
 from zerodist.tensor_parallel.plan import unsliced_state_dict
@@ -189,6 +190,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         log_rank0(logger, "step %d: loss %.6g (mean over ranks), lr %s, grad norm %.4g, loss scale %g",
                   self.global_steps, loss, self.get_lr(), self.get_global_grad_norm() or 0.0,
                   self.optimizer.scaler.scale)
+        for line in routing_lines(self.module):  # MoE load balance, rank 0's last forward
+            log_rank0(logger, "step %d: %s", self.global_steps, line)
         if self._trace is not None:
             log_rank0(logger, "communication so far:\n%s", self.comms_trace.format_summary())
 

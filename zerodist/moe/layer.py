@@ -316,3 +316,17 @@ def _log_options(settings: GateSettings, use_tutel: bool, enable_expert_tensor_p
     if settings.noisy_gate_policy == "RSample" and settings.k != 1:
         logger.warning("MoE(noisy_gate_policy='RSample') applies to top-1 gating only (as in DeepSpeed); "
                        "with k=%d it is ignored", settings.k)
+
+
+def routing_lines(model: nn.Module) -> list[str]:
+    """One line per MoE layer of `model` on this rank's last training forward: load per expert
+    (routes before drops), imbalance (max / mean), drop fraction and the elements its forward
+    all-to-alls moved. Local: no collective, so the engine's step log can print it on rank 0."""
+    lines = []
+    for name, module in model.named_modules():
+        stats = module.last_stats if isinstance(module, MoE) else None
+        if stats is None:
+            continue
+        lines.append(f"MoE '{name}': routes per expert {list(stats.exp_counts)}, imbalance {stats.imbalance:.2f}, "
+                     f"dropped {stats.drop_fraction:.1%}, all-to-all {stats.all_to_all_elements:,} elements (rank 0)")
+    return lines
