@@ -49,7 +49,9 @@ def test_step_log_shows_each_moe_layers_load():
     """At every printed step the engine's log names each MoE layer's routes per expert, imbalance,
     drops and all-to-all elements (rank 0's last forward), as `zerodist train --moe` summarises."""
     torch.manual_seed(0)
-    config = {**_config(), "steps_per_print": 1}
+    # Stage 2: a stage-3 MoE engine that ran backward outlives its last reference (see docs/moe.md,
+    # "Not done yet"), and later tests in this worker count the live stage-3 engines.
+    config = {**_config(), "steps_per_print": 1, "zero_optimization": {"stage": 2}}
     engine, *_ = zerodist.initialize(model=moe_gpt("tiny", MoEConfig(num_experts=4, ep_size=2)), config=config)
     handler = _Lines()
     logging.getLogger("zerodist").addHandler(handler)
