@@ -377,7 +377,12 @@ class Stage3Runtime:
             if not (backward_follows and unit.index in self.kept):
                 self._release(unit)
             if backward_follows:
-                torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._pre_backward(unit), mode="any")
+                # Weak: the hook lives on the outputs' autograd nodes, which a module may keep (MoE
+                # layers keep gate outputs); a strong closure there would keep this runtime and its
+                # shards alive through a cycle Python's collector cannot see (it runs through C++).
+                runtime, unit_ref = weakref.ref(self), weakref.ref(unit)
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, functools.partial(_pre_backward_hook, runtime, unit_ref), mode="any")
         return post_forward
 
     def _pre_backward(self, unit: Unit) -> None:
@@ -476,3 +481,9 @@ class GatheredParameters:
             source = group.domain_group.peer_of(self.modifier_rank)
             comm.broadcast(group.param_buffer, src=source, group=group.group)
             group.take_shard_from_full()
+
+
+def _pre_backward_hook(runtime: weakref.ref, unit: weakref.ref, grads: Any) -> None:
+    alive, target = runtime(), unit()
+    if alive is not None and target is not None:
+        alive._pre_backward(target)
