@@ -100,17 +100,22 @@ def reference(world_size: int, steps: int) -> tuple[dict[str, torch.Tensor], lis
     """One process, every expert; rank r's micro-batch goes through expert r % E; loss averaged over ranks."""
     model = full_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    norms = []
-    for step in range(steps):
-        optimizer.zero_grad()
-        losses = []
-        for rank in range(world_size):
-            x, y = batch(step, rank)
-            losses.append(F.mse_loss(model(x, expert=rank % NUM_EXPERTS), y))
-        torch.stack(losses).mean().backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        optimizer.step()
+    norms = [reference_step(model, optimizer, step, world_size) for step in range(steps)]
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def reference_step(model: ExpertNet, optimizer: torch.optim.Optimizer, step: int, world_size: int) -> float:
+    """One step of the one-process reference on `world_size` ranks' micro-batches (rank r through
+    expert r % E, losses averaged); returns the gradient norm before clipping."""
+    optimizer.zero_grad()
+    losses = []
+    for rank in range(world_size):
+        x, y = batch(step, rank)
+        losses.append(F.mse_loss(model(x, expert=rank % NUM_EXPERTS), y))
+    torch.stack(losses).mean().backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+    optimizer.step()
+    return norm
 
 
 def train(engine, steps: int, first_step: int = 0, expert: int = 0) -> None:
@@ -237,14 +242,7 @@ def _continue_reference(params: dict, exp_avg: dict, exp_avg_sq: dict, world_siz
         optimizer.state[param] = {"step": torch.tensor(float(STEPS)), "exp_avg": exp_avg[name].clone(),
                                   "exp_avg_sq": exp_avg_sq[name].clone()}
     for step in range(STEPS, STEPS + steps):
-        optimizer.zero_grad()
-        losses = []
-        for rank in range(world_size):
-            x, y = batch(step, rank)
-            losses.append(F.mse_loss(model(x, expert=rank % NUM_EXPERTS), y))
-        torch.stack(losses).mean().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
+        reference_step(model, optimizer, step, world_size)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -34,6 +34,7 @@ import zerodist.comm as comm
 from zerodist.checkpoint.consolidate import SAFETENSORS_DTYPES
 from zerodist.checkpoint.files import AtomicFile, tensor_bytes
 from zerodist.utils import get_logger, log_rank0
+from zerodist.zero.state import ZeroState
 from zerodist.zero.stage3 import GatheredParameters
 
 logger = get_logger(__name__)
@@ -49,7 +50,7 @@ def save_16bit_model(engine: Any, save_dir: str | Path, save_filename: str = TOR
     file `save_dir/save_filename` (safetensors if the name ends in `.safetensors`, else
     torch.save). Every key of `state_dict()` is written, tied weights under each of their keys, so
     `model.load_state_dict(..., strict=True)` takes it. Collective; returns True."""
-    chunks = _chunks(engine, exclude_frozen_parameters, drop_tied=False)
+    chunks = _chunks(engine.zero_state, exclude_frozen_parameters, drop_tied=False)
     path = Path(save_dir) / save_filename
     if path.suffix == ".safetensors":
         _write_safetensors_shards(chunks, [(path, [key for chunk in chunks for key in chunk.keys])])
@@ -70,10 +71,11 @@ def save_pretrained(engine: Any, save_dir: str | Path, *, max_shard_size: int | 
     weights are written once, under their first name, as `save_pretrained` does. Works at every
     stage; collective. Returns the directory."""
     save_dir = Path(save_dir)
-    chunks = _chunks(engine, exclude_frozen=False, drop_tied=True)
+    state = engine.zero_state
+    chunks = _chunks(state, exclude_frozen=False, drop_tied=True)
     if comm.get_rank() == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
-        _write_configs(engine.module, save_dir)
+        _write_configs(state.module, save_dir)
     if not safe_serialization:
         _write_torch(chunks, save_dir / TORCH_WEIGHTS_NAME)
     else:
@@ -100,12 +102,11 @@ class _Chunk:
         self.positions: dict[str, int] = {}  # each key's place in state_dict() order
 
 
-def _chunks(engine: Any, exclude_frozen: bool, drop_tied: bool) -> list[_Chunk]:
+def _chunks(state: ZeroState, exclude_frozen: bool, drop_tied: bool) -> list[_Chunk]:
     """The module's state-dict entries grouped by the unit that holds them, in unit order, with
     those held by every rank first ([Note: streamed export])."""
-    module = engine.module
-    units = engine.stage3.units if engine.stage3 is not None else []
-    unit_params = [[p for g in unit.groups for p in g.params] for unit in units]
+    module = state.module
+    unit_params = [[p for g in unit.groups for p in g.params] for unit in state.units]
     chunks = [_Chunk([])] + [_Chunk(params) for params in unit_params]
     chunk_of = {id(p): index + 1 for index, params in enumerate(unit_params) for p in params}
     trained = {id(p) for p in module.parameters() if p.requires_grad}

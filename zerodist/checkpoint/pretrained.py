@@ -97,16 +97,17 @@ def load_pretrained(engine: Any, path: str | Path, *, strict: bool = True) -> Lo
     model (parameter or persistent buffer) missing from the source, or a key of the source the
     model lacks, is an error, raised before anything is written. Not collective: every rank
     reads its own part. Returns what this rank read."""
+    state = engine.zero_state  # the typed view; checkpoint/ reads no engine internals
     source = _Source(path)
-    names = _names_by_tensor(engine.module)
-    _check_keys(engine.module, source, names, strict)
+    names = _names_by_tensor(state.module)
+    _check_keys(state.module, source, names, strict)
     report = LoadReport([str(f) for f in source.files], 0)
     in_groups: set[int] = set()
     with torch.no_grad():
-        for group in engine.groups:
+        for group in state.groups:
             in_groups.update(id(p) for p in group.params)
             _load_group(group, source, names, report)
-        for tensor in [*engine.module.parameters(), *engine.module.buffers()]:
+        for tensor in [*state.module.parameters(), *state.module.buffers()]:
             key = _source_key(tensor, names, source)
             if id(tensor) not in in_groups and key is not None:
                 tensor.copy_(_read(source, key, None, None, report).reshape(tensor.shape))

@@ -243,7 +243,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def zero_state(self) -> ZeroState:
         """The typed ZeRO state that checkpoint/ and debug/ take."""
         return ZeroState(self.module, self.groups, self.reducer, self.optimizer, self.sharding, self.topology,
-                         self.policy)
+                         self.policy, tuple(self.stage3.units) if self.stage3 is not None else ())
 
     def _save_at_interval(self) -> None:
         settings = self.config.checkpoint

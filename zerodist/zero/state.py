@@ -20,6 +20,7 @@ from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.optimizer import ZeroOptimizer
 from zerodist.zero.policy import ShardingPolicy
 from zerodist.zero.reducer import GradReducer
+from zerodist.zero.stage3 import Unit
 
 
 class Resumable(Protocol):
@@ -43,6 +44,8 @@ class ZeroState:
     sharding: ShardingPolicy
     topology: Topology
     precision: PrecisionPolicy
+    # Stage 3's gathered-together modules, in unit order (empty when no parameter is sharded).
+    units: tuple[Unit, ...] = ()
 
     @property
     def inner_optimizer(self) -> torch.optim.Optimizer:
