@@ -47,7 +47,7 @@ def _batches(steps, batch, seq, vocab):
              torch.randint(0, vocab, (batch, seq), generator=generator)) for _ in range(steps)]
 
 
-def _train_and_compare(reference, parallel, topology, batches, dtype, loss_of):
+def _train_and_compare(reference, parallel, topology, batches, dtype, loss_of, eps=1e-6):
     """3 AdamW steps on both; loss, every gathered gradient and every parameter compared."""
     assert unsliced_state_dict(parallel).keys() == reference.state_dict().keys()
     for key, value in unsliced_state_dict(parallel).items():  # slicing is exact
@@ -55,8 +55,8 @@ def _train_and_compare(reference, parallel, topology, batches, dtype, loss_of):
     # eps 1e-6: the attention key bias has an exactly-zero gradient (softmax ignores a per-row
     # constant), so in fp32 it holds rounding noise (~1e-9) that eps 1e-8 would turn into
     # lr-sized steps of random sign, different in any two correct implementations.
-    opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-6)
-    opt_tp = torch.optim.AdamW(parallel.parameters(), lr=1e-2, eps=1e-6)
+    opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=eps)
+    opt_tp = torch.optim.AdamW(parallel.parameters(), lr=1e-2, eps=eps)
     for idx, targets in batches:
         loss_ref, loss_tp = loss_of(reference, idx, targets), loss_of(parallel, idx, targets)
         loss_ref.backward()

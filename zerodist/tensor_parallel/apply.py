@@ -1,7 +1,8 @@
 """The engine's "apply tensor parallel" step: pick the model's plan, parallelize, add Domino.
 
 The plan, in order of precedence: the config's `tensor_parallel.partition_config.layer_specs`
-(DeepSpeed's form); the built-in plan of zerodist's demo GPT; a Hugging Face model's own
+(DeepSpeed's form); the built-in plan of zerodist's demo GPT; the built-in plan of Hugging Face
+GPT-2 (`config.model_type == "gpt2"`); a Hugging Face model's own
 `config.base_model_tp_plan`. A model the user already parallelized (it holds tensor-parallel
 layers) is left as it is, after checking its degree.
 """
@@ -18,7 +19,7 @@ from zerodist.comm.topology import Topology
 from zerodist.tensor_parallel.domino import DominoConfig
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zerodist.tensor_parallel.plan import PlanError, parallelize, plan_from_deepspeed
-from zerodist.tensor_parallel.plans import gpt_domino, gpt_plan, hf_llama_plan
+from zerodist.tensor_parallel.plans import gpt_domino, gpt_plan, hf_gpt2_plan, hf_llama_plan
 from zerodist.tensor_parallel.random import RNGTracker, attach_rng_tracker, tensor_parallel_rng
 from zerodist.utils import get_logger, log_rank0
 
@@ -57,6 +58,8 @@ def choose_plan(model: nn.Module, settings: TensorParallelSettings, rng: RNGTrac
         return plan_from_deepspeed(model, settings.partition_config), "tensor_parallel.partition_config"
     if _is_demo_gpt(model):
         return gpt_plan(sequence_parallel=settings.sequence_parallel, rng=rng), "the built-in GPT plan"
+    if getattr(getattr(model, "config", None), "model_type", None) == "gpt2":  # Hugging Face GPT-2
+        return hf_gpt2_plan(model, sequence_parallel=settings.sequence_parallel), "the built-in GPT-2 plan"
     if getattr(getattr(model, "config", None), "base_model_tp_plan", None):
         return hf_llama_plan(model), f"{type(model).__name__}'s base_model_tp_plan"
     raise PlanError(f"tensor parallelism of degree {settings.degree} needs a plan for {type(model).__name__}: give "
