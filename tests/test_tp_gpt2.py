@@ -9,6 +9,7 @@ import torch
 import zerodist
 import zerodist.comm as comm
 from zerodist.checkpoint import consolidate_checkpoint
+from zerodist.debug import check_weight_sync
 from zerodist.tensor_parallel import (
     ColumnParallelConv1D,
     PlanError,
@@ -29,7 +30,8 @@ SEQ = 8
 
 def _config(**overrides):
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **overrides)
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                     eos_token_id=0, **overrides)
     config._attn_implementation = "eager"
     return config
 
@@ -80,3 +82,86 @@ def test_gpt2_plan_named_errors():
     three_heads = _gpt2(n_head=3, n_embd=24)
     with pytest.raises(ValueError, match=r"attention heads \(n_head\).*3.*2"):
         parallelize(three_heads, hf_gpt2_plan(three_heads), topology)
+
+
+# ------------------------------------------------------------------ ZeRO x TP through initialize
+LR, EPS, CLIP, ROWS = 1e-2, 1e-4, 0.5, 4  # ROWS: sequences per step over all data shards; EPS: see above
+
+
+def _engine_config(stage):
+    return {
+        "train_batch_size": ROWS, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.01}},
+        "gradient_clipping": CLIP, "steps_per_print": 10**9,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "tensor_parallel": {"autotp_size": 2},  # no plan given: picked by config.model_type == "gpt2"
+    }
+
+
+def _ids(step):
+    return torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(900 + step))
+
+
+def _reference(steps):
+    model = _gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = _hf_loss(model, _ids(step), _ids(step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def _train_zero_by_tensor(stage, steps, path):
+    engine = zerodist.initialize(model=_gpt2(), config=_engine_config(stage))[0]
+    assert dict(engine.topology.degrees) == {"data": 2, "expert": 1, "tensor": 2}
+    assert isinstance(engine.module.lm_head, TiedVocabParallelHead)
+    shards, shard = engine.topology.num_batch_shards, engine.topology.batch_rank
+    rows = slice(shard * ROWS // shards, (shard + 1) * ROWS // shards)
+    losses = []
+    for step in range(steps):
+        ids = _ids(step)[rows]
+        loss = _hf_loss(engine, ids, ids)
+        engine.backward(loss)
+        engine.step()
+        everyone = [None] * shards  # the global batch's loss: the mean over the data shards
+        comm.all_gather_object(everyone, loss.item(), group=engine.topology.group("data"))
+        losses.append(sum(everyone) / shards)
+    if stage < 3:  # LayerNorms and row biases bitwise equal across tensor ranks, slices across data ranks
+        assert check_weight_sync(engine).ok
+    engine.save_checkpoint(path)
+    return losses, engine.module_state_dict()
+
+
+def _relative(actual, expected):
+    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gpt2_zero_by_tensor_parallel_matches_one_process(tmp_path, stage):
+    """data 2 x tensor 2 (4 ranks) against one process on the same global batches; the unsliced
+    state (module_state_dict, and the checkpoint consolidated without any process group) has
+    GPT-2's names and shapes and loads into a plain GPT2LMHeadModel."""
+    steps = 3
+    losses, state = run_distributed(_train_zero_by_tensor, 4, stage, steps, str(tmp_path), timeout=240)[0]
+    reference, reference_losses = _reference(steps)
+    expected = reference.state_dict()
+    assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in expected.items()}
+    assert losses == pytest.approx(reference_losses, rel=1e-5)
+    for key, value in expected.items():
+        assert _relative(state[key], value) <= 1e-5, f"{key}: {_relative(state[key], value):.2e}"
+    assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])  # tied all along
+
+    consolidated = consolidate_checkpoint(tmp_path)
+    assert {k: v.shape for k, v in consolidated.items()} == {k: v.shape for k, v in expected.items()}
+    for key, value in state.items():
+        assert torch.equal(consolidated[key], value), key
+    plain = transformers.GPT2LMHeadModel(_config())
+    plain.load_state_dict(consolidated, strict=True)
+    ids = _ids(99)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
