@@ -29,9 +29,9 @@ SEQ = 8
 
 
 def _config(**overrides):
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                     eos_token_id=0, **overrides)
+    shape = dict(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                 embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(**{**shape, **overrides})
     config._attn_implementation = "eager"
     return config
 
@@ -134,6 +134,7 @@ def _train_zero_by_tensor(stage, steps, path):
     if stage < 3:  # LayerNorms and row biases bitwise equal across tensor ranks, slices across data ranks
         assert check_weight_sync(engine).ok
     engine.save_checkpoint(path)
+    zerodist.checkpoint.save_pretrained(engine, f"{path}/hf", max_shard_size="20KB")  # slices written unsliced
     return losses, engine.module_state_dict()
 
 
@@ -162,6 +163,9 @@ def test_gpt2_zero_by_tensor_parallel_matches_one_process(tmp_path, stage):
         assert torch.equal(consolidated[key], value), key
     plain = transformers.GPT2LMHeadModel(_config())
     plain.load_state_dict(consolidated, strict=True)
+    pretrained = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    for key, value in pretrained.state_dict().items():  # save_pretrained: the same unsliced weights
+        assert torch.equal(value, state[key]), key
     ids = _ids(99)
     with torch.no_grad():
         torch.testing.assert_close(plain(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-5)

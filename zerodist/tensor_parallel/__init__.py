@@ -37,6 +37,7 @@ from zerodist.tensor_parallel.plan import (
     parallelize,
     plan_from_deepspeed,
     reduce_partial_gradients,
+    sliced_parameters,
     unsliced_gradients,
     unsliced_state_dict,
 )
@@ -76,8 +77,8 @@ __all__ = [
     "apply_domino", "attach_rng_tracker", "gpt_block_branches", "gpt_domino", "rng_tracker_of", "schedule_log",
     "Colwise", "HeadParallelAttention", "PlanError", "RNGTracker", "Replace", "Replicate", "Rowwise", "Sequence",
     "SequenceScatter", "TiedHead", "Vocab", "gpt_plan", "hf_gpt2_plan", "hf_llama_plan", "parallelize",
-    "plan_from_deepspeed", "reduce_partial_gradients", "tensor_parallel_rng", "unsliced_gradients",
-    "unsliced_state_dict",
+    "plan_from_deepspeed", "reduce_partial_gradients", "sliced_parameters", "tensor_parallel_rng",
+    "unsliced_gradients", "unsliced_state_dict",
     "ColumnParallelConv1D", "ColumnParallelLinear", "RowParallelConv1D", "RowParallelLinear", "SEQUENCE_PARTIAL",
     "SliceSpec", "TensorRegion", "TiedVocabParallelHead", "UnevenSplitError", "VocabParallelEmbedding",
     "copy_to_tensor_region", "gather_from_sequence_region", "gather_from_tensor_region",

@@ -246,7 +246,7 @@ def _slice_specs(module: nn.Module) -> dict[str, SliceSpec]:
     return specs
 
 
-def _sliced_parameters(model: nn.Module) -> dict[str, tuple[SliceSpec, TensorRegion]]:
+def sliced_parameters(model: nn.Module) -> dict[str, tuple[SliceSpec, TensorRegion]]:
     """`state_dict()` key of every tensor-parallel slice -> (its SliceSpec, its region). A tied
     head's weight appears under its own key as well as the embedding's."""
     found = {}
@@ -261,7 +261,7 @@ def unsliced_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The `state_dict()` of the model before `parallelize`: every slice gathered over the
     tensor axis (a collective: call on every rank), same keys, logical shapes."""
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for key, (spec, region) in _sliced_parameters(model).items():
+    for key, (spec, region) in sliced_parameters(model).items():
         state[key] = unslice_tensor(model.get_parameter(key), spec, region)
     return state
 
@@ -269,7 +269,7 @@ def unsliced_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def unsliced_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """Each parameter's gradient on the logical (unsliced) shape, keyed by parameter name."""
     grads = {}
-    specs = _sliced_parameters(model)
+    specs = sliced_parameters(model)
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
