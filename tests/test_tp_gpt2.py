@@ -12,12 +12,15 @@ from zerodist.checkpoint import consolidate_checkpoint
 from zerodist.debug import check_weight_sync
 from zerodist.tensor_parallel import (
     ColumnParallelConv1D,
+    ColumnParallelLinear,
     PlanError,
     RowParallelConv1D,
+    TiedHead,
     TiedVocabParallelHead,
     VocabParallelEmbedding,
     hf_gpt2_plan,
     parallelize,
+    unsliced_state_dict,
 )
 from tests.harness import distributed_test, run_distributed
 from tests.test_tp_parallelize import _batches, _train_and_compare
@@ -79,6 +82,18 @@ def test_gpt2_plan_named_errors():
         hf_gpt2_plan(_gpt2(), sequence_parallel=True)
     with pytest.raises(PlanError, match="cross-attention"):
         hf_gpt2_plan(_gpt2(add_cross_attention=True))
+    model = _gpt2()
+    with pytest.raises(PlanError, match="ties it to 'transformer.wte', which the plan must make 'vocab'"):
+        parallelize(model, {"lm_head": TiedHead("transformer.wte")}, topology)
+    with pytest.raises(PlanError, match="one tied parameter.*TiedHead"):
+        parallelize(model, {"transformer.wte": "vocab", "lm_head": "colwise_rep"}, topology)
+    untied = _gpt2(tie_word_embeddings=False)
+    with pytest.raises(PlanError, match="lm_head.weight is not tied to transformer.wte.weight"):
+        parallelize(untied, {"transformer.wte": "vocab", "lm_head": TiedHead("transformer.wte")}, topology)
+    reference = copy.deepcopy(untied)
+    parallelize(untied, hf_gpt2_plan(untied), topology)  # an untied head: its own gathered column layer
+    assert type(untied.lm_head) is ColumnParallelLinear
+    assert all(torch.equal(value, reference.state_dict()[key]) for key, value in unsliced_state_dict(untied).items())
     three_heads = _gpt2(n_head=3, n_embd=24)
     with pytest.raises(ValueError, match=r"attention heads \(n_head\).*3.*2"):
         parallelize(three_heads, hf_gpt2_plan(three_heads), topology)

@@ -109,11 +109,11 @@ def test_gpt_plan_refuses_tied_embeddings_and_bad_plans():
         parallelize(model, {"lm_head": "colwise", "lm_*": "colwise_rep"}, topology)
 
 
-def _tiny_llama(heads):
+def _tiny_llama(heads, **overrides):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=32,
-                                      attn_implementation="eager")
+                                      attn_implementation="eager", **overrides)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(torch.float64)
 
@@ -126,6 +126,17 @@ def test_hugging_face_llama_unchanged_code_matches_one_process(world_size):
     attention = parallel.model.layers[0].self_attn
     assert isinstance(attention.q_proj, ColumnParallelLinear) and isinstance(attention.o_proj, RowParallelLinear)
     assert attention.q_proj.weight.shape == (32 // world_size, 32)
+    _train_and_compare(reference, parallel, topology, _batches(3, 2, 16, 64), torch.float64,
+                       lambda model, idx, targets: model(input_ids=idx, labels=targets).loss)
+
+
+@distributed_test(world_size=2)
+def test_hugging_face_llama_with_tied_embeddings_stays_tied():
+    topology = comm.Topology(tensor=2)
+    reference = _tiny_llama(heads=4, tie_word_embeddings=True)
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
+    parallel = parallelize(copy.deepcopy(reference), hf_llama_plan(reference), topology)
+    assert parallel.lm_head.weight is parallel.model.embed_tokens.weight
     _train_and_compare(reference, parallel, topology, _batches(3, 2, 16, 64), torch.float64,
                        lambda model, idx, targets: model(input_ids=idx, labels=targets).loss)
 

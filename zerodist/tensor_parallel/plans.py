@@ -109,7 +109,8 @@ def gpt_domino(model: nn.Module, topology: Topology, config: DominoConfig) -> nn
 
 def hf_llama_plan(model: nn.Module) -> dict[str, str | PlanEntry]:
     """The plan for a Hugging Face `LlamaForCausalLM`-like model: its config's
-    `base_model_tp_plan` under `model.`, the embedding vocab-parallel, the LM head gathered."""
+    `base_model_tp_plan` under `model.`, the embedding vocab-parallel, the LM head gathered (and
+    kept tied to the embedding when `tie_word_embeddings`)."""
     config = getattr(model, "config", None)
     base = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not base:
@@ -117,7 +118,10 @@ def hf_llama_plan(model: nn.Module) -> dict[str, str | PlanEntry]:
     prefix = getattr(model, "base_model_prefix", "model")
     plan: dict[str, str | PlanEntry] = {f"{prefix}.{pattern}": _hf_word(word) for pattern, word in base.items()}
     plan[f"{prefix}.embed_tokens"] = "vocab"
-    plan["lm_head"] = "colwise_rep"
+    head, embedding = getattr(model, "lm_head", None), model.get_submodule(f"{prefix}.embed_tokens")
+    # tie_word_embeddings: the head keeps sharing the embedding's (vocab-parallel) weight
+    plan["lm_head"] = TiedHead(f"{prefix}.embed_tokens") if head is not None and head.weight is embedding.weight \
+        else "colwise_rep"
     return plan
 
 
