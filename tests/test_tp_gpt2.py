@@ -103,13 +103,13 @@ def test_gpt2_plan_named_errors():
 LR, EPS, CLIP, ROWS = 1e-2, 1e-4, 0.5, 4  # ROWS: sequences per step over all data shards; EPS: see above
 
 
-def _engine_config(stage):
+def _engine_config(stage, tensor=2):
     return {
         "train_batch_size": ROWS, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.01}},
         "gradient_clipping": CLIP, "steps_per_print": 10**9,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        "tensor_parallel": {"autotp_size": 2},  # no plan given: picked by config.model_type == "gpt2"
+        "tensor_parallel": {"autotp_size": tensor},  # no plan given: picked by config.model_type == "gpt2"
     }
 
 
@@ -150,7 +150,14 @@ def _train_zero_by_tensor(stage, steps, path):
         assert check_weight_sync(engine).ok
     engine.save_checkpoint(path)
     zerodist.checkpoint.save_pretrained(engine, f"{path}/hf", max_shard_size="20KB")  # slices written unsliced
-    return losses, engine.module_state_dict()
+    state = engine.module_state_dict()
+    # ... and read back into the slices of a fresh engine at tensor 4 (the vocabulary padded to 68)
+    # and the other stage (stage 3: each rank reads only the runs it owns)
+    fresh = zerodist.initialize(model=_gpt2(), config=_engine_config(1 if stage == 3 else 3, tensor=4))[0]
+    zerodist.checkpoint.load_pretrained(fresh, f"{path}/hf")
+    for key, value in fresh.module_state_dict().items():
+        assert torch.equal(value, state[key]), key
+    return losses, state
 
 
 def _relative(actual, expected):
