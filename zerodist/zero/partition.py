@@ -29,7 +29,7 @@ from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.init_keywords import check_init_keywords
 from zerodist.zero.plan import FlatPlan
 from zerodist.zero.policy import DomainGroup, ShardingPolicy
-from zerodist.zero.replay_init import InitLog, Recording, Replayer
+from zerodist.zero.replay_init import InitLog, InitReplayError, Recording, Replayer
 from zerodist.zero.stage3 import Stage3Runtime, Stage3Settings, Unit, register_replicated
 
 
@@ -70,6 +70,40 @@ def _meta_construction() -> Iterator[InitLog]:
         finally:
             for module in recording.modules:
                 _INIT_LOGS[module] = recording.log
+
+
+# [Note: recording continued] A step of initialize() that rebuilds part of a meta-built model
+# before ZeRO materialises it (tensor parallelism: a layer replaced by one holding this rank's
+# slice) runs inside `continue_recording(model)`: the slicing (narrow, cat, padding) on the meta
+# weights is recorded into the same log, after the operations that initialised them, and the new
+# modules join the log. Replaying a slice then replays its source tensor's whole history (the full
+# weight, drawn from its recorded RNG state), and slices it: the bits of the eager build's slice,
+# with one source tensor at a time alive, for the duration of one module's materialisation.
+@contextlib.contextmanager
+def continue_recording(model: torch.nn.Module) -> Iterator[bool]:
+    """Record what the block does to `model`'s meta tensors into the log of the `Init` block that
+    built it (see [Note: recording continued]); yields whether there is such a log. A model built
+    eagerly (or without meta tensors) passes through unrecorded."""
+    logs = {id(log): log for module in model.modules() if (log := _INIT_LOGS.get(module)) is not None}
+    if not logs:
+        yield False
+        return
+    if len(logs) > 1:
+        raise InitReplayError(
+            f"{type(model).__name__} was built in {len(logs)} separate zerodist.zero.Init() blocks; a step that "
+            "rebuilds its layers (tensor parallelism) needs one record: build the whole model in one Init block")
+    (log,) = logs.values()
+    with Recording(log) as recording:
+        try:
+            yield True
+        finally:
+            for module in recording.modules:
+                _INIT_LOGS[module] = log
+
+
+def is_recorded(module: torch.nn.Module) -> bool:
+    """Whether `module`'s meta tensors were made under `zerodist.zero.Init()` (and can be replayed)."""
+    return module in _INIT_LOGS
 
 
 def _has_meta_state(module: torch.nn.Module) -> bool:

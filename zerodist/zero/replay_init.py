@@ -261,12 +261,16 @@ def _check_not_tied_yet(model: torch.nn.Module) -> None:
 
 
 class Recording:
-    """The state of one `Init` block: its log, and the hooks and modes that fill it."""
+    """The state of one `Init` block: its log, and the hooks and modes that fill it.
 
-    def __init__(self) -> None:
-        self.log = InitLog()
+    `Recording(log)` continues an earlier block's log (see [Note: recording continued]); it
+    does not run Hugging Face initialisations again, which the first block already recorded."""
+
+    def __init__(self, log: InitLog | None = None) -> None:
+        self.log = log if log is not None else InitLog()
         self.modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._pretrained = _PretrainedInit()
+        self._continued = log is not None
         self._handles: list[Any] = []
         self._modes: list[Any] = []
 
@@ -277,14 +281,14 @@ class Recording:
             registry.register_module_buffer_registration_hook(lambda m, n, b: self._remember(m, b)),
             registry.register_module_module_registration_hook(self._remember_submodule),
         ]
-        self._modes = [torch.device("meta"), self._pretrained, _Recorder(self.log)]
+        self._modes = [torch.device("meta"), *([] if self._continued else [self._pretrained]), _Recorder(self.log)]
         for mode in self._modes:
             mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            if exc[0] is None:
+            if exc[0] is None and not self._continued:
                 self._pretrained.flush()
         finally:
             for mode in reversed(self._modes):

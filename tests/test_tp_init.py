@@ -1,0 +1,176 @@
+"""Tensor parallelism on a model built under `zerodist.zero.Init()` (on the meta device).
+
+The Init-built engine must hold, on every rank, exactly the slices the eager build gives with the
+same seed (bitwise), at every ZeRO stage, train to the same losses bitwise (dropout on: the RNG
+tracker and torch's stream are the eager ones), and never hold the whole model while it
+materialises.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import zerodist
+import zerodist.comm as comm
+from zerodist.models.gpt import GPT, GPTConfig
+from zerodist.tensor_parallel import PlanError, gpt_plan, parallelize, rng_tracker_of
+from zerodist.zero import GatheredParameters, Init
+from tests.harness import distributed_test
+
+# vocab 63: the embedding's and the gathered head's vocabularies are padded at tensor 2; the
+# attention's QKV is a fused weight (q, k and v sliced one by one).
+SHAPE = GPTConfig(vocab_size=63, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32, dropout=0.1)
+MICRO, STEPS = 2, 3
+
+
+def _config(stage, tensor=2, partition_config=None):
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "gradient_clipping": 0.5, "steps_per_print": 10**9,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "tensor_parallel": {"autotp_size": tensor},
+    }
+    if partition_config is not None:
+        config["tensor_parallel"]["partition_config"] = partition_config
+    return config
+
+
+def _batch(engine, step):
+    generator = torch.Generator().manual_seed(700 + step)
+    rows = MICRO * engine.topology.num_batch_shards
+    idx, targets = (torch.randint(0, SHAPE.vocab_size, (rows, SHAPE.seq_len), generator=generator)
+                    for _ in range(2))
+    mine = slice(engine.topology.batch_rank * MICRO, (engine.topology.batch_rank + 1) * MICRO)
+    return idx[mine], targets[mine]
+
+
+def _engine(build, config):
+    """An engine over `build()` made from seed 0; the state right after initialize()."""
+    torch.manual_seed(0)
+    engine, _, _, _ = zerodist.initialize(model=build(), config=config)
+    with GatheredParameters(list(engine.module.parameters()), enabled=engine.stage3 is not None):
+        local = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
+    rng = (torch.get_rng_state(), rng_tracker_of(engine.module).state_dict())
+    return engine, engine.module_state_dict(), local, rng
+
+
+def _losses(engine):
+    losses = []
+    for step in range(STEPS):
+        loss = engine(*_batch(engine, step))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().clone())
+    return losses
+
+
+def _init_built_gpt():
+    with Init():
+        model = GPT(SHAPE)
+    assert all(p.is_meta for p in model.parameters())
+    return model
+
+
+@distributed_test(world_size=[2, 4], timeout=180)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_init_built_gpt_gets_the_eager_slices_and_losses_bitwise(world_size, stage):
+    config = _config(stage)
+    eager, eager_state, eager_local, eager_rng = _engine(lambda: GPT(SHAPE), config)
+    lazy, lazy_state, lazy_local, lazy_rng = _engine(_init_built_gpt, config)
+    assert dict(lazy.topology.degrees) == {"data": world_size // 2, "expert": 1, "tensor": 2}
+
+    # Consolidated: the one-process GPT from the same seed, bitwise (padding rows cut off).
+    torch.manual_seed(0)
+    plain = GPT(SHAPE).state_dict()
+    assert lazy_state.keys() == plain.keys()
+    for key, value in plain.items():
+        assert torch.equal(lazy_state[key], value), key
+        assert torch.equal(eager_state[key], value), key
+    # This rank's own tensor-parallel slices (gathered over the data axis at stage 3): the eager ones.
+    assert lazy_local.keys() == eager_local.keys()
+    for name, value in eager_local.items():
+        assert value.shape == lazy_local[name].shape and torch.equal(value, lazy_local[name]), name
+    # Torch's stream after the build and the tensor-parallel dropout streams: the eager ones.
+    assert torch.equal(eager_rng[0], lazy_rng[0])
+    assert eager_rng[1].keys() == lazy_rng[1].keys() == {"replicated", "sharded"}
+    for name, states in eager_rng[1].items():
+        assert all(torch.equal(a, b) for a, b in zip(states, lazy_rng[1][name])), name
+
+    # Training with dropout on: the same losses and weights, bitwise.
+    torch.manual_seed(5)
+    eager_losses = _losses(eager)
+    torch.manual_seed(5)
+    lazy_losses = _losses(lazy)
+    assert all(torch.equal(a, b) for a, b in zip(eager_losses, lazy_losses)), (eager_losses, lazy_losses)
+    assert len({round(float(x), 6) for x in eager_losses}) == STEPS  # it trained
+    after = lazy.module_state_dict()
+    for key, value in eager.module_state_dict().items():
+        assert torch.equal(after[key], value), key
+
+
+class _FusedMLP(nn.Module):
+    """A user's module with a fused gate/up weight and an output t does not divide in the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(8, 2 * 16)
+        self.down_proj = nn.Linear(16, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.head(self.down_proj(torch.nn.functional.silu(gate) * up)).square().mean()
+
+
+_FUSED_SPECS = {"layer_specs": [
+    {"patterns": [r"down_proj\.weight$"], "partition_type": "row"},
+    {"patterns": [r"gate_up_proj\.weight$"], "partition_type": "column", "shape": [2, -1]},
+    {"patterns": [r"head\.weight$"], "partition_type": "column", "gather_output": True},
+]}
+
+
+@distributed_test(world_size=2)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_init_built_model_with_deepspeed_layer_specs_fused_and_padded(stage):
+    config = _config(stage, partition_config=_FUSED_SPECS)
+
+    def lazy_build():
+        with Init():
+            return _FusedMLP()
+
+    eager, eager_state, eager_local, _ = _engine(_FusedMLP, config)
+    lazy, lazy_state, lazy_local, _ = _engine(lazy_build, config)
+    assert lazy.module.gate_up_proj.weight_spec.fused == (16, 16)
+    assert lazy.module.head.weight_spec.padded_size == 6
+    for key, value in eager_state.items():
+        assert torch.equal(lazy_state[key], value), key
+    for name, value in eager_local.items():
+        assert torch.equal(lazy_local[name], value), name
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    for engine in (eager, lazy):
+        for _ in range(2):
+            engine.backward(engine(x))
+            engine.step()
+    assert torch.equal(eager(x), lazy(x))
+
+
+@distributed_test(world_size=2)
+def test_parallelize_inside_the_init_block_is_recorded_too():
+    topology = comm.Topology(tensor=2)
+    torch.manual_seed(0)
+    with Init():
+        model = parallelize(GPT(SHAPE), gpt_plan(), topology)
+    assert all(p.is_meta for p in model.parameters())
+    engine, _, _, _ = zerodist.initialize(model=model, config=_config(3))
+    torch.manual_seed(0)
+    for key, value in GPT(SHAPE).state_dict().items():
+        assert torch.equal(engine.module_state_dict()[key], value), key
+
+
+@distributed_test(world_size=2)
+def test_meta_model_without_an_init_record_is_refused_by_name():
+    with torch.device("meta"):
+        model = GPT(SHAPE)
+    with pytest.raises(PlanError, match=r"on the meta device without a record .* zerodist.zero.Init\(\)"):
+        zerodist.initialize(model=model, config=_config(3))
