@@ -174,3 +174,61 @@ def test_meta_model_without_an_init_record_is_refused_by_name():
         model = GPT(SHAPE)
     with pytest.raises(PlanError, match=r"on the meta device without a record .* zerodist.zero.Init\(\)"):
         zerodist.initialize(model=model, config=_config(3))
+
+
+# A GPT of 1.06M parameters (4.0 MiB in fp32), whose largest tensors are the embedding and the head
+# (0.5 MiB each); a block holds 0.76 MiB.
+_LARGER = GPTConfig(vocab_size=1024, seq_len=16, d_model=128, n_layers=4, n_heads=4, d_ff=512)
+
+def _allocation_profile(build, config):
+    """(peak, live) bytes that initialize() allocated through torch's CPU allocator, in time order
+    (every allocation and free is reported to the profiler with profile_memory=True), and the engine."""
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = build()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        engine, _, _, _ = zerodist.initialize(model=model, config=config)
+        gc.collect()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak, live, engine
+
+
+def _sizes(model):
+    """Bytes in fp32: the whole model, its largest block, its root (outside the blocks), its largest tensor."""
+    numel = lambda params: sum(p.numel() for p in params) * 4
+    return (numel(model.parameters()), max(numel(b.parameters()) for b in model.blocks),
+            numel(p for n, p in model.named_parameters() if not n.startswith("blocks.")),
+            max(p.numel() for p in model.parameters()) * 4)
+
+
+@distributed_test(world_size=4, timeout=180)
+def test_init_built_tensor_parallel_model_is_never_whole_on_a_rank():
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "tensor_parallel": {"autotp_size": 2}}
+    with Init():
+        full, block, root, largest = _sizes(GPT(_LARGER))
+    peak, live, engine = _allocation_profile(lambda: _init_built_gpt_of(_LARGER), config)
+    state = engine.model_state_bytes()["total"]
+    print(f"RESULT rank {comm.get_rank()}: model {full / 2**20:.2f} MiB, block {block / 2**20:.2f}, root "
+          f"{root / 2**20:.2f}, largest tensor {largest / 2**20:.2f}; state {state / 2**20:.2f}, peak {peak / 2**20:.2f}, "
+          f"live {live / 2**20:.2f}", flush=True)
+    # Beyond this rank's model state (a quarter of the parameters and gradients): while the root
+    # unit (embedding, head) is materialised, one unsliced tensor replayed before it is sliced, and
+    # then the root's slices, held whole until they are flattened last. Measured on every rank:
+    # peak - state = 0.51 MiB, under the bound's 1.0 MiB (at d_model 256, 8 layers, vocab 2048:
+    # 2.02 MiB for a 28 MiB model). A build that held the model whole would show at least `full`
+    # beyond nothing, and one that held all this rank's slices before sharding them full / 2 more.
+    assert peak - state <= largest + root // 2 + 64 * 1024
+    assert peak < full / 2 + largest + root // 2 + 64 * 1024 < full
+
+def _init_built_gpt_of(shape):
+    with Init():
+        return GPT(shape)
