@@ -23,7 +23,7 @@ SHAPE = GPTConfig(vocab_size=63, seq_len=8, d_model=16, n_layers=2, n_heads=2, d
 MICRO, STEPS = 2, 3
 
 
-def _config(stage, tensor=2, partition_config=None):
+def _config(stage, tensor=2, partition_config=None, **zerodist_section):
     config = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
@@ -33,6 +33,8 @@ def _config(stage, tensor=2, partition_config=None):
     }
     if partition_config is not None:
         config["tensor_parallel"]["partition_config"] = partition_config
+    if zerodist_section:
+        config["zerodist"] = {"tensor_parallel": zerodist_section}
     return config
 
 
@@ -73,9 +75,10 @@ def _init_built_gpt():
 
 
 @distributed_test(world_size=[2, 4], timeout=180)
-@pytest.mark.parametrize("stage", [0, 3])
-def test_init_built_gpt_gets_the_eager_slices_and_losses_bitwise(world_size, stage):
-    config = _config(stage)
+@pytest.mark.parametrize("stage, settings", [(0, {}), (2, {}), (3, {}), (3, {"sequence_parallel": True}),
+                                             (2, {"domino": {"chunks": 2, "overlap": "inter"}})])
+def test_init_built_gpt_gets_the_eager_slices_and_losses_bitwise(world_size, stage, settings):
+    config = _config(stage, **settings)
     eager, eager_state, eager_local, eager_rng = _engine(lambda: GPT(SHAPE), config)
     lazy, lazy_state, lazy_local, lazy_rng = _engine(_init_built_gpt, config)
     assert dict(lazy.topology.degrees) == {"data": world_size // 2, "expert": 1, "tensor": 2}
@@ -232,3 +235,30 @@ def test_init_built_tensor_parallel_model_is_never_whole_on_a_rank():
 def _init_built_gpt_of(shape):
     with Init():
         return GPT(shape)
+
+
+@distributed_test(world_size=2)
+def test_init_built_hugging_face_llama_gets_the_eager_slices():
+    pytest.importorskip("transformers")
+    from tests.hf_models import hf_batch, hf_class, hf_config, hf_loss
+
+    config = hf_config("llama", tie_word_embeddings=False, vocab_size=95)  # 95: a padded vocabulary
+
+    def lazy_build():
+        with Init():
+            return hf_class("llama")(config)
+
+    engine_config = _config(3)
+    eager, eager_state, eager_local, _ = _engine(lambda: hf_class("llama")(config), engine_config)
+    lazy, lazy_state, lazy_local, _ = _engine(lazy_build, engine_config)
+    torch.manual_seed(0)
+    plain = hf_class("llama")(config).state_dict()
+    for key, value in plain.items():
+        assert torch.equal(lazy_state[key], value), key
+    for name, value in eager_local.items():
+        assert torch.equal(lazy_local[name], value), name
+    ids = hf_batch(0, MICRO) % 95
+    for engine in (eager, lazy):
+        engine.backward(hf_loss(engine, ids))
+        engine.step()
+    assert torch.equal(hf_loss(eager, ids), hf_loss(lazy, ids))
