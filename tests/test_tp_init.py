@@ -159,6 +159,26 @@ def test_init_built_model_with_deepspeed_layer_specs_fused_and_padded(stage):
 
 
 @distributed_test(world_size=2)
+def test_model_assembled_from_several_init_blocks():
+    specs = {"layer_specs": [{"patterns": [r"down_proj\.weight$"], "partition_type": "row"},
+                             {"patterns": [r"gate_up_proj\.weight$"], "partition_type": "column", "shape": [2, -1]}]}
+    config = _config(3, partition_config=specs)
+
+    def lazy_build():
+        with Init():
+            first = _FusedMLP()
+        middle = nn.Linear(5, 8)  # eager, drawing between the two blocks as in the eager build
+        with Init():
+            second = _FusedMLP()
+        return nn.Sequential(first, middle, second)
+
+    eager, eager_state, _, _ = _engine(lambda: nn.Sequential(_FusedMLP(), nn.Linear(5, 8), _FusedMLP()), config)
+    lazy, lazy_state, _, _ = _engine(lazy_build, config)
+    for key, value in eager_state.items():
+        assert torch.equal(lazy_state[key], value), key
+
+
+@distributed_test(world_size=2)
 def test_parallelize_inside_the_init_block_is_recorded_too():
     topology = comm.Topology(tensor=2)
     torch.manual_seed(0)

@@ -29,7 +29,7 @@ from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.init_keywords import check_init_keywords
 from zerodist.zero.plan import FlatPlan
 from zerodist.zero.policy import DomainGroup, ShardingPolicy
-from zerodist.zero.replay_init import InitLog, InitReplayError, Recording, Replayer
+from zerodist.zero.replay_init import InitLog, Recording, Replayer
 from zerodist.zero.stage3 import Stage3Runtime, Stage3Settings, Unit, register_replicated
 
 
@@ -84,15 +84,14 @@ def continue_recording(model: torch.nn.Module) -> Iterator[bool]:
     """Record what the block does to `model`'s meta tensors into the log of the `Init` block that
     built it (see [Note: recording continued]); yields whether there is such a log. A model built
     eagerly (or without meta tensors) passes through unrecorded."""
-    logs = {id(log): log for module in model.modules() if (log := _INIT_LOGS.get(module)) is not None}
+    recorded = {module: log for module in model.modules() if (log := _INIT_LOGS.get(module)) is not None}
+    logs = list({id(log): log for log in recorded.values()}.values())
     if not logs:
         yield False
         return
-    if len(logs) > 1:
-        raise InitReplayError(
-            f"{type(model).__name__} was built in {len(logs)} separate zerodist.zero.Init() blocks; a step that "
-            "rebuilds its layers (tensor parallelism) needs one record: build the whole model in one Init block")
-    (log,) = logs.values()
+    log = logs[0] if len(logs) == 1 else InitLog.merged(logs)  # built in several Init blocks
+    for module in recorded:
+        _INIT_LOGS[module] = log
     with Recording(log) as recording:
         try:
             yield True

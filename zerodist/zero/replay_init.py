@@ -103,6 +103,20 @@ class InitLog:
         self.roots: dict[int, _Root] = {}
         self.seq = 0
 
+    @classmethod
+    def merged(cls, logs: list[InitLog]) -> InitLog:
+        """One log holding the storages of `logs` (a model built in several `Init` blocks), to be
+        continued as one. Each recorded event keeps its references to its own storages, so their
+        replay is unchanged; operations recorded from now on are numbered after every event of
+        every log, so they read each storage in its final state."""
+        merged = cls()
+        for log in logs:
+            for key, root in log.roots.items():
+                if key not in merged.roots or merged.roots[key].created_by is None:
+                    merged.roots[key] = root
+            merged.seq = max(merged.seq, log.seq)
+        return merged
+
     def root_of(self, tensor: torch.Tensor) -> _Root | None:
         return self.roots.get(_storage_key(tensor))
 
