@@ -197,6 +197,11 @@ def test_meta_model_without_an_init_record_is_refused_by_name():
         model = GPT(SHAPE)
     with pytest.raises(PlanError, match=r"on the meta device without a record .* zerodist.zero.Init\(\)"):
         zerodist.initialize(model=model, config=_config(3))
+    with Init():
+        model = GPT(SHAPE)
+    parallelize(model, gpt_plan(), comm.Topology(tensor=2))  # outside the block: the slicing is not recorded
+    with pytest.raises(PlanError, match=r"layers \['tok_emb', 'blocks.0.attn.qkv', .*inside the same Init\(\) block"):
+        zerodist.initialize(model=model, config=_config(0))
 
 
 # A GPT of 1.06M parameters (4.0 MiB in fp32), whose largest tensors are the embedding and the head
