@@ -246,16 +246,17 @@ def test_init_built_tensor_parallel_model_is_never_whole_on_a_rank():
     peak, live, engine = _allocation_profile(lambda: _init_built_gpt_of(_LARGER), config)
     state = engine.model_state_bytes()["total"]
     print(f"RESULT rank {comm.get_rank()}: model {full / 2**20:.2f} MiB, block {block / 2**20:.2f}, root "
-          f"{root / 2**20:.2f}, largest tensor {largest / 2**20:.2f}; state {state / 2**20:.2f}, peak {peak / 2**20:.2f}, "
-          f"live {live / 2**20:.2f}", flush=True)
+          f"{root / 2**20:.2f}, largest tensor {largest / 2**20:.2f}; state {state / 2**20:.2f}, "
+          f"peak {peak / 2**20:.2f}, live {live / 2**20:.2f}", flush=True)
     # Beyond this rank's model state (a quarter of the parameters and gradients): while the root
     # unit (embedding, head) is materialised, one unsliced tensor replayed before it is sliced, and
     # then the root's slices, held whole until they are flattened last. Measured on every rank:
     # peak - state = 0.51 MiB, under the bound's 1.0 MiB (at d_model 256, 8 layers, vocab 2048:
-    # 2.02 MiB for a 28 MiB model). A build that held the model whole would show at least `full`
-    # beyond nothing, and one that held all this rank's slices before sharding them full / 2 more.
+    # 2.02 MiB for a 28 MiB model). Materialising the model whole, or all of this rank's slices
+    # before sharding them (another full / 2), would break both bounds.
     assert peak - state <= largest + root // 2 + 64 * 1024
-    assert peak < full / 2 + largest + root // 2 + 64 * 1024 < full
+    assert peak < full
+
 
 def _init_built_gpt_of(shape):
     with Init():
