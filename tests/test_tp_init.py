@@ -76,9 +76,12 @@ def _init_built_gpt():
 
 @distributed_test(world_size=[2, 4], timeout=180)
 @pytest.mark.parametrize("stage, settings", [(0, {}), (2, {}), (3, {}), (3, {"sequence_parallel": True}),
-                                             (2, {"domino": {"chunks": 2, "overlap": "inter"}})])
+                                             (2, {"domino": {"chunks": 2, "overlap": "inter"}}), (3, "bf16")])
 def test_init_built_gpt_gets_the_eager_slices_and_losses_bitwise(world_size, stage, settings):
-    config = _config(stage, **settings)
+    if settings == "bf16":
+        config = {**_config(stage), "bf16": {"enabled": True}}
+    else:
+        config = _config(stage, **settings)
     eager, eager_state, eager_local, eager_rng = _engine(lambda: GPT(SHAPE), config)
     lazy, lazy_state, lazy_local, lazy_rng = _engine(_init_built_gpt, config)
     assert dict(lazy.topology.degrees) == {"data": world_size // 2, "expert": 1, "tensor": 2}
@@ -87,9 +90,9 @@ def test_init_built_gpt_gets_the_eager_slices_and_losses_bitwise(world_size, sta
     torch.manual_seed(0)
     plain = GPT(SHAPE).state_dict()
     assert lazy_state.keys() == plain.keys()
-    for key, value in plain.items():
-        assert torch.equal(lazy_state[key], value), key
-        assert torch.equal(eager_state[key], value), key
+    for key, value in plain.items():  # in bf16: the one-process weights rounded to it
+        assert torch.equal(lazy_state[key], value.to(lazy_state[key].dtype)), key
+        assert torch.equal(eager_state[key], lazy_state[key]), key
     # This rank's own tensor-parallel slices (gathered over the data axis at stage 3): the eager ones.
     assert lazy_local.keys() == eager_local.keys()
     for name, value in eager_local.items():
@@ -106,10 +109,10 @@ def test_init_built_gpt_gets_the_eager_slices_and_losses_bitwise(world_size, sta
     torch.manual_seed(5)
     lazy_losses = _losses(lazy)
     assert all(torch.equal(a, b) for a, b in zip(eager_losses, lazy_losses)), (eager_losses, lazy_losses)
-    assert len({round(float(x), 6) for x in eager_losses}) == STEPS  # it trained
     after = lazy.module_state_dict()
     for key, value in eager.module_state_dict().items():
         assert torch.equal(after[key], value), key
+        assert not torch.equal(after[key], lazy_state[key]), key  # it trained
 
 
 class _FusedMLP(nn.Module):
