@@ -291,3 +291,37 @@ def test_init_built_hugging_face_llama_gets_the_eager_slices():
         engine.backward(hf_loss(engine, ids))
         engine.step()
     assert torch.equal(hf_loss(eager, ids), hf_loss(lazy, ids))
+
+
+# The MoE GPT's dense blocks' MLPs and its head are tensor-parallel, its experts replicated over the
+# tensor axis (its attention reshapes with the global head count, so it stays whole).
+_MOE_SPECS = {"layer_specs": [
+    {"patterns": [r"^blocks\.0\.mlp\.fc_in\.weight$"], "partition_type": "column"},
+    {"patterns": [r"^blocks\.0\.mlp\.fc_out\.weight$"], "partition_type": "row"},
+    {"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True},
+]}
+
+
+@distributed_test(world_size=2)
+def test_init_built_moe_gpt_gets_the_eager_slices_and_losses():
+    from zerodist.models.moe_gpt import MoEConfig, MoEGPT
+
+    moe = MoEConfig(num_experts=2, moe_every=2)
+    config = _config(3, partition_config=_MOE_SPECS)
+
+    def lazy_build():
+        with Init():
+            return MoEGPT(SHAPE, moe)
+
+    eager, eager_state, eager_local, _ = _engine(lambda: MoEGPT(SHAPE, moe), config)
+    lazy, lazy_state, lazy_local, _ = _engine(lazy_build, config)
+    assert lazy.module.blocks[0].mlp.fc_in.weight_spec.dim == 0
+    torch.manual_seed(0)
+    for key, value in MoEGPT(SHAPE, moe).state_dict().items():
+        assert torch.equal(lazy_state[key], value), key
+    for name, value in eager_local.items():
+        assert torch.equal(lazy_local[name], value), name
+    torch.manual_seed(5)
+    eager_losses = _losses(eager)
+    torch.manual_seed(5)
+    assert all(torch.equal(a, b) for a, b in zip(eager_losses, _losses(lazy)))
