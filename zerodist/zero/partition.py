@@ -47,7 +47,9 @@ def Init(module: torch.nn.Module | None = None, data_parallel_group: Any = None,
     {"stage": 3}})` materialises and shards it unit by unit, with the values an eager build
     would have had: every operation on the model's tensors is recorded here and replayed
     later, random ones from the RNG state they drew from (see [Note: recorded init] in
-    zerodist/zero/replay_init.py). torch's factory functions are not replaced: this is torch's
+    zerodist/zero/replay_init.py). With tensor parallelism the layers are sliced on the meta
+    device first, and each rank materialises the eager build's slices ([Note: recording
+    continued]). torch's factory functions are not replaced: this is torch's
     own `torch.device("meta")` context, a dispatch mode that records, and registration hooks.
 
     DeepSpeed's keywords: `enabled=False` builds eagerly; `config_dict_or_path` is validated now;
