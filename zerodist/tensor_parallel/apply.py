@@ -9,6 +9,7 @@ layers) is left as it is, after checking its degree.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -43,9 +44,11 @@ def _is_demo_gpt(model: nn.Module) -> bool:
     return isinstance(model, GPT)
 
 
+TENSOR_PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+
+
 def _existing_degree(model: nn.Module) -> int | None:
-    sizes = {m.region.size for m in model.modules()
-             if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))}
+    sizes = {m.region.size for m in model.modules() if isinstance(m, TENSOR_PARALLEL_LAYERS)}
     if len(sizes) > 1:
         raise PlanError(f"the model holds tensor-parallel layers of several degrees {sorted(sizes)}")
     return sizes.pop() if sizes else None
@@ -67,8 +70,13 @@ def choose_plan(model: nn.Module, settings: TensorParallelSettings, rng: RNGTrac
                     "zerodist.tensor_parallel.parallelize(model, plan, topology) before initialize()")
 
 
-def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: TensorParallelSettings) -> nn.Module:
-    """Parallelize `model` over `topology`'s tensor axis (in place) and return it."""
+def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: TensorParallelSettings, *,
+                          conversion: contextlib.AbstractContextManager[Any] | None = None) -> nn.Module:
+    """Parallelize `model` over `topology`'s tensor axis (in place) and return it.
+
+    `conversion` surrounds the swapping of layers (and nothing else): the engine passes ZeRO's
+    `continue_recording(model)` so that a model built under `zerodist.zero.Init()` has its slices
+    cut on the meta device and recorded, to be replayed when ZeRO materialises it."""
     existing = _existing_degree(model)
     if existing is not None:
         if existing != topology.size("tensor"):
@@ -85,7 +93,8 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
     rng = tensor_parallel_rng(topology, seed=torch.initial_seed())
     attach_rng_tracker(model, rng)
     plan, source = choose_plan(model, settings, rng)
-    parallelize(model, plan, topology, sequence_parallel=settings.sequence_parallel)
+    with conversion if conversion is not None else contextlib.nullcontext():
+        parallelize(model, plan, topology, sequence_parallel=settings.sequence_parallel)
     if settings.domino is not None:
         if settings.domino.overlap == "inter" and settings.sharded_parameters:
             raise PlanError("Domino's inter-layer overlap finishes a block's last reductions (bias, dropout) in the "
