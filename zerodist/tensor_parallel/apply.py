@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from zerodist.comm.topology import Topology
+from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from zerodist.tensor_parallel.domino import DominoConfig
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zerodist.tensor_parallel.plan import PlanError, parallelize, plan_from_deepspeed
@@ -44,7 +45,8 @@ def _is_demo_gpt(model: nn.Module) -> bool:
     return isinstance(model, GPT)
 
 
-TENSOR_PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+TENSOR_PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelConv1D,
+                          RowParallelConv1D)
 
 
 def _existing_degree(model: nn.Module) -> int | None:
