@@ -13,6 +13,7 @@ A plan maps module-name patterns (`fnmatch` globs over `named_modules()` names, 
 | `sequence_scatter` | `SequenceScatter()`   | any            | its output is split along the sequence (a positional embedding under sequence parallelism) |
 | `replicate`   | `Replicate()`              | any            | unchanged, replicated (the default for unnamed modules) |
 |               | `Replace(build)`           | any            | `build(module, region)`: a module the plan writes (e.g. head-parallel attention) |
+|               | `TiedHead(embedding)`      | `nn.Linear`    | an LM head tied to `embedding` (made `vocab`): shares its slice, logits gathered |
 
 Fused weights name their sub-parameters: `Colwise(fused=3)` (three equal parts: QKV) or
 `Colwise(fused=(q, k, v))`. `sequence_parallel=True` puts every colwise/rowwise/vocab layer in
@@ -176,7 +177,7 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     parent.register_module(child, new)
 
 
-def _tied_heads(model: nn.Module, matched: list[tuple[str, nn.Module, PlanEntry]]) -> set[int]:
+def _tied_heads(matched: list[tuple[str, nn.Module, PlanEntry]]) -> set[int]:
     """The ids of the parameters `TiedHead` entries keep tied, after checking each entry: the
     head's weight is its embedding's, and the plan makes that embedding `vocab`."""
     vocab = {name: module for name, module, entry in matched if isinstance(entry, Vocab)}
@@ -198,7 +199,7 @@ def _tied_heads(model: nn.Module, matched: list[tuple[str, nn.Module, PlanEntry]
 
 
 def _check_ties(model: nn.Module, matched: list[tuple[str, nn.Module, PlanEntry]]) -> None:
-    kept = _tied_heads(model, matched)
+    kept = _tied_heads(matched)
     seen: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen and id(param) not in kept and any(
