@@ -1,0 +1,119 @@
+"""Where a training step's memory goes, on one rank (used by train_bench.py's phase 1).
+
+Resident set size (RSS) is read from /proc/self/status: `VmRSS` now and `VmHWM`, its high-water
+mark, which writing "5" to /proc/self/clear_refs resets (Linux 4.0+), so that the peak of the
+training steps is not the peak of building the model. One extra step then splits that peak:
+
+- baseline: RSS before the model is built (interpreter, torch, the framework's own imports,
+  the process group, the benchmark's batches);
+- model states: parameters, gradients and optimizer state that live between steps (zerodist: its
+  own accounting, `engine.model_state_bytes()`; others: the distinct tensor storages reachable from
+  them, see train_bench.py);
+- activations: the distinct storages autograd saved for backward during the forward
+  (`torch.autograd.graph.saved_tensors_hooks`), parameters excluded, at the end of the forward;
+- gathered parameters: parameter storage that exists only during the step (stage 3's all-gathered
+  units, FSDP2's unsharded parameters, DeepSpeed's gathered partitions): the distinct storages the
+  module's parameters point at, less those they pointed at between steps; the largest seen at any
+  saved-tensor pack (forward) or unpack (backward);
+- gradient staging (zerodist): the buckets' transient full-size gradient buffers (stages 2-3)
+  that are reduce-scattered into the shard, the largest seen at those same points;
+- the rest: the training peak less all of the above (autograd's gradients before they reach a
+  bucket, temporaries of the kernels, the allocator's free but unreturned memory).
+
+Sampling at pack/unpack points misses buffers that live only between two of them; the rest says
+how much is not explained.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_STATUS_FIELD = re.compile(r"^(VmRSS|VmHWM):\s+(\d+) kB", re.MULTILINE)
+
+
+def rss_status() -> dict[str, int]:
+    """{"VmRSS": bytes now, "VmHWM": peak bytes since start or the last reset}."""
+    with open("/proc/self/status") as status:
+        return {name: int(kib) * 1024 for name, kib in _STATUS_FIELD.findall(status.read())}
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _local(tensor: Any) -> Any:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # DTensor: this rank's shard
+
+
+def parameter_storages(module: Any) -> dict[int, int]:
+    """data_ptr -> bytes of the distinct storages `module`'s parameters point at now."""
+    from zerodist.zero.sharded_access import suspended
+
+    storages = {}
+    with suspended():  # reading a ZeRO-3 placeholder's (one-element) storage between steps is allowed here
+        for param in module.parameters():
+            storage = _local(param).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return storages
+
+
+def staging_bytes(trainer: Any) -> int:
+    """Bytes of zerodist's transient gradient staging buffers alive now (0 for other frameworks)."""
+    zero_state = getattr(getattr(trainer, "engine", None), "zero_state", None)
+    if zero_state is None:
+        return 0
+    total = 0
+    for group in zero_state.groups:
+        for bucket in group.buckets:
+            staging = getattr(bucket, "staging", None)
+            if staging is not None:
+                total += staging.numel() * staging.element_size()
+    return total
+
+
+class StepSampler:
+    """Samples the transient memory of one step at every saved-tensor pack and unpack."""
+
+    def __init__(self, trainer: Any):
+        self.trainer, self.module = trainer, trainer.model
+        self.between_steps = set(parameter_storages(self.module))
+        self.activations: dict[int, int] = {}  # storage data_ptr -> bytes, parameters excluded
+        self.gathered_peak = self.staging_peak = 0
+
+    def sample(self) -> dict[int, int]:
+        params = parameter_storages(self.module)
+        gathered = sum(n for ptr, n in params.items() if ptr not in self.between_steps)
+        self.gathered_peak = max(self.gathered_peak, gathered)
+        self.staging_peak = max(self.staging_peak, staging_bytes(self.trainer))
+        return params
+
+    def pack(self, tensor: Any) -> Any:
+        params = self.sample()
+        storage = _local(tensor).untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params and ptr not in self.between_steps:
+            self.activations[ptr] = storage.nbytes()
+        return tensor
+
+    def unpack(self, tensor: Any) -> Any:
+        self.sample()
+        return tensor
+
+
+def measure_step(trainer: Any, inputs: Any, targets: Any) -> dict[str, int]:
+    """Run one training step and return its transient memory by kind (see the module docstring)."""
+    import torch
+
+    sampler = StepSampler(trainer)
+    with torch.autograd.graph.saved_tensors_hooks(sampler.pack, sampler.unpack):
+        loss = trainer.forward(inputs, targets)
+    activations = sum(sampler.activations.values())
+    trainer.finish(loss)
+    return {"activations": activations, "gathered_params": sampler.gathered_peak, "grad_staging": sampler.staging_peak}
