@@ -5,7 +5,9 @@ mark, which writing "5" to /proc/self/clear_refs resets (Linux 4.0+), so that th
 training steps is not the peak of building the model. One extra step then splits that peak:
 
 - baseline: RSS before the model is built (interpreter, torch, the framework's own imports,
-  the process group, the benchmark's batches);
+  the process group, the benchmark's batches), after one plain training step of a tiny GPT
+  (`warm_up_kernels`), so that the code pages and thread pools any first step brings in are
+  counted here and not in the rest;
 - model states: parameters, gradients and optimizer state that live between steps (zerodist: its
   own accounting, `engine.model_state_bytes()`; others: the distinct tensor storages reachable from
   them, see train_bench.py);
@@ -46,6 +48,20 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def warm_up_kernels() -> None:
+    """One plain forward, backward, clip and AdamW step of the tiny GPT (freed afterwards)."""
+    import torch
+
+    from zerodist.models import GPT, gpt_config
+
+    model = GPT(gpt_config("tiny"))
+    optimizer = torch.optim.AdamW(model.parameters())
+    tokens = torch.randint(0, model.config.vocab_size, (2, model.config.seq_len))
+    model(tokens, tokens).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
 
 
 def _local(tensor: Any) -> Any:

@@ -56,7 +56,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from memory_breakdown import measure_step, reset_peak_rss, rss_status
+from memory_breakdown import measure_step, reset_peak_rss, rss_status, warm_up_kernels
 from ranks import free_port, run_ranks
 from train_bench_report import add_ratios, markdown, summarize_interleaved
 
@@ -377,6 +377,7 @@ def train_isolated(run: Run, size: Size) -> dict[str, Any]:
     import_framework(run.framework)
     num_steps = size.warmup_steps + size.timed_steps + 2  # + the memory breakdown's and the profiled step
     batches = [rank_slice(b, rank, size.micro_batch) for b in global_batches(size, num_steps)]
+    warm_up_kernels()
     baseline_rss = rss_status()["VmRSS"]
     torch.manual_seed(SEED)
     model = GPT(size.gpt_config())
