@@ -1,7 +1,7 @@
 """train_bench.py's rows into medians, ratios and markdown tables (pure functions over the rows).
 
 A row is one configuration at one size: phase 1's fields (`isolated_ms`, `state_bytes`,
-`peak_rss`, `memory`, `gloo_ops`, `gloo_ms`, `tracer`, `final_loss`) when it ran, and `runs`,
+`peak_rss`, `memory`, `gloo_ops`, `gloo_in_flight_ms`, `tracer`, `final_loss`) when it ran, and `runs`,
 one entry per interleaved run with each rank's per-step samples in seconds (`wall`, `cpu`,
 `idle`, `blocked`; `blocked` is None for frameworks other than zerodist) or an `error`.
 """
@@ -144,15 +144,15 @@ def step_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def alone_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["| framework | stage | alone ms | model state / rank (MiB) | peak RSS / rank, build; train (MiB) "
-             "| gloo ms in one step (r0) | collectives per step (rank 0) | final loss |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| collectives per step (rank 0) | final loss |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "isolated_ms" not in r:
-            lines.append(f"| {r['framework']} | {r['stage']} | {r.get('error', 'not run')} | | | | | |")
+            lines.append(f"| {r['framework']} | {r['stage']} | {r.get('error', 'not run')} | | | | |")
             continue
         peaks = " / ".join(f"{mib(m['init_peak'])}; {mib(m['train_peak'])}" for m in r["memory"])
         lines.append(f"| {r['framework']} | {r['stage']} | {r['isolated_ms']:.1f} | "
-                     f"{' / '.join(mib(b) for b in r['state_bytes'])} | {peaks} | {r['gloo_ms']:.0f} | "
+                     f"{' / '.join(mib(b) for b in r['state_bytes'])} | {peaks} | "
                      f"{comm_cell(r)} | {r['final_loss']:.4f} |")
     return lines
 
