@@ -20,7 +20,11 @@ training steps is not the peak of building the model. One extra step then splits
 - gradient staging (zerodist): the buckets' transient full-size gradient buffers (stages 2-3)
   that are reduce-scattered into the shard, the largest seen at those same points;
 - the rest: the training peak less all of the above (autograd's gradients before they reach a
-  bucket, temporaries of the kernels, the allocator's free but unreturned memory).
+  bucket, temporaries of the kernels, the allocator's free but unreturned memory). To tell live
+  memory from memory malloc holds but has not handed out, the largest heap in use (glibc
+  `mallinfo2()`, zerodist.debug.memory.heap_in_use) at the same points is recorded above its
+  value at the baseline: `heap_peak`. The training peak less the baseline less that is memory
+  the allocator kept (free lists, fragmentation) or that lived only between two samples.
 
 Sampling at pack/unpack points misses buffers that live only between two of them; the rest says
 how much is not explained.
@@ -30,6 +34,8 @@ from __future__ import annotations
 
 import re
 from typing import Any
+
+from zerodist.debug.memory import heap_in_use
 
 _STATUS_FIELD = re.compile(r"^(VmRSS|VmHWM):\s+(\d+) kB", re.MULTILINE)
 
@@ -101,9 +107,10 @@ class StepSampler:
         self.trainer, self.module = trainer, trainer.model
         self.between_steps = set(parameter_storages(self.module))
         self.activations: dict[int, int] = {}  # storage data_ptr -> bytes, parameters excluded
-        self.gathered_peak = self.staging_peak = 0
+        self.gathered_peak = self.staging_peak = self.heap_peak = 0
 
     def sample(self) -> dict[int, int]:
+        self.heap_peak = max(self.heap_peak, heap_in_use() or 0)
         params = parameter_storages(self.module)
         gathered = sum(n for ptr, n in params.items() if ptr not in self.between_steps)
         self.gathered_peak = max(self.gathered_peak, gathered)
@@ -132,4 +139,5 @@ def measure_step(trainer: Any, inputs: Any, targets: Any) -> dict[str, int]:
         loss = trainer.forward(inputs, targets)
     activations = sum(sampler.activations.values())
     trainer.finish(loss)
-    return {"activations": activations, "gathered_params": sampler.gathered_peak, "grad_staging": sampler.staging_peak}
+    return {"activations": activations, "gathered_params": sampler.gathered_peak, "grad_staging": sampler.staging_peak,
+            "heap_peak": sampler.heap_peak}

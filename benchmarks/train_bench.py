@@ -58,6 +58,7 @@ from typing import Any
 
 from memory_breakdown import measure_step, reset_peak_rss, rss_status, warm_up_kernels
 from ranks import free_port, run_ranks
+from zerodist.debug.memory import heap_in_use
 from train_bench_report import add_ratios, markdown, summarize_interleaved
 
 BUCKET_MB = 25
@@ -380,7 +381,7 @@ def train_isolated(run: Run, size: Size) -> dict[str, Any]:
     num_steps = size.warmup_steps + size.timed_steps + 2  # + the memory breakdown's and the profiled step
     batches = [rank_slice(b, rank, size.micro_batch) for b in global_batches(size, num_steps)]
     warm_up_kernels()
-    baseline_rss = rss_status()["VmRSS"]
+    baseline_rss, baseline_heap = rss_status()["VmRSS"], heap_in_use() or 0
     torch.manual_seed(SEED)
     model = GPT(size.gpt_config())
     num_parameters = sum(p.numel() for p in model.parameters())  # before stage 3 empties them
@@ -400,6 +401,7 @@ def train_isolated(run: Run, size: Size) -> dict[str, Any]:
     state_bytes = trainer.state_bytes()
     memory = {"baseline": baseline_rss, "init_peak": init_peak, "train_peak": train_peak,
               "peak_was_reset": peak_was_reset, "model_states": state_bytes, **measure_step(trainer, *batches[-2])}
+    memory["heap_peak"] -= baseline_heap
     loss, gloo_ops, gloo_ms = profiled_step(trainer, batches[-1])
     losses.append(loss)  # (the breakdown step's loss is not returned; its step still trains)
     result = {"rank": rank, "step_times": times, "losses": losses, "state_bytes": state_bytes,

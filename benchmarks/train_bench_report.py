@@ -158,15 +158,19 @@ def alone_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def memory_parts(memory: dict[str, int]) -> dict[str, int]:
-    """The training peak's parts; `rest` is what they do not explain."""
+    """The training peak's parts; `rest` is what they do not explain, and `allocator_held` the part
+    of the peak above the baseline that was not in use by the heap at any sample (memory_breakdown.py)."""
     parts = {key: memory[key] for key in ("baseline", "model_states", "activations", "gathered_params", "grad_staging")}
-    return {**parts, "rest": memory["train_peak"] - sum(parts.values())}
+    above_baseline = memory["train_peak"] - memory["baseline"]
+    return {**parts, "rest": memory["train_peak"] - sum(parts.values()),
+            "allocator_held": above_baseline - memory.get("heap_peak", above_baseline)}
 
 
 def memory_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["| framework | stage | training peak RSS | baseline | model states | activations | gathered params "
-             "| gradient staging | rest | vs DeepSpeed, same stage (peak / peak less baseline) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| gradient staging | rest | of which held by the allocator | vs DeepSpeed, same stage "
+             "(peak / peak less baseline) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "memory" not in r:
             continue
@@ -178,7 +182,7 @@ def memory_table(rows: list[dict[str, Any]]) -> list[str]:
             versus = (f"{memory['train_peak'] / theirs['train_peak']:.2f}x / "
                       f"{(memory['train_peak'] - memory['baseline']) / (theirs['train_peak'] - theirs['baseline']):.2f}x")
         cells = " | ".join(mib(parts[key]) for key in ("baseline", "model_states", "activations", "gathered_params",
-                                                          "grad_staging", "rest"))
+                                                          "grad_staging", "rest", "allocator_held"))
         lines.append(f"| {r['framework']} | {r['stage']} | {mib(memory['train_peak'])} | {cells} | {versus} |")
     return lines
 
