@@ -15,8 +15,11 @@ training steps is not the peak of building the model. One extra step then splits
   (`torch.autograd.graph.saved_tensors_hooks`), parameters excluded, at the end of the forward;
 - gathered parameters: parameter storage that exists only during the step (stage 3's all-gathered
   units, FSDP2's unsharded parameters, DeepSpeed's gathered partitions): the distinct storages the
-  module's parameters point at, less those they pointed at between steps; the largest seen at any
-  saved-tensor pack (forward) or unpack (backward);
+  module's parameters point at, less those they pointed at between steps, together with those
+  that autograd still holds because a parameter was saved for backward (a Linear saves its weight,
+  which keeps a resharded unit's gathered storage alive until backward) and, for zerodist, its
+  stage-3 groups' full buffers (prefetched ones included); the largest seen at any saved-tensor
+  pack (forward) or unpack (backward);
 - gradient staging (zerodist): the buckets' transient full-size gradient buffers (stages 2-3)
   that are reduce-scattered into the shard, the largest seen at those same points;
 - the rest: the training peak less all of the above (autograd's gradients before they reach a
@@ -33,6 +36,7 @@ how much is not explained.
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Any
 
 from zerodist.debug.memory import heap_in_use
@@ -86,18 +90,25 @@ def parameter_storages(module: Any) -> dict[int, int]:
     return storages
 
 
+def _zero_groups(trainer: Any) -> list[Any]:
+    zero_state = getattr(getattr(trainer, "engine", None), "zero_state", None)
+    return list(getattr(zero_state, "groups", []))
+
+
+def _nbytes(tensor: Any) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
 def staging_bytes(trainer: Any) -> int:
     """Bytes of zerodist's transient gradient staging buffers alive now (0 for other frameworks)."""
-    zero_state = getattr(getattr(trainer, "engine", None), "zero_state", None)
-    if zero_state is None:
-        return 0
-    total = 0
-    for group in zero_state.groups:
-        for bucket in group.buckets:
-            staging = getattr(bucket, "staging", None)
-            if staging is not None:
-                total += staging.numel() * staging.element_size()
-    return total
+    return sum(_nbytes(getattr(bucket, "staging", None)) for group in _zero_groups(trainer) for bucket in group.buckets)
+
+
+def unsharded_storages(trainer: Any) -> dict[int, int]:
+    """data_ptr -> bytes of zerodist's stage-3 full parameter buffers alive now, those still being
+    gathered (prefetched, not yet pointed at by the parameters) included; empty for other frameworks."""
+    buffers = [g.param_buffer for g in _zero_groups(trainer) if g.policy.shard_parameters and g.param_buffer is not None]
+    return {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in buffers}
 
 
 class StepSampler:
@@ -107,13 +118,18 @@ class StepSampler:
         self.trainer, self.module = trainer, trainer.model
         self.between_steps = set(parameter_storages(self.module))
         self.activations: dict[int, int] = {}  # storage data_ptr -> bytes, parameters excluded
+        # Parameters saved for backward (a Linear saves its weight): after a unit is resharded they
+        # keep its gathered storage alive until backward releases them. Weak: alive as long as autograd holds them.
+        self.saved_params: list[tuple[weakref.ref[Any], int, int]] = []
         self.gathered_peak = self.staging_peak = self.heap_peak = 0
 
     def sample(self) -> dict[int, int]:
         self.heap_peak = max(self.heap_peak, heap_in_use() or 0)
         params = parameter_storages(self.module)
-        gathered = sum(n for ptr, n in params.items() if ptr not in self.between_steps)
-        self.gathered_peak = max(self.gathered_peak, gathered)
+        gathered = {ptr: n for ptr, n in params.items() if ptr not in self.between_steps}
+        gathered.update((ptr, n) for ref, ptr, n in self.saved_params if ref() is not None)
+        gathered.update(unsharded_storages(self.trainer))
+        self.gathered_peak = max(self.gathered_peak, sum(gathered.values()))
         self.staging_peak = max(self.staging_peak, staging_bytes(self.trainer))
         return params
 
@@ -121,7 +137,9 @@ class StepSampler:
         params = self.sample()
         storage = _local(tensor).untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in params and ptr not in self.between_steps:
+        if ptr in params and ptr not in self.between_steps:
+            self.saved_params.append((weakref.ref(tensor), ptr, storage.nbytes()))
+        elif ptr not in params and ptr not in self.between_steps:
             self.activations[ptr] = storage.nbytes()
         return tensor
 
