@@ -90,6 +90,17 @@ def parameter_storages(module: Any) -> dict[int, int]:
     return storages
 
 
+def _still_at(tensor: Any, ptr: int) -> bool:
+    """Whether a saved tensor is alive and still on the storage it was saved with (a parameter
+    saved as itself follows its `.data` when the unit is resharded; a view of it does not)."""
+    from zerodist.zero.sharded_access import suspended
+
+    if tensor is None:
+        return False
+    with suspended():
+        return _local(tensor).untyped_storage().data_ptr() == ptr
+
+
 def _zero_groups(trainer: Any) -> list[Any]:
     zero_state = getattr(getattr(trainer, "engine", None), "zero_state", None)
     return list(getattr(zero_state, "groups", []))
@@ -127,7 +138,7 @@ class StepSampler:
         self.heap_peak = max(self.heap_peak, heap_in_use() or 0)
         params = parameter_storages(self.module)
         gathered = {ptr: n for ptr, n in params.items() if ptr not in self.between_steps}
-        gathered.update((ptr, n) for ref, ptr, n in self.saved_params if ref() is not None)
+        gathered.update((ptr, n) for ref, ptr, n in self.saved_params if _still_at(ref(), ptr))
         gathered.update(unsharded_storages(self.trainer))
         self.gathered_peak = max(self.gathered_peak, sum(gathered.values()))
         self.staging_peak = max(self.staging_peak, staging_bytes(self.trainer))
