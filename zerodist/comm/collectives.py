@@ -54,7 +54,12 @@ class CommHandle:
     def wait(self) -> torch.Tensor | None:
         """Block until the collective is done; returns the result tensor. Safe to call twice."""
         if self._work is not None:
-            self._work.wait()
+            if tracer.blocked_meters:  # [Note: blocked time] in tracer.py
+                start = tracer.now()
+                self._work.wait()
+                tracer.add_blocked(tracer.now() - start)
+            else:
+                self._work.wait()
             self._work = None
             if self._after_wait is not None:
                 self._after_wait()
@@ -82,6 +87,8 @@ def _issue(
     if pre_collective_hooks:
         for hook in pre_collective_hooks:
             hook(op_name, tensor, group)
+    if tracer.blocked_meters and not async_op:
+        launch = _metered(launch)
     if not tracer.active_traces:
         if not _profiler_enabled():  # the common case: no label, no tracing, just the call
             work = launch(async_op)
@@ -102,8 +109,28 @@ def _issue(
             work.wait()
     if tensor is not None and tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
-    tracer.record(op_name, tensor, numel, group_size, tracer.now() - start)
+    duration = tracer.now() - start
+    tracer.record(op_name, tensor, numel, group_size, duration)
+    if tracer.blocked_meters:  # a timed trace makes every collective block where it is issued
+        tracer.add_blocked(duration)
     return CommHandle(tensor, None, after_wait)
+
+
+def _metered(launch: Callable[[bool], Any]) -> Callable[[bool], Any]:
+    """`launch`, adding the time a synchronous call blocks to the active meters ([Note: blocked
+    time] in tracer.py). Called asynchronously (only by a timed trace, which meters the whole
+    collective itself) it adds nothing."""
+
+    def metered(async_op: bool) -> Any:
+        if async_op:
+            return launch(async_op)
+        start = tracer.now()
+        try:
+            return launch(async_op)
+        finally:
+            tracer.add_blocked(tracer.now() - start)
+
+    return metered
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> CommHandle:
