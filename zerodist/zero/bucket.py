@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
+from zerodist.comm import collectives
 from zerodist.zero.layout import BucketSpan, ParamSlot
 
 
@@ -153,7 +154,8 @@ class Bucket:
         if self.plan.use_reduce_scatter:
             direct = self.plan.persistent_full_grad or not self.accumulated
             out = self.grad_owned if direct else torch.empty_like(self.grad_owned)
-            handle = comm.reduce_scatter(out, source, group=self.group, async_op=True)
+            # the full buffer is scratch once reduced: stages 2/3 free it, stages 0/1 read only grad_owned
+            handle = collectives.reduce_scatter(out, source, group=self.group, async_op=True, input_is_scratch=True)
         else:
             handle = comm.all_reduce(source, group=self.group, async_op=True)
             out = source[lo: lo + self.span.shard_numel]
