@@ -231,7 +231,8 @@ def _engine_gradients(engine: Any, atol: float, reference: GradSyncWatch | None,
         params = compare_replicated(named, group, atol=atol)
         method = "ZeRO stage 0: the reduced gradient is replicated, compared " + _how(atol)
     cleared = not any(grp.holds_gradients() for grp in state.groups)
-    note = "no gradient since the last optimizer step: called after engine.step(), which clears them?" if cleared else ""
+    note = ("no gradient since the last optimizer step: called after engine.step(), which clears them?"
+            if cleared else "")
     return SyncReport("gradients", method, tuple(group_ranks(group)), params, note)
 
 
