@@ -328,3 +328,28 @@ def _return_rank_and_sum(offset):
 
 def test_harness_returns_each_ranks_value():
     assert run_distributed(_return_rank_and_sum, 2, 1) == [(0, 3.0), (1, 3.0)]
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+@distributed_test(world_size=[2, 4])
+def test_reduce_scatter_of_a_scratch_input_is_the_same_reduce_scatter(async_op):
+    """[Note: gloo reduce-scatter]: a scratch input is all-reduced in place on gloo; the result is
+    bitwise the plain reduce-scatter's, into a separate output or into the input's own slice, with
+    AVG too, and the tracer still sees one reduce-scatter of the input's size."""
+    from zerodist.comm import collectives
+
+    rank, n = comm.get_rank(), comm.get_world_size()
+    values = torch.randn(n * 192, generator=torch.Generator().manual_seed(rank))
+    for op in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
+        expected = torch.empty(192)
+        collectives.reduce_scatter(expected, values.clone(), op=op)
+        out = torch.empty(192)
+        with comm.trace() as t:
+            handle = collectives.reduce_scatter(out, values.clone(), op=op, async_op=async_op, input_is_scratch=True)
+            assert handle.wait() is out
+        assert torch.equal(out, expected)
+        assert t.summary()["reduce_scatter"].count == 1 and t.summary()["reduce_scatter"].num_bytes == n * 192 * 4
+        scratch = values.clone()
+        own = scratch[rank * 192: (rank + 1) * 192]  # the output is the input's own slice (ZeRO-1's buffer)
+        collectives.reduce_scatter(own, scratch, op=op, async_op=async_op, input_is_scratch=True).wait()
+        assert torch.equal(own, expected)

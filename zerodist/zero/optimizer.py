@@ -97,6 +97,7 @@ class ZeroOptimizer:
         return values[0], values[1] > 0
 
     def step(self) -> StepResult:
+        self.reducer.settle_gradients()
         squares, overflow = self._reduce_step_stats()
         if overflow:
             self.scaler.update(True)
