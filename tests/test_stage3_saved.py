@@ -86,7 +86,7 @@ def test_no_reuse_bitwise_equal_to_stage_0_and_full_reuse():
 class CheckpointedBlock(nn.Module):
     """A unit whose MLP is activation-checkpointed inside its own forward."""
 
-    def __init__(self, dim: int, whole: bool = False):
+    def __init__(self, dim: int):
         super().__init__()
         self.norm, self.up, self.down = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
 

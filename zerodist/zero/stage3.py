@@ -286,11 +286,10 @@ class Stage3Runtime:
             self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
             self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
             if unit.index not in self.kept:  # freed after forward: [Note: saved parameter views]
-                views = SavedParameterViews(self, unit)
-                self._handles.append(unit.module.register_forward_pre_hook(
-                    lambda module, args, views=views, unit=unit: views.enter(unit)))
-                self._handles.append(unit.module.register_forward_hook(
-                    lambda module, args, output, views=views: views.leave(), always_call=True))
+                views = SavedParameterViews(self, unit)  # its pre-hook runs after the gather above
+                self._handles.append(unit.module.register_forward_pre_hook(lambda _m, _a, v=views, u=unit: v.enter(u)))
+                self._handles.append(unit.module.register_forward_hook(lambda _m, _a, _o, v=views: v.leave(),
+                                                                       always_call=True))
         for unit in units:
             for group_ in unit.groups:
                 for param in group_.params:
