@@ -44,6 +44,7 @@ import zerodist.comm as comm
 from zerodist.zero import sharded_access
 from zerodist.zero.bucket import Bucket
 from zerodist.zero.flat_group import FlatParamGroup
+from zerodist.zero.saved_params import SavedParameterViews
 
 DEFAULT_UNIT_FRACTION = 0.05
 
@@ -284,6 +285,11 @@ class Stage3Runtime:
         for unit in self.order:
             self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
             self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+            if unit.index not in self.kept:  # freed after forward: [Note: saved parameter views]
+                views = SavedParameterViews(self, unit)  # its pre-hook runs after the gather above
+                self._handles.append(unit.module.register_forward_pre_hook(lambda _m, _a, v=views, u=unit: v.enter(u)))
+                self._handles.append(unit.module.register_forward_hook(lambda _m, _a, _o, v=views: v.leave(),
+                                                                       always_call=True))
         for unit in units:
             for group_ in unit.groups:
                 for param in group_.params:
