@@ -30,11 +30,23 @@ back, or off only when the outermost `suspended()` block is left (see [Note: mod
 never from a garbage-collection callback: code such as `torch.device.__exit__` pops the stack
 by position. When a group is collected its entries go at once; with no entry left the mode
 passes every call straight through until the next engine call takes it off the stack.
+
+[Note: parameters being gathered] Stages 1-2 (and stage 3's persistent groups) all-gather the
+updated parameters at the end of `step()` asynchronously and wait for each group only where the
+next forward first uses it ([Note: overlapped parameter gather] in param_gather.py). Until then
+the group's flat buffer is being written by the collective, so every other reader must wait
+first. The same mode does it: a group registers its buffer's address range while its gather is
+pending (`PendingWrite`), and a call whose arguments (looked at as for the check above) include a
+tensor whose first element lies in a pending range finishes that group's gather before the call
+runs; metadata (`ALLOWED`) does not wait. So `print(model.fc.weight.sum())` or
+`torch.save(model.state_dict())` between `step()` and the next forward see the gathered values.
+A pending range holds its waiter (the collective's handles), never the group.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -52,6 +64,16 @@ class _Entry(NamedTuple):
 
 
 _ENTRIES: dict[int, _Entry] = {}
+
+
+class _Range(NamedTuple):
+    start: int  # first byte of a flat buffer being written by a pending collective
+    end: int  # one past its last byte
+    finish: Callable[[], None]  # waits for the collective (and unregisters the range)
+
+
+# Pending writes by id of their registration ([Note: parameters being gathered]); a handful at most.
+_PENDING: dict[int, _Range] = {}
 
 
 def placeholders(shapes: list[tuple[int, ...]], dtype: torch.dtype,
@@ -83,6 +105,53 @@ class Registration:
 
 def num_registered() -> int:
     return len(_ENTRIES)
+
+
+class PendingWrite:
+    """One flat buffer being written by a pending collective: while registered, a torch call (outside
+    the engine's own work) that uses a tensor inside it calls `finish` first."""
+
+    def __init__(self, buffer: torch.Tensor, finish: Callable[[], None]):
+        start = buffer.data_ptr()
+        _PENDING[id(self)] = _Range(start, start + buffer.numel() * buffer.element_size(), finish)
+
+    def clear(self) -> None:
+        _PENDING.pop(id(self), None)
+
+
+def num_pending() -> int:
+    return len(_PENDING)
+
+
+def _active() -> bool:
+    """Whether the mode has anything to do: placeholders to refuse or buffers being written."""
+    return bool(_ENTRIES or _PENDING)
+
+
+def _pending_of(args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any] | None, nested: bool = True) -> _Range | None:
+    """The pending range holding the first element of a tensor among `args` (looked at as `_find` does)."""
+    for arg in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(arg, torch.Tensor):
+            address = _address(arg)
+            for pending in _PENDING.values():
+                if address is not None and pending.start <= address < pending.end:
+                    return pending
+        elif nested and (type(arg) is list or type(arg) is tuple):
+            found = _pending_of(arg, None, False)
+            if found is not None:
+                return found
+    return None
+
+
+def _address(tensor: torch.Tensor) -> int | None:
+    """The tensor's first element's address; None without storage (sparse, mkldnn, a wrapper)."""
+    try:
+        if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:
+            return tensor.data_ptr()
+        with torch._C.DisableTorchFunctionSubclass():
+            return tensor.data_ptr()
+    except RuntimeError:
+        return None
 
 
 def _entry_of(tensor: torch.Tensor) -> _Entry | None:
@@ -155,9 +224,15 @@ def _what(func: Any) -> str:
 
 
 class ShardedAccessCheck(TorchFunctionMode):
-    """Raises `ShardedParameterError` when a call uses a registered placeholder's values."""
+    """Raises `ShardedParameterError` when a call uses a registered placeholder's values, and waits
+    for a pending gather before a call uses the buffer it writes ([Note: parameters being gathered])."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        while _PENDING and func not in ALLOWED:  # a call may use several groups being gathered
+            pending = _pending_of(args, kwargs)
+            if pending is None:
+                break
+            pending.finish()
         if _ENTRIES:
             entry = _find(args, kwargs)
             if entry is not None and func not in ALLOWED:
@@ -222,8 +297,8 @@ _STATE = _ThreadState()
 class suspended:  # noqa: N801 - used as a context manager, like torch.no_grad
     """Take the check off the stack inside the block (zerodist's own work: the engine's forward,
     backward and step, `initialize()`). Leaving the outermost block is a safe point: the check
-    goes back where it was if parameters are registered, is installed if it was not there yet,
-    and stays off if none are registered (see [Note: mode stack])."""
+    goes back where it was if parameters are registered (or gathers pending), is installed if it
+    was not there yet, and stays off if none are (see [Note: mode stack])."""
 
     def __enter__(self) -> None:
         state = _STATE
@@ -243,11 +318,12 @@ class suspended:  # noqa: N801 - used as a context manager, like torch.no_grad
             return
         removed, state.removed = state.removed, None
         length = torch._C._len_torch_function_stack()
-        if _ENTRIES and removed == (0, []) and length == 0:
+        active = _active()
+        if active and removed == (0, []) and length == 0:
             torch._C._push_on_torch_function_stack(_MODE)  # the usual case again
             return
         stack = _stack()
-        if not _ENTRIES:
+        if not active:
             _remove(stack)
         elif removed is not None and stack == removed[1]:
             index, rest = removed
