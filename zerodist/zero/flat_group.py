@@ -369,7 +369,8 @@ class FlatParamGroup:
 
     @property
     def is_gathering_params(self) -> bool:
-        return self.pending_gather is not None
+        """Whether the last step's gather is still to be waited for (by the group or the access check)."""
+        return self.pending_gather is not None and not self.pending_gather.done
 
     def start_gather_params(self) -> None:
         """Issue the all-gathers of every rank's updated shards into the full parameter buffer (async,
@@ -413,12 +414,13 @@ class PendingGather:
     holds the handles and the registration, never the group: should the group be dropped first, a
     reader still waits for the collective that writes the parameters' storage."""
 
-    __slots__ = ("handles", "registration", "blocked_s")
+    __slots__ = ("handles", "registration", "blocked_s", "done")
 
     def __init__(self, handles: list[comm.CommHandle], buffer: torch.Tensor):
         self.handles = handles
         self.registration = sharded_access.PendingWrite(buffer, self.wait)
         self.blocked_s = 0.0  # time spent blocked in wait(), for reports
+        self.done = False
 
     def wait(self) -> None:
         """Block until every all-gather is done; safe to call twice."""
@@ -428,6 +430,7 @@ class PendingGather:
             handle.wait()
         self.blocked_s += time.perf_counter() - started
         self.handles = []
+        self.done = True
 
 
 def _part_of(placement: Placement, domain_group: DomainGroup) -> tuple[int, int]:

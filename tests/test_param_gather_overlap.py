@@ -1,0 +1,186 @@
+"""Stages 1-2 overlap the updated parameters' all-gather with the next forward (overlap_comm):
+bitwise the same training as the synchronous gather, gathers issued in step() and waited for in
+the forward unit by unit, and every other reader (the user's own torch calls, checkpoints) waits
+first ([Note: overlapped parameter gather] in zerodist/zero/param_gather.py)."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+import torch
+
+import zerodist
+import zerodist.checkpoint as ckpt
+import zerodist.comm as comm
+from tests.harness import run_distributed
+from zerodist.models import GPT, GPTConfig
+from zerodist.zero import sharded_access
+from zerodist.zero.flat_group import PendingGather
+
+SEQ = 16
+
+
+def gpt_engine(stage: int, overlap: bool, gas: int = 1):
+    """A 3-block GPT whose blocks are units of their own (threshold 100: LayerNorms and biases are
+    persistent), so stages 1/2 gather root, per-block and persistent groups."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=SEQ, d_model=32, n_layers=3, n_heads=2))
+    config = {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage, "overlap_comm": overlap, "stage3_param_persistence_threshold": 100,
+                              "reduce_bucket_size": 2500, "allgather_bucket_size": 2500},
+    }
+    engine, _, _, _ = zerodist.initialize(model=model, config=config)
+    return engine
+
+
+def batch(step: int, rows: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + comm.get_rank())
+    tokens = torch.randint(0, 256, (rows, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_body(stage: int, overlap: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Three optimizer steps of two micro-steps each, an eval forward after every step."""
+    engine = gpt_engine(stage, overlap, gas=2)
+    assert engine.optimizer.param_gathers.overlap is overlap
+    assert len(engine.optimizer.param_gathers.groups) >= 5  # root, 3 blocks, persistent
+    losses = []
+    for step in range(3):
+        for micro in range(2):
+            x, y = batch(2 * step + micro)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.eval()
+        with torch.no_grad():
+            losses.append(engine(*batch(99)).item())
+        engine.train()
+    state = engine.module_state_dict()
+    engine.destroy()
+    return losses, state
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_overlap_on_and_off_train_bitwise_alike(stage):
+    on = run_distributed(train_body, 2, stage, True)
+    off = run_distributed(train_body, 2, stage, False)
+    for (losses_on, state_on), (losses_off, state_off) in zip(on, off):
+        assert losses_on == losses_off
+        assert state_on.keys() == state_off.keys()
+        for key in state_on:
+            assert torch.equal(state_on[key], state_off[key]), key
+
+
+def event_order_body(overlap: bool) -> tuple[int, int, list[tuple[str, str]]]:
+    engine = gpt_engine(2, overlap)
+    schedule = engine.optimizer.param_gathers
+    engine.backward(engine(*batch(0)))
+    with comm.trace() as trace:
+        engine.step()
+    issued = trace.count("all_gather")
+    pending_after_step = len(schedule.pending)
+    names = {id(g): g.records[0].name for g in schedule.groups}
+    events: list[tuple[str, str]] = []
+    original = PendingGather.wait
+    owner = {}
+
+    def recording_wait(self):
+        if self.handles:  # a real wait, not the second call of a finished one
+            events.append(("wait", owner[id(self)]))
+        original(self)
+
+    owner.update({id(g.pending_gather): names[id(g)] for g in schedule.pending})
+    units = [engine.module, *engine.module.blocks]
+    hooks = [m.register_forward_pre_hook(lambda m, a, i=i: events.append(("forward", f"unit {i}")))
+             for i, m in enumerate(units)]
+    PendingGather.wait = recording_wait
+    try:
+        engine(*batch(1))
+    finally:
+        PendingGather.wait = original
+        for hook in hooks:
+            hook.remove()
+    expected = []
+    if overlap:  # each unit's groups just before it runs: root and persistent first
+        for unit in range(len(units)):
+            expected += [("wait", names[id(g)]) for g in schedule.by_unit[unit]] + [("forward", f"unit {unit}")]
+    else:
+        expected = [("forward", f"unit {unit}") for unit in range(len(units))]
+    assert events == expected, events
+    assert not schedule.pending
+    engine.destroy()
+    return issued, pending_after_step, events
+
+
+def test_gathers_are_issued_in_step_and_waited_for_unit_by_unit_in_the_forward():
+    issued, pending, events = run_distributed(event_order_body, 2, True)[0]
+    assert issued >= 5 and pending >= 5
+    assert events[0][0] == "wait" and events[-1][0] == "forward"
+    issued_off, pending_off, _ = run_distributed(event_order_body, 2, False)[0]
+    assert issued_off == issued and pending_off == 0
+
+
+def direct_access_body(overlap: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    """Right after step(), before any forward: the user reads a parameter and saves the state dict.
+    Rank 1 issues its gathers 0.3 s late, so rank 0's are still in flight when it reads."""
+    engine = gpt_engine(1, overlap)
+    schedule = engine.optimizer.param_gathers
+    if comm.get_rank() == 1:
+        start = schedule.start
+
+        def late_start():
+            time.sleep(0.3)
+            start()
+        schedule.start = late_start  # our own object, not the user's
+    engine.backward(engine(*batch(0)))
+    engine.step()
+    weight = engine.module.blocks[2].mlp.fc_out.weight
+    total = weight.sum().item()  # what print(model...weight.sum()) shows
+    group = next(g for g in schedule.groups if any(p is weight for p in g.params))
+    assert not group.is_gathering_params  # the read waited for it
+    saved = io.BytesIO()
+    torch.save(engine.module.state_dict(), saved)
+    assert not schedule.pending and sharded_access.num_pending() == 0
+    engine.finish_param_gathers()
+    assert total == weight.sum().item()
+    saved.seek(0)
+    state = torch.load(saved)
+    engine.destroy()
+    return total, state
+
+
+def test_reading_parameters_between_step_and_forward_waits_for_the_gather():
+    on = run_distributed(direct_access_body, 2, True)
+    off = run_distributed(direct_access_body, 2, False)
+    for (total_on, state_on), (total_off, state_off) in zip(on, off):
+        assert total_on == total_off
+        for key in state_off:
+            assert torch.equal(state_on[key], state_off[key]), key
+
+
+def checkpoint_body(folder: str, overlap: bool) -> dict[str, torch.Tensor]:
+    engine = gpt_engine(2, overlap)
+    for step in range(2):
+        engine.backward(engine(*batch(step)))
+        engine.step()
+    if overlap:
+        assert engine.optimizer.param_gathers.pending
+    path = engine.save_checkpoint(folder, tag="right-after-step")
+    assert not engine.optimizer.param_gathers.pending
+    engine.destroy()
+    comm.barrier()
+    return ckpt.consolidate_checkpoint(path)
+
+
+def test_a_checkpoint_saved_right_after_step_equals_the_synchronous_one(tmp_path):
+    on = run_distributed(checkpoint_body, 2, str(tmp_path / "on"), True)[0]
+    off = run_distributed(checkpoint_body, 2, str(tmp_path / "off"), False)[0]
+    assert on.keys() == off.keys()
+    for key in on:
+        assert torch.equal(on[key], off[key]), key
