@@ -22,11 +22,28 @@ from zerodist.zero.flat_group import PendingGather
 SEQ = 16
 
 
-def gpt_engine(stage: int, overlap: bool, gas: int = 1):
+def small_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(seq_len=SEQ, d_model=32, n_layers=3, n_heads=2))
+
+
+class ReadsAhead(torch.nn.Module):
+    """A forward that reads the last block's weight before any block (and its pre-hook) runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = small_gpt()
+        self.seen: list[float] = []
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.gpt.blocks[2].mlp.fc_out.weight.sum().item())
+        return self.gpt(x, y)
+
+
+def gpt_engine(stage: int, overlap: bool, gas: int = 1, model: torch.nn.Module | None = None):
     """A 3-block GPT whose blocks are units of their own (threshold 100: LayerNorms and biases are
     persistent), so stages 1/2 gather root, per-block and persistent groups."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(seq_len=SEQ, d_model=32, n_layers=3, n_heads=2))
+    model = model if model is not None else small_gpt()
     config = {
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
@@ -126,18 +143,29 @@ def test_gathers_are_issued_in_step_and_waited_for_unit_by_unit_in_the_forward()
     assert issued_off == issued and pending_off == 0
 
 
-def direct_access_body(overlap: bool) -> tuple[float, dict[str, torch.Tensor]]:
-    """Right after step(), before any forward: the user reads a parameter and saves the state dict.
-    Rank 1 issues its gathers 0.3 s late, so rank 0's are still in flight when it reads."""
-    engine = gpt_engine(1, overlap)
+def start_late_on_rank_1(engine, after_root: bool = False) -> None:
+    """Rank 1 issues its gathers (`after_root`: those after the root's and the persistent ones)
+    0.3 s late, so rank 0's are still in flight when it reads."""
     schedule = engine.optimizer.param_gathers
     if comm.get_rank() == 1:
-        start = schedule.start
-
         def late_start():
+            first = schedule.by_unit[0] if after_root else []
+            for group in first:
+                group.start_gather_params()
             time.sleep(0.3)
-            start()
+            for group in schedule.groups:
+                if group not in first:
+                    group.start_gather_params()
+            if not schedule.overlap:
+                schedule.finish()
         schedule.start = late_start  # our own object, not the user's
+
+
+def direct_access_body(overlap: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    """Right after step(), before any forward: the user reads a parameter and saves the state dict."""
+    engine = gpt_engine(1, overlap)
+    schedule = engine.optimizer.param_gathers
+    start_late_on_rank_1(engine)
     engine.backward(engine(*batch(0)))
     engine.step()
     weight = engine.module.blocks[2].mlp.fc_out.weight
@@ -184,3 +212,19 @@ def test_a_checkpoint_saved_right_after_step_equals_the_synchronous_one(tmp_path
     assert on.keys() == off.keys()
     for key in on:
         assert torch.equal(on[key], off[key]), key
+
+
+def reads_ahead_body(overlap: bool) -> float:
+    model = ReadsAhead()
+    engine = gpt_engine(2, overlap, model=model)
+    start_late_on_rank_1(engine, after_root=True)
+    engine.backward(engine(*batch(0)))
+    engine.step()
+    engine(*batch(1))  # reads blocks.2's weight before blocks.2's pre-hook waited for it
+    assert model.seen[-1] == model.gpt.blocks[2].mlp.fc_out.weight.sum().item()
+    engine.destroy()
+    return model.seen[-1]
+
+
+def test_a_forward_reading_a_later_unit_first_waits_for_its_gather():
+    assert run_distributed(reads_ahead_body, 2, True) == run_distributed(reads_ahead_body, 2, False)

@@ -106,7 +106,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     # forward, backward and step run without the stage-3 access check: they gather what they use,
     # and a torch-function mode would cost every op (see [Note: sharded access check]).
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with sharded_access.suspended():
+        # Right after a step (stages 1/2) the forward waits for each unit's gather in its pre-hook, and
+        # a stray read of a buffer still being gathered waits too ([Note: overlapped parameter gather]).
+        with sharded_access.suspended(waiting=True):
             if self.policy.needs_master_copy:
                 args, kwargs = _cast_floating((args, kwargs), self.policy.param_dtype)
             return self.module(*args, **kwargs)

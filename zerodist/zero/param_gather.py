@@ -18,9 +18,9 @@ points and the next `step()` call `finish()`, `GatheredParameters` finishes its 
 and user code between `step()` and the next forward (`print(model.fc.weight.sum())`,
 `torch.save(model.state_dict())`) is made to wait by the access check, which is on the torch-function
 mode stack while a gather is pending ([Note: parameters being gathered] in sharded_access.py).
-The engine's forward runs without that check (it costs every torch call): a model whose forward
-reads a unit's parameters outside that unit's own forward, before it runs, must turn
-`overlap_comm` off.
+The engine's forward keeps that mode on while a gather is pending (`suspended(waiting=True)`), so a
+forward that reads a unit's parameters before that unit's pre-hook ran waits for them too; it costs
+a few microseconds per torch call of that forward, and nothing when no gather is pending.
 
 `overlap_comm: false` waits for every group at the end of `step()`, as before.
 """
@@ -47,12 +47,14 @@ class ParamGatherSchedule:
         `unit_modules[k - 1]`, None persistent. Only groups that gather parameters are kept. Without
         a model (no hooks to wait in) the gathers are waited for at once, whatever `overlap` says."""
         self.overlap = overlap and model is not None
-        self.groups = [g for _, g in groups if g.gathers_params]
         # unit -> its groups; the root's pre-hook also waits for the persistent ones (used everywhere)
         self.by_unit: dict[int, list[FlatParamGroup]] = {}
         for unit, group in groups:
             if group.gathers_params:
                 self.by_unit.setdefault(unit or 0, []).append(group)
+        # Issued in the order the forward waits: a backend completes one group's collectives in
+        # issue order (gloo), so waiting for a group issued last would wait for all of them.
+        self.groups = [g for unit in sorted(self.by_unit) for g in self.by_unit[unit]]
         self._handles: list[Any] = []
         if overlap and self.groups and model is not None:
             me = weakref.ref(self)  # the hooks live on the user's modules: they must not keep the groups alive
@@ -70,7 +72,8 @@ class ParamGatherSchedule:
         return sum(g.gather_blocked_s for g in self.groups)
 
     def start(self) -> None:
-        """Issue every group's all-gather (in group order); with overlap off, wait for them now."""
+        """Issue every group's all-gather (root and persistent first, then unit by unit); with
+        overlap off, wait for them now."""
         for group in self.groups:
             group.start_gather_params()
         if not self.overlap:

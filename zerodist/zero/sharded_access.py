@@ -233,7 +233,7 @@ class ShardedAccessCheck(TorchFunctionMode):
             if pending is None:
                 break
             pending.finish()
-        if _ENTRIES:
+        if _ENTRIES and not _STATE.placeholders_unchecked:
             entry = _find(args, kwargs)
             if entry is not None and func not in ALLOWED:
                 if func in _DESCRIBED:
@@ -289,6 +289,7 @@ def _remove(stack: list[Any]) -> tuple[int, list[Any]] | None:
 class _ThreadState(threading.local):
     depth = 0  # nesting of suspended()
     removed: tuple[int, list[Any]] | None = None  # where the outermost suspended() took the check from
+    placeholders_unchecked = False  # inside suspended(waiting=True): only pending gathers are looked at
 
 
 _STATE = _ThreadState()
@@ -298,12 +299,25 @@ class suspended:  # noqa: N801 - used as a context manager, like torch.no_grad
     """Take the check off the stack inside the block (zerodist's own work: the engine's forward,
     backward and step, `initialize()`). Leaving the outermost block is a safe point: the check
     goes back where it was if parameters are registered (or gathers pending), is installed if it
-    was not there yet, and stays off if none are (see [Note: mode stack])."""
+    was not there yet, and stays off if none are (see [Note: mode stack]).
+
+    `waiting=True` (the engine's forward): while a gather is pending the mode stays on, looking
+    only at pending buffers, so a forward that reads a parameter before its unit's pre-hook waited
+    for it waits too ([Note: parameters being gathered]); with none pending it is as without."""
+
+    def __init__(self, waiting: bool = False):
+        self.waiting = waiting
 
     def __enter__(self) -> None:
         state = _STATE
         state.depth += 1
         if state.depth == 1:
+            if self.waiting and _PENDING:
+                stack = _stack()
+                if _MODE not in stack:
+                    _install_at_bottom(stack)
+                state.removed, state.placeholders_unchecked = None, True
+                return
             length = torch._C._len_torch_function_stack()
             if length == 1 and torch._C._get_function_stack_at(0) is _MODE:
                 torch._C._pop_torch_function_stack()  # the usual case, without building lists
@@ -317,6 +331,7 @@ class suspended:  # noqa: N801 - used as a context manager, like torch.no_grad
         if state.depth:
             return
         removed, state.removed = state.removed, None
+        state.placeholders_unchecked = False
         length = torch._C._len_torch_function_stack()
         active = _active()
         if active and removed == (0, []) and length == 0:
