@@ -116,6 +116,10 @@ def event_order_body(overlap: bool) -> tuple[int, int, list[tuple[str, str]]]:
     units = [engine.module, *engine.module.blocks]
     hooks = [m.register_forward_pre_hook(lambda m, a, i=i: events.append(("forward", f"unit {i}")))
              for i, m in enumerate(units)]
+    # the check waits for stray reads while gathers pend, and is off once the last unit's is waited for
+    checked = []
+    hooks += [m.register_forward_pre_hook(lambda m, a: checked.append(sharded_access.is_installed()))
+              for m in (units[1], units[-1])]
     PendingGather.wait = recording_wait
     try:
         engine(*batch(1))
@@ -130,7 +134,8 @@ def event_order_body(overlap: bool) -> tuple[int, int, list[tuple[str, str]]]:
     else:
         expected = [("forward", f"unit {unit}") for unit in range(len(units))]
     assert events == expected, events
-    assert not schedule.pending
+    assert checked == ([True, False] if overlap else [False, False])
+    assert not schedule.pending and not sharded_access.is_installed()
     engine.destroy()
     return issued, pending_after_step, events
 

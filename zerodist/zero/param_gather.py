@@ -20,7 +20,8 @@ and user code between `step()` and the next forward (`print(model.fc.weight.sum(
 mode stack while a gather is pending ([Note: parameters being gathered] in sharded_access.py).
 The engine's forward keeps that mode on while a gather is pending (`suspended(waiting=True)`), so a
 forward that reads a unit's parameters before that unit's pre-hook ran waits for them too; it costs
-a few microseconds per torch call of that forward, and nothing when no gather is pending.
+a few microseconds per torch call of that forward until the last unit's pre-hook has waited, which
+takes the idle mode off the stack (`sharded_access.settle()`), and nothing when no gather is pending.
 
 `overlap_comm: false` waits for every group at the end of `step()`, as before.
 """
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 
+from zerodist.zero import sharded_access
 from zerodist.zero.flat_group import FlatParamGroup
 
 
@@ -95,3 +97,4 @@ def _pre_forward(schedule_ref: weakref.ref[ParamGatherSchedule], unit: int, modu
     schedule = schedule_ref()
     if schedule is not None:
         schedule.finish(unit)
+        sharded_access.settle()  # the last wait of this forward: the check has nothing more to do

@@ -347,6 +347,18 @@ class suspended:  # noqa: N801 - used as a context manager, like torch.no_grad
             _install_at_bottom(stack)
 
 
+def settle() -> None:
+    """Called where the last pending gather may just have been waited for (a forward pre-hook): with
+    nothing left to check, take the idle mode off the stack if it is on top, so the rest of the
+    forward and the user's code after it pay nothing. Only from the top: every mode entered after
+    it is then already gone, and one entered before it is still below ([Note: mode stack])."""
+    if _active():
+        return
+    length = torch._C._len_torch_function_stack()
+    if length and torch._C._get_function_stack_at(length - 1) is _MODE:
+        torch._C._pop_torch_function_stack()
+
+
 def is_installed() -> bool:
     """Whether the check is on this thread's torch-function mode stack."""
     return any(torch._C._get_function_stack_at(i) is _MODE for i in range(torch._C._len_torch_function_stack()))
