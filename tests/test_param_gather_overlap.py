@@ -233,3 +233,28 @@ def reads_ahead_body(overlap: bool) -> float:
 
 def test_a_forward_reading_a_later_unit_first_waits_for_its_gather():
     assert run_distributed(reads_ahead_body, 2, True) == run_distributed(reads_ahead_body, 2, False)
+
+
+def step_again_body(overlap: bool) -> dict[str, torch.Tensor]:
+    """A second backward and step() with no forward in between (a retained graph backpropagated
+    twice): that backward reads the parameters its graph saved, and the optimizer steps their
+    buffers, both after the first step's gather finished writing them (without the wait in
+    backward the results differ)."""
+    engine = gpt_engine(1, overlap)
+    loss = engine(*batch(0))
+    engine.backward(loss, retain_graph=True)
+    engine.step()
+    pending = len(engine.optimizer.param_gathers.pending)
+    engine.backward(loss)
+    engine.step()
+    assert pending == (len(engine.optimizer.param_gathers.groups) if overlap else 0)
+    state = engine.module_state_dict()
+    engine.destroy()
+    return state
+
+
+def test_a_second_step_without_a_forward_waits_for_the_first_steps_gather():
+    on = run_distributed(step_again_body, 2, True)[0]
+    off = run_distributed(step_again_body, 2, False)[0]
+    for key in off:
+        assert torch.equal(on[key], off[key]), key

@@ -116,6 +116,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """Backward of `loss` scaled for accumulation (and fp16 loss scaling); gradients are
         reduced as buckets fill when this micro-step syncs."""
+        # Autograd reads the parameters its graph saved: a graph kept from before the last step
+        # (retain_graph) would otherwise read buffers still being gathered.
+        self.finish_param_gathers()
         with sharded_access.suspended():
             self._backward(loss, retain_graph, scale_wrt_gas)
 

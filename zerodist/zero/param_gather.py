@@ -14,7 +14,8 @@ first needs it:
 The units and groups are the plan's ([Note: one plan for every stage] in plan.py): a group holds
 the parameters of one unit (or the root, or the persistent ones), so a unit's pre-hook knows what
 it needs. Everything else that reads or writes parameters waits first: the engine's other entry
-points and the next `step()` call `finish()`, `GatheredParameters` finishes its parameters' groups,
+points (backward too: a graph retained from before the step reads the saved parameters) and the
+next `step()` call `finish()`, `GatheredParameters` finishes its parameters' groups,
 and user code between `step()` and the next forward (`print(model.fc.weight.sum())`,
 `torch.save(model.state_dict())`) is made to wait by the access check, which is on the torch-function
 mode stack while a gather is pending ([Note: parameters being gathered] in sharded_access.py).
@@ -22,6 +23,11 @@ The engine's forward keeps that mode on while a gather is pending (`suspended(wa
 forward that reads a unit's parameters before that unit's pre-hook ran waits for them too; it costs
 a few microseconds per torch call of that forward until the last unit's pre-hook has waited, which
 takes the idle mode off the stack (`sharded_access.settle()`), and nothing when no gather is pending.
+
+Groups are issued in the order the forward waits for them, root and persistent first: gloo
+completes one process group's collectives in issue order, so a group issued last but waited for
+first would hold up the forward until every gather had landed. Stage 3's persistent groups (full
+parameters, sharded optimizer state) are gathered the same way; its units gather themselves.
 
 `overlap_comm: false` waits for every group at the end of `step()`, as before.
 """
