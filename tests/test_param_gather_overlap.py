@@ -258,3 +258,24 @@ def test_a_second_step_without_a_forward_waits_for_the_first_steps_gather():
     off = run_distributed(step_again_body, 2, False)[0]
     for key in off:
         assert torch.equal(on[key], off[key]), key
+
+
+def stage3_persistent_body() -> None:
+    """Stage 3's persistent groups (LayerNorms, biases) are gathered like stage 2's: waited for at
+    the root; the access check still refuses sharded parameters after that forward."""
+    engine = gpt_engine(3, True)
+    schedule = engine.optimizer.param_gathers
+    assert schedule.groups and all(not g.policy.shard_parameters for g in schedule.groups)
+    engine.backward(engine(*batch(0)))
+    engine.step()
+    assert schedule.pending and sharded_access.is_installed()
+    engine.backward(engine(*batch(1)))
+    assert not schedule.pending and sharded_access.is_installed()
+    with pytest.raises(zerodist.ShardedParameterError):
+        engine.module.blocks[0].mlp.fc_in.weight.sum()
+    engine.step()
+    engine.destroy()
+
+
+def test_stage3_persistent_groups_overlap_and_the_access_check_stays():
+    run_distributed(stage3_persistent_body, 2)

@@ -351,8 +351,10 @@ def settle() -> None:
     """Called where the last pending gather may just have been waited for (a forward pre-hook): with
     nothing left to check, take the idle mode off the stack if it is on top, so the rest of the
     forward and the user's code after it pay nothing. Only from the top: every mode entered after
-    it is then already gone, and one entered before it is still below ([Note: mode stack])."""
-    if _active():
+    it is then already gone, and one entered before it is still below ([Note: mode stack]). Inside
+    `suspended(waiting=True)` placeholders are not checked, so only pending gathers count there;
+    leaving that block puts the check back if placeholders are registered."""
+    if _PENDING or (_ENTRIES and not _STATE.placeholders_unchecked):
         return
     length = torch._C._len_torch_function_stack()
     if length and torch._C._get_function_stack_at(length - 1) is _MODE:
