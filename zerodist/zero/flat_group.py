@@ -80,8 +80,8 @@ class FlatParamGroup:
     # Sharded parameters with the access check on: this group's registered placeholders ([Note:
     # sharded access check] in sharded_access.py); None when the check is off.
     registration: sharded_access.Registration | None = None
-    # The post-step all-gather of updated parameters while it is in flight (stages 1/2).
-    pending_gather: PendingGather | None = None
+    # The post-step all-gather of updated parameters while it is in flight (stages 1/2); see gather_slot.
+    gather_slot: GatherSlot | None = None
     gather_blocked_s = 0.0  # time this rank spent blocked waiting for those gathers, all steps
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, policy: ShardingPolicy,
@@ -368,9 +368,14 @@ class FlatParamGroup:
         return self.policy.shard_optimizer_state and not self.policy.shard_parameters
 
     @property
+    def pending_gather(self) -> PendingGather | None:
+        return None if self.gather_slot is None else self.gather_slot.pending
+
+    @property
     def is_gathering_params(self) -> bool:
         """Whether the last step's gather is still to be waited for (by the group or the access check)."""
-        return self.pending_gather is not None and not self.pending_gather.done
+        pending = self.pending_gather
+        return pending is not None and not pending.done
 
     def start_gather_params(self) -> None:
         """Issue the all-gathers of every rank's updated shards into the full parameter buffer (async,
@@ -386,14 +391,20 @@ class FlatParamGroup:
                             self._bucket_range(i, self.param_buffer, owned=True), group=self.group, async_op=True)
             for i in range(len(self.buckets))
         ]
-        self.pending_gather = PendingGather(handles, self.param_buffer)
+        if self.gather_slot is None:
+            self.gather_slot = GatherSlot()
+            # A group dropped with its gather in flight (an engine dropped right after step()) waits for
+            # it when collected: its range would otherwise stay registered, and the check on, for good.
+            weakref.finalize(self, self.gather_slot.finish)
+        self.gather_slot.pending = PendingGather(handles, self.param_buffer)
 
     def finish_gather_params(self) -> None:
         """Wait for the gather `start_gather_params()` issued, if any."""
-        if self.pending_gather is not None:
-            self.pending_gather.wait()
-            self.gather_blocked_s += self.pending_gather.blocked_s
-            self.pending_gather = None
+        pending = self.pending_gather
+        if pending is not None:
+            pending.wait()
+            self.gather_blocked_s += pending.blocked_s
+            self.gather_slot.pending = None  # type: ignore[union-attr]
 
     def gather_params(self) -> None:
         """`start_gather_params()` and wait for it."""
@@ -407,6 +418,21 @@ class FlatParamGroup:
         params = size(self.param_shard) if self.policy.shard_parameters else size(self.param_buffer)
         return {"params": params, "grads": size(self.grad_buffer) + size(self.grad_shard),
                 "master": size(self.master)}
+
+
+class GatherSlot:
+    """Where a group keeps its pending gather: a holder of its own, so that the finalizer that waits
+    for it when the group is collected holds this, not the group."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self) -> None:
+        self.pending: PendingGather | None = None
+
+    def finish(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
 
 
 class PendingGather:

@@ -133,7 +133,7 @@ def _pending_of(args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any] | None
     for arg in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(arg, torch.Tensor):
             address = _address(arg)
-            for pending in _PENDING.values():
+            for pending in tuple(_PENDING.values()):  # a collected group's finalizer may clear one meanwhile
                 if address is not None and pending.start <= address < pending.end:
                     return pending
         elif nested and (type(arg) is list or type(arg) is tuple):
