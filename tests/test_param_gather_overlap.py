@@ -136,7 +136,7 @@ def event_order_body(overlap: bool) -> tuple[int, int, list[tuple[str, str]]]:
     else:
         expected = [("forward", f"unit {unit}") for unit in range(len(units))]
     assert events == expected, events
-    assert checked == ([True, False] if overlap else [False, False]), (checked, sharded_access._stack(), sharded_access.num_registered())
+    assert checked == ([True, False] if overlap else [False, False]), (checked, sharded_access.num_pending())
     assert not schedule.pending and not sharded_access.is_installed()
     engine.destroy()
     return issued, pending_after_step, events
@@ -284,11 +284,9 @@ def test_stage3_persistent_groups_overlap_and_the_access_check_stays():
 
 
 def dropped_body() -> None:
-    gc.collect()  # engines of earlier tests in this worker process
-    assert sharded_access.num_pending() == 0
     engine = gpt_engine(2, True)
     engine.backward(engine(*batch(0)))
-    engine.step()
+    engine.step()  # also finishes the done gathers of engines earlier tests left in this worker
     assert sharded_access.num_pending() == len(engine.optimizer.param_gathers.groups)
     del engine  # no destroy(), no forward: the gathers are still in flight
     gc.collect()

@@ -444,9 +444,12 @@ class PendingGather:
 
     def __init__(self, handles: list[comm.CommHandle], buffer: torch.Tensor):
         self.handles = handles
-        self.registration = sharded_access.PendingWrite(buffer, self.wait)
+        self.registration = sharded_access.PendingWrite(buffer, self.wait, self.is_complete)
         self.blocked_s = 0.0  # time spent blocked in wait(), for reports
         self.done = False
+
+    def is_complete(self) -> bool:
+        return all(handle.is_completed() for handle in self.handles)
 
     def wait(self) -> None:
         """Block until every all-gather is done; safe to call twice."""

@@ -82,6 +82,8 @@ class ParamGatherSchedule:
     def start(self) -> None:
         """Issue every group's all-gather (root and persistent first, then unit by unit); with
         overlap off, wait for them now."""
+        if self.groups:
+            sharded_access.finish_completed()  # other engines' done gathers: nothing left to guard there
         for group in self.groups:
             group.start_gather_params()
         if not self.overlap:

@@ -70,6 +70,7 @@ class _Range(NamedTuple):
     start: int  # first byte of a flat buffer being written by a pending collective
     end: int  # one past its last byte
     finish: Callable[[], None]  # waits for the collective (and unregisters the range)
+    is_complete: Callable[[], bool]  # whether the collective is done (finish() would not block)
 
 
 # Pending writes by id of their registration ([Note: parameters being gathered]); a handful at most.
@@ -111,9 +112,9 @@ class PendingWrite:
     """One flat buffer being written by a pending collective: while registered, a torch call (outside
     the engine's own work) that uses a tensor inside it calls `finish` first."""
 
-    def __init__(self, buffer: torch.Tensor, finish: Callable[[], None]):
+    def __init__(self, buffer: torch.Tensor, finish: Callable[[], None], is_complete: Callable[[], bool]):
         start = buffer.data_ptr()
-        _PENDING[id(self)] = _Range(start, start + buffer.numel() * buffer.element_size(), finish)
+        _PENDING[id(self)] = _Range(start, start + buffer.numel() * buffer.element_size(), finish, is_complete)
 
     def clear(self) -> None:
         _PENDING.pop(id(self), None)
@@ -121,6 +122,14 @@ class PendingWrite:
 
 def num_pending() -> int:
     return len(_PENDING)
+
+
+def finish_completed() -> None:
+    """Finish the pending writes whose collectives are already done (no wait): those of an engine
+    that was dropped, or is idle, right after its step would otherwise keep the check on the stack."""
+    for pending in tuple(_PENDING.values()):
+        if pending.is_complete():
+            pending.finish()
 
 
 def _active() -> bool:
