@@ -40,7 +40,11 @@ pending (`PendingWrite`), and a call whose arguments (looked at as for the check
 tensor whose first element lies in a pending range finishes that group's gather before the call
 runs; metadata (`ALLOWED`) does not wait. So `print(model.fc.weight.sum())` or
 `torch.save(model.state_dict())` between `step()` and the next forward see the gathered values.
-A pending range holds its waiter (the collective's handles), never the group.
+A pending range holds its waiter (the collective's handles), never the group. Ranges do not
+outlive their use: a group collected with its gather in flight waits for it then, and an engine
+that issues its gathers first finishes every range whose collective is already done
+(`finish_completed()`), so an engine dropped or left idle right after its step cannot keep the
+mode on the stack.
 """
 
 from __future__ import annotations
