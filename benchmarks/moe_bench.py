@@ -18,13 +18,14 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from ranks import free_port, run_ranks
 
 WORLD_SIZE = 2
 MICRO_BATCH, AUX_COEF, LR = 8, 0.01, 1e-3
@@ -168,26 +169,9 @@ def worker(rank: int, port: int, run: Run, preset: str, experts: int, steps: int
 
 
 def spawn(run: Run, preset: str, experts: int, steps: int, timeout_s: float = 600) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="moe_bench_") as folder:
-        context = mp.start_processes(worker, args=(port, run, preset, experts, steps, folder), nprocs=WORLD_SIZE,
-                                     join=False)
-        deadline, error = time.monotonic() + timeout_s, None
-        try:
-            while not context.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    error = "timed out"
-                    break
-        except Exception:
-            error = "failed"
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.terminate()
+        error = run_ranks(worker, (free_port(), run, preset, experts, steps, folder), nprocs=WORLD_SIZE,
+                          timeout_s=timeout_s)
         if error is None:
             return json.loads(Path(folder, "rank0.json").read_text())
         tail = Path(folder, "rank0.log").read_text(errors="replace").strip().splitlines()[-3:]

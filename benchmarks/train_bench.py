@@ -1,7 +1,10 @@
-"""Training-step benchmark: zerodist ZeRO stages 0/1/2 against DDP, DeepSpeed and FSDP2.
+"""Training-step benchmark: zerodist ZeRO stages 0-3 against DDP, DeepSpeed and FSDP2.
 
-    python benchmarks/train_bench.py                      # both sizes, every framework installed
-    python benchmarks/train_bench.py --sizes bench --frameworks zerodist ddp
+    python benchmarks/train_bench.py                      # bench-3m and bench-25m, every framework installed
+    python benchmarks/train_bench.py --phase interleaved --runs 3          # the step-time acceptance runs
+    python benchmarks/train_bench.py --phase interleaved --runs 3 --under-load
+    python benchmarks/train_bench.py --phase isolated --sizes bench-25m --configs zerodist-3 deepspeed-3
+    python benchmarks/train_bench.py --sizes bench --configs ddp zerodist-2 --timed-steps 2   # a smoke run
 
 Every configuration trains the same byte-level GPT (same seed, same weights, same global batch
 of the same windows of the stdlib corpus, AdamW with the same hyper-parameters, gradient
@@ -9,17 +12,22 @@ clipping 1.0) on 2 gloo ranks with one thread each. Gradient buckets are 25 MiB 
 DDP's `bucket_cap_mb=25`, and the same number of fp32 elements for zerodist's and DeepSpeed's
 `reduce_bucket_size` / `allgather_bucket_size`.
 
-Phase 1 runs each configuration alone in fresh processes and measures model-state bytes per
-rank (zerodist: its own accounting; others: every distinct tensor storage reachable from the
-parameters, their gradients and the optimizer, so buffers kept inside C++ such as DDP's reducer
-buckets are not counted), peak RSS per rank, the collectives of one step, the final loss (mean
-of the ranks) and a step time.
+Phase 1 ("isolated") runs each configuration alone in fresh processes and measures model-state
+bytes per rank (zerodist: its own accounting; others: every distinct tensor storage reachable
+from the parameters, their gradients and the optimizer, so buffers kept inside C++ such as DDP's
+reducer buckets are not counted), peak RSS per rank while building and while training, where the
+training peak goes (memory_breakdown.py), the collectives of one step, the final loss (mean of
+the ranks) and a step time.
 
-Phase 2 runs all configurations in one pair of processes, a step of each in turn, and gives the
-step times the table and the ratios use: rank 0's median wall time, and the CPU time (user +
-sys) of each rank. On a machine shared with other work, a burst of load then slows every
-configuration alike, and CPU time hardly moves at all. Ratios are to DDP and to DeepSpeed at the
-same stage, from the same phase-2 run.
+Phase 2 ("interleaved") runs all configurations in one pair of processes, a step of each in turn,
+and gives the step times the table and the ratios use: rank 0's median wall time, and per rank
+the CPU time (user + sys, all threads of the process), the time the training thread was off the
+CPU (wall less its own run time and run-queue wait, from /proc: waiting, mostly for collectives,
+measured the same way for every framework) and, for zerodist, the time blocked inside its own
+collectives and `CommHandle.wait()` (`zerodist.comm.measure_blocked`). `--runs N` repeats phase 2
+in N fresh process pairs; the table gives the median over runs and each run's ratio to DDP.
+`--under-load` runs a second copy of phase 2 in the background for the whole benchmark, so the
+ratios show how each configuration bears contention for the cores.
 
 Collectives: zerodist's tracer gives the logical collectives; for every framework one extra
 step runs under torch.profiler, whose `gloo:*` events show what gloo actually ran (on gloo a
@@ -37,14 +45,21 @@ import dataclasses
 import datetime
 import json
 import os
-import socket
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from memory_breakdown import measure_step, reset_peak_rss, rss_status, warm_up_kernels
+from ranks import free_port, run_ranks
+from zerodist.debug.memory import heap_in_use
+from train_bench_report import add_ratios, markdown, summarize_interleaved
 
 BUCKET_MB = 25
 BUCKET_ELEMENTS = BUCKET_MB * 1024 * 1024 // 4  # fp32 elements in DDP's bucket_cap_mb
@@ -57,11 +72,18 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 @dataclasses.dataclass(frozen=True)
 class Size:
-    model: str
+    name: str  # named by parameter count
+    preset: str  # zerodist.models.gpt_config preset, with `overrides` applied
     micro_batch: int
     warmup_steps: int
     timed_steps: int
     timeout_s: float
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+    def gpt_config(self) -> Any:
+        from zerodist.models import gpt_config
+
+        return gpt_config(self.preset, **dict(self.overrides))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +97,14 @@ class Run:
     def name(self) -> str:
         suffix = ("" if self.reduce_scatter else " (all-reduce)") + ("" if self.reuse else " (no reuse)")
         return f"{self.framework}{suffix}"
+
+    @property
+    def label(self) -> str:
+        """The configuration's name on the command line (`--configs`)."""
+        if self.framework in ("ddp", "fsdp2"):
+            return self.framework
+        return f"{self.framework}-{self.stage}" + ("" if self.reduce_scatter else "-allreduce") + \
+            ("" if self.reuse else "-noreuse")
 
     @property
     def stage3_options(self) -> dict[str, int]:
@@ -91,9 +121,15 @@ class Run:
 STAGE3 = {"stage3_param_persistence_threshold": 0}
 
 SIZES = {
-    "bench": Size("bench", micro_batch=8, warmup_steps=5, timed_steps=40, timeout_s=300),
-    "bench-25m": Size("bench-25m", micro_batch=4, warmup_steps=2, timed_steps=12, timeout_s=600),
+    # 875,264 parameters: d_model 128, 4 blocks
+    "bench": Size("bench", "bench", micro_batch=8, warmup_steps=5, timed_steps=40, timeout_s=300),
+    # 3,323,392 parameters: d_model 256, 4 blocks (the issue-15 small model)
+    "bench-3m": Size("bench-3m", "bench", micro_batch=8, warmup_steps=3, timed_steps=20, timeout_s=400,
+                     overrides=(("d_model", 256), ("d_ff", None))),
+    # 25,547,776 parameters: d_model 512, 8 blocks
+    "bench-25m": Size("bench-25m", "bench-25m", micro_batch=4, warmup_steps=2, timed_steps=12, timeout_s=600),
 }
+DEFAULT_SIZES = ["bench-3m", "bench-25m"]
 RUNS = [
     Run("ddp", 0),
     Run("zerodist", 0), Run("zerodist", 1), Run("zerodist", 2), Run("zerodist", 3), Run("zerodist", 3, reuse=False),
@@ -114,9 +150,8 @@ def global_batches(size: Size, num_steps: int) -> list[Any]:
     import torch
 
     from zerodist.data import TokenDataset, split_corpus, stdlib_corpus
-    from zerodist.models import gpt_config
 
-    seq_len = gpt_config(size.model).seq_len
+    seq_len = size.gpt_config().seq_len
     dataset = TokenDataset(split_corpus(stdlib_corpus(max_bytes=2_000_000, seed=SEED))[0], seq_len)
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(SEED))
     per_step = size.micro_batch * WORLD_SIZE
@@ -157,19 +192,46 @@ def storage_bytes(*roots: Any) -> int:
     return total
 
 
-class EngineStep:
+class Trainer:
+    """One framework's training step, split where the memory breakdown samples the forward:
+    `step()` is `finish(forward())`. `model` is the user's module (its parameters may be re-pointed
+    by the framework)."""
+
+    model: Any
+
+    def step(self, inputs: Any, targets: Any) -> float:
+        return self.finish(self.forward(inputs, targets))
+
+    def forward(self, inputs: Any, targets: Any) -> Any:
+        raise NotImplementedError
+
+    def finish(self, loss: Any) -> float:
+        raise NotImplementedError
+
+    def trace(self) -> Any:
+        """zerodist's tracer over the timed steps; None for the others."""
+        return None
+
+    def blocked_meter(self) -> Any:
+        """zerodist's blocked-time meter over one step; None for the others."""
+        return None
+
+
+class EngineTrainer(Trainer):
     """zerodist's and DeepSpeed's engines share one training-step API."""
 
     engine: Any
 
-    def step(self, inputs: Any, targets: Any) -> float:
-        loss = self.engine(inputs, targets)
+    def forward(self, inputs: Any, targets: Any) -> Any:
+        return self.engine(inputs, targets)
+
+    def finish(self, loss: Any) -> float:
         self.engine.backward(loss)
         self.engine.step()
         return float(loss)
 
 
-class ZerodistTrainer(EngineStep):
+class ZerodistTrainer(EngineTrainer):
     def __init__(self, model: Any, run: Run, size: Size):
         import zerodist
 
@@ -181,19 +243,24 @@ class ZerodistTrainer(EngineStep):
                                   "reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS,
                                   **run.stage3_options},
         }
+        self.model = model
         self.engine, _, _, _ = zerodist.initialize(model=model, config=config)
-        self.trace: Any = None
 
     def state_bytes(self) -> int:
         return self.engine.model_state_bytes()["total"]
 
-    def timed(self) -> Any:
+    def trace(self) -> Any:
         import zerodist.comm as comm
 
         return comm.trace()
 
+    def blocked_meter(self) -> Any:
+        import zerodist.comm as comm
 
-class DDPTrainer:
+        return comm.measure_blocked()
+
+
+class DDPTrainer(Trainer):
     def __init__(self, model: Any, run: Run, size: Size):
         import torch
 
@@ -201,11 +268,13 @@ class DDPTrainer:
         self.ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
         self.optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
 
-    def step(self, inputs: Any, targets: Any) -> float:
+    def forward(self, inputs: Any, targets: Any) -> Any:
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.ddp(inputs, targets)
+
+    def finish(self, loss: Any) -> float:
         import torch
 
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.ddp(inputs, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
         self.optimizer.step()
@@ -213,9 +282,6 @@ class DDPTrainer:
 
     def state_bytes(self) -> int:
         return storage_bytes(list(self.model.parameters()), self.optimizer.state)
-
-    def timed(self) -> Any:
-        return None
 
 
 class FSDP2Trainer(DDPTrainer):
@@ -232,7 +298,7 @@ class FSDP2Trainer(DDPTrainer):
         self.optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
 
 
-class DeepSpeedTrainer(EngineStep):
+class DeepSpeedTrainer(EngineTrainer):
     def __init__(self, model: Any, run: Run, size: Size):
         import deepspeed
         import torch
@@ -256,9 +322,6 @@ class DeepSpeedTrainer(EngineStep):
         held = [v for v in vars(wrapper).values() if _is_tensor_container(v)] if inner is not wrapper else []
         return storage_bytes(list(self.model.parameters()), inner.state, held)
 
-    def timed(self) -> Any:
-        return None
-
 
 def _is_tensor_container(value: Any) -> bool:
     import torch
@@ -273,20 +336,36 @@ def _is_tensor_container(value: Any) -> bool:
 TRAINERS = {"zerodist": ZerodistTrainer, "ddp": DDPTrainer, "deepspeed": DeepSpeedTrainer, "fsdp2": FSDP2Trainer}
 
 
-def profiled_step(trainer: Any, batch: Any) -> tuple[float, dict[str, list[int]]]:
-    """One step under torch.profiler; returns its loss and the element count of each gloo op."""
+def import_framework(framework: str) -> None:
+    """Import what the framework's trainer imports, so that the RSS baseline includes it."""
+    if framework == "deepspeed":
+        import deepspeed  # noqa: F401
+    elif framework == "fsdp2":
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    else:
+        import zerodist  # noqa: F401
+
+
+def profiled_step(trainer: Any, batch: Any) -> tuple[float, dict[str, list[int]], float]:
+    """One step under torch.profiler: its loss, the element count of each gloo op, and the summed
+    duration of the gloo ops in ms. That duration is how long ops were in flight on gloo's threads,
+    waiting for the peer included and overlapping compute or each other, so it is neither the cost
+    of communicating nor the time the step waited for it; it is kept in the JSON only."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         loss = trainer.step(*batch)
     ops: dict[str, list[int]] = {}
+    gloo_us = 0.0
     for event in prof.events():
-        if event.name.startswith("gloo:") and event.input_shapes and event.input_shapes[0]:
-            numel = 1
-            for dim in event.input_shapes[0]:
-                numel *= dim
-            ops.setdefault(event.name[len("gloo:"):], []).append(numel)
-    return loss, ops
+        if event.name.startswith("gloo:"):
+            gloo_us += event.time_range.elapsed_us()
+            if event.input_shapes and event.input_shapes[0]:
+                numel = 1
+                for dim in event.input_shapes[0]:
+                    numel *= dim
+                ops.setdefault(event.name[len("gloo:"):], []).append(numel)
+    return loss, ops, gloo_us / 1e3
 
 
 def train_isolated(run: Run, size: Size) -> dict[str, Any]:
@@ -294,33 +373,72 @@ def train_isolated(run: Run, size: Size) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from zerodist.models import GPT, gpt_config
+    from zerodist.models import GPT
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")  # zerodist and DeepSpeed adopt it
-    torch.manual_seed(SEED)
-    model = GPT(gpt_config(size.model))
-    num_steps = size.warmup_steps + size.timed_steps + 1
+    import_framework(run.framework)
+    num_steps = size.warmup_steps + size.timed_steps + 2  # + the memory breakdown's and the profiled step
     batches = [rank_slice(b, rank, size.micro_batch) for b in global_batches(size, num_steps)]
+    warm_up_kernels()
+    baseline_rss, baseline_heap = rss_status()["VmRSS"], heap_in_use() or 0
+    torch.manual_seed(SEED)
+    model = GPT(size.gpt_config())
+    num_parameters = sum(p.numel() for p in model.parameters())  # before stage 3 empties them
     trainer = TRAINERS[run.framework](model, run, size)
+    init_peak = rss_status()["VmHWM"]
+    peak_was_reset = reset_peak_rss()
     losses = [trainer.step(*batch) for batch in batches[:size.warmup_steps]]
     dist.barrier()
     times = []
-    with trainer.timed() or contextlib.nullcontext() as trace:
-        for batch in batches[size.warmup_steps:-1]:
+    with trainer.trace() or contextlib.nullcontext() as trace:
+        for batch in batches[size.warmup_steps:-2]:
             started = time.perf_counter()
             losses.append(trainer.step(*batch))
             times.append(time.perf_counter() - started)
-    loss, gloo_ops = profiled_step(trainer, batches[-1])
-    losses.append(loss)
-    result = {"rank": rank, "step_times": times, "losses": losses, "state_bytes": trainer.state_bytes(),
-              "gloo_ops": gloo_ops, "num_parameters": sum(p.numel() for p in model.parameters())}
+    train_peak = rss_status()["VmHWM"] if peak_was_reset else peak_rss_bytes()
+    dist.barrier()
+    state_bytes = trainer.state_bytes()
+    memory = {"baseline": baseline_rss, "init_peak": init_peak, "train_peak": train_peak,
+              "peak_was_reset": peak_was_reset, "model_states": state_bytes, **measure_step(trainer, *batches[-2])}
+    memory["heap_peak"] -= baseline_heap
+    loss, gloo_ops, gloo_ms = profiled_step(trainer, batches[-1])
+    losses.append(loss)  # (the breakdown step's loss is not returned; its step still trains)
+    result = {"rank": rank, "step_times": times, "losses": losses, "state_bytes": state_bytes,
+              "gloo_ops": gloo_ops, "gloo_in_flight_ms": gloo_ms, "memory": memory, "num_parameters": num_parameters}
     if trace is not None:
         result["tracer"] = {op: {"count": s.count / size.timed_steps, "bytes": s.num_bytes / size.timed_steps}
                             for op, s in trace.summary().items()}
-    result["peak_rss"] = peak_rss_bytes()
+    result["peak_rss"] = max(init_peak, train_peak)
     dist.barrier()
     return result
+
+
+class ThreadClock:
+    """This thread's time on the CPU and waiting in the run queue, from /proc (schedstat), so
+    that wall time less both is the time it was off the CPU: blocked, mostly on collectives."""
+
+    def __init__(self) -> None:
+        self.path = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+
+    def busy_s(self) -> float:
+        try:
+            with open(self.path) as schedstat:
+                on_cpu_ns, run_queue_ns = schedstat.read().split()[:2]
+        except (OSError, ValueError):
+            return float("nan")
+        return (int(on_cpu_ns) + int(run_queue_ns)) / 1e9
+
+
+def timed_step(trainer: Any, batch: Any, clock: ThreadClock) -> dict[str, float | None]:
+    """One step's wall, process CPU, training-thread idle and (zerodist) blocked time, in seconds."""
+    meter_context = trainer.blocked_meter()
+    started, cpu_started, busy_started = time.perf_counter(), time.process_time(), clock.busy_s()
+    with meter_context or contextlib.nullcontext() as meter:
+        trainer.step(*batch)
+    wall = time.perf_counter() - started
+    return {"wall": wall, "cpu": time.process_time() - cpu_started, "idle": wall - (clock.busy_s() - busy_started),
+            "blocked": meter.seconds if meter is not None else None}
 
 
 def train_interleaved(runs: list[Run], size: Size) -> dict[str, Any]:
@@ -333,29 +451,30 @@ def train_interleaved(runs: list[Run], size: Size) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from zerodist.models import GPT, gpt_config
+    from zerodist.models import GPT
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     trainers = []
     for run in runs:
         torch.manual_seed(SEED)
-        trainers.append(TRAINERS[run.framework](GPT(gpt_config(size.model)), run, size))
+        trainers.append(TRAINERS[run.framework](GPT(size.gpt_config()), run, size))
     num_steps = size.warmup_steps + size.timed_steps
     batches = [rank_slice(b, rank, size.micro_batch) for b in global_batches(size, num_steps)]
-    times: list[list[float]] = [[] for _ in runs]
-    cpu_times: list[list[float]] = [[] for _ in runs]
+    samples: list[list[dict[str, float | None]]] = [[] for _ in runs]
+    clock = ThreadClock()
+    load_before = os.getloadavg()
     for step, batch in enumerate(batches):
         for k in range(len(runs)):
             index = (step + k) % len(runs)
             dist.barrier()
-            started, cpu_started = time.perf_counter(), time.process_time()
-            trainers[index].step(*batch)
+            sample = timed_step(trainers[index], batch, clock)
             if step >= size.warmup_steps:
-                times[index].append(time.perf_counter() - started)
-                cpu_times[index].append(time.process_time() - cpu_started)
+                samples[index].append(sample)
     dist.barrier()
-    return {"rank": rank, "step_times": times, "cpu_times": cpu_times, "load_average": os.getloadavg()}
+    keys = ("wall", "cpu", "idle", "blocked")
+    return {"rank": rank, **{f"{key}_times": [[s[key] for s in per_run] for per_run in samples] for key in keys},
+            "load_average": [max(a, b) for a, b in zip(load_before, os.getloadavg())]}
 
 
 def worker(local_rank: int, port: int, phase: str, runs: list[Run], size: Size, folder: str) -> None:
@@ -379,32 +498,10 @@ def worker(local_rank: int, port: int, phase: str, runs: list[Run], size: Size, 
 
 
 # ---------------------------------------------------------------------------------- the driver
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(phase: str, runs: list[Run], size: Size, timeout_s: float) -> dict[str, Any]:
     """Both ranks in fresh processes; their results, or the error with rank 0's log tail."""
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory(prefix="train_bench_") as folder:
-        context = mp.start_processes(worker, args=(free_port(), phase, runs, size, folder), nprocs=WORLD_SIZE,
-                                     join=False)
-        deadline = time.monotonic() + timeout_s
-        error = None
-        try:
-            while not context.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    error = f"timed out after {timeout_s:.0f} s"
-                    break
-        except Exception:  # a rank failed: its log ends with the exception
-            error = "failed"
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.terminate()
+        error = run_ranks(worker, (free_port(), phase, runs, size, folder), nprocs=WORLD_SIZE, timeout_s=timeout_s)
         if error is None:
             return {"ranks": [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]}
         logs = [Path(folder, f"rank{r}.log").read_text(errors="replace") for r in range(WORLD_SIZE)]
@@ -417,108 +514,23 @@ def available(framework: str) -> str | None:
     try:
         if framework == "deepspeed":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-            import deepspeed  # noqa: F401
-        elif framework == "fsdp2":
-            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        import_framework(framework)
     except ImportError as err:
         return f"not installed ({err})"
     return None
 
 
-def summarize(run: Run, size: Size, outcome: dict[str, Any]) -> dict[str, Any]:
-    """One table row from phase 1 (the configuration alone)."""
-    row: dict[str, Any] = {"size": size.model, "framework": run.name, "stage": run.stage}
+def summarize_isolated(run: Run, size: Size, outcome: dict[str, Any]) -> dict[str, Any]:
+    """Phase 1's fields of a configuration's row."""
     if "ranks" not in outcome:
-        return {**row, **outcome}
+        return {"error": outcome["error"]}
     ranks = outcome["ranks"]
     finals = [r["losses"][-1] for r in ranks]
-    return {**row, "isolated_ms": 1e3 * statistics.median(ranks[0]["step_times"]),
+    return {"isolated_ms": 1e3 * statistics.median(ranks[0]["step_times"]),
             "state_bytes": [r["state_bytes"] for r in ranks], "peak_rss": [r["peak_rss"] for r in ranks],
-            "final_loss": sum(finals) / len(finals), "gloo_ops": ranks[0]["gloo_ops"],
-            "tracer": ranks[0].get("tracer"), "num_parameters": ranks[0]["num_parameters"]}
-
-
-def add_interleaved(rows: list[dict[str, Any]], runs: list[Run], outcome: dict[str, Any]) -> None:
-    """Phase 2's median step time (rank 0) into each configuration's row."""
-    for run, row in zip(runs, rows):
-        if "ranks" in outcome:
-            times = outcome["ranks"][0]["step_times"][runs.index(run)]
-            row["step_ms"] = 1e3 * statistics.median(times)
-            row["cpu_ms"] = [1e3 * statistics.median(r["cpu_times"][runs.index(run)]) for r in outcome["ranks"]]
-            row["step_ms_iqr"] = [1e3 * q for q in statistics.quantiles(times, n=4)[::2]] if len(times) > 1 else None
-            row["load_average"] = outcome["ranks"][0]["load_average"]
-        else:
-            row["interleaved_error"] = outcome["error"]
-
-
-def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Each step time (wall, and CPU summed over ranks) over DDP's and over DeepSpeed's at the
-    same stage, from the same interleaved run."""
-    for row in rows:
-        if "step_ms" not in row:
-            continue
-        peers = [r for r in rows if r["size"] == row["size"] and "step_ms" in r]
-        ddp = next((r for r in peers if r["framework"] == "ddp"), None)
-        ds_stage = 0 if row["framework"] == "ddp" else row["stage"]
-        ds_name = "deepspeed (no reuse)" if row["framework"].endswith(" (no reuse)") else "deepspeed"
-        ds = next((r for r in peers if r["framework"] == ds_name and r["stage"] == ds_stage), None)
-        for name, base in (("ddp", ddp), ("deepspeed", ds)):
-            row[f"vs_{name}"] = row["step_ms"] / base["step_ms"] if base else None
-            row[f"cpu_vs_{name}"] = sum(row["cpu_ms"]) / sum(base["cpu_ms"]) if base else None
-
-
-def mib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**20:.2f} MiB"
-
-
-def format_bytes(num_bytes: float) -> str:
-    from zerodist.utils import format_bytes as zerodist_format
-
-    return zerodist_format(num_bytes)
-
-
-def comm_cell(row: dict[str, Any]) -> str:
-    parts = []
-    if row.get("tracer"):
-        parts.append("tracer: " + ", ".join(f"{op} {s['count']:g}x {format_bytes(s['bytes'])}"
-                                            for op, s in row["tracer"].items()))
-    gloo = row.get("gloo_ops") or {}
-    if gloo:
-        parts.append("gloo: " + ", ".join(f"{op} {len(n)}x {format_bytes(4 * sum(n))}" for op, n in gloo.items()))
-    return "; ".join(parts) or "-"
-
-
-def spread_cell(row: dict[str, Any]) -> str:
-    low, high = row.get("step_ms_iqr") or (None, None)
-    return "-" if low is None else f"{low:.0f}-{high:.0f}"
-
-
-def ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
-def markdown(rows: list[dict[str, Any]], header: str) -> str:
-    lines = [header, ""]
-    for size in dict.fromkeys(r["size"] for r in rows):
-        params = next((r["num_parameters"] for r in rows if r["size"] == size and "num_parameters" in r), None)
-        lines += [f"### {size}" + (f" ({params:,} parameters)" if params else ""), "",
-                  "| framework | stage | step ms | quartiles | alone ms | CPU ms (r0+r1) | vs DDP (wall / CPU) "
-                  "| vs DeepSpeed (wall / CPU) | model state / rank | peak RSS / rank | collectives per step (rank 0) "
-                  "| final loss |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for r in (r for r in rows if r["size"] == size):
-            if "isolated_ms" not in r:
-                lines.append(f"| {r['framework']} | {r['stage']} | {r.get('error', 'skipped')} | | | | | | | | | |")
-                continue
-            step = f"{r['step_ms']:.1f}" if "step_ms" in r else r.get("interleaved_error", "-")
-            cpu = " + ".join(f"{t:.0f}" for t in r["cpu_ms"]) if "cpu_ms" in r else "-"
-            lines.append(f"| {r['framework']} | {r['stage']} | {step} | {spread_cell(r)} | {r['isolated_ms']:.1f} | "
-                         f"{cpu} | {ratio(r.get('vs_ddp'))} / {ratio(r.get('cpu_vs_ddp'))} | "
-                         f"{ratio(r.get('vs_deepspeed'))} / {ratio(r.get('cpu_vs_deepspeed'))} | "
-                         f"{' / '.join(mib(b) for b in r['state_bytes'])} | "
-                         f"{' / '.join(mib(b) for b in r['peak_rss'])} | {comm_cell(r)} | {r['final_loss']:.4f} |")
-        lines.append("")
-    return "\n".join(lines)
+            "memory": [r["memory"] for r in ranks], "final_loss": sum(finals) / len(finals),
+            "gloo_ops": ranks[0]["gloo_ops"], "gloo_in_flight_ms": ranks[0]["gloo_in_flight_ms"], "tracer": ranks[0].get("tracer"),
+            "num_parameters": ranks[0]["num_parameters"]}
 
 
 def machine_line() -> str:
@@ -533,55 +545,122 @@ def machine_line() -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    p.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, choices=list(SIZES))
     p.add_argument("--frameworks", nargs="+", default=list(TRAINERS), choices=list(TRAINERS))
+    p.add_argument("--configs", nargs="+", default=None, choices=[r.label for r in RUNS],
+                   help="only these configurations (default: every one of --frameworks)")
+    p.add_argument("--phase", choices=["both", "isolated", "interleaved"], default="both",
+                   help="isolated: each configuration alone (memory, collectives); interleaved: the step times")
+    p.add_argument("--runs", type=int, default=1, help="interleaved runs per size, each in fresh processes")
     p.add_argument("--timed-steps", type=int, default=None, help="override the timed steps of every size")
+    p.add_argument("--warmup-steps", type=int, default=None, help="override the warm-up steps of every size")
+    p.add_argument("--under-load", action="store_true",
+                   help="run a second copy of the interleaved phase in the background throughout")
+    p.add_argument("--load-forever", action="store_true", help=argparse.SUPPRESS)  # the background copy
     p.add_argument("--date", default=datetime.date.today().isoformat(), help="names the result files")
     p.add_argument("--out", type=Path, default=RESULTS)
     return p.parse_args(argv)
 
 
-def run_size(size: Size, frameworks: list[str]) -> list[dict[str, Any]]:
-    """Phase 1 for each configuration, then phase 2 over those that ran."""
-    runs = [r for r in RUNS if r.framework in frameworks]
-    rows = []
+def selected_runs(args: argparse.Namespace) -> list[Run]:
+    return [r for r in RUNS if r.framework in args.frameworks and (args.configs is None or r.label in args.configs)]
+
+
+def sizes_of(args: argparse.Namespace) -> list[Size]:
+    overrides = {k: v for k, v in (("timed_steps", args.timed_steps), ("warmup_steps", args.warmup_steps)) if v is not None}
+    return [dataclasses.replace(SIZES[name], **overrides) for name in args.sizes]
+
+
+def run_isolated(runs: list[Run], size: Size, rows: dict[Run, dict[str, Any]]) -> None:
     for run in runs:
         why_not = available(run.framework)
         started = time.monotonic()
         outcome = {"error": why_not} if why_not else spawn("isolated", [run], size, size.timeout_s)
-        rows.append(summarize(run, size, outcome))
-        shown = f"{rows[-1]['isolated_ms']:.1f} ms/step" if "isolated_ms" in rows[-1] else rows[-1]["error"]
-        print(f"  alone: {size.model:<10} {run.name:<22} stage {run.stage}: {shown} ({time.monotonic() - started:.0f} s)",
-              flush=True)
-    ran = [(run, row) for run, row in zip(runs, rows) if "isolated_ms" in row]
+        rows[run].update(summarize_isolated(run, size, outcome))
+        shown = f"{rows[run]['isolated_ms']:.1f} ms/step" if "isolated_ms" in rows[run] else rows[run]["error"]
+        print(f"  alone: {size.name:<10} {run.label:<20}: {shown} ({time.monotonic() - started:.0f} s)", flush=True)
+
+
+def run_interleaved(runs: list[Run], size: Size, rows: dict[Run, dict[str, Any]], index: int) -> None:
+    """One interleaved run over the configurations that can run; appends to each row's `runs`."""
+    ran = [run for run in runs if "error" not in rows[run] and available(run.framework) is None]
+    for run in runs:
+        if run not in ran:
+            rows[run].setdefault("error", available(run.framework) or "phase 1 failed")
+    if not ran:
+        return
     started = time.monotonic()
-    timeout = size.timeout_s * max(1, len(ran))
-    outcome = spawn("interleaved", [run for run, _ in ran], size, timeout) if ran else {"error": "nothing ran"}
-    add_interleaved([row for _, row in ran], [run for run, _ in ran], outcome)
-    for run, row in ran:
-        shown = f"{row['step_ms']:.1f} ms/step" if "step_ms" in row else row["interleaved_error"]
-        print(f"  interleaved: {size.model:<10} {run.name:<22} stage {run.stage}: {shown}", flush=True)
-    print(f"  (interleaved phase {time.monotonic() - started:.0f} s)", flush=True)
-    return rows
+    outcome = spawn("interleaved", ran, size, size.timeout_s * len(ran))
+    for position, run in enumerate(ran):
+        if "ranks" not in outcome:
+            rows[run].setdefault("runs", []).append({"error": outcome["error"]})
+            continue
+        rows[run].setdefault("runs", []).append(
+            {key: [r[f"{key}_times"][position] for r in outcome["ranks"]] for key in ("wall", "cpu", "idle", "blocked")}
+            | {"load_average": outcome["ranks"][0]["load_average"]})
+    print(f"  interleaved run {index + 1}: {size.name} ({time.monotonic() - started:.0f} s, "
+          f"{len(ran)} configurations{'' if 'ranks' in outcome else ': ' + outcome['error']})", flush=True)
+
+
+@contextlib.contextmanager
+def background_load(argv: list[str]) -> Any:
+    """A second copy of the interleaved phase, repeated until the block ends, in its own session so
+    that it and its ranks end together."""
+    command = [sys.executable, os.path.abspath(__file__), *argv, "--load-forever"]
+    load = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    print(f"  under load: a background copy runs (pid {load.pid})", flush=True)
+    try:
+        yield
+    finally:
+        os.killpg(load.pid, signal.SIGTERM)
+        try:
+            load.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(load.pid, signal.SIGKILL)
+            load.wait()
+
+
+def load_forever(args: argparse.Namespace) -> int:
+    """The background copy of `--under-load`: interleaved runs, results discarded, until killed."""
+    while True:
+        for size in sizes_of(args):
+            spawn("interleaved", [r for r in selected_runs(args) if available(r.framework) is None], size,
+                  size.timeout_s * len(RUNS))
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    header = f"Train-step benchmark, {args.date}: {machine_line()}"
+    if args.load_forever:
+        return load_forever(args)
+    load_note = "; under load: a second copy of the interleaved phase ran throughout" if args.under_load else ""
+    header = f"Train-step benchmark, {args.date}: {machine_line()}{load_note}"
     print(header, flush=True)
-    rows = []
-    for size_name in args.sizes:
-        size = SIZES[size_name]
-        if args.timed_steps:
-            size = dataclasses.replace(size, timed_steps=args.timed_steps)
-        rows += run_size(size, args.frameworks)
-    add_ratios(rows)
-    text = markdown(rows, header)
+    runs, started = selected_runs(args), time.monotonic()
+    all_rows: list[dict[str, Any]] = []
+    load = background_load([a for a in argv if a != "--under-load"]) if args.under_load else contextlib.nullcontext()
+    with load:
+        rows_by_size = {size.name: {run: {"size": size.name, "framework": run.name, "label": run.label,
+                                          "stage": run.stage, "reuse": run.reuse} for run in runs}
+                        for size in sizes_of(args)}
+        for size in sizes_of(args):
+            if args.phase in ("both", "isolated"):
+                run_isolated(runs, size, rows_by_size[size.name])
+        if args.phase in ("both", "interleaved"):
+            for index in range(args.runs):
+                for size in sizes_of(args):
+                    run_interleaved(runs, size, rows_by_size[size.name], index)
+    for rows in rows_by_size.values():
+        all_rows += [summarize_interleaved(row) for row in rows.values()]
+    add_ratios(all_rows)
+    print(f"  (all phases {time.monotonic() - started:.0f} s)", flush=True)
+    text = markdown(all_rows, header)
     print("\n" + text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.date}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
-    (args.out / f"{args.date}.md").write_text(text + "\n")
-    print(f"wrote {args.out / (args.date + '.json')} and {args.out / (args.date + '.md')}")
+    name = args.date + ("-under-load" if args.under_load else "")
+    (args.out / f"{name}.json").write_text(json.dumps({"header": header, "rows": all_rows}, indent=1) + "\n")
+    (args.out / f"{name}.md").write_text(text + "\n")
+    print(f"wrote {args.out / (name + '.json')} and {args.out / (name + '.md')}")
     return 0
 
 

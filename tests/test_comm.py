@@ -267,6 +267,33 @@ def test_tracer_timing_gives_bandwidth():
     assert "all_reduce" in t.format_summary()
 
 
+@distributed_test(world_size=2)
+def test_blocked_meter_counts_synchronous_collectives_and_waits():
+    """Rank 1 arrives late to each collective, so rank 0 must block: inside the synchronous call,
+    then inside wait() (a second wait blocks no more). Nested meters both count; none is left on."""
+    late, rank = 0.5, comm.get_rank()
+    comm.barrier()
+    with comm.measure_blocked() as outer:
+        with comm.measure_blocked() as sync_meter:
+            if rank == 1:
+                time.sleep(late)
+            comm.all_reduce(torch.ones(4))
+        with comm.measure_blocked() as wait_meter:
+            if rank == 1:
+                time.sleep(late)
+            handle = comm.all_reduce(torch.ones(4), async_op=True)
+            handle.wait()
+            handle.wait()
+    assert comm.tracer.blocked_meters == []
+    assert sync_meter.num_blocking_calls == 1 and wait_meter.num_blocking_calls == 1
+    assert outer.num_blocking_calls == 2 and outer.seconds == pytest.approx(sync_meter.seconds + wait_meter.seconds)
+    if rank == 0:  # lower bounds only: rank 0 waited for rank 1's sleep, less any delay of its own
+        assert sync_meter.seconds > late / 2 and wait_meter.seconds > late / 2
+    with comm.trace(timing=True), comm.measure_blocked() as timed:
+        comm.all_reduce(torch.ones(4), async_op=True).wait()  # a timed trace blocks where it issues
+    assert timed.num_blocking_calls == 1
+
+
 def test_bus_factors_follow_nccl_tests():
     assert comm.bus_factor("all_reduce", 4) == 1.5
     assert comm.bus_factor("reduce_scatter", 4) == comm.bus_factor("all_gather", 4) == 0.75
@@ -301,3 +328,28 @@ def _return_rank_and_sum(offset):
 
 def test_harness_returns_each_ranks_value():
     assert run_distributed(_return_rank_and_sum, 2, 1) == [(0, 3.0), (1, 3.0)]
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+@distributed_test(world_size=[2, 4])
+def test_reduce_scatter_of_a_scratch_input_is_the_same_reduce_scatter(async_op):
+    """[Note: gloo reduce-scatter]: a scratch input is all-reduced in place on gloo; the result is
+    bitwise the plain reduce-scatter's, into a separate output or into the input's own slice, with
+    AVG too, and the tracer still sees one reduce-scatter of the input's size."""
+    from zerodist.comm import collectives
+
+    rank, n = comm.get_rank(), comm.get_world_size()
+    values = torch.randn(n * 192, generator=torch.Generator().manual_seed(rank))
+    for op in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
+        expected = torch.empty(192)
+        collectives.reduce_scatter(expected, values.clone(), op=op)
+        out = torch.empty(192)
+        with comm.trace() as t:
+            handle = collectives.reduce_scatter(out, values.clone(), op=op, async_op=async_op, input_is_scratch=True)
+            assert handle.wait() is out
+        assert torch.equal(out, expected)
+        assert t.summary()["reduce_scatter"].count == 1 and t.summary()["reduce_scatter"].num_bytes == n * 192 * 4
+        scratch = values.clone()
+        own = scratch[rank * 192: (rank + 1) * 192]  # the output is the input's own slice (ZeRO-1's buffer)
+        collectives.reduce_scatter(own, scratch, op=op, async_op=async_op, input_is_scratch=True).wait()
+        assert torch.equal(own, expected)

@@ -78,7 +78,7 @@ def _bucket(num_params: int = 2) -> Bucket:
     layout = plan_layout([3] * num_params, bucket_numel=100, world_size=1, align=4)
     full = torch.zeros(layout.total_numel)
     return Bucket(layout.buckets[0], plan=GradSyncPlan(False, persistent_full_grad=True, divisor=1), grad_full=full,
-                  grad_owned=full, group=None, rank=0, label="test bucket")
+                  grad_owned=full, group=None, rank=0, label="test bucket", slots=layout.slots)
 
 
 def test_bucket_refuses_transitions_out_of_order_without_a_collective():

@@ -47,7 +47,7 @@ def _batches(steps, batch, seq, vocab):
              torch.randint(0, vocab, (batch, seq), generator=generator)) for _ in range(steps)]
 
 
-def _train_and_compare(reference, parallel, topology, batches, dtype, loss_of):
+def _train_and_compare(reference, parallel, topology, batches, dtype, loss_of, eps=1e-6):
     """3 AdamW steps on both; loss, every gathered gradient and every parameter compared."""
     assert unsliced_state_dict(parallel).keys() == reference.state_dict().keys()
     for key, value in unsliced_state_dict(parallel).items():  # slicing is exact
@@ -55,8 +55,8 @@ def _train_and_compare(reference, parallel, topology, batches, dtype, loss_of):
     # eps 1e-6: the attention key bias has an exactly-zero gradient (softmax ignores a per-row
     # constant), so in fp32 it holds rounding noise (~1e-9) that eps 1e-8 would turn into
     # lr-sized steps of random sign, different in any two correct implementations.
-    opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-6)
-    opt_tp = torch.optim.AdamW(parallel.parameters(), lr=1e-2, eps=1e-6)
+    opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=eps)
+    opt_tp = torch.optim.AdamW(parallel.parameters(), lr=1e-2, eps=eps)
     for idx, targets in batches:
         loss_ref, loss_tp = loss_of(reference, idx, targets), loss_of(parallel, idx, targets)
         loss_ref.backward()
@@ -109,11 +109,11 @@ def test_gpt_plan_refuses_tied_embeddings_and_bad_plans():
         parallelize(model, {"lm_head": "colwise", "lm_*": "colwise_rep"}, topology)
 
 
-def _tiny_llama(heads):
+def _tiny_llama(heads, **overrides):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=32,
-                                      attn_implementation="eager")
+                                      attn_implementation="eager", **overrides)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(torch.float64)
 
@@ -126,6 +126,17 @@ def test_hugging_face_llama_unchanged_code_matches_one_process(world_size):
     attention = parallel.model.layers[0].self_attn
     assert isinstance(attention.q_proj, ColumnParallelLinear) and isinstance(attention.o_proj, RowParallelLinear)
     assert attention.q_proj.weight.shape == (32 // world_size, 32)
+    _train_and_compare(reference, parallel, topology, _batches(3, 2, 16, 64), torch.float64,
+                       lambda model, idx, targets: model(input_ids=idx, labels=targets).loss)
+
+
+@distributed_test(world_size=2)
+def test_hugging_face_llama_with_tied_embeddings_stays_tied():
+    topology = comm.Topology(tensor=2)
+    reference = _tiny_llama(heads=4, tie_word_embeddings=True)
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
+    parallel = parallelize(copy.deepcopy(reference), hf_llama_plan(reference), topology)
+    assert parallel.lm_head.weight is parallel.model.embed_tokens.weight
     _train_and_compare(reference, parallel, topology, _batches(3, 2, 16, 64), torch.float64,
                        lambda model, idx, targets: model(input_ids=idx, labels=targets).loss)
 

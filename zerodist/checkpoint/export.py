@@ -15,6 +15,10 @@ safetensors header needs every tensor's shape and dtype up front; a sharded para
 logical shape, so the header is written first, with the tensors ordered unit by unit, and the
 data follows as each unit is gathered. The torch format has no such layout: rank 0 copies each
 unit to the CPU and pickles the whole dict at the end (the model once in memory, never twice).
+
+Tensor-parallel slices are written unsliced: each chunk's slices are gathered over the tensor
+axis (every rank takes part, in the chunk's key order) and the header carries their logical
+shapes, so the files hold the plain model's tensors at any tensor degree.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import torch
 import zerodist.comm as comm
 from zerodist.checkpoint.consolidate import SAFETENSORS_DTYPES
 from zerodist.checkpoint.files import AtomicFile, tensor_bytes
+from zerodist.tensor_parallel.layers import unslice_tensor
+from zerodist.tensor_parallel.plan import sliced_parameters
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero.state import ZeroState
 from zerodist.zero.stage3 import GatheredParameters
@@ -100,6 +106,21 @@ class _Chunk:
         self.keys: list[str] = []
         self.tensors: dict[str, torch.Tensor] = {}  # references (sharded outside the gather)
         self.positions: dict[str, int] = {}  # each key's place in state_dict() order
+        self.sliced: dict[str, Any] = {}  # tensor-parallel slices: key -> (SliceSpec, TensorRegion)
+
+    def shape(self, key: str) -> list[int]:
+        """The tensor's shape as written: a tensor-parallel slice's logical (unsliced) shape."""
+        shape = list(self.tensors[key].shape)
+        if key in self.sliced:
+            spec = self.sliced[key][0]
+            shape[spec.dim] = spec.logical_size
+        return shape
+
+    def nbytes(self, key: str) -> int:
+        numel = 1
+        for length in self.shape(key):
+            numel *= length
+        return numel * self.tensors[key].element_size()
 
 
 def _chunks(state: ZeroState, exclude_frozen: bool, drop_tied: bool) -> list[_Chunk]:
@@ -110,6 +131,7 @@ def _chunks(state: ZeroState, exclude_frozen: bool, drop_tied: bool) -> list[_Ch
     chunks = [_Chunk([])] + [_Chunk(params) for params in unit_params]
     chunk_of = {id(p): index + 1 for index, params in enumerate(unit_params) for p in params}
     trained = {id(p) for p in module.parameters() if p.requires_grad}
+    sliced = sliced_parameters(module)
     seen: set[int] = set()
     for position, (key, tensor) in enumerate(module.state_dict(keep_vars=True).items()):
         if exclude_frozen and isinstance(tensor, torch.nn.Parameter) and id(tensor) not in trained:
@@ -121,6 +143,8 @@ def _chunks(state: ZeroState, exclude_frozen: bool, drop_tied: bool) -> list[_Ch
         chunk.keys.append(key)
         chunk.tensors[key] = tensor
         chunk.positions[key] = position
+        if key in sliced:
+            chunk.sliced[key] = sliced[key]
     return [c for c in chunks if c.keys]
 
 
@@ -129,9 +153,12 @@ def _gathered(chunks: list[_Chunk]) -> Iterator[tuple[_Chunk, dict[str, torch.Te
     gathered at a time. Collective."""
     for chunk in chunks:
         with GatheredParameters(chunk.params, enabled=bool(chunk.params)), torch.no_grad():
+            # Tensor-parallel slices: gathered on every rank (a collective over the tensor axis).
+            tensors = {k: unslice_tensor(chunk.tensors[k], *chunk.sliced[k]) if k in chunk.sliced else chunk.tensors[k]
+                       for k in chunk.keys}
             values = {}
             if comm.get_rank() == 0:
-                values = {k: chunk.tensors[k].detach().to("cpu", copy=True).contiguous() for k in chunk.keys}
+                values = {k: tensors[k].detach().to("cpu", copy=True).contiguous() for k in chunk.keys}
         yield chunk, values
 
 
@@ -158,7 +185,7 @@ def _plan_shards(chunks: list[_Chunk], max_bytes: int) -> list[list[str]]:
     size = 0
     for chunk in chunks:
         for key in chunk.keys:
-            nbytes = _nbytes(chunk.tensors[key])
+            nbytes = chunk.nbytes(key)
             if shards[-1] and size + nbytes > max_bytes:
                 shards.append([])
                 size = 0
@@ -170,7 +197,7 @@ def _plan_shards(chunks: list[_Chunk], max_bytes: int) -> list[list[str]]:
 def _write_safetensors_shards(chunks: list[_Chunk], shards: list[tuple[Path, list[str]]]) -> None:
     """Stream the chunks into the shard files: each file's header first, then its tensors as
     their units are gathered ([Note: streamed export])."""
-    info = {k: chunk.tensors[k] for chunk in chunks for k in chunk.keys}
+    info = {k: (chunk.tensors[k].dtype, chunk.shape(k), chunk.nbytes(k)) for chunk in chunks for k in chunk.keys}
     files = iter(shards)
     current: tuple[AtomicFile, list[str]] | None = None
     written = 0
@@ -191,14 +218,14 @@ def _write_safetensors_shards(chunks: list[_Chunk], shards: list[tuple[Path, lis
         current[0].commit()
 
 
-def _write_header(out: AtomicFile, entries: list[tuple[str, torch.Tensor]]) -> None:
+def _write_header(out: AtomicFile, entries: list[tuple[str, tuple[torch.dtype, list[int], int]]]) -> None:
+    """`entries`: (key, (dtype, shape as written, bytes)) in file order."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for key, tensor in entries:
-        if tensor.dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{key}: dtype {tensor.dtype} has no safetensors code")
-        nbytes = _nbytes(tensor)
-        header[key] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+    for key, (dtype, shape, nbytes) in entries:
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{key}: dtype {dtype} has no safetensors code")
+        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape,
                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -208,8 +235,7 @@ def _write_header(out: AtomicFile, entries: list[tuple[str, torch.Tensor]]) -> N
 
 
 def _write_index(chunks: list[_Chunk], shards: list[tuple[Path, list[str]]], path: Path) -> None:
-    info = {k: chunk.tensors[k] for chunk in chunks for k in chunk.keys}
-    index = {"metadata": {"total_size": sum(_nbytes(t) for t in info.values())},
+    index = {"metadata": {"total_size": sum(chunk.nbytes(k) for chunk in chunks for k in chunk.keys)},
              "weight_map": {key: file.name for file, keys in shards for key in keys}}
     with AtomicFile(path) as f:
         f.write(json.dumps(index, indent=2, sort_keys=True).encode("utf-8") + b"\n")
@@ -231,10 +257,6 @@ def _write_configs(module: torch.nn.Module, save_dir: Path) -> None:
     can_generate = getattr(module, "can_generate", None)
     if generation is not None and callable(can_generate) and can_generate():
         generation.save_pretrained(save_dir)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,

@@ -17,6 +17,11 @@ weights, and drops the read. No collective runs, no rank ever holds a whole unit
 values are those an eager `load_state_dict` gives, bit for bit (same source values, same casts).
 Parameters every rank holds (stages 0-2, stage 3's persistent ones, frozen ones) and buffers
 are read whole.
+
+A tensor-parallel slice (`zerodist.tensor_parallel`) holds part of its logical tensor: read whole,
+the logical tensor is cut to this rank's slice (`slice_tensor`, padding a vocabulary); at stage 3
+each owned run of the local slice maps to runs of the logical tensor (`ParamSlicing.runs`), and
+only those are read. The source's shapes are the unparallelized model's.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from typing import Any
 import torch
 
 from zerodist.checkpoint.errors import CheckpointError
+from zerodist.tensor_parallel.layers import slice_tensor
+from zerodist.tensor_parallel.plan import sliced_parameters
+from zerodist.tensor_parallel.slicing import ParamSlicing
 
 
 @dataclasses.dataclass
@@ -100,19 +108,38 @@ def load_pretrained(engine: Any, path: str | Path, *, strict: bool = True) -> Lo
     state = engine.zero_state  # the typed view; checkpoint/ reads no engine internals
     source = _Source(path)
     names = _names_by_tensor(state.module)
-    _check_keys(state.module, source, names, strict)
+    slicings = {id(state.module.get_parameter(key)): value for key, value in sliced_parameters(state.module).items()}
+    _check_keys(state.module, source, names, slicings, strict)
     report = LoadReport([str(f) for f in source.files], 0)
     in_groups: set[int] = set()
     with torch.no_grad():
         for group in state.groups:
             in_groups.update(id(p) for p in group.params)
-            _load_group(group, source, names, report)
+            _load_group(group, source, names, slicings, report)
         for tensor in [*state.module.parameters(), *state.module.buffers()]:
             key = _source_key(tensor, names, source)
             if id(tensor) not in in_groups and key is not None:
-                tensor.copy_(_read(source, key, None, None, report).reshape(tensor.shape))
+                tensor.copy_(_read_whole(source, key, tensor, slicings, report))
                 report.loaded_keys += 1
     return report
+
+
+def _logical_shape(tensor: torch.Tensor, slicings: dict[int, Any]) -> list[int]:
+    """The shape of the tensor `tensor` is a tensor-parallel slice of (its own shape if none)."""
+    shape = list(tensor.shape)
+    if id(tensor) in slicings:
+        spec = slicings[id(tensor)][0]
+        shape[spec.dim] = spec.logical_size
+    return shape
+
+
+def _read_whole(source: _Source, key: str, tensor: torch.Tensor, slicings: dict[int, Any],
+                report: LoadReport) -> torch.Tensor:
+    """`tensor`'s values from the source: the whole tensor, or this rank's tensor-parallel slice of it."""
+    values = _read(source, key, None, None, report)
+    if id(tensor) not in slicings:
+        return values.reshape(tensor.shape)
+    return slice_tensor(values.reshape(_logical_shape(tensor, slicings)), *slicings[id(tensor)])
 
 
 def _names_by_tensor(module: torch.nn.Module) -> dict[int, list[str]]:
@@ -126,7 +153,8 @@ def _source_key(tensor: torch.Tensor, names: dict[int, list[str]], source: _Sour
     return next((name for name in names.get(id(tensor), []) if name in source.handles), None)
 
 
-def _check_keys(module: torch.nn.Module, source: _Source, names: dict[int, list[str]], strict: bool) -> None:
+def _check_keys(module: torch.nn.Module, source: _Source, names: dict[int, list[str]], slicings: dict[int, Any],
+                strict: bool) -> None:
     state = module.state_dict(keep_vars=True)
     missing = sorted({names[id(t)][0] for t in state.values() if _source_key(t, names, source) is None})
     unexpected = sorted(set(source.handles) - set(state))
@@ -138,9 +166,9 @@ def _check_keys(module: torch.nn.Module, source: _Source, names: dict[int, list[
             "plain model's state_dict() keys (pass strict=False to load the ones that match)")
     for tensor in state.values():
         key = _source_key(tensor, names, source)
-        if key is not None and math.prod(source.shape(key)) != tensor.numel():
+        if key is not None and math.prod(source.shape(key)) != math.prod(_logical_shape(tensor, slicings)):
             raise CheckpointError(f"load_pretrained: {key} has shape {list(source.shape(key))} in the source and "
-                                  f"{list(tensor.shape)} in the model")
+                                  f"{_logical_shape(tensor, slicings)} in the model")
 
 
 def _read(source: _Source, key: str, start: int | None, length: int | None, report: LoadReport) -> torch.Tensor:
@@ -160,14 +188,15 @@ def _read(source: _Source, key: str, start: int | None, length: int | None, repo
     return values
 
 
-def _load_group(group: Any, source: _Source, names: dict[int, list[str]], report: LoadReport) -> None:
+def _load_group(group: Any, source: _Source, names: dict[int, list[str]], slicings: dict[int, Any],
+                report: LoadReport) -> None:
     """One flat group: its owned runs into the shard (and master) at stage 3, else whole
     parameters into the full buffer and the master taken from it."""
     keys = [_source_key(p, names, source) for p in group.params]
     if group.param_shard is None:
         for param, key in zip(group.params, keys):
             if key is not None:
-                param.copy_(_read(source, key, None, None, report).reshape(param.shape))
+                param.copy_(_read_whole(source, key, param, slicings, report))
         group.take_shard_from_full()
         report.loaded_keys += sum(k is not None for k in keys)
         return
@@ -175,13 +204,23 @@ def _load_group(group: Any, source: _Source, names: dict[int, list[str]], report
         key = keys[piece.param_index]
         if key is None:
             continue
-        values = _read(source, key, piece.param_start, piece.length, report)
-        where = slice(piece.shard_start, piece.shard_start + piece.length)
-        if group.master is not None:
-            group.master[where].copy_(values)
-        group.param_shard[where].copy_(group.master[where] if group.master is not None else values)
+        for logical_start, length, offset in _runs(group.params[piece.param_index], piece, slicings):
+            values = _read(source, key, logical_start, length, report)
+            where = slice(piece.shard_start + offset, piece.shard_start + offset + length)
+            if group.master is not None:
+                group.master[where].copy_(values)
+            group.param_shard[where].copy_(group.master[where] if group.master is not None else values)
     if group.is_unsharded:  # gathered now (a unit kept between steps): its full values too
         for param, key in zip(group.params, keys):
             if key is not None:
-                param.copy_(_read(source, key, None, None, report).reshape(param.shape))
+                param.copy_(_read_whole(source, key, param, slicings, report))
     report.loaded_keys += sum(k is not None for k in keys)
+
+
+def _runs(param: torch.Tensor, piece: Any, slicings: dict[int, Any]) -> list[tuple[int, int, int]]:
+    """An owned piece of `param` as (start in the source tensor, length, offset in the piece): one
+    run, or for a tensor-parallel slice the runs of its logical tensor (padding in none)."""
+    if id(param) not in slicings:
+        return [(piece.param_start, piece.length, 0)]
+    spec, region = slicings[id(param)]
+    return ParamSlicing(spec, tuple(param.shape), region.rank, region.size).runs(piece.param_start, piece.length)

@@ -18,6 +18,15 @@ trace is active the cost is one truthiness check of a module-level list per coll
   it is the quantity DESIGN.md's ZeRO communication formulas count (2Ψ(n-1)/n for stages 0-2).
 DeepSpeed's comms logger reports all_reduce "throughput" as 2S/t (factor 2 instead of
 2(n-1)/n), which overstates bus bandwidth by n/(n-1): 2x on two ranks.
+
+[Note: blocked time] `measure_blocked()` accumulates the wall time the calling thread spends
+blocked in zerodist's collectives: inside every synchronous collective and inside
+`CommHandle.wait()`. That is the communication a step did *not* overlap with its compute (an
+async collective that finished before its wait costs almost nothing). It is separate from the
+tracer so that it can stay on for a whole benchmark without forcing async collectives to wait
+where they are issued (as `trace(timing=True)` does); when no meter is active the cost is one
+truthiness check per collective and per wait. On CUDA, `wait()` only orders streams, so the meter
+sees the CPU side of a wait, not the device's.
 """
 
 from __future__ import annotations
@@ -184,3 +193,32 @@ def record(op: str, tensor: torch.Tensor | None, numel: int, group_size: int, du
 
 def now() -> float:
     return time.perf_counter()
+
+
+@dataclasses.dataclass(eq=False)  # identity: nested meters with equal totals are distinct
+class BlockedTime:
+    """What one `measure_blocked()` block accumulated ([Note: blocked time])."""
+
+    seconds: float = 0.0
+    num_blocking_calls: int = 0  # synchronous collectives plus waits on pending ones
+
+
+# Meters currently accumulating. Collectives and waits test this list's truthiness only.
+blocked_meters: list[BlockedTime] = []
+
+
+@contextmanager
+def measure_blocked() -> Iterator[BlockedTime]:
+    """Accumulate the time this thread blocks in zerodist's collectives within the block."""
+    meter = BlockedTime()
+    blocked_meters.append(meter)
+    try:
+        yield meter
+    finally:
+        blocked_meters.remove(meter)
+
+
+def add_blocked(seconds: float) -> None:
+    for meter in blocked_meters:
+        meter.seconds += seconds
+        meter.num_blocking_calls += 1

@@ -230,8 +230,9 @@ def _engine_gradients(engine: Any, atol: float, reference: GradSyncWatch | None,
                  for g in state.groups for r in g.records]
         params = compare_replicated(named, group, atol=atol)
         method = "ZeRO stage 0: the reduced gradient is replicated, compared " + _how(atol)
-    zero = all(float(g.norm()) == 0.0 for grp in state.groups for g in grp.owned_grads())
-    note = "every gradient is zero: called after engine.step(), which clears them?" if zero else ""
+    cleared = not any(grp.holds_gradients() for grp in state.groups)
+    note = ("no gradient since the last optimizer step: called after engine.step(), which clears them?"
+            if cleared else "")
     return SyncReport("gradients", method, tuple(group_ranks(group)), params, note)
 
 

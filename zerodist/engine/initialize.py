@@ -29,12 +29,13 @@ from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimiz
 from zerodist.engine.schedulers import build_scheduler
 from zerodist.moe.parallel import RoutingClock, apply_expert_parallel
 from zerodist.precision import LossScaler, PrecisionPolicy
-from zerodist.tensor_parallel.apply import TensorParallelSettings, apply_tensor_parallel
+from zerodist.tensor_parallel.apply import TENSOR_PARALLEL_LAYERS, TensorParallelSettings, apply_tensor_parallel
+from zerodist.tensor_parallel.plan import PlanError
 from zerodist.tensor_parallel.domino import DominoConfig
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, ZeroOptimizer, sharded_access
 from zerodist.zero.param_gather import ParamGatherSchedule
-from zerodist.zero.partition import FlattenSettings, build_groups, build_stage3
+from zerodist.zero.partition import FlattenSettings, build_groups, build_stage3, continue_recording, is_recorded
 from zerodist.zero.plan import bucket_capacity, plan_groups
 from zerodist.zero.policy import DomainGroup, ShardingPolicy
 from zerodist.zero.stage3 import Stage3Runtime, register_replicated
@@ -145,7 +146,26 @@ def _apply_tensor_parallel(model: torch.nn.Module, topology: comm.Topology, conf
         sequence_parallel=section.sequence_parallel,
         sharded_parameters=ShardingPolicy.from_stage(config.zero_optimization.stage).shard_parameters,
         domino=DominoConfig(section.domino.chunks, section.domino.overlap) if section.domino is not None else None)
-    return apply_tensor_parallel(model, topology, settings)
+    # A model built under zerodist.zero.Init() is still on the meta device: its layers are sliced
+    # there, in its record, and ZeRO materialises each slice from its own replayed full weight
+    # ([Note: recording continued] in zerodist/zero/partition.py).
+    model = apply_tensor_parallel(model, topology, settings, conversion=continue_recording(model))
+    _check_sliced_layers_materialisable(model)
+    return model
+
+
+def _check_sliced_layers_materialisable(model: torch.nn.Module) -> None:
+    """A tensor-parallel layer left on the meta device outside any `Init` record (a model put on
+    the meta device by other means, or parallelized by the user there) has no full weight to slice
+    from: refuse it now, by name, rather than fail or draw slices that match no one-process model."""
+    unrecorded = [name for name, module in model.named_modules() if isinstance(module, TENSOR_PARALLEL_LAYERS)
+                  and any(p.is_meta for p in module.parameters(recurse=False)) and not is_recorded(module)]
+    if unrecorded:
+        raise PlanError(
+            f"the tensor-parallel layers {unrecorded[:4]}{' ...' if len(unrecorded) > 4 else ''} are on the meta "
+            "device without a record of their initialisation, so their slices cannot be made equal to the "
+            "one-process model's: build the unparallelized model under zerodist.zero.Init() (or eagerly) and let "
+            "initialize() apply the plan, or call parallelize() inside the same Init() block that built the model")
 
 
 def _apply_expert_parallel(model: torch.nn.Module, topology: comm.Topology, config: Config) -> torch.nn.Module:

@@ -6,7 +6,8 @@
 - `layers`: `ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`.
 - `cross_entropy`: `vocab_parallel_cross_entropy`.
 - `plan`: `parallelize(model, plan, topology)` for a model the user wrote, DeepSpeed's
-  `partition_config` form; `plans`: built-in plans (demo GPT, Hugging Face Llama).
+  `partition_config` form; `plans`: built-in plans (demo GPT, Hugging Face Llama and GPT-2).
+- `conv1d`: column/row-parallel versions of Hugging Face's `Conv1D` (GPT-2).
 - `domino`: the k-chunk overlapped schedule; `schedule`: the log its overlap is measured from.
 - `random`: the RNG tracker (named streams for replicated and sharded dropout).
 See docs/tensor_parallel.md.
@@ -18,6 +19,7 @@ from zerodist.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     SliceSpec,
+    TiedVocabParallelHead,
     VocabParallelEmbedding,
     slice_tensor,
     unslice_tensor,
@@ -30,10 +32,12 @@ from zerodist.tensor_parallel.plan import (
     Rowwise,
     Sequence,
     SequenceScatter,
+    TiedHead,
     Vocab,
     parallelize,
     plan_from_deepspeed,
     reduce_partial_gradients,
+    sliced_parameters,
     unsliced_gradients,
     unsliced_state_dict,
 )
@@ -45,7 +49,15 @@ from zerodist.tensor_parallel.domino import (
     ResidualBranch,
     apply_domino,
 )
-from zerodist.tensor_parallel.plans import HeadParallelAttention, gpt_block_branches, gpt_domino, gpt_plan, hf_llama_plan
+from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelConv1D
+from zerodist.tensor_parallel.plans import (
+    HeadParallelAttention,
+    gpt_block_branches,
+    gpt_domino,
+    gpt_plan,
+    hf_gpt2_plan,
+    hf_llama_plan,
+)
 from zerodist.tensor_parallel.schedule import ScheduleLog, schedule_log
 from zerodist.tensor_parallel.random import RNGTracker, attach_rng_tracker, rng_tracker_of, tensor_parallel_rng
 from zerodist.tensor_parallel.operators import (
@@ -64,10 +76,12 @@ __all__ = [
     "ChunkedActivations", "DominoBlock", "DominoChunkError", "DominoConfig", "ResidualBranch", "ScheduleLog",
     "apply_domino", "attach_rng_tracker", "gpt_block_branches", "gpt_domino", "rng_tracker_of", "schedule_log",
     "Colwise", "HeadParallelAttention", "PlanError", "RNGTracker", "Replace", "Replicate", "Rowwise", "Sequence",
-    "SequenceScatter", "Vocab", "gpt_plan", "hf_llama_plan", "parallelize", "plan_from_deepspeed",
-    "reduce_partial_gradients", "tensor_parallel_rng", "unsliced_gradients", "unsliced_state_dict",
-    "ColumnParallelLinear", "RowParallelLinear", "SEQUENCE_PARTIAL", "SliceSpec", "TensorRegion", "UnevenSplitError",
-    "VocabParallelEmbedding", "copy_to_tensor_region", "gather_from_sequence_region", "gather_from_tensor_region",
+    "SequenceScatter", "TiedHead", "Vocab", "gpt_plan", "hf_gpt2_plan", "hf_llama_plan", "parallelize",
+    "plan_from_deepspeed", "reduce_partial_gradients", "sliced_parameters", "tensor_parallel_rng",
+    "unsliced_gradients", "unsliced_state_dict",
+    "ColumnParallelConv1D", "ColumnParallelLinear", "RowParallelConv1D", "RowParallelLinear", "SEQUENCE_PARTIAL",
+    "SliceSpec", "TensorRegion", "TiedVocabParallelHead", "UnevenSplitError", "VocabParallelEmbedding",
+    "copy_to_tensor_region", "gather_from_sequence_region", "gather_from_tensor_region",
     "reduce_from_tensor_region", "reduce_scatter_to_sequence_region", "scatter_to_sequence_region",
     "scatter_to_tensor_region", "slice_tensor", "unslice_tensor", "vocab_parallel_cross_entropy",
 ]

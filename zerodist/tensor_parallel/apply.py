@@ -1,13 +1,15 @@
 """The engine's "apply tensor parallel" step: pick the model's plan, parallelize, add Domino.
 
 The plan, in order of precedence: the config's `tensor_parallel.partition_config.layer_specs`
-(DeepSpeed's form); the built-in plan of zerodist's demo GPT; a Hugging Face model's own
+(DeepSpeed's form); the built-in plan of zerodist's demo GPT; the built-in plan of Hugging Face
+GPT-2 (`config.model_type == "gpt2"`); a Hugging Face model's own
 `config.base_model_tp_plan`. A model the user already parallelized (it holds tensor-parallel
 layers) is left as it is, after checking its degree.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -15,10 +17,11 @@ import torch
 from torch import nn
 
 from zerodist.comm.topology import Topology
+from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from zerodist.tensor_parallel.domino import DominoConfig
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zerodist.tensor_parallel.plan import PlanError, parallelize, plan_from_deepspeed
-from zerodist.tensor_parallel.plans import gpt_domino, gpt_plan, hf_llama_plan
+from zerodist.tensor_parallel.plans import gpt_domino, gpt_plan, hf_gpt2_plan, hf_llama_plan
 from zerodist.tensor_parallel.random import RNGTracker, attach_rng_tracker, tensor_parallel_rng
 from zerodist.utils import get_logger, log_rank0
 
@@ -42,9 +45,12 @@ def _is_demo_gpt(model: nn.Module) -> bool:
     return isinstance(model, GPT)
 
 
+TENSOR_PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelConv1D,
+                          RowParallelConv1D)
+
+
 def _existing_degree(model: nn.Module) -> int | None:
-    sizes = {m.region.size for m in model.modules()
-             if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))}
+    sizes = {m.region.size for m in model.modules() if isinstance(m, TENSOR_PARALLEL_LAYERS)}
     if len(sizes) > 1:
         raise PlanError(f"the model holds tensor-parallel layers of several degrees {sorted(sizes)}")
     return sizes.pop() if sizes else None
@@ -57,6 +63,8 @@ def choose_plan(model: nn.Module, settings: TensorParallelSettings, rng: RNGTrac
         return plan_from_deepspeed(model, settings.partition_config), "tensor_parallel.partition_config"
     if _is_demo_gpt(model):
         return gpt_plan(sequence_parallel=settings.sequence_parallel, rng=rng), "the built-in GPT plan"
+    if getattr(getattr(model, "config", None), "model_type", None) == "gpt2":  # Hugging Face GPT-2
+        return hf_gpt2_plan(model, sequence_parallel=settings.sequence_parallel), "the built-in GPT-2 plan"
     if getattr(getattr(model, "config", None), "base_model_tp_plan", None):
         return hf_llama_plan(model), f"{type(model).__name__}'s base_model_tp_plan"
     raise PlanError(f"tensor parallelism of degree {settings.degree} needs a plan for {type(model).__name__}: give "
@@ -64,8 +72,13 @@ def choose_plan(model: nn.Module, settings: TensorParallelSettings, rng: RNGTrac
                     "zerodist.tensor_parallel.parallelize(model, plan, topology) before initialize()")
 
 
-def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: TensorParallelSettings) -> nn.Module:
-    """Parallelize `model` over `topology`'s tensor axis (in place) and return it."""
+def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: TensorParallelSettings, *,
+                          conversion: contextlib.AbstractContextManager[Any] | None = None) -> nn.Module:
+    """Parallelize `model` over `topology`'s tensor axis (in place) and return it.
+
+    `conversion` surrounds the swapping of layers (and nothing else): the engine passes ZeRO's
+    `continue_recording(model)` so that a model built under `zerodist.zero.Init()` has its slices
+    cut on the meta device and recorded, to be replayed when ZeRO materialises it."""
     existing = _existing_degree(model)
     if existing is not None:
         if existing != topology.size("tensor"):
@@ -82,7 +95,8 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
     rng = tensor_parallel_rng(topology, seed=torch.initial_seed())
     attach_rng_tracker(model, rng)
     plan, source = choose_plan(model, settings, rng)
-    parallelize(model, plan, topology, sequence_parallel=settings.sequence_parallel)
+    with conversion if conversion is not None else contextlib.nullcontext():
+        parallelize(model, plan, topology, sequence_parallel=settings.sequence_parallel)
     if settings.domino is not None:
         if settings.domino.overlap == "inter" and settings.sharded_parameters:
             raise PlanError("Domino's inter-layer overlap finishes a block's last reductions (bias, dropout) in the "

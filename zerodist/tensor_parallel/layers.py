@@ -283,3 +283,19 @@ class VocabParallelEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, local rows {self.vocab_start}.."
                 f"{self.vocab_start + self.num_local}, tensor={self.region.size}")
+
+
+class TiedVocabParallelHead(ColumnParallelLinear):
+    """An LM head tied to a `VocabParallelEmbedding`: its `weight` *is* the embedding's parameter
+    (this rank's rows of the padded vocabulary), so the tie survives tensor parallelism and both
+    uses' gradients land on the one slice. Logits are gathered over the tensor axis and narrowed
+    to the vocabulary, so a loss written for full logits (Hugging Face's `labels=...`) runs as is.
+    Declares nothing: the embedding's placement covers the shared parameter."""
+
+    def __init__(self, embedding: VocabParallelEmbedding, *, sequence_parallel: bool = False):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = embedding.embedding_dim, embedding.num_embeddings
+        self.region, self.gather_output, self.sequence_parallel = embedding.region, True, sequence_parallel
+        self.weight_spec = embedding.weight_spec
+        self.weight = embedding.weight
+        self.bias = None

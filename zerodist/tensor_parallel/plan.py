@@ -13,6 +13,7 @@ A plan maps module-name patterns (`fnmatch` globs over `named_modules()` names, 
 | `sequence_scatter` | `SequenceScatter()`   | any            | its output is split along the sequence (a positional embedding under sequence parallelism) |
 | `replicate`   | `Replicate()`              | any            | unchanged, replicated (the default for unnamed modules) |
 |               | `Replace(build)`           | any            | `build(module, region)`: a module the plan writes (e.g. head-parallel attention) |
+|               | `TiedHead(embedding)`      | `nn.Linear`    | an LM head tied to `embedding` (made `vocab`): shares its slice, logits gathered |
 
 Fused weights name their sub-parameters: `Colwise(fused=3)` (three equal parts: QKV) or
 `Colwise(fused=(q, k, v))`. `sequence_parallel=True` puts every colwise/rowwise/vocab layer in
@@ -43,9 +44,12 @@ from zerodist.tensor_parallel.layers import (
     SEQUENCE_PARTIAL,
     ColumnParallelLinear,
     RowParallelLinear,
+    SliceSpec,
+    TiedVocabParallelHead,
     VocabParallelEmbedding,
     unslice_tensor,
 )
+from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from zerodist.tensor_parallel.operators import TensorRegion
 from zerodist.utils import did_you_mean
 
@@ -86,11 +90,20 @@ class Replicate:
 
 
 @dataclasses.dataclass(frozen=True)
+class TiedHead:
+    """An LM head (`nn.Linear` without bias) whose weight is tied to the embedding module named
+    `embedding`, which the plan makes `vocab`: it becomes a `TiedVocabParallelHead` over the same
+    vocab-parallel slice (the tie kept), logits gathered."""
+
+    embedding: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Replace:
     build: Callable[[nn.Module, TensorRegion, bool], nn.Module]  # (module, region, sequence_parallel)
 
 
-PlanEntry = Union[Colwise, Rowwise, Vocab, Sequence, SequenceScatter, Replicate, Replace]
+PlanEntry = Union[Colwise, Rowwise, Vocab, Sequence, SequenceScatter, Replicate, Replace, TiedHead]
 WORDS: dict[str, PlanEntry] = {
     "colwise": Colwise(), "colwise_rep": Colwise(gather_output=True),
     "colwise_gather_output": Colwise(gather_output=True), "rowwise": Rowwise(), "vocab": Vocab(),
@@ -164,13 +177,37 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     parent.register_module(child, new)
 
 
+def _tied_heads(matched: list[tuple[str, nn.Module, PlanEntry]]) -> set[int]:
+    """The ids of the parameters `TiedHead` entries keep tied, after checking each entry: the
+    head's weight is its embedding's, and the plan makes that embedding `vocab`."""
+    vocab = {name: module for name, module, entry in matched if isinstance(entry, Vocab)}
+    kept = set()
+    for name, module, entry in matched:
+        if not isinstance(entry, TiedHead):
+            continue
+        if entry.embedding not in vocab:
+            raise PlanError(f"plan entry for {name!r} ties it to {entry.embedding!r}, which the plan must make "
+                            f"'vocab' (it does not)")
+        if not isinstance(module, nn.Linear) or module.bias is not None:
+            raise PlanError(f"plan entry for {name!r} is TiedHead, which applies to an nn.Linear without bias, "
+                            f"but {name!r} is a {type(module).__name__}")
+        if module.weight is not vocab[entry.embedding].weight:
+            raise PlanError(f"{name}.weight is not tied to {entry.embedding}.weight; use 'colwise_rep' for a head "
+                            "with its own weight")
+        kept.add(id(module.weight))
+    return kept
+
+
 def _check_ties(model: nn.Module, matched: list[tuple[str, nn.Module, PlanEntry]]) -> None:
+    kept = _tied_heads(matched)
     seen: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen and any(name.startswith(n + ".") or seen[id(param)].startswith(n + ".")
-                                     for n, _, e in matched if not isinstance(e, (Replicate, Sequence))):
+        if id(param) in seen and id(param) not in kept and any(
+                name.startswith(n + ".") or seen[id(param)].startswith(n + ".")
+                for n, _, e in matched if not isinstance(e, (Replicate, Sequence))):
             raise PlanError(f"{name!r} and {seen[id(param)]!r} are one tied parameter; tensor parallelism "
-                            "slices each layer on its own, so untie them (e.g. tie_embeddings=False)")
+                            "slices each layer on its own, so untie them (e.g. tie_embeddings=False), or, "
+                            "for an LM head tied to a vocab-parallel embedding, use TiedHead(embedding)")
         seen.setdefault(id(param), name)
 
 
@@ -185,39 +222,55 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | PlanEntry], topology:
     matched = _match(model, plan)
     _check_ties(model, matched)
     with torch.no_grad():
-        for name, module, entry in matched:
-            new = _convert(name, module, entry, region, sequence_parallel)
+        # Tied heads last: each takes its embedding's converted (sliced) parameter.
+        for name, module, entry in sorted(matched, key=lambda item: isinstance(item[2], TiedHead)):
+            if isinstance(entry, TiedHead):
+                new = TiedVocabParallelHead(model.get_submodule(entry.embedding), sequence_parallel=sequence_parallel)
+            else:
+                new = _convert(name, module, entry, region, sequence_parallel)
             if new is not None:
                 _set_submodule(model, name, new)
     return model
 
 
-def _sliced_modules(model: nn.Module):
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))]
+_SLICED_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelConv1D,
+                  RowParallelConv1D)
+
+
+def _slice_specs(module: nn.Module) -> dict[str, SliceSpec]:
+    """A tensor-parallel layer's sliced parameters (local names) and how each was cut."""
+    if isinstance(module, (ColumnParallelConv1D, RowParallelConv1D)):
+        return module.slice_specs()
+    specs = {"weight": module.weight_spec}
+    if isinstance(module, ColumnParallelLinear) and module.bias is not None:
+        specs["bias"] = module.weight_spec
+    return specs
+
+
+def sliced_parameters(model: nn.Module) -> dict[str, tuple[SliceSpec, TensorRegion]]:
+    """`state_dict()` key of every tensor-parallel slice -> (its SliceSpec, its region). A tied
+    head's weight appears under its own key as well as the embedding's."""
+    found = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, _SLICED_LAYERS):
+            dot = prefix + "." if prefix else ""
+            found.update({dot + local: (spec, module.region) for local, spec in _slice_specs(module).items()})
+    return found
 
 
 def unsliced_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The `state_dict()` of the model before `parallelize`: every slice gathered over the
     tensor axis (a collective: call on every rank), same keys, logical shapes."""
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for prefix, module in _sliced_modules(model):
-        dot = prefix + "." if prefix else ""
-        state[dot + "weight"] = unslice_tensor(module.weight, module.weight_spec, module.region)
-        if isinstance(module, ColumnParallelLinear) and module.bias is not None:
-            state[dot + "bias"] = unslice_tensor(module.bias, module.weight_spec, module.region)
+    for key, (spec, region) in sliced_parameters(model).items():
+        state[key] = unslice_tensor(model.get_parameter(key), spec, region)
     return state
 
 
 def unsliced_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """Each parameter's gradient on the logical (unsliced) shape, keyed by parameter name."""
     grads = {}
-    specs = {}
-    for prefix, module in _sliced_modules(model):
-        dot = prefix + "." if prefix else ""
-        specs[dot + "weight"] = (module.weight_spec, module.region)
-        if isinstance(module, ColumnParallelLinear) and module.bias is not None:
-            specs[dot + "bias"] = (module.weight_spec, module.region)
+    specs = sliced_parameters(model)
     for name, param in model.named_parameters():
         if param.grad is None:
             continue

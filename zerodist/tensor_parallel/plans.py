@@ -1,4 +1,4 @@
-"""Built-in plans: the demo GPT (`zerodist.models.gpt`) and Hugging Face Llama-style models.
+"""Built-in plans: the demo GPT (`zerodist.models.gpt`), Hugging Face Llama-style models and GPT-2.
 
 The demo GPT's attention reshapes its fused QKV output with the *global* head count
 (`view(batch, seq, 3, self.n_heads, d_model // self.n_heads)`), which a column-parallel QKV
@@ -9,6 +9,12 @@ heads only. Everything else in the GPT stays as written.
 A Hugging Face Llama computes its head count from the projection's output
 (`view(*input_shape, -1, self.head_dim)`), so the column/row swaps alone parallelize it: its own
 `config.base_model_tp_plan` is used, plus the vocab-parallel embedding and a gathered LM head.
+
+Hugging Face GPT-2 needs three things more (see `hf_gpt2_plan`): its `Conv1D` layers store the
+weight transposed (`conv1d.py`); its attention splits the fused `c_attn` output by the *global*
+`split_size`, so each attention module is replaced by an instance of a subclass of its own class
+that holds this rank's heads (GPT-2's forward, names and math unchanged); and its LM head is tied
+to `wte`, which `TiedHead` keeps tied over the vocab-parallel slice.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerodist.comm.topology import Topology
+from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from zerodist.tensor_parallel.domino import DominoConfig, ResidualBranch, apply_domino
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from zerodist.tensor_parallel.operators import TensorRegion, check_divisible
-from zerodist.tensor_parallel.plan import PlanEntry, Replace
+from zerodist.tensor_parallel.plan import PlanEntry, PlanError, Replace, TiedHead
 from zerodist.tensor_parallel.random import RNGTracker
 
 
@@ -102,7 +109,8 @@ def gpt_domino(model: nn.Module, topology: Topology, config: DominoConfig) -> nn
 
 def hf_llama_plan(model: nn.Module) -> dict[str, str | PlanEntry]:
     """The plan for a Hugging Face `LlamaForCausalLM`-like model: its config's
-    `base_model_tp_plan` under `model.`, the embedding vocab-parallel, the LM head gathered."""
+    `base_model_tp_plan` under `model.`, the embedding vocab-parallel, the LM head gathered (and
+    kept tied to the embedding when `tie_word_embeddings`)."""
     config = getattr(model, "config", None)
     base = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not base:
@@ -110,10 +118,80 @@ def hf_llama_plan(model: nn.Module) -> dict[str, str | PlanEntry]:
     prefix = getattr(model, "base_model_prefix", "model")
     plan: dict[str, str | PlanEntry] = {f"{prefix}.{pattern}": _hf_word(word) for pattern, word in base.items()}
     plan[f"{prefix}.embed_tokens"] = "vocab"
-    plan["lm_head"] = "colwise_rep"
+    head, embedding = getattr(model, "lm_head", None), model.get_submodule(f"{prefix}.embed_tokens")
+    # tie_word_embeddings: the head keeps sharing the embedding's (vocab-parallel) weight
+    plan["lm_head"] = TiedHead(f"{prefix}.embed_tokens") if head is not None and head.weight is embedding.weight \
+        else "colwise_rep"
     return plan
 
 
 def _hf_word(word: str) -> str:
     # Hugging Face's plan words that mean ours; anything else is refused by parallelize.
     return {"colwise_rep": "colwise_rep", "local_colwise": "colwise", "local_rowwise": "rowwise"}.get(word, word)
+
+
+# ---------------------------------------------------------------------------- Hugging Face GPT-2
+def hf_gpt2_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, str | PlanEntry]:
+    """The plan for Hugging Face's `GPT2LMHeadModel` (and `GPT2Model`, or any model built from
+    `GPT2Block`s under `transformer.h` / `h`): `wte` vocab-parallel, each attention head-parallel
+    (`c_attn` column-parallel with q, k and v split by heads, `c_proj` row-parallel), the MLP's
+    `c_fc` column- and `c_proj` row-parallel, the tied `lm_head` over `wte`'s slice with gathered
+    logits (so `model(input_ids, labels=...)`'s loss is Hugging Face's own). `wpe` and the
+    LayerNorms stay replicated."""
+    config = getattr(model, "config", None)
+    if sequence_parallel:
+        raise PlanError("GPT-2 cannot run sequence-parallel unchanged: it builds position ids and the causal mask "
+                        "from the embedding's sequence length; turn zerodist.tensor_parallel.sequence_parallel off")
+    if getattr(config, "add_cross_attention", False):
+        raise PlanError("the GPT-2 plan does not split cross-attention (config.add_cross_attention); write the plan "
+                        "by hand")
+    prefix = "transformer." if isinstance(getattr(model, "transformer", None), nn.Module) else ""
+    plan: dict[str, str | PlanEntry] = {
+        f"{prefix}wte": "vocab",
+        f"{prefix}h.*.attn": Replace(_gpt2_attention),
+        f"{prefix}h.*.mlp.c_fc": Replace(lambda conv, region, _sp: ColumnParallelConv1D(conv, region)),
+        f"{prefix}h.*.mlp.c_proj": Replace(lambda conv, region, _sp: RowParallelConv1D(conv, region)),
+    }
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        wte = model.get_submodule(f"{prefix}wte")
+        plan["lm_head"] = TiedHead(f"{prefix}wte") if head.weight is wte.weight else "colwise_rep"
+    return plan
+
+
+@functools.lru_cache(maxsize=None)
+def _head_parallel_class(base: type) -> type:
+    """A subclass of the model's own attention class: its forward, unchanged, runs on our instance
+    (which holds this rank's heads), and `isinstance` checks (Hugging Face's output recorders) hold."""
+    return type(f"HeadParallel{base.__name__}", (base,), {
+        "__module__": __name__,
+        "__doc__": f"{base.__name__} over this rank's heads (built by zerodist.tensor_parallel.hf_gpt2_plan).",
+    })
+
+
+def _gpt2_attention(attention: nn.Module, region: TensorRegion, sequence_parallel: bool) -> nn.Module:
+    """A new attention module (never the user's, which is left untouched) of a subclass of
+    `type(attention)`, with its plain attributes, `c_attn` column-parallel with q, k and v each split
+    by heads, `c_proj` row-parallel, the dropouts shared, and `split_size` / `num_heads` local.
+    GPT-2's forward splits `c_attn`'s output by `split_size` and infers the head count from it."""
+    embed_dim = attention.embed_dim
+    if attention.split_size != embed_dim or attention.c_attn.weight.shape != (embed_dim, 3 * embed_dim):
+        raise PlanError(f"{type(attention).__name__} is not GPT-2's self-attention as the plan knows it "
+                        f"(split_size {attention.split_size}, c_attn {tuple(attention.c_attn.weight.shape)})")
+    if list(attention.buffers(recurse=False)):
+        raise PlanError(f"{type(attention).__name__} holds buffers this plan does not know how to carry over")
+    num_local_heads = check_divisible(attention.num_heads, region.size, "GPT-2's attention heads (n_head)")
+    cls = _head_parallel_class(type(attention))
+    local = cls.__new__(cls)
+    nn.Module.__init__(local)
+    for key, value in vars(attention).items():
+        if not key.startswith("_"):  # plain attributes (config, head_dim, scaling, layer_idx, training, ...)
+            setattr(local, key, value)
+    for name, child in attention.named_children():  # in order: the same state_dict() key order
+        if name == "c_attn":
+            child = ColumnParallelConv1D(child, region, fused=(embed_dim,) * 3)
+        elif name == "c_proj":
+            child = RowParallelConv1D(child, region)
+        local.register_module(name, child)
+    local.num_heads, local.split_size = num_local_heads, embed_dim // region.size
+    return local

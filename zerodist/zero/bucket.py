@@ -15,18 +15,31 @@ The sum is divided after reduction, in the same way in every stage ([Note: align
 layout.py says why that matters), by the number of batch shards: the group's size for a dense
 parameter, more than it for one whose domain is a strict subgroup ([Note: sharding domains] in
 zerodist/comm/topology.py).
+
+[Note: no gradient memset] No gradient buffer is zero-filled per step. A buffer's contents are
+stale at the start of its accumulation window (stages 0/1: the persistent buffer after each
+optimizer step; stages 2/3: a staging buffer fresh from `torch.empty` each micro-step), and
+`Bucket` keeps the set of its parameters not yet written in that window: a parameter's first
+gradient is copied over the stale slice, later ones are added to it. Before anything reads the
+buffer (the bucket's collective, or the optimizer step when no collective ran: `no_sync` on the
+boundary micro-step), `zero_unwritten()` zeroes what is still unwritten, the slices of
+parameters that got no gradient (unused in this window, so their gradient is exactly zero) and
+the bucket's padding, and nothing else. The result is bitwise the sum that zeros-then-add gave
+(except that a first gradient of -0.0 stays -0.0, as autograd's own `.grad` keeps it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 import zerodist.comm as comm
-from zerodist.zero.layout import BucketSpan
+from zerodist.comm import collectives
+from zerodist.zero.layout import BucketSpan, ParamSlot
 
 
 class BucketState(enum.Enum):
@@ -53,25 +66,71 @@ class Bucket:
     grad_owned: torch.Tensor  # where this rank's reduced shard ends up
     staging: torch.Tensor | None  # stage 2's transient full-size buffer
     accumulated: bool  # stage 2: grad_owned already holds an earlier micro-step
+    unwritten: set[int]  # parameters (group indices) with no gradient in the window: [Note: no gradient memset]
+    settled: bool  # zero_unwritten() ran since the window began: the full buffer is the gradient
 
     def __init__(self, span: BucketSpan, *, plan: GradSyncPlan, grad_full: torch.Tensor | None,
-                 grad_owned: torch.Tensor, group: Any, rank: int, label: str):
+                 grad_owned: torch.Tensor, group: Any, rank: int, label: str, slots: Sequence[ParamSlot]):
         self.span, self.plan, self.group, self.rank, self.label = span, plan, group, rank, label
         self.num_params = len(span.param_indices)
+        # Each parameter's [start, end) within the bucket, by its index in the group.
+        self._ranges = {s.index: (s.offset - span.offset, s.offset - span.offset + s.numel) for s in slots}
+        assert sorted(self._ranges) == sorted(span.param_indices), f"{label}: slots do not match the bucket"
         self.grad_full, self.grad_owned = grad_full, grad_owned
         self.staging = None
         self.accumulated = False
         self._pending: tuple[comm.CommHandle, torch.Tensor] | None = None
+        self._begin_window()
         self.reset()
 
+    def _begin_window(self) -> None:
+        """The full-size buffer's contents become stale: every parameter's first gradient overwrites."""
+        self.unwritten = set(self.span.param_indices)
+        self.settled = False
+
     def grad_target(self) -> torch.Tensor:
-        """The full-size buffer that backward's gradients are added into."""
+        """The full-size buffer that backward's gradients are written into (stale until written:
+        [Note: no gradient memset])."""
         if self.plan.persistent_full_grad:
             assert self.grad_full is not None
             return self.grad_full
         if self.staging is None:
-            self.staging = torch.zeros(self.span.numel, dtype=self.grad_owned.dtype, device=self.grad_owned.device)
+            self.staging = torch.empty(self.span.numel, dtype=self.grad_owned.dtype, device=self.grad_owned.device)
+            self._begin_window()
         return self.staging
+
+    def write_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Parameter `index`'s gradient into its slice: copied over a stale slice, added to a written one."""
+        start, end = self._ranges[index]
+        target = self.grad_target()[start:end]
+        if index in self.unwritten:
+            target.copy_(grad.reshape(-1))
+            self.unwritten.discard(index)
+        else:
+            target.add_(grad.reshape(-1))
+
+    def zero_unwritten(self) -> None:
+        """Zero what no gradient was written to in this window (parameters without a gradient, and
+        the padding), so the full buffer holds exactly the gradient; a no-op once done."""
+        if self.settled or (self.staging is None and not self.plan.persistent_full_grad):
+            return  # done, or no staging buffer this micro-step (stages 2/3 outside backward)
+        target = self.grad_target()
+        runs: list[list[int]] = []  # merged [start, end) ranges: one zero_() per contiguous run
+        for start, end in sorted(self._ranges[i] for i in self.unwritten):
+            if runs and runs[-1][1] == start:
+                runs[-1][1] = end
+            else:
+                runs.append([start, end])
+        used = max(end for _, end in self._ranges.values())
+        if used < self.span.numel:  # the padding after the last parameter
+            if runs and runs[-1][1] == used:
+                runs[-1][1] = self.span.numel
+            else:
+                runs.append([used, self.span.numel])
+        for start, end in runs:
+            target[start:end].zero_()
+        self.unwritten.clear()
+        self.settled = True
 
     @property
     def is_complete(self) -> bool:
@@ -90,11 +149,13 @@ class Bucket:
         """Issue the configured collective (async) over the full bucket."""
         assert self.state is BucketState.FILLING, f"{self.label}: start_grad_sync while {self.state.value}"
         source = self.grad_target()
+        self.zero_unwritten()
         lo = self.rank * self.span.shard_numel
         if self.plan.use_reduce_scatter:
             direct = self.plan.persistent_full_grad or not self.accumulated
             out = self.grad_owned if direct else torch.empty_like(self.grad_owned)
-            handle = comm.reduce_scatter(out, source, group=self.group, async_op=True)
+            # the full buffer is scratch once reduced: stages 2/3 free it, stages 0/1 read only grad_owned
+            handle = collectives.reduce_scatter(out, source, group=self.group, async_op=True, input_is_scratch=True)
         else:
             handle = comm.all_reduce(source, group=self.group, async_op=True)
             out = source[lo: lo + self.span.shard_numel]
@@ -131,8 +192,13 @@ class Bucket:
         self.staging = None
 
     def clear_gradients(self) -> None:
-        """After the optimizer step: the next accumulation starts from zero."""
+        """After the optimizer step: the next accumulation starts from zero, without a memset
+        ([Note: no gradient memset]): the first gradients overwrite, the first sync overwrites `grad_owned`."""
         self.reset()
         self.accumulated = False
-        if self.grad_full is not None:
-            self.grad_full.zero_()
+        self._begin_window()
+
+    @property
+    def holds_gradients(self) -> bool:
+        """Whether this window wrote or reduced anything yet (False right after an optimizer step)."""
+        return self.settled or len(self.unwritten) < self.num_params or self.accumulated

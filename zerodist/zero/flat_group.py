@@ -147,10 +147,11 @@ class FlatParamGroup:
         full_grads = not self.policy.shard_gradients
         self.plan = GradSyncPlan(use_reduce_scatter and self.policy.shard_optimizer_state,
                                  persistent_full_grad=full_grads, divisor=self.domain_group.grad_divisor)
-        self.grad_buffer = (torch.zeros(self.layout.total_numel, dtype=self.param_dtype, device=self.device)
+        # No zeros in either: each window's first gradients overwrite the full buffer and only what stays
+        # unwritten is zeroed ([Note: no gradient memset] in bucket.py); the first sync of each accumulation
+        # overwrites the shard (Bucket.accumulated). Untouched pages cost no memory until backward writes them.
+        self.grad_buffer = (torch.empty(self.layout.total_numel, dtype=self.param_dtype, device=self.device)
                             if full_grads else None)
-        # Sharded gradients: the first sync of each accumulation overwrites the shard (Bucket.accumulated),
-        # so it needs no zeros, and untouched pages cost no memory until backward writes them.
         self.grad_shard = None if full_grads else torch.empty(self.layout.shard_numel, dtype=self.param_dtype,
                                                               device=self.device)
 
@@ -293,8 +294,9 @@ class FlatParamGroup:
             assert self.grad_shard is not None
             grad_full, grad_owned = None, self._shard_range(index, self.grad_shard)
         label = f"bucket {index} of {len(self.layout.buckets)} ({self.records[self.layout.buckets[index].param_indices[0]].name}...)"
-        return Bucket(self.layout.buckets[index], plan=self.plan, grad_full=grad_full, grad_owned=grad_owned,
-                      group=self.group, rank=self.rank, label=label)
+        span = self.layout.buckets[index]
+        return Bucket(span, plan=self.plan, grad_full=grad_full, grad_owned=grad_owned, group=self.group,
+                      rank=self.rank, label=label, slots=[self.layout.slots[i] for i in span.param_indices])
 
     def _optimizer_views(self) -> list[torch.Tensor]:
         if self.master is None and self.param_shard is not None:
@@ -333,12 +335,14 @@ class FlatParamGroup:
         return [b.grad_owned for b in self.buckets]
 
     def add_grad(self, index: int, grad: torch.Tensor) -> Bucket:
-        """Add parameter `index`'s gradient to its bucket; returns that bucket."""
-        slot = self.layout.slots[index]
-        bucket = self.buckets[slot.bucket]
-        start = slot.offset - bucket.span.offset
-        bucket.grad_target()[start: start + slot.numel].add_(grad.reshape(-1))
+        """Add parameter `index`'s gradient to its bucket (the window's first one overwrites); returns that bucket."""
+        bucket = self.buckets[self.layout.slots[index].bucket]
+        bucket.write_grad(index, grad)
         return bucket
+
+    def holds_gradients(self) -> bool:
+        """Whether any gradient was written or reduced since the last optimizer step."""
+        return any(b.holds_gradients for b in self.buckets)
 
     def copy_master_to_params(self) -> None:
         if self.master is None:

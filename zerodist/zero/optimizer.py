@@ -107,6 +107,7 @@ class ZeroOptimizer:
 
     def step(self) -> StepResult:
         self.finish_param_gathers()  # a step without a forward since the last one: it steps those buffers
+        self.reducer.settle_gradients()
         squares, overflow = self._reduce_step_stats()
         if overflow:
             self.scaler.update(True)

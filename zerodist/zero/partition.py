@@ -47,7 +47,9 @@ def Init(module: torch.nn.Module | None = None, data_parallel_group: Any = None,
     {"stage": 3}})` materialises and shards it unit by unit, with the values an eager build
     would have had: every operation on the model's tensors is recorded here and replayed
     later, random ones from the RNG state they drew from (see [Note: recorded init] in
-    zerodist/zero/replay_init.py). torch's factory functions are not replaced: this is torch's
+    zerodist/zero/replay_init.py). With tensor parallelism the layers are sliced on the meta
+    device first, and each rank materialises the eager build's slices ([Note: recording
+    continued]). torch's factory functions are not replaced: this is torch's
     own `torch.device("meta")` context, a dispatch mode that records, and registration hooks.
 
     DeepSpeed's keywords: `enabled=False` builds eagerly; `config_dict_or_path` is validated now;
@@ -70,6 +72,39 @@ def _meta_construction() -> Iterator[InitLog]:
         finally:
             for module in recording.modules:
                 _INIT_LOGS[module] = recording.log
+
+
+# [Note: recording continued] A step of initialize() that rebuilds part of a meta-built model
+# before ZeRO materialises it (tensor parallelism: a layer replaced by one holding this rank's
+# slice) runs inside `continue_recording(model)`: the slicing (narrow, cat, padding) on the meta
+# weights is recorded into the same log, after the operations that initialised them, and the new
+# modules join the log. Replaying a slice then replays its source tensor's whole history (the full
+# weight, drawn from its recorded RNG state), and slices it: the bits of the eager build's slice,
+# with one source tensor at a time alive, for the duration of one module's materialisation.
+@contextlib.contextmanager
+def continue_recording(model: torch.nn.Module) -> Iterator[bool]:
+    """Record what the block does to `model`'s meta tensors into the log of the `Init` block that
+    built it (see [Note: recording continued]); yields whether there is such a log. A model built
+    eagerly (or without meta tensors) passes through unrecorded."""
+    recorded = {module: log for module in model.modules() if (log := _INIT_LOGS.get(module)) is not None}
+    logs = list({id(log): log for log in recorded.values()}.values())
+    if not logs:
+        yield False
+        return
+    log = logs[0] if len(logs) == 1 else InitLog.merged(logs)  # built in several Init blocks
+    for module in recorded:
+        _INIT_LOGS[module] = log
+    with Recording(log) as recording:
+        try:
+            yield True
+        finally:
+            for module in recording.modules:
+                _INIT_LOGS[module] = log
+
+
+def is_recorded(module: torch.nn.Module) -> bool:
+    """Whether `module`'s meta tensors were made under `zerodist.zero.Init()` (and can be replayed)."""
+    return module in _INIT_LOGS
 
 
 def _has_meta_state(module: torch.nn.Module) -> bool:

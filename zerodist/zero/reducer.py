@@ -95,6 +95,12 @@ class GradReducer:
             bucket.reset()
         self._next = 0
 
+    def settle_gradients(self) -> None:
+        """Before the optimizer reads the buckets: zero what no gradient was written to (already done
+        by each bucket's collective; needed when the boundary micro-step ran under `no_sync`)."""
+        for bucket in self.order:
+            bucket.zero_unwritten()
+
     def clear_gradients(self) -> None:
         for bucket in self.order:
             bucket.clear_gradients()

@@ -103,6 +103,20 @@ class InitLog:
         self.roots: dict[int, _Root] = {}
         self.seq = 0
 
+    @classmethod
+    def merged(cls, logs: list[InitLog]) -> InitLog:
+        """One log holding the storages of `logs` (a model built in several `Init` blocks), to be
+        continued as one. Each recorded event keeps its references to its own storages, so their
+        replay is unchanged; operations recorded from now on are numbered after every event of
+        every log, so they read each storage in its final state."""
+        merged = cls()
+        for log in logs:
+            for key, root in log.roots.items():
+                if key not in merged.roots or merged.roots[key].created_by is None:
+                    merged.roots[key] = root
+            merged.seq = max(merged.seq, log.seq)
+        return merged
+
     def root_of(self, tensor: torch.Tensor) -> _Root | None:
         return self.roots.get(_storage_key(tensor))
 
@@ -261,12 +275,16 @@ def _check_not_tied_yet(model: torch.nn.Module) -> None:
 
 
 class Recording:
-    """The state of one `Init` block: its log, and the hooks and modes that fill it."""
+    """The state of one `Init` block: its log, and the hooks and modes that fill it.
 
-    def __init__(self) -> None:
-        self.log = InitLog()
+    `Recording(log)` continues an earlier block's log (see [Note: recording continued]); it
+    does not run Hugging Face initialisations again, which the first block already recorded."""
+
+    def __init__(self, log: InitLog | None = None) -> None:
+        self.log = log if log is not None else InitLog()
         self.modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._pretrained = _PretrainedInit()
+        self._continued = log is not None
         self._handles: list[Any] = []
         self._modes: list[Any] = []
 
@@ -277,14 +295,14 @@ class Recording:
             registry.register_module_buffer_registration_hook(lambda m, n, b: self._remember(m, b)),
             registry.register_module_module_registration_hook(self._remember_submodule),
         ]
-        self._modes = [torch.device("meta"), self._pretrained, _Recorder(self.log)]
+        self._modes = [torch.device("meta"), *([] if self._continued else [self._pretrained]), _Recorder(self.log)]
         for mode in self._modes:
             mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            if exc[0] is None:
+            if exc[0] is None and not self._continued:
                 self._pretrained.flush()
         finally:
             for mode in reversed(self._modes):
