@@ -139,8 +139,10 @@ class ZeroConfig(Section):
         True, description="Reduce gradients with reduce-scatter; false runs all-reduce."
     )
     overlap_comm: bool = Field(
-        True, description="Reduce each gradient bucket as soon as it is full, while backward still runs; "
-        "false reduces every bucket after backward (same collectives, same order)."
+        True, description="Overlap communication with computation: reduce each gradient bucket as soon as it "
+        "is full, while backward still runs, and (stages 1-2) all-gather the updated parameters during the "
+        "next forward, each unit's waited for just before it runs; false reduces every bucket after backward "
+        "and gathers at the end of step() (same collectives, same order, same results)."
     )
     contiguous_gradients: bool = Field(
         True, description="Gradients are copied into flat contiguous buckets as they are produced; zerodist "

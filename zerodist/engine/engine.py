@@ -106,7 +106,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     # forward, backward and step run without the stage-3 access check: they gather what they use,
     # and a torch-function mode would cost every op (see [Note: sharded access check]).
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with sharded_access.suspended():
+        # Right after a step (stages 1/2) the forward waits for each unit's gather in its pre-hook, and
+        # a stray read of a buffer still being gathered waits too ([Note: overlapped parameter gather]).
+        with sharded_access.suspended(waiting=True):
             if self.policy.needs_master_copy:
                 args, kwargs = _cast_floating((args, kwargs), self.policy.param_dtype)
             return self.module(*args, **kwargs)
@@ -114,6 +116,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """Backward of `loss` scaled for accumulation (and fp16 loss scaling); gradients are
         reduced as buckets fill when this micro-step syncs."""
+        # Autograd reads the parameters its graph saved: a graph kept from before the last step
+        # (retain_graph) would otherwise read buffers still being gathered.
+        self.finish_param_gathers()
         with sharded_access.suspended():
             self._backward(loss, retain_graph, scale_wrt_gas)
 
@@ -199,12 +204,20 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """Drop accumulated gradients (the engine already does this after each optimizer step)."""
         self.optimizer.zero_grad()
 
+    def finish_param_gathers(self) -> None:
+        """Wait for the last step's parameter all-gathers still in flight (stages 1/2; overlap_comm):
+        the next forward waits for each unit's where it first uses them, and every other engine call
+        that reads or writes parameters calls this first ([Note: overlapped parameter gather] in
+        zerodist/zero/param_gather.py)."""
+        self.optimizer.finish_param_gathers()
+
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Any = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> str:
         """Save everything needed to resume under `save_dir/tag` (default tag `global_step{N}`);
         collective: call it on every rank. Returns the checkpoint directory. See docs/checkpoints.md.
         DeepSpeed's signature; `exclude_frozen_parameters=True` is refused (the manifest holds every tensor)."""
+        self.finish_param_gathers()
         if exclude_frozen_parameters:
             raise ValueError("save_checkpoint(exclude_frozen_parameters=True): zerodist checkpoints hold every "
                              "parameter, so any world size and stage can load them; leave it False")
@@ -221,6 +234,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             raise ValueError("load_checkpoint(load_module_strict=False / custom_load_fn=...): zerodist loads every "
                              "parameter by name, strictly; for a partial load, call model.load_state_dict(state, "
                              "strict=False) on the model before initialize()")
+        self.finish_param_gathers()  # before loading overwrites the buffers they write
         return checkpoint.load_checkpoint(self.zero_state, self, load_dir, tag=tag,
                                           load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
@@ -230,13 +244,16 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                          exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's: the whole module in its training dtype in one file (safetensors if the name
         ends in .safetensors), gathered one unit at a time, written by rank 0; collective."""
+        self.finish_param_gathers()
         return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def training_state_dict(self) -> dict[str, Any]:
         """This rank's resumable training state: counters, loss scaler, scheduler, RNG, data position."""
+        self.finish_param_gathers()
         return training_state.training_state_dict(self)
 
     def load_training_state_dict(self, state: dict[str, Any]) -> None:
+        self.finish_param_gathers()
         training_state.load_training_state_dict(self, state)
 
     @property
@@ -267,6 +284,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         At stage 3 the parameters are gathered for it, and MoE experts are gathered from their
         expert groups under global ids, so the result loads into the same model built with
         `ep_size=1` (all ranks must call it together)."""
+        self.finish_param_gathers()
         with GatheredParameters(list(self.module.parameters()), enabled=self.stage3 is not None):
             # Tensor-parallel slices are gathered too: the keys and shapes of the unparallelized model.
             state = unsliced_state_dict(self.module)
@@ -280,7 +298,10 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         return self.zero_state.model_state_bytes()
 
     def destroy(self) -> None:
-        """Remove hooks and stop the comms trace; the module keeps working as a plain module."""
+        """Finish the last step's parameter gathers, remove hooks and stop the comms trace; the module
+        keeps working as a plain module."""
+        self.finish_param_gathers()
+        self.optimizer.param_gathers.remove_hooks()
         self.reducer.remove_hooks()
         if self.nan_hunter is not None:
             self.nan_hunter.close()

@@ -34,6 +34,7 @@ from zerodist.tensor_parallel.plan import PlanError
 from zerodist.tensor_parallel.domino import DominoConfig
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import FlatParamGroup, GradReducer, ZeroOptimizer, sharded_access
+from zerodist.zero.param_gather import ParamGatherSchedule
 from zerodist.zero.partition import FlattenSettings, build_groups, build_stage3, continue_recording, is_recorded
 from zerodist.zero.plan import bucket_capacity, plan_groups
 from zerodist.zero.policy import DomainGroup, ShardingPolicy
@@ -194,7 +195,7 @@ def _apply_zero(model: torch.nn.Module, model_parameters: Iterable[Any] | None, 
     names = logical_names(model)  # checkpoints key by them ([Note: logical names] in comm/domains.py)
     specs = [s for s in specs if s.params]
     positions = {id(p): i for i, p in enumerate(model.parameters())}
-    groups_by_spec, runtime = _flatten(model, specs, names, config, topology, precision, sharding)
+    groups_by_spec, runtime, gathers = _flatten(model, specs, names, config, topology, precision, sharding)
     groups = [g for spec_groups in groups_by_spec for g in spec_groups]
     _sync_untrained_state(model, {id(p) for s in specs for p in s.params}, topology)
     model.to(precision.param_dtype)  # the rest of the floating state; flattened parameters already are
@@ -208,7 +209,8 @@ def _apply_zero(model: torch.nn.Module, model_parameters: Iterable[Any] | None, 
     scaler = LossScaler.from_fp16_config(config.fp16) if precision.loss_scaling else LossScaler.disabled()
     checks = [runtime.runs] if runtime is not None and config.zerodist.debug.unit_order_check else []
     sharded = ZeroOptimizer(groups, reducer, inner, scaler=scaler, gradient_clipping=config.gradient_clipping,
-                            check_overflow=precision.loss_scaling, world_group=topology.world_group, step_checks=checks)
+                            check_overflow=precision.loss_scaling, world_group=topology.world_group, step_checks=checks,
+                            param_gathers=gathers)
     scheduler = build_scheduler(config, inner, lr_scheduler)
     return ZeroParts(sharding, batch, precision, groups, reducer, sharded, scheduler, runtime)
 
@@ -233,10 +235,11 @@ def _build_engine(model: torch.nn.Module, zero: ZeroParts, topology: comm.Topolo
 
 def _flatten(model: torch.nn.Module, specs: list[Any], names: dict[int, str], config: Config, topology: comm.Topology,
              precision: PrecisionPolicy, sharding: ShardingPolicy,
-             ) -> tuple[list[list[FlatParamGroup]], Stage3Runtime | None]:
+             ) -> tuple[list[list[FlatParamGroup]], Stage3Runtime | None, ParamGatherSchedule]:
     """The flat groups of each optimizer param group, by one plan at every stage ([Note: one
     plan for every stage]), each over its domain's group (declared placements, zerodist.comm.
-    domains); with sharded parameters also the runtime that gathers the units."""
+    domains); with sharded parameters also the runtime that gathers the units; and the schedule
+    of the post-step parameter all-gathers, waited for per unit (overlap_comm)."""
     zero = config.zero_optimization
     placements = parameter_placements(model)
     domains = {key: placement.domain for key, placement in placements.items()}
@@ -254,7 +257,10 @@ def _flatten(model: torch.nn.Module, specs: list[Any], names: dict[int, str], co
         runtime = build_stage3(model, plan, groups, config=config, group=topology.world_group, device=settings.device)
     else:
         register_replicated(groups)
-    return plan.by_spec(len(specs), groups), runtime
+    gathers = ParamGatherSchedule(model, [module for _, module in plan.unit_modules],
+                                  [(planned.unit, group) for planned, group in zip(plan.groups, groups)],
+                                  overlap=zero.overlap_comm)
+    return plan.by_spec(len(specs), groups), runtime, gathers
 
 
 def _fingerprint(model: torch.nn.Module, config: Config) -> tuple[str, str]:
@@ -305,7 +311,7 @@ def _log_summary(engine: Engine, info: comm.WorldInfo) -> None:
     log_rank0(
         logger,
         "initialized: %d rank(s) (%s), ZeRO stage %d, %s, batch %d = micro %d x accumulation %d x data-parallel %d, "
-        "gradient_clipping %s, reduce with %s %s, %d flat group(s) in %d bucket(s) of at most %d elements over %s",
+        "gradient_clipping %s, reduce with %s %s, %d flat group(s) in %d bucket(s) of at most %d elements over %s%s",
         info.world_size, info.backend, zero.stage, engine.policy.name, engine.batch.train_batch_size,
         engine.batch.micro_batch_size, engine.batch.gradient_accumulation_steps, engine.topology.num_batch_shards,
         engine.config.gradient_clipping or "0 (off)", reduce_collective(engine.sharding, zero.reduce_scatter),
@@ -313,4 +319,7 @@ def _log_summary(engine: Engine, info: comm.WorldInfo) -> None:
         len(engine.groups), len(engine.reducer.order),
         bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
         ", ".join(f"{'x'.join(axes)} ({size} ranks)" for axes, size in domains.items()),
+        "" if not engine.optimizer.param_gathers.groups else (
+            ", updated parameters all-gathered " + ("during the next forward" if zero.overlap_comm
+                                                    else "at the end of step() (overlap_comm false)")),
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 import weakref
 from typing import Any
 
@@ -79,6 +80,9 @@ class FlatParamGroup:
     # Sharded parameters with the access check on: this group's registered placeholders ([Note:
     # sharded access check] in sharded_access.py); None when the check is off.
     registration: sharded_access.Registration | None = None
+    # The post-step all-gather of updated parameters while it is in flight (stages 1/2); see gather_slot.
+    gather_slot: GatherSlot | None = None
+    gather_blocked_s = 0.0  # time this rank spent blocked waiting for those gathers, all steps
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, policy: ShardingPolicy,
                  domain_group: DomainGroup, bucket_numel: int, use_reduce_scatter: bool, param_dtype: torch.dtype,
@@ -361,19 +365,55 @@ class FlatParamGroup:
             if self.master is not None:
                 self.optimizer_tensors[i].copy_(stepped)
 
-    def gather_params(self) -> None:
-        """Sharded optimizer state, full parameters (stages 1/2): every rank's updated shards back
-        into the full parameter buffer."""
-        if not self.policy.shard_optimizer_state or self.policy.shard_parameters:
+    @property
+    def gathers_params(self) -> bool:
+        """Sharded optimizer state, full parameters (stages 1/2, stage 3's persistent groups): each
+        rank steps its shards, which an all-gather then brings to every rank."""
+        return self.policy.shard_optimizer_state and not self.policy.shard_parameters
+
+    @property
+    def pending_gather(self) -> PendingGather | None:
+        return None if self.gather_slot is None else self.gather_slot.pending
+
+    @property
+    def is_gathering_params(self) -> bool:
+        """Whether the last step's gather is still to be waited for (by the group or the access check)."""
+        pending = self.pending_gather
+        return pending is not None and not pending.done
+
+    def start_gather_params(self) -> None:
+        """Issue the all-gathers of every rank's updated shards into the full parameter buffer (async,
+        one per bucket, in bucket order). Until `finish_gather_params()` the buffer is being written:
+        the access check makes any other reader wait ([Note: parameters being gathered] in
+        sharded_access.py)."""
+        if not self.gathers_params:
             return  # full optimizer state steps the full buffer; sharded parameters are gathered per unit
-        assert self.param_buffer is not None
+        assert self.param_buffer is not None and self.pending_gather is None, (
+            f"start_gather_params on {self.records[0].name}...: a gather is already pending")
         handles = [
             comm.all_gather(self._bucket_range(i, self.param_buffer, owned=False),
                             self._bucket_range(i, self.param_buffer, owned=True), group=self.group, async_op=True)
             for i in range(len(self.buckets))
         ]
-        for handle in handles:
-            handle.wait()
+        if self.gather_slot is None:
+            self.gather_slot = GatherSlot()
+            # A group dropped with its gather in flight (an engine dropped right after step()) waits for
+            # it when collected: its range would otherwise stay registered, and the check on, for good.
+            weakref.finalize(self, self.gather_slot.finish)
+        self.gather_slot.pending = PendingGather(handles, self.param_buffer)
+
+    def finish_gather_params(self) -> None:
+        """Wait for the gather `start_gather_params()` issued, if any."""
+        pending = self.pending_gather
+        if pending is not None:
+            pending.wait()
+            self.gather_blocked_s += pending.blocked_s
+            self.gather_slot.pending = None  # type: ignore[union-attr]
+
+    def gather_params(self) -> None:
+        """`start_gather_params()` and wait for it."""
+        self.start_gather_params()
+        self.finish_gather_params()
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model state held by this group on this rank, by kind."""
@@ -382,6 +422,48 @@ class FlatParamGroup:
         params = size(self.param_shard) if self.policy.shard_parameters else size(self.param_buffer)
         return {"params": params, "grads": size(self.grad_buffer) + size(self.grad_shard),
                 "master": size(self.master)}
+
+
+class GatherSlot:
+    """Where a group keeps its pending gather: a holder of its own, so that the finalizer that waits
+    for it when the group is collected holds this, not the group."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self) -> None:
+        self.pending: PendingGather | None = None
+
+    def finish(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+
+class PendingGather:
+    """A flat buffer's all-gathers in flight, registered with the access check until waited for. It
+    holds the handles and the registration, never the group: should the group be dropped first, a
+    reader still waits for the collective that writes the parameters' storage."""
+
+    __slots__ = ("handles", "registration", "blocked_s", "done")
+
+    def __init__(self, handles: list[comm.CommHandle], buffer: torch.Tensor):
+        self.handles = handles
+        self.registration = sharded_access.PendingWrite(buffer, self.wait, self.is_complete)
+        self.blocked_s = 0.0  # time spent blocked in wait(), for reports
+        self.done = False
+
+    def is_complete(self) -> bool:
+        return all(handle.is_completed() for handle in self.handles)
+
+    def wait(self) -> None:
+        """Block until every all-gather is done; safe to call twice."""
+        self.registration.clear()  # first: a torch call in what follows must not wait for this again
+        started = time.perf_counter()
+        for handle in self.handles:
+            handle.wait()
+        self.blocked_s += time.perf_counter() - started
+        self.handles = []
+        self.done = True
 
 
 def _part_of(placement: Placement, domain_group: DomainGroup) -> tuple[int, int]:

@@ -3,7 +3,8 @@
     reduced gradients (per bucket) -> one all-reduce over the world: the global norm (partial
     sums of squares of disjoint shards), overflow (fp16; all ranks agree) and step checks ->
     scale by 1/loss_scale and the clip coefficient -> torch optimizer steps this rank's tensors
-    -> master -> params -> all-gather updated shards (stages 1/2)
+    -> master -> params -> all-gather updated shards (stages 1/2), issued here and waited for
+    where the next forward first uses them ([Note: overlapped parameter gather] in param_gather.py)
 
 [Note: the global norm over domains] Each parameter's squares must be summed exactly once.
 Within a domain group the owned shards are disjoint, so summing them over the group's ranks
@@ -28,6 +29,7 @@ import torch
 import zerodist.comm as comm
 from zerodist.precision import LossScaler
 from zerodist.zero.flat_group import FlatParamGroup
+from zerodist.zero.param_gather import ParamGatherSchedule
 from zerodist.zero.reducer import GradReducer
 
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
@@ -46,7 +48,7 @@ class ZeroOptimizer:
 
     def __init__(self, groups: list[FlatParamGroup], reducer: GradReducer, inner: torch.optim.Optimizer, *,
                  scaler: LossScaler, gradient_clipping: float, check_overflow: bool, world_group: Any = None,
-                 step_checks: list[Any] | None = None):
+                 step_checks: list[Any] | None = None, param_gathers: ParamGatherSchedule | None = None):
         self.groups, self.reducer, self.inner, self.scaler = groups, reducer, inner, scaler
         self.gradient_clipping = gradient_clipping
         self.check_overflow = check_overflow
@@ -55,6 +57,13 @@ class ZeroOptimizer:
         # objects with digests() -> list[int] (each < 2**20), explain() (raises) and reset().
         # Stage 3's run-order check is one ([Note: unit order check]).
         self.step_checks: list[Any] = list(step_checks or [])
+        # The post-step parameter all-gathers; without a schedule (no hooks) they are waited for in step().
+        self.param_gathers = param_gathers or ParamGatherSchedule(None, (), [(None, g) for g in groups], overlap=False)
+
+    def finish_param_gathers(self) -> None:
+        """Wait for the last step's parameter all-gathers still in flight: every parameter holds
+        its updated values after this."""
+        self.param_gathers.finish()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -97,6 +106,7 @@ class ZeroOptimizer:
         return values[0], values[1] > 0
 
     def step(self) -> StepResult:
+        self.finish_param_gathers()  # a step without a forward since the last one: it steps those buffers
         self.reducer.settle_gradients()
         squares, overflow = self._reduce_step_stats()
         if overflow:
@@ -119,7 +129,7 @@ class ZeroOptimizer:
         self.inner.step()
         for group in self.groups:
             group.copy_master_to_params()
-            group.gather_params()
+        self.param_gathers.start()
         self.zero_grad()
         self.scaler.update(False)
         return StepResult(norm, False, clip_coef)

@@ -30,11 +30,27 @@ back, or off only when the outermost `suspended()` block is left (see [Note: mod
 never from a garbage-collection callback: code such as `torch.device.__exit__` pops the stack
 by position. When a group is collected its entries go at once; with no entry left the mode
 passes every call straight through until the next engine call takes it off the stack.
+
+[Note: parameters being gathered] Stages 1-2 (and stage 3's persistent groups) all-gather the
+updated parameters at the end of `step()` asynchronously and wait for each group only where the
+next forward first uses it ([Note: overlapped parameter gather] in param_gather.py). Until then
+the group's flat buffer is being written by the collective, so every other reader must wait
+first. The same mode does it: a group registers its buffer's address range while its gather is
+pending (`PendingWrite`), and a call whose arguments (looked at as for the check above) include a
+tensor whose first element lies in a pending range finishes that group's gather before the call
+runs; metadata (`ALLOWED`) does not wait. So `print(model.fc.weight.sum())` or
+`torch.save(model.state_dict())` between `step()` and the next forward see the gathered values.
+A pending range holds its waiter (the collective's handles), never the group. Ranges do not
+outlive their use: a group collected with its gather in flight waits for it then, and an engine
+that issues its gathers first finishes every range whose collective is already done
+(`finish_completed()`), so an engine dropped or left idle right after its step cannot keep the
+mode on the stack.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -52,6 +68,17 @@ class _Entry(NamedTuple):
 
 
 _ENTRIES: dict[int, _Entry] = {}
+
+
+class _Range(NamedTuple):
+    start: int  # first byte of a flat buffer being written by a pending collective
+    end: int  # one past its last byte
+    finish: Callable[[], None]  # waits for the collective (and unregisters the range)
+    is_complete: Callable[[], bool]  # whether the collective is done (finish() would not block)
+
+
+# Pending writes by id of their registration ([Note: parameters being gathered]); a handful at most.
+_PENDING: dict[int, _Range] = {}
 
 
 def placeholders(shapes: list[tuple[int, ...]], dtype: torch.dtype,
@@ -83,6 +110,61 @@ class Registration:
 
 def num_registered() -> int:
     return len(_ENTRIES)
+
+
+class PendingWrite:
+    """One flat buffer being written by a pending collective: while registered, a torch call (outside
+    the engine's own work) that uses a tensor inside it calls `finish` first."""
+
+    def __init__(self, buffer: torch.Tensor, finish: Callable[[], None], is_complete: Callable[[], bool]):
+        start = buffer.data_ptr()
+        _PENDING[id(self)] = _Range(start, start + buffer.numel() * buffer.element_size(), finish, is_complete)
+
+    def clear(self) -> None:
+        _PENDING.pop(id(self), None)
+
+
+def num_pending() -> int:
+    return len(_PENDING)
+
+
+def finish_completed() -> None:
+    """Finish the pending writes whose collectives are already done (no wait): those of an engine
+    that was dropped, or is idle, right after its step would otherwise keep the check on the stack."""
+    for pending in tuple(_PENDING.values()):
+        if pending.is_complete():
+            pending.finish()
+
+
+def _active() -> bool:
+    """Whether the mode has anything to do: placeholders to refuse or buffers being written."""
+    return bool(_ENTRIES or _PENDING)
+
+
+def _pending_of(args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any] | None, nested: bool = True) -> _Range | None:
+    """The pending range holding the first element of a tensor among `args` (looked at as `_find` does)."""
+    for arg in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(arg, torch.Tensor):
+            address = _address(arg)
+            for pending in tuple(_PENDING.values()):  # a collected group's finalizer may clear one meanwhile
+                if address is not None and pending.start <= address < pending.end:
+                    return pending
+        elif nested and (type(arg) is list or type(arg) is tuple):
+            found = _pending_of(arg, None, False)
+            if found is not None:
+                return found
+    return None
+
+
+def _address(tensor: torch.Tensor) -> int | None:
+    """The tensor's first element's address; None without storage (sparse, mkldnn, a wrapper)."""
+    try:
+        if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:
+            return tensor.data_ptr()
+        with torch._C.DisableTorchFunctionSubclass():
+            return tensor.data_ptr()
+    except RuntimeError:
+        return None
 
 
 def _entry_of(tensor: torch.Tensor) -> _Entry | None:
@@ -155,10 +237,16 @@ def _what(func: Any) -> str:
 
 
 class ShardedAccessCheck(TorchFunctionMode):
-    """Raises `ShardedParameterError` when a call uses a registered placeholder's values."""
+    """Raises `ShardedParameterError` when a call uses a registered placeholder's values, and waits
+    for a pending gather before a call uses the buffer it writes ([Note: parameters being gathered])."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        if _ENTRIES:
+        while _PENDING and func not in ALLOWED:  # a call may use several groups being gathered
+            pending = _pending_of(args, kwargs)
+            if pending is None:
+                break
+            pending.finish()
+        if _ENTRIES and not _STATE.placeholders_unchecked:
             entry = _find(args, kwargs)
             if entry is not None and func not in ALLOWED:
                 if func in _DESCRIBED:
@@ -214,6 +302,7 @@ def _remove(stack: list[Any]) -> tuple[int, list[Any]] | None:
 class _ThreadState(threading.local):
     depth = 0  # nesting of suspended()
     removed: tuple[int, list[Any]] | None = None  # where the outermost suspended() took the check from
+    placeholders_unchecked = False  # inside suspended(waiting=True): only pending gathers are looked at
 
 
 _STATE = _ThreadState()
@@ -222,13 +311,26 @@ _STATE = _ThreadState()
 class suspended:  # noqa: N801 - used as a context manager, like torch.no_grad
     """Take the check off the stack inside the block (zerodist's own work: the engine's forward,
     backward and step, `initialize()`). Leaving the outermost block is a safe point: the check
-    goes back where it was if parameters are registered, is installed if it was not there yet,
-    and stays off if none are registered (see [Note: mode stack])."""
+    goes back where it was if parameters are registered (or gathers pending), is installed if it
+    was not there yet, and stays off if none are (see [Note: mode stack]).
+
+    `waiting=True` (the engine's forward): while a gather is pending the mode stays on, looking
+    only at pending buffers, so a forward that reads a parameter before its unit's pre-hook waited
+    for it waits too ([Note: parameters being gathered]); with none pending it is as without."""
+
+    def __init__(self, waiting: bool = False):
+        self.waiting = waiting
 
     def __enter__(self) -> None:
         state = _STATE
         state.depth += 1
         if state.depth == 1:
+            if self.waiting and _PENDING:
+                stack = _stack()
+                if _MODE not in stack:
+                    _install_at_bottom(stack)
+                state.removed, state.placeholders_unchecked = None, True
+                return
             length = torch._C._len_torch_function_stack()
             if length == 1 and torch._C._get_function_stack_at(0) is _MODE:
                 torch._C._pop_torch_function_stack()  # the usual case, without building lists
@@ -242,18 +344,34 @@ class suspended:  # noqa: N801 - used as a context manager, like torch.no_grad
         if state.depth:
             return
         removed, state.removed = state.removed, None
+        state.placeholders_unchecked = False
         length = torch._C._len_torch_function_stack()
-        if _ENTRIES and removed == (0, []) and length == 0:
+        active = _active()
+        if active and removed == (0, []) and length == 0:
             torch._C._push_on_torch_function_stack(_MODE)  # the usual case again
             return
         stack = _stack()
-        if not _ENTRIES:
+        if not active:
             _remove(stack)
         elif removed is not None and stack == removed[1]:
             index, rest = removed
             _set_stack(rest[:index] + [_MODE] + rest[index:])
         elif _MODE not in stack:
             _install_at_bottom(stack)
+
+
+def settle() -> None:
+    """Called where the last pending gather may just have been waited for (a forward pre-hook): with
+    nothing left to check, take the idle mode off the stack if it is on top, so the rest of the
+    forward and the user's code after it pay nothing. Only from the top: every mode entered after
+    it is then already gone, and one entered before it is still below ([Note: mode stack]). Inside
+    `suspended(waiting=True)` placeholders are not checked, so only pending gathers count there;
+    leaving that block puts the check back if placeholders are registered."""
+    if _PENDING or (_ENTRIES and not _STATE.placeholders_unchecked):
+        return
+    length = torch._C._len_torch_function_stack()
+    if length and torch._C._get_function_stack_at(length - 1) is _MODE:
+        torch._C._pop_torch_function_stack()
 
 
 def is_installed() -> bool:

@@ -460,7 +460,8 @@ class GatheredParameters:
         if not self.enabled:
             return self
         units: dict[int, tuple[Stage3Runtime, Unit]] = {}
-        for runtime, unit, _, _ in _owners(self.params):
+        for runtime, unit, group, _ in _owners(self.params):
+            group.finish_gather_params()  # stages 1/2: the last step's gather ([Note: overlapped parameter gather])
             if unit is not None and unit.state is not UnitState.UNSHARDED:
                 units.setdefault(id(unit), (runtime, unit))
         self._gathered = sorted(units.values(), key=lambda ru: ru[1].index)
