@@ -92,10 +92,12 @@ class Run:
     stage: int  # ZeRO stage (DDP: 0; FSDP2: 3, it shards parameters)
     reduce_scatter: bool = True  # zerodist only
     reuse: bool = True  # stage 3 (zerodist, DeepSpeed): False sets stage3_max_reuse_distance to 0
+    overlap: bool = True  # zerodist only: overlap_comm (False: gather in step(), reduce after backward)
 
     @property
     def name(self) -> str:
-        suffix = ("" if self.reduce_scatter else " (all-reduce)") + ("" if self.reuse else " (no reuse)")
+        suffix = ("" if self.reduce_scatter else " (all-reduce)") + ("" if self.reuse else " (no reuse)") + \
+            ("" if self.overlap else " (no overlap)")
         return f"{self.framework}{suffix}"
 
     @property
@@ -104,7 +106,7 @@ class Run:
         if self.framework in ("ddp", "fsdp2"):
             return self.framework
         return f"{self.framework}-{self.stage}" + ("" if self.reduce_scatter else "-allreduce") + \
-            ("" if self.reuse else "-noreuse")
+            ("" if self.reuse else "-noreuse") + ("" if self.overlap else "-nooverlap")
 
     @property
     def stage3_options(self) -> dict[str, int]:
@@ -133,6 +135,7 @@ DEFAULT_SIZES = ["bench-3m", "bench-25m"]
 RUNS = [
     Run("ddp", 0),
     Run("zerodist", 0), Run("zerodist", 1), Run("zerodist", 2), Run("zerodist", 3), Run("zerodist", 3, reuse=False),
+    Run("zerodist", 1, overlap=False), Run("zerodist", 2, overlap=False),
     Run("deepspeed", 0), Run("deepspeed", 1), Run("deepspeed", 2), Run("deepspeed", 3), Run("deepspeed", 3, reuse=False),
     Run("fsdp2", 3),
 ]
@@ -240,6 +243,7 @@ class ZerodistTrainer(EngineTrainer):
             "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
             "gradient_clipping": CLIP, "steps_per_print": 10**6,
             "zero_optimization": {"stage": run.stage, "reduce_scatter": run.reduce_scatter,
+                                  "overlap_comm": run.overlap,
                                   "reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS,
                                   **run.stage3_options},
         }
