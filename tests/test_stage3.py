@@ -152,14 +152,14 @@ def test_units_reused_from_forward_to_backward_are_gathered_once(world_size):
     engine.backward(F.mse_loss(engine(x), y)), engine.step()
     with comm.trace() as t:
         engine.backward(F.mse_loss(engine(x), y))
-        engine.step()
+        assert all(u.state.value == "sharded" for u in engine.stage3.units)  # all freed after backward
+        engine.step()  # issues the next forward's gathers ([Note: early gather] in stage3.py)
     psi = sum(u.numel for u in engine.stage3.units)
     gathers = [r for r in t.records if r.op == "all_gather" and r.dtype != torch.int64]
     checks = [r for r in t.records if r.op == "all_gather" and r.dtype == torch.int64]
     assert sum(r.numel for r in gathers) == psi and t.total_numel("reduce_scatter") == psi
     assert len(checks) == 1
     assert t.count("all_reduce") == 1 and t.total_numel("all_reduce") == 2 + 2 * 3
-    assert all(u.state.value == "sharded" for u in engine.stage3.units)  # all freed after backward
 
 
 @distributed_test(world_size=2)

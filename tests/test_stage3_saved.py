@@ -50,8 +50,8 @@ def test_freed_units_buffers_are_not_held_by_autograd_until_backward():
     assert not alive, f"{len(alive)} of 4 freed blocks' gathered buffers still alive after forward"
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # every unit left its hooks
     engine.backward(loss)
-    engine.step()
     assert all(u.state.value == "sharded" for u in blocks)
+    engine.step()
 
 
 def _train(config, model, steps=3):

@@ -234,7 +234,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             raise ValueError("load_checkpoint(load_module_strict=False / custom_load_fn=...): zerodist loads every "
                              "parameter by name, strictly; for a partial load, call model.load_state_dict(state, "
                              "strict=False) on the model before initialize()")
-        self.finish_param_gathers()  # before loading overwrites the buffers they write
+        self.optimizer.finish_param_gathers(release=True)  # before loading overwrites the buffers they write
         return checkpoint.load_checkpoint(self.zero_state, self, load_dir, tag=tag,
                                           load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
@@ -300,7 +300,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def destroy(self) -> None:
         """Finish the last step's parameter gathers, remove hooks and stop the comms trace; the module
         keeps working as a plain module."""
-        self.finish_param_gathers()
+        self.optimizer.finish_param_gathers(release=True)
         self.optimizer.param_gathers.remove_hooks()
         self.reducer.remove_hooks()
         if self.nan_hunter is not None:

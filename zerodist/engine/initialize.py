@@ -210,7 +210,7 @@ def _apply_zero(model: torch.nn.Module, model_parameters: Iterable[Any] | None, 
     checks = [runtime.runs] if runtime is not None and config.zerodist.debug.unit_order_check else []
     sharded = ZeroOptimizer(groups, reducer, inner, scaler=scaler, gradient_clipping=config.gradient_clipping,
                             check_overflow=precision.loss_scaling, world_group=topology.world_group, step_checks=checks,
-                            param_gathers=gathers)
+                            param_gathers=gathers, stage3=runtime)
     scheduler = build_scheduler(config, inner, lr_scheduler)
     return ZeroParts(sharding, batch, precision, groups, reducer, sharded, scheduler, runtime)
 

@@ -48,7 +48,8 @@ class ZeroOptimizer:
 
     def __init__(self, groups: list[FlatParamGroup], reducer: GradReducer, inner: torch.optim.Optimizer, *,
                  scaler: LossScaler, gradient_clipping: float, check_overflow: bool, world_group: Any = None,
-                 step_checks: list[Any] | None = None, param_gathers: ParamGatherSchedule | None = None):
+                 step_checks: list[Any] | None = None, param_gathers: ParamGatherSchedule | None = None,
+                 stage3: Any = None):
         self.groups, self.reducer, self.inner, self.scaler = groups, reducer, inner, scaler
         self.gradient_clipping = gradient_clipping
         self.check_overflow = check_overflow
@@ -59,11 +60,20 @@ class ZeroOptimizer:
         self.step_checks: list[Any] = list(step_checks or [])
         # The post-step parameter all-gathers; without a schedule (no hooks) they are waited for in step().
         self.param_gathers = param_gathers or ParamGatherSchedule(None, (), [(None, g) for g in groups], overlap=False)
+        # Stage 3's runtime: with overlap, step() also issues the next forward's first unit gathers
+        # ([Note: early gather] in stage3.py).
+        self.stage3 = stage3
 
-    def finish_param_gathers(self) -> None:
+    def finish_param_gathers(self, release: bool = False) -> None:
         """Wait for the last step's parameter all-gathers still in flight: every parameter holds
-        its updated values after this."""
+        its updated values after this. `release` (every rank together, where the shards may change
+        next) also frees stage 3's units gathered early, so no stale full values survive."""
         self.param_gathers.finish()
+        if self.stage3 is not None:
+            if release:
+                self.stage3.drop_early_gathers()
+            else:
+                self.stage3.finish_early_gathers()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -106,7 +116,7 @@ class ZeroOptimizer:
         return values[0], values[1] > 0
 
     def step(self) -> StepResult:
-        self.finish_param_gathers()  # a step without a forward since the last one: it steps those buffers
+        self.finish_param_gathers(release=True)  # a step without a forward since the last one: it steps those buffers
         self.reducer.settle_gradients()
         squares, overflow = self._reduce_step_stats()
         if overflow:
@@ -130,6 +140,8 @@ class ZeroOptimizer:
         for group in self.groups:
             group.copy_master_to_params()
         self.param_gathers.start()
+        if self.stage3 is not None and self.param_gathers.overlap:
+            self.stage3.start_early_gathers()  # after the persistent groups': the order the forward waits
         self.zero_grad()
         self.scaler.update(False)
         return StepResult(norm, False, clip_coef)

@@ -74,6 +74,12 @@ class Unit:
         self._handles = [g.start_unshard() for g in self.groups]
         self.state = UnitState.GATHERING
 
+    def wait_gathers(self) -> None:
+        """Wait for the all-gathers in flight; the parameters stay placeholders until `finish_unshard`."""
+        for handles in self._handles:
+            for handle in handles:
+                handle.wait()
+
     def finish_unshard(self) -> None:
         assert self.state is UnitState.GATHERING, f"unit {self.name}: finish_unshard while {self.state.value}"
         for group, handles in zip(self.groups, self._handles):
@@ -280,6 +286,7 @@ class Stage3Runtime:
         self.live_numel = 0
         self.peak_live_numel = 0
         self.runs = RunCheck(units, group)
+        self._early: list[Unit] = []  # issued by step() for the next forward ([Note: early gather])
         self._bucket_owner = {id(b): u for u in units for g in u.groups for b in g.buckets}
         self._handles = [root.module.register_forward_pre_hook(self._pre_forward_root)]
         for unit in self.order:
@@ -355,6 +362,38 @@ class Stage3Runtime:
             index += step
         return chosen
 
+    # [Note: early gather] Nothing precedes the first units' gathers in a forward: the root's
+    # pre-hook would issue them and wait at once. With overlap_comm, `ZeroOptimizer.step()` issues
+    # right after the shards are updated exactly what that pre-hook would (the root and its
+    # prefetch, one fingerprint exchange of kind 0: every rank steps, so every rank does the same),
+    # and the pre-hook only waits. Until then the units are GATHERING: their parameters stay
+    # placeholders (the access check refuses reads). `finish_early_gathers` waits for their
+    # collectives, leaving them GATHERING (local: for entry points that may run on one rank only,
+    # and the access check answers as with overlap off); `drop_early_gathers` also frees
+    # them (collective use only: the next forward gathers them again) where the shards may change
+    # (another step, a load, GatheredParameters) or the engine is destroyed.
+    def start_early_gathers(self) -> None:
+        """Issue the next forward's first gathers now (after a step; nothing may be gathered early)."""
+        assert not self._early, "start_early_gathers twice without a forward or a drop"
+        batch = [self.root] if self.root.state is UnitState.SHARDED else []
+        batch += self._prefetch_candidates(self.root, +1, self.live_numel + sum(u.numel for u in batch))
+        if batch:
+            self._issue(batch, 0)
+        self._early = batch
+
+    def finish_early_gathers(self) -> None:
+        """Wait for the early gathers still in flight (no collective: any rank may call it alone);
+        the units stay GATHERING, their parameters placeholders, until the forward's pre-hooks."""
+        for unit in self._early:
+            if unit.state is UnitState.GATHERING:
+                unit.wait_gathers()
+
+    def drop_early_gathers(self) -> None:
+        """Wait for and free the units gathered early; every rank must call it together."""
+        early, self._early = self._early, []
+        for unit in early:
+            self._release(unit)
+
     @_unchecked
     def _release(self, unit: Unit) -> None:
         if unit.state is not UnitState.SHARDED:
@@ -368,7 +407,11 @@ class Stage3Runtime:
 
     def _pre_forward_root(self, module: torch.nn.Module, args: Any) -> None:
         self._record_run(self.root)
-        self._require(self.root, 0, prefetch_step=+1)
+        if self._early:  # step() issued this forward's first gathers ([Note: early gather]): only wait
+            self._early = []
+            self._require(self.root, 0)
+        else:
+            self._require(self.root, 0, prefetch_step=+1)
 
     def _make_pre_forward(self, unit: Unit):
         def pre_forward(module: torch.nn.Module, args: Any) -> None:
@@ -460,7 +503,10 @@ class GatheredParameters:
         if not self.enabled:
             return self
         units: dict[int, tuple[Stage3Runtime, Unit]] = {}
-        for runtime, unit, group, _ in _owners(self.params):
+        owners = _owners(self.params)
+        for runtime in {id(r): r for r, _, _, _ in owners if r is not None}.values():
+            runtime.drop_early_gathers()  # its changes, or their discarding, must reach every unit ([Note: early gather])
+        for runtime, unit, group, _ in owners:
             group.finish_gather_params()  # stages 1/2: the last step's gather ([Note: overlapped parameter gather])
             if unit is not None and unit.state is not UnitState.UNSHARDED:
                 units.setdefault(id(unit), (runtime, unit))
