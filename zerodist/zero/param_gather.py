@@ -27,7 +27,8 @@ takes the idle mode off the stack (`sharded_access.settle()`), and nothing when 
 Groups are issued in the order the forward waits for them, root and persistent first: gloo
 completes one process group's collectives in issue order, so a group issued last but waited for
 first would hold up the forward until every gather had landed. Stage 3's persistent groups (full
-parameters, sharded optimizer state) are gathered the same way; its units gather themselves.
+parameters, sharded optimizer state) are gathered the same way; its units gather themselves, and
+`step()` issues the next forward's first units after these groups ([Note: early gather] in stage3.py).
 
 `overlap_comm: false` waits for every group at the end of `step()`, as before.
 """
