@@ -205,7 +205,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.optimizer.zero_grad()
 
     def finish_param_gathers(self) -> None:
-        """Wait for the last step's parameter all-gathers still in flight (stages 1/2; overlap_comm):
+        """Wait for the last step's parameter all-gathers still in flight (overlap_comm; at stage 3 the
+        next forward's first units, which stay placeholders until it: [Note: early gather]):
         the next forward waits for each unit's where it first uses them, and every other engine call
         that reads or writes parameters calls this first ([Note: overlapped parameter gather] in
         zerodist/zero/param_gather.py)."""
