@@ -63,10 +63,15 @@ def batch(step: int, rows: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_body(stage: int, overlap: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Three optimizer steps of two micro-steps each, an eval forward after every step."""
     engine = gpt_engine(stage, overlap, gas=2)
     assert engine.optimizer.param_gathers.overlap is overlap
     assert len(engine.optimizer.param_gathers.groups) >= 5  # root, 3 blocks, persistent
+    return train_three_steps(engine)
+
+
+def train_three_steps(engine) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Three optimizer steps of two micro-steps each (an engine built with gas=2), an eval forward
+    after every step; the losses and the final module state. Destroys the engine."""
     losses = []
     for step in range(3):
         for micro in range(2):

@@ -12,27 +12,12 @@ import zerodist
 import zerodist.checkpoint as ckpt
 import zerodist.comm as comm
 from tests.harness import run_distributed
-from tests.test_param_gather_overlap import batch, gpt_engine
+from tests.test_param_gather_overlap import batch, gpt_engine, train_three_steps
 from zerodist.zero.stage3 import UnitState
 
 
 def train_body(overlap: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Three optimizer steps of two micro-steps each, an eval forward after every step."""
-    engine = gpt_engine(3, overlap, gas=2)
-    losses = []
-    for step in range(3):
-        for micro in range(2):
-            loss = engine(*batch(2 * step + micro))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        engine.eval()
-        with torch.no_grad():
-            losses.append(engine(*batch(99)).item())
-        engine.train()
-    state = engine.module_state_dict()
-    engine.destroy()
-    return losses, state
+    return train_three_steps(gpt_engine(3, overlap, gas=2))
 
 
 def assert_states_equal(on: dict[str, torch.Tensor], off: dict[str, torch.Tensor]) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from zerodist.precision import LossScaler
 from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.param_gather import ParamGatherSchedule
 from zerodist.zero.reducer import GradReducer
+
+if TYPE_CHECKING:
+    from zerodist.zero.stage3 import Stage3Runtime
 
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
@@ -49,7 +52,7 @@ class ZeroOptimizer:
     def __init__(self, groups: list[FlatParamGroup], reducer: GradReducer, inner: torch.optim.Optimizer, *,
                  scaler: LossScaler, gradient_clipping: float, check_overflow: bool, world_group: Any = None,
                  step_checks: list[Any] | None = None, param_gathers: ParamGatherSchedule | None = None,
-                 stage3: Any = None):
+                 stage3: Stage3Runtime | None = None):
         self.groups, self.reducer, self.inner, self.scaler = groups, reducer, inner, scaler
         self.gradient_clipping = gradient_clipping
         self.check_overflow = check_overflow
