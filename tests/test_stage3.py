@@ -133,10 +133,13 @@ def test_communication_is_three_psi(world_size):
     bus = sum(r.bus_elements for r in gathers) + t.bus_elements("reduce_scatter")
     assert bus == pytest.approx((3 * psi - root) * (n - 1) / n)
     # one fingerprint exchange per batch of gathers (the root's forward hook gathers the root and
-    # prefetches every unit; the first backward hook gathers the rest) and one per reduce-scatter
-    # (they can interleave with backward gathers) ([Note: unit order check]); the step's one
-    # all-reduce carries the norm, the overflow flag and the run-order digests
-    assert len(checks) == 2 + t.count("reduce_scatter")
+    # prefetches every unit; the first backward hook gathers the rest), none for the reduce-scatters
+    # (on a group of their own: [Note: gradient groups]); the step's one all-reduce carries the
+    # norm, the overflow flag and the run-order digests
+    assert len(checks) == 2
+    group = units[1].groups[0]
+    assert group.buckets[0].group is not group.group
+    assert comm.get_world_size(group.buckets[0].group) == comm.get_world_size(group.group) == n
     assert t.count("all_reduce") == 1 and t.total_numel("all_reduce") == 2 + 2 * 3
 
 

@@ -12,7 +12,9 @@ Which group reduces what:
 - `("tensor",)` carries tensor-parallel all-reduces.
 
 All groups are created when the Topology is built, on every rank in the same order, so
-asking for a group later can never deadlock. The arithmetic (degrees, coordinates,
+asking for a group later can never deadlock. With `gradient_groups=True` every group of more
+than one rank gets a second group over the same ranks, for gradient reductions only
+([Note: gradient groups]). The arithmetic (degrees, coordinates,
 partitions) is pure and tested without processes.
 """
 
@@ -150,9 +152,10 @@ class Topology:
     Ranks that ask for different degrees get a `TopologyError` naming each rank's request.
     """
 
-    __slots__ = ("_degrees", "_coords", "_groups", "_partitions", "rank", "world_size")
+    __slots__ = ("_degrees", "_coords", "_groups", "_gradient_groups", "_partitions", "rank", "world_size")
 
-    def __init__(self, *, data: int | None = None, expert: int = 1, tensor: int = 1, group_timeout: Any = None):
+    def __init__(self, *, data: int | None = None, expert: int = 1, tensor: int = 1, group_timeout: Any = None,
+                 gradient_groups: bool = False):
         info = ensure_initialized()
         rank, world_size = dist.get_rank(), dist.get_world_size()
         requests: list[Any] = [None] * world_size
@@ -172,9 +175,19 @@ class Topology:
                     made[key] = _make_group(partition, group_timeout, info.backend)
                 groups[axes] = made[key]
                 partitions[axes] = partition
+        gradient: dict[tuple[str, ...], Any] = dict(groups)
+        if gradient_groups:
+            second: dict[tuple[tuple[int, ...], ...], Any] = {}
+            for axes, partition in partitions.items():  # the same order on every rank: dict order of the loop above
+                key = tuple(tuple(g) for g in partition)
+                if len(partition[0]) > 1 and key not in second:
+                    second[key] = dist.new_subgroups_by_enumeration(partition, timeout=group_timeout,
+                                                                    backend=info.backend)[0]
+                gradient[axes] = second.get(key, groups[axes])
         for name, value in [
             ("rank", rank), ("world_size", world_size), ("_degrees", MappingProxyType(degrees)),
-            ("_coords", MappingProxyType(coords_of(rank, degrees))), ("_groups", groups), ("_partitions", partitions),
+            ("_coords", MappingProxyType(coords_of(rank, degrees))), ("_groups", groups),
+            ("_gradient_groups", gradient), ("_partitions", partitions),
         ]:
             object.__setattr__(self, name, value)
 
@@ -192,6 +205,21 @@ class Topology:
     def group(self, *axes: str) -> Any:
         """The process group of this rank over `axes` (e.g. `group("data", "expert")`)."""
         return self._groups[_canonical(axes)]
+
+    def gradient_group(self, *axes: str) -> Any:
+        """Where gradients reduced over `axes` are reduced: with `gradient_groups=True` a second
+        process group over the same ranks as `group(*axes)` (the same group when it has one rank,
+        or without `gradient_groups`).
+
+        [Note: gradient groups] Collectives pair up across ranks by their order within one
+        process group. ZeRO-3 issues parameter gathers from module hooks (autograd's order) and
+        gradient reductions from the reducer (its own fixed order); on one group the two streams
+        interleave, and ranks must agree on the interleaving, so each reduction would need an
+        order check first, a round trip that also waits behind every gather queued ahead of it
+        (on gloo one group's collectives run in issue order). On a group of their own the
+        reductions are ordered among themselves only, need no check, and run beside the gathers.
+        """
+        return self._gradient_groups[_canonical(axes)]
 
     def size(self, *axes: str) -> int:
         """Number of ranks in this rank's group over `axes`."""

@@ -133,7 +133,10 @@ def _build_topology(validated: Validated, model: torch.nn.Module) -> comm.Topolo
     """The mesh: the expert degree the model declares (`zerodist.comm.domains.
     declare_expert_parallel`, 1 when none), the tensor degree from the config
     (`tensor_parallel.autotp_size` or `zerodist.tensor_parallel.size`), data the rest."""
-    return comm.Topology(expert=expert_parallel_degree(model), tensor=validated.config.tensor_degree)
+    # Stage 3 reduces gradients on groups of their own, beside the gathers its hooks issue
+    # ([Note: gradient groups] in zerodist/comm/topology.py).
+    return comm.Topology(expert=expert_parallel_degree(model), tensor=validated.config.tensor_degree,
+                         gradient_groups=ShardingPolicy.from_stage(validated.config.zero_optimization.stage).shard_parameters)
 
 
 def _apply_tensor_parallel(model: torch.nn.Module, topology: comm.Topology, config: Config) -> torch.nn.Module:
@@ -202,7 +205,6 @@ def _apply_zero(model: torch.nn.Module, model_parameters: Iterable[Any] | None, 
     reducer = GradReducer(groups, [[positions[id(p)] for p in g.params] for g in groups],
                           max_in_flight=2 if sharding.shard_gradients else None,
                           overlap=config.zero_optimization.overlap_comm,
-                          before_sync=runtime.before_grad_sync if runtime is not None else None,
                           on_complete=runtime.on_bucket_complete if runtime is not None else None)
     inner = build_optimizer([{"params": [t for g in spec_groups for t in g.optimizer_tensors], **s.options}
                              for spec_groups, s in zip(groups_by_spec, specs)])

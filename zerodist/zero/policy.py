@@ -10,7 +10,7 @@ choice once, frozen, and every component reads it instead of comparing stage num
       3        sharded         sharded     sharded   (persistent groups: parameters full)
 
 `DomainGroup` is where one flat group reduces and shards: its domain's process group (over
-the domain's reduce axes), this rank's index and the group's size, plus what the step needs to
+the domain's reduce axes; its gradient reductions may use a second group over the same ranks), this rank's index and the group's size, plus what the step needs to
 know about the domain: the gradient divisor (the number of batch shards, for every domain:
 [Note: sharding domains] in zerodist/comm/topology.py) and whether this rank counts the
 group in the global gradient norm.
@@ -76,6 +76,13 @@ class DomainGroup:
     index_of: tuple[int, ...]
     coords: dict[str, int]  # this rank's index along each mesh axis (which slice of a sliced tensor it holds)
     degrees: dict[str, int]
+    # where the buckets reduce gradients: `group`, or a second group over the same ranks when the
+    # Topology was built with gradient groups (stage 3: [Note: gradient groups] in comm/topology.py)
+    grad_group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.grad_group is None:
+            object.__setattr__(self, "grad_group", self.group)
 
     @classmethod
     def of(cls, topology: Topology, domain: Domain) -> DomainGroup:
@@ -83,7 +90,7 @@ class DomainGroup:
         index_of = tuple(topology.axis_rank_of(rank, *axes) for rank in range(topology.world_size))
         return cls(domain, topology.group(*axes), topology.axis_rank(*axes), topology.size(*axes),
                    tuple(topology.ranks(*axes)), topology.num_batch_shards, topology.counts_in_norm(domain), index_of,
-                   dict(topology.coords), dict(topology.degrees))
+                   dict(topology.coords), dict(topology.degrees), topology.gradient_group(*axes))
 
     def peer_of(self, global_rank: int) -> int:
         """The global rank of this group's member that stands where `global_rank` stands in its own."""

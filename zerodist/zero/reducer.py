@@ -28,8 +28,7 @@ class GradReducer:
     """Owns the gradient hooks of all groups and starts/finishes their buckets in order."""
 
     def __init__(self, groups: list[FlatParamGroup], positions: list[list[int]], *, max_in_flight: int | None,
-                 overlap: bool = True, before_sync: Callable[[Bucket], None] | None = None,
-                 on_complete: Callable[[Bucket], None] | None = None):
+                 overlap: bool = True, on_complete: Callable[[Bucket], None] | None = None):
         self.groups = groups
         keyed = []
         for group, group_positions in zip(groups, positions):
@@ -44,8 +43,8 @@ class GradReducer:
         # Debug observers (zerodist.debug: NaN hunt, gradient sync check): fn(group, index, grad) sees each
         # parameter's local gradient before it is added to its bucket. Empty: no cost.
         self.grad_observers: list[Callable[[FlatParamGroup, int, torch.Tensor], None]] = []
-        # Stage 3 listens: to check unit order before each sync and to reshard complete units.
-        self.before_sync, self.on_complete = before_sync, on_complete
+        # Stage 3 listens, to reshard complete units.
+        self.on_complete = on_complete
         self.sync_enabled = True
         self.grads_seen = 0
         self._next = 0
@@ -77,8 +76,6 @@ class GradReducer:
     def _start_complete_buckets(self, force: bool = False) -> None:
         while self._next < len(self.order) and (force or self.order[self._next].is_complete):
             bucket = self.order[self._next]
-            if self.before_sync is not None:
-                self.before_sync(bucket)
             bucket.start_grad_sync()
             self._in_flight.append(bucket)
             self._next += 1

@@ -17,11 +17,11 @@ parameter. Which parameter belongs to which unit is kept in this module's own re
 differs (a block run twice on one rank, an early exit) would pair different collectives and
 hang (gloo aborts the process when the sizes differ). Before each batch of gathers (a hook's
 own unit and the units it prefetches) every rank exchanges a fingerprint (what, which unit, how
-many times, which batch) in one tiny all-gather, and so before each reduce-scatter when a gather
-can fall between them; the first divergence is therefore always at a fingerprint exchange, which
-then raises on every rank naming the unit and what each rank did. When no unit is gathered in
-backward, the reduce-scatters are the only collectives there and the reducer issues them in one
-fixed order, so they need no exchange. At each optimizer step the ranks also compare which
+many times, which batch) in one tiny all-gather; the first divergence in the gathers is therefore
+always at a fingerprint exchange, which then raises on every rank naming the unit and what each
+rank did. The gradient reductions need no exchange: they run on a process group of their own
+([Note: gradient groups] in zerodist/comm/topology.py), where the reducer issues them in one
+fixed order whatever the gathers do. At each optimizer step the ranks also compare which
 units' forwards ran since the last step, in which order (`RunCheck`, digests carried by the
 step's one all-reduce): a divergence that moved no data (everything already gathered) is named
 there instead of passing silently.
@@ -118,7 +118,7 @@ def select_unit_modules(model: torch.nn.Module, unit_classes: Iterable[str]) -> 
 class _OrderCheck:
     """Fingerprint exchange before stage-3 collectives ([Note: unit order check])."""
 
-    KINDS = ("gather for forward", "gather for backward", "reduce gradients of")
+    KINDS = ("gather for forward", "gather for backward")
 
     def __init__(self, units: list[Unit], group: Any, enabled: bool, device: torch.device):
         self.units, self.group, self.enabled, self.device = units, group, enabled, device
@@ -270,8 +270,7 @@ class Stage3Runtime:
     the units after it: their forward and their backward), and while the root, the kept units
     and the largest other unit fit in `stage3_max_live_parameters`. Which units are kept is
     decided once, from the forward order, so it is the same on every rank. With every unit kept
-    no gather happens in backward, and only the gradient reduce-scatters remain, which the
-    reducer issues in one fixed order: they need no fingerprint exchange.
+    no gather happens in backward.
     """
 
     def __init__(self, model: torch.nn.Module, units: list[Unit], root: Unit, persistent: list[FlatParamGroup], *,
@@ -280,8 +279,6 @@ class Stage3Runtime:
         self.order = [u for u in units if u is not root]  # forward order of the non-root units
         self.prefetch_numel, self.max_live_numel = settings.prefetch_numel, settings.max_live_numel
         self.kept = self._units_kept(settings.max_reuse_numel)
-        # backward gathers can only interleave with reduce-scatters when some unit is not kept
-        self._check_reductions = len(self.kept) < len(self.order)
         self.check = _OrderCheck(units, group, settings.order_check, device)
         self.live_numel = 0
         self.peak_live_numel = 0
@@ -442,11 +439,6 @@ class Stage3Runtime:
         unit = self._bucket_owner.get(id(bucket))
         if unit is not None and unit is not self.root and all(b.is_complete for g in unit.groups for b in g.buckets):
             self._release(unit)
-
-    def before_grad_sync(self, bucket: Bucket) -> None:
-        unit = self._bucket_owner.get(id(bucket))
-        if unit is not None and self._check_reductions:
-            self.check(2, unit)
 
     def end_backward(self) -> None:
         for unit in self.units:
