@@ -202,6 +202,51 @@ def test_every_collective_matches_reference(world_size, async_op):
     assert box == ["from 0"]
 
 
+@pytest.mark.parametrize("async_op", [False, True])
+@distributed_test(world_size=[2, 4])
+def test_all_gather_paths_give_torchs_bits(world_size, async_op):
+    """[Note: gloo all-gather]: gloo gathers by one in-place broadcast per rank when `input` is this
+    rank's slot of `output` or lies outside it; other layouts take torch's all-gather. Both give
+    exactly what torch's own all-gather gives, over the world and over a subgroup."""
+    import torch.distributed as dist
+
+    from zerodist.comm.collectives import _gathers_by_broadcast
+
+    rank, n, numel = comm.get_rank(), world_size, 37
+    odd = comm.new_group([r for r in range(n) if r % 2])  # every rank creates it; only odd ones use it
+    for dtype in (torch.float32, torch.bfloat16):
+        mine = torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(dtype)
+        mine[0] = -0.0
+        expected = torch.empty(numel * n, dtype=dtype)
+        dist.all_gather_into_tensor(expected, mine)
+
+        out = torch.full((numel * n,), float("nan"), dtype=dtype)  # input outside output
+        assert _gathers_by_broadcast(out, mine, None)
+        comm.all_gather(out, mine, async_op=async_op).wait()
+        assert torch.equal(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+        out = torch.full((numel * n,), float("nan"), dtype=dtype)  # in place: input is this rank's slot
+        out[rank * numel:(rank + 1) * numel] = mine
+        slot = out[rank * numel:(rank + 1) * numel]
+        assert _gathers_by_broadcast(out, slot, None)
+        comm.all_gather(out, slot, async_op=async_op).wait()
+        assert torch.equal(out, expected) and torch.equal(out[0], expected[0])
+
+        buffer = torch.zeros(numel * n + 1, dtype=dtype)  # input overlaps output elsewhere: torch's path
+        buffer[:numel] = mine
+        out, source = buffer[1:], buffer[:numel]
+        assert not _gathers_by_broadcast(out, source, None)
+
+        if rank % 2:
+            members = comm.get_world_size(odd)
+            sub_expected = torch.empty(numel * members, dtype=dtype)
+            dist.all_gather_into_tensor(sub_expected, mine, group=odd)
+            out = torch.empty(numel * members, dtype=dtype)
+            comm.all_gather(out, mine, group=odd, async_op=async_op).wait()
+            assert torch.equal(out, sub_expected)
+
+
 @distributed_test(world_size=2)
 def test_bf16_and_uneven_all_to_all():
     rank = comm.get_rank()

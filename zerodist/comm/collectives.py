@@ -25,7 +25,7 @@ from torch.autograd.profiler import record_function
 _profiler_enabled = torch._C._autograd._profiler_enabled
 
 from zerodist.comm import tracer
-from zerodist.comm.init import ensure_initialized
+from zerodist.comm.init import ensure_initialized, get_global_rank
 
 ReduceOp = dist.ReduceOp
 ProcessGroup = dist.ProcessGroup
@@ -200,10 +200,67 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, asy
     """Concatenate every rank's `input` into `output` (group_size * input.numel() elements)."""
     ensure_initialized()
     _check_sizes("all_gather", output.numel(), input.numel(), group, "output", "input")
+    if _gathers_by_broadcast(output, input, group):
+        return _issue("all_gather", output, output.numel(), group, async_op,
+                      lambda a: _all_gather_by_broadcast(output, input, group, a))
     return _issue(
         "all_gather", output, output.numel(), group, async_op,
         lambda a: _all_gather_impl(output, input, group=group, async_op=a),
     )
+
+
+# [Note: gloo all-gather] torch's gloo all-gather receives into a flat buffer of its own and
+# copies that into `output` afterwards: a transient allocation of the whole output and a second
+# pass over it. Measured on 2 loaded ranks for a 12.2 MiB output: 9-12 ms (6.5-11 ms of CPU),
+# against 6 ms (3.5-4.5 ms of CPU) for one in-place broadcast per rank, each rank's slice straight
+# from its owner into `output`. The bytes are the same (each slice crosses to every other rank
+# once) and so are the bits; the price is one collective per rank instead of one, so only small
+# groups gather this way. The tracer records one all-gather, the collective that was asked for
+# and the one NCCL runs.
+_BROADCAST_GATHER_MAX_RANKS = 8
+
+
+def _gathers_by_broadcast(output: torch.Tensor, input: torch.Tensor, group: Any) -> bool:
+    if not (output.is_contiguous() and input.is_contiguous() and output.device.type == "cpu" and input.numel()):
+        return False
+    if dist.get_backend(group) != "gloo" or dist.get_world_size(group) > _BROADCAST_GATHER_MAX_RANKS:
+        return False
+    slot = output.view(-1)[dist.get_rank(group) * input.numel():][:input.numel()]
+    # `input` is this rank's slot of `output` (an in-place gather) or lies wholly outside `output`
+    if input.data_ptr() == slot.data_ptr():
+        return True
+    start, end = output.data_ptr(), output.data_ptr() + output.numel() * output.element_size()
+    return input.data_ptr() + input.numel() * input.element_size() <= start or input.data_ptr() >= end
+
+
+def _all_gather_by_broadcast(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool) -> Any:
+    size, rank, numel = dist.get_world_size(group), dist.get_rank(group), input.numel()
+    slots = output.view(-1).split(numel)
+    if slots[rank].data_ptr() != input.data_ptr():
+        slots[rank].copy_(input.view(-1))
+    works = [dist.broadcast(slots[r], src=get_global_rank(group, r), group=group, async_op=True) for r in range(size)]
+    joined = _JoinedWork(works)
+    if async_op:
+        return joined
+    joined.wait()
+    return None
+
+
+class _JoinedWork:
+    """Several torch works waited for as one."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: list[Any]):
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
 
 def all_to_all_single(
