@@ -66,6 +66,26 @@ def test_groups_reduce_over_their_axis_only():
         topo.rank = 3  # immutable
 
 
+@distributed_test(world_size=4)
+def test_gradient_groups_are_second_groups_over_the_same_ranks_made_once_per_world():
+    """[Note: gradient groups]: a distinct group over the same ranks for each group of more than one
+    rank (the same group for one rank, and without gradient groups); later Topologies of the same
+    world reuse the groups, so initialising many engines holds no more threads or sockets."""
+    plain = comm.Topology(data=2, tensor=2)
+    topo = comm.Topology(data=2, tensor=2, gradient_groups=True)
+    rank = comm.get_rank()
+    for axes in [("tensor",), ("data",), ("data", "tensor")]:
+        assert topo.gradient_group(*axes) is not topo.group(*axes)
+        assert plain.gradient_group(*axes) is plain.group(*axes)
+        assert topo.group(*axes) is plain.group(*axes)  # made once per world
+        t = torch.tensor([float(rank)])
+        comm.all_reduce(t, group=topo.gradient_group(*axes))
+        assert t.item() == sum(topo.ranks(*axes)), axes
+    assert topo.gradient_group("expert") is topo.group("expert")  # one rank: nothing to order
+    again = comm.Topology(data=2, tensor=2, gradient_groups=True)
+    assert all(again.gradient_group(*axes) is topo.gradient_group(*axes) for axes in [("tensor",), ("data",)])
+
+
 def _mismatched_topology():
     comm.Topology(tensor=2 if comm.get_rank() == 0 else 1)
 

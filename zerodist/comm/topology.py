@@ -11,8 +11,8 @@ Which group reduces what:
   `("data",)` only (DeepSpeed's "expert-data-parallel" group);
 - `("tensor",)` carries tensor-parallel all-reduces.
 
-All groups are created when the Topology is built, on every rank in the same order, so
-asking for a group later can never deadlock. With `gradient_groups=True` every group of more
+All groups are created when the Topology is built (or taken from an earlier Topology of the
+same world), on every rank in the same order, so asking for a group later can never deadlock. With `gradient_groups=True` every group of more
 than one rank gets a second group over the same ranks, for gradient reductions only
 ([Note: gradient groups]). The arithmetic (degrees, coordinates,
 partitions) is pure and tested without processes.
@@ -90,11 +90,27 @@ def axis_partition(degrees: Mapping[str, int], axes: tuple[str, ...]) -> list[li
     return sorted(groups)
 
 
-def _make_group(partition: list[list[int]], timeout: Any, backend: str) -> Any:
-    if len(partition) == 1:
+# Groups made for earlier Topologies of the same world, reused by later ones: a gloo group holds
+# threads and sockets until the world ends (9 descriptors and 6 threads per Topology with gradient
+# groups, measured), and a program or test pool that initialises many engines would run out.
+# Every rank builds the same Topologies in the same order (building one is collective), so every
+# rank finds the same groups here and makes the same new ones.
+_MADE: dict[tuple[Any, ...], Any] = {}
+_MADE_FOR: list[Any] = [None]  # the world the groups in _MADE belong to
+
+
+def _make_group(partition: list[list[int]], timeout: Any, backend: str, second: bool = False) -> Any:
+    """This rank's group of `partition` (the world itself when it is one group), or with `second`
+    a distinct group over the same ranks ([Note: gradient groups])."""
+    if len(partition) == 1 and not second:
         return dist.group.WORLD
-    mine, _ = dist.new_subgroups_by_enumeration(partition, timeout=timeout, backend=backend)
-    return mine
+    if _MADE_FOR[0] is not dist.group.WORLD:  # a new world: the old groups died with the old one
+        _MADE.clear()
+        _MADE_FOR[0] = dist.group.WORLD
+    key = (second, tuple(tuple(g) for g in partition), timeout, backend)
+    if key not in _MADE:
+        _MADE[key] = dist.new_subgroups_by_enumeration(partition, timeout=timeout, backend=backend)[0]
+    return _MADE[key]
 
 
 def _canonical(axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -166,24 +182,16 @@ class Topology:
         degrees = resolve_degrees(world_size, data=data, expert=expert, tensor=tensor)
         groups: dict[tuple[str, ...], Any] = {}
         partitions: dict[tuple[str, ...], list[list[int]]] = {}
-        made: dict[tuple[tuple[int, ...], ...], Any] = {}
         for count in range(1, len(AXES) + 1):
             for axes in itertools.combinations(AXES, count):
                 partition = axis_partition(degrees, axes)
-                key = tuple(tuple(g) for g in partition)
-                if key not in made:
-                    made[key] = _make_group(partition, group_timeout, info.backend)
-                groups[axes] = made[key]
+                groups[axes] = _make_group(partition, group_timeout, info.backend)  # one per distinct partition
                 partitions[axes] = partition
         gradient: dict[tuple[str, ...], Any] = dict(groups)
         if gradient_groups:
-            second: dict[tuple[tuple[int, ...], ...], Any] = {}
-            for axes, partition in partitions.items():  # the same order on every rank: dict order of the loop above
-                key = tuple(tuple(g) for g in partition)
-                if len(partition[0]) > 1 and key not in second:
-                    second[key] = dist.new_subgroups_by_enumeration(partition, timeout=group_timeout,
-                                                                    backend=info.backend)[0]
-                gradient[axes] = second.get(key, groups[axes])
+            for axes, partition in partitions.items():  # the same order on every rank: the loop's above
+                if len(partition[0]) > 1:
+                    gradient[axes] = _make_group(partition, group_timeout, info.backend, second=True)
         for name, value in [
             ("rank", rank), ("world_size", world_size), ("_degrees", MappingProxyType(degrees)),
             ("_coords", MappingProxyType(coords_of(rank, degrees))), ("_groups", groups),
