@@ -12,10 +12,10 @@ Which group reduces what:
 - `("tensor",)` carries tensor-parallel all-reduces.
 
 All groups are created when the Topology is built (or taken from an earlier Topology of the
-same world), on every rank in the same order, so asking for a group later can never deadlock. With `gradient_groups=True` every group of more
-than one rank gets a second group over the same ranks, for gradient reductions only
-([Note: gradient groups]). The arithmetic (degrees, coordinates,
-partitions) is pure and tested without processes.
+same world), on every rank in the same order, so asking for a group later can never deadlock.
+With `gradient_groups=True` every group of more than one rank gets a second group over the
+same ranks, for gradient reductions only ([Note: gradient groups]). The arithmetic (degrees,
+coordinates, partitions) is pure and tested without processes.
 """
 
 from __future__ import annotations

@@ -135,8 +135,9 @@ def _build_topology(validated: Validated, model: torch.nn.Module) -> comm.Topolo
     (`tensor_parallel.autotp_size` or `zerodist.tensor_parallel.size`), data the rest."""
     # Stage 3 reduces gradients on groups of their own, beside the gathers its hooks issue
     # ([Note: gradient groups] in zerodist/comm/topology.py).
+    sharding = ShardingPolicy.from_stage(validated.config.zero_optimization.stage)
     return comm.Topology(expert=expert_parallel_degree(model), tensor=validated.config.tensor_degree,
-                         gradient_groups=ShardingPolicy.from_stage(validated.config.zero_optimization.stage).shard_parameters)
+                         gradient_groups=sharding.shard_parameters)
 
 
 def _apply_tensor_parallel(model: torch.nn.Module, topology: comm.Topology, config: Config) -> torch.nn.Module:

@@ -296,7 +296,8 @@ class FlatParamGroup:
         label = f"bucket {index} of {len(self.layout.buckets)} ({self.records[self.layout.buckets[index].param_indices[0]].name}...)"
         span = self.layout.buckets[index]
         return Bucket(span, plan=self.plan, grad_full=grad_full, grad_owned=grad_owned,
-                      group=self.domain_group.grad_group, rank=self.rank, label=label, slots=[self.layout.slots[i] for i in span.param_indices])
+                      group=self.domain_group.grad_group, rank=self.rank, label=label,
+                      slots=[self.layout.slots[i] for i in span.param_indices])
 
     def _optimizer_views(self) -> list[torch.Tensor]:
         if self.master is None and self.param_shard is not None:

@@ -10,10 +10,10 @@ choice once, frozen, and every component reads it instead of comparing stage num
       3        sharded         sharded     sharded   (persistent groups: parameters full)
 
 `DomainGroup` is where one flat group reduces and shards: its domain's process group (over
-the domain's reduce axes; its gradient reductions may use a second group over the same ranks), this rank's index and the group's size, plus what the step needs to
-know about the domain: the gradient divisor (the number of batch shards, for every domain:
-[Note: sharding domains] in zerodist/comm/topology.py) and whether this rank counts the
-group in the global gradient norm.
+the domain's reduce axes; its gradient reductions may use a second group over the same ranks),
+this rank's index and the group's size, plus what the step needs to know about the domain: the
+gradient divisor (the number of batch shards, for every domain: [Note: sharding domains] in
+zerodist/comm/topology.py) and whether this rank counts the group in the global gradient norm.
 """
 
 from __future__ import annotations
