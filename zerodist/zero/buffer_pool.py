@@ -55,7 +55,7 @@ class BufferPool:
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D buffer of `numel` elements with stale contents: a free one if any, else a new one."""
-        free = self._free.get((numel, dtype, torch.device(device)))
+        free = self._free.get((numel, dtype, _normalized(torch.device(device))))
         if free:
             self.reused += 1
             return free.pop()
@@ -88,6 +88,13 @@ class BufferPool:
         """Free every buffer not handed out (those handed out are freed when given back or dropped)."""
         self.allocated_bytes -= self.free_bytes
         self._free.clear()
+
+
+def _normalized(device: torch.device) -> torch.device:
+    """The device a tensor created on `device` reports (cuda -> cuda:N), as `give` keys by it."""
+    if device.type == "cpu" or device.index is not None:
+        return device
+    return torch.empty(0, device=device).device  # no memory: zero elements
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

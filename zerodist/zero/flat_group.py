@@ -1,6 +1,8 @@
 """One planned group of parameters (see plan.py) packed into flat buffers, one allocation per kind.
 
-    param_buffer   all parameters, padded (the module's parameters become views into it)
+    param_buffer   all parameters, padded (the module's parameters become views into it); stage 3:
+                   only while gathered, taken from and given back to the engine's buffer pool
+                   ([Note: buffer pool] in buffer_pool.py), as are the buckets' staging buffers
     param_shard    sharded parameters (stage 3): only this rank's shard of every bucket
     grad_buffer    full gradients (stages 0/1): the full gradient, same layout
     grad_shard     sharded gradients (stages 2/3): only this rank's shard of every bucket
