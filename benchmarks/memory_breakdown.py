@@ -22,6 +22,10 @@ training steps is not the peak of building the model. One extra step then splits
   pack (forward) or unpack (backward);
 - gradient staging (zerodist): the buckets' transient full-size gradient buffers (stages 2-3)
   that are reduce-scattered into the shard, the largest seen at those same points;
+- communication buffers (zerodist stage 3): its buffer pool ([Note: buffer pool] in
+  zerodist/zero/buffer_pool.py), where gathered units and staging buffers come from and go back
+  to, at its largest: the gathered parameters and staging above are parts of it that are not all
+  alive at the same point (a unit's buffer freed in backward is the next bucket's staging buffer);
 - the rest: the training peak less all of the above (autograd's gradients before they reach a
   bucket, temporaries of the kernels, the allocator's free but unreturned memory). To tell live
   memory from memory malloc holds but has not handed out, the largest heap in use (glibc
@@ -115,6 +119,12 @@ def staging_bytes(trainer: Any) -> int:
     return sum(_nbytes(getattr(bucket, "staging", None)) for group in _zero_groups(trainer) for bucket in group.buckets)
 
 
+def pool_bytes(trainer: Any) -> int:
+    """Bytes zerodist's stage-3 buffer pools hold now, handed out or free (0 for other frameworks)."""
+    pools = {id(p): p for p in (getattr(g, "buffer_pool", None) for g in _zero_groups(trainer)) if p is not None}
+    return sum(p.allocated_bytes for p in pools.values())
+
+
 def unsharded_storages(trainer: Any) -> dict[int, int]:
     """data_ptr -> bytes of zerodist's stage-3 full parameter buffers alive now, those still being
     gathered (prefetched, not yet pointed at by the parameters) included; empty for other frameworks."""
@@ -132,7 +142,7 @@ class StepSampler:
         # Parameters saved for backward (a Linear saves its weight): after a unit is resharded they
         # keep its gathered storage alive until backward releases them. Weak: alive as long as autograd holds them.
         self.saved_params: list[tuple[weakref.ref[Any], int, int]] = []
-        self.gathered_peak = self.staging_peak = self.heap_peak = 0
+        self.gathered_peak = self.staging_peak = self.heap_peak = self.pool_peak = 0
 
     def sample(self) -> dict[int, int]:
         self.heap_peak = max(self.heap_peak, heap_in_use() or 0)
@@ -142,6 +152,7 @@ class StepSampler:
         gathered.update(unsharded_storages(self.trainer))
         self.gathered_peak = max(self.gathered_peak, sum(gathered.values()))
         self.staging_peak = max(self.staging_peak, staging_bytes(self.trainer))
+        self.pool_peak = max(self.pool_peak, pool_bytes(self.trainer))
         return params
 
     def pack(self, tensor: Any) -> Any:
@@ -169,4 +180,4 @@ def measure_step(trainer: Any, inputs: Any, targets: Any) -> dict[str, int]:
     activations = sum(sampler.activations.values())
     trainer.finish(loss)
     return {"activations": activations, "gathered_params": sampler.gathered_peak, "grad_staging": sampler.staging_peak,
-            "heap_peak": sampler.heap_peak}
+            "heap_peak": sampler.heap_peak, "comm_buffers": sampler.pool_peak}

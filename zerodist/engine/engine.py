@@ -309,6 +309,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.monitors.close()
         if self.stage3 is not None:
             self.stage3.remove_hooks()
+        for group in self.groups:
+            group.release_pooled_buffers()  # stage 3's idle gathered/staging buffers ([Note: buffer pool])
         if self._trace is not None:
             self._trace.__exit__(None, None, None)
             self._trace = None

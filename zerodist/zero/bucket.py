@@ -8,7 +8,8 @@ What a sync moves depends on the stage, set once in `GradSyncPlan`:
   view and reduce it at the accumulation boundary (stage 0 always all-reduces, as DDP does,
   so every rank holds the full averaged gradient);
 - stage 2 copies each micro-step's gradient into a transient staging buffer, reduces it
-  straight into this rank's shard and frees the staging buffer.
+  straight into this rank's shard and frees the staging buffer (stage 3: gives it back to the
+  engine's buffer pool, [Note: buffer pool] in buffer_pool.py).
 At stages 1-3 the collective is the one configured: reduce-scatter (`reduce_scatter: true`)
 or all-reduce.
 The sum is divided after reduction, in the same way in every stage ([Note: alignment] in
@@ -18,7 +19,8 @@ zerodist/comm/topology.py).
 
 [Note: no gradient memset] No gradient buffer is zero-filled per step. A buffer's contents are
 stale at the start of its accumulation window (stages 0/1: the persistent buffer after each
-optimizer step; stages 2/3: a staging buffer fresh from `torch.empty` each micro-step), and
+optimizer step; stages 2/3: a staging buffer fresh from `torch.empty`, or from stage 3's buffer
+pool, each micro-step), and
 `Bucket` keeps the set of its parameters not yet written in that window: a parameter's first
 gradient is copied over the stale slice, later ones are added to it. Before anything reads the
 buffer (the bucket's collective, or the optimizer step when no collective ran: `no_sync` on the
@@ -39,6 +41,7 @@ import torch
 
 import zerodist.comm as comm
 from zerodist.comm import collectives
+from zerodist.zero.buffer_pool import BufferPool
 from zerodist.zero.layout import BucketSpan, ParamSlot
 
 
@@ -70,8 +73,10 @@ class Bucket:
     settled: bool  # zero_unwritten() ran since the window began: the full buffer is the gradient
 
     def __init__(self, span: BucketSpan, *, plan: GradSyncPlan, grad_full: torch.Tensor | None,
-                 grad_owned: torch.Tensor, group: Any, rank: int, label: str, slots: Sequence[ParamSlot]):
+                 grad_owned: torch.Tensor, group: Any, rank: int, label: str, slots: Sequence[ParamSlot],
+                 buffer_pool: BufferPool | None = None):
         self.span, self.plan, self.group, self.rank, self.label = span, plan, group, rank, label
+        self.buffer_pool = buffer_pool  # stage 3: where staging buffers come from and go back to
         self.num_params = len(span.param_indices)
         # Each parameter's [start, end) within the bucket, by its index in the group.
         self._ranges = {s.index: (s.offset - span.offset, s.offset - span.offset + s.numel) for s in slots}
@@ -95,9 +100,17 @@ class Bucket:
             assert self.grad_full is not None
             return self.grad_full
         if self.staging is None:
-            self.staging = torch.empty(self.span.numel, dtype=self.grad_owned.dtype, device=self.grad_owned.device)
+            dtype, device = self.grad_owned.dtype, self.grad_owned.device
+            self.staging = (self.buffer_pool.take(self.span.numel, dtype, device) if self.buffer_pool is not None
+                            else torch.empty(self.span.numel, dtype=dtype, device=device))
             self._begin_window()
         return self.staging
+
+    def _drop_staging(self) -> None:
+        """The staging buffer's contents are no longer needed: back to the pool (or freed)."""
+        staging, self.staging = self.staging, None
+        if staging is not None and self.buffer_pool is not None:
+            self.buffer_pool.give(staging)
 
     def write_grad(self, index: int, grad: torch.Tensor) -> None:
         """Parameter `index`'s gradient into its slice: copied over a stale slice, added to a written one."""
@@ -170,6 +183,7 @@ class Bucket:
         handle, out = self._pending
         handle.wait()
         self._pending = None
+        del handle  # its work may hold the staging buffer, which goes back to the pool below
         if self.plan.use_reduce_scatter:
             out.div_(self.plan.divisor)
         else:
@@ -181,7 +195,7 @@ class Bucket:
                 else:
                     self.grad_owned.copy_(out)
             self.accumulated = True
-            self.staging = None
+            self._drop_staging()
         self.state = BucketState.SYNCED
 
     def reset(self) -> None:
@@ -189,7 +203,7 @@ class Bucket:
         assert self._pending is None, f"{self.label}: reset with a collective still in flight"
         self.num_ready = 0
         self.state = BucketState.FILLING
-        self.staging = None
+        self._drop_staging()
 
     def clear_gradients(self) -> None:
         """After the optimizer step: the next accumulation starts from zero, without a memset

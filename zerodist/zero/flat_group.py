@@ -1,6 +1,8 @@
 """One planned group of parameters (see plan.py) packed into flat buffers, one allocation per kind.
 
-    param_buffer   all parameters, padded (the module's parameters become views into it)
+    param_buffer   all parameters, padded (the module's parameters become views into it); stage 3:
+                   only while gathered, taken from and given back to the engine's buffer pool
+                   ([Note: buffer pool] in buffer_pool.py), as are the buckets' staging buffers
     param_shard    sharded parameters (stage 3): only this rank's shard of every bucket
     grad_buffer    full gradients (stages 0/1): the full gradient, same layout
     grad_shard     sharded gradients (stages 2/3): only this rank's shard of every bucket
@@ -31,6 +33,7 @@ from zerodist.comm.domains import Placement
 from zerodist.comm.topology import Domain
 from zerodist.zero import sharded_access
 from zerodist.zero.bucket import Bucket, GradSyncPlan
+from zerodist.zero.buffer_pool import BufferPool
 from zerodist.zero.layout import FlatLayout, ParamSlot, plan_layout
 from zerodist.zero.policy import DomainGroup, ShardingPolicy
 
@@ -86,7 +89,7 @@ class FlatParamGroup:
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, policy: ShardingPolicy,
                  domain_group: DomainGroup, bucket_numel: int, use_reduce_scatter: bool, param_dtype: torch.dtype,
-                 placements: list[Placement] | None = None):
+                 placements: list[Placement] | None = None, buffer_pool: BufferPool | None = None):
         # Reverse order: backward produces the last parameters' gradients first, so the first
         # buckets fill first and their collectives start while backward goes on.
         params, names = params[::-1], names[::-1]
@@ -94,6 +97,9 @@ class FlatParamGroup:
         if any(p.domain != domain_group.domain for p in placements):
             raise ValueError(f"a flat group of domain {domain_group.domain} was given parameters of another domain")
         self.policy, self.domain_group = policy, domain_group
+        # Stage 3: where gathered and staging buffers come from and go back to ([Note: buffer pool]);
+        # None: torch.empty, and freed when dropped.
+        self.buffer_pool = buffer_pool
         self.group, self.rank, self.world_size = domain_group.group, domain_group.rank, domain_group.size
         self.layout: FlatLayout = plan_layout([p.numel() for p in params], bucket_numel=bucket_numel,
                                               world_size=self.world_size)
@@ -180,7 +186,7 @@ class FlatParamGroup:
             f"start_unshard on {self.records[0].name}...: parameters sharded: {self.policy.shard_parameters}, "
             f"already unsharded: {self.param_buffer is not None}"
         )
-        self.param_buffer = torch.empty(self.layout.total_numel, dtype=self.param_dtype, device=self.device)
+        self.param_buffer = self._transient_buffer(self.layout.total_numel)
         return [
             comm.all_gather(self._bucket_range(i, self.param_buffer, owned=False), self._shard_range(i, self.param_shard),
                             group=self.group, async_op=True)
@@ -213,8 +219,21 @@ class FlatParamGroup:
         self.nans.fill_(float("nan"))  # NaN again, should a one-element parameter have been written to
         for record in self.records:
             record.param.data = record.placeholder
-        self.param_buffer = None
+        full, self.param_buffer = self.param_buffer, None
         self._register_placeholders()
+        if full is not None and self.buffer_pool is not None:
+            self.buffer_pool.give(full)  # kept for the next gather or staging buffer, if no one else holds it
+
+    def _transient_buffer(self, numel: int) -> torch.Tensor:
+        """A buffer that lives only within a step (a gathered unit, a staging bucket), stale contents."""
+        if self.buffer_pool is not None:
+            return self.buffer_pool.take(numel, self.param_dtype, self.device)
+        return torch.empty(numel, dtype=self.param_dtype, device=self.device)
+
+    def release_pooled_buffers(self) -> None:
+        """Free the pool's buffers not in use (the engine is destroyed); the pool is shared by the groups."""
+        if self.buffer_pool is not None:
+            self.buffer_pool.clear()
 
     def enable_access_check(self) -> None:
         """Register this group's placeholders with the access check whenever it is sharded,
@@ -297,7 +316,7 @@ class FlatParamGroup:
         span = self.layout.buckets[index]
         return Bucket(span, plan=self.plan, grad_full=grad_full, grad_owned=grad_owned,
                       group=self.domain_group.grad_group, rank=self.rank, label=label,
-                      slots=[self.layout.slots[i] for i in span.param_indices])
+                      slots=[self.layout.slots[i] for i in span.param_indices], buffer_pool=self.buffer_pool)
 
     def _optimizer_views(self) -> list[torch.Tensor]:
         if self.master is None and self.param_shard is not None:

@@ -25,6 +25,7 @@ import torch
 
 from zerodist.comm.domains import Placement
 from zerodist.comm.topology import Domain
+from zerodist.zero.buffer_pool import BufferPool
 from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.init_keywords import check_init_keywords
 from zerodist.zero.plan import FlatPlan
@@ -176,6 +177,8 @@ def build_groups(model: torch.nn.Module, plan: FlatPlan, names: dict[int, str],
     A unit's groups are built as soon as its last module is materialised, so at stage 3 the
     peak is the shards plus about one unit; the root's and the persistent groups come last."""
     built: dict[int, FlatParamGroup] = {}
+    # Stage 3: one pool of gathered and staging buffers for every group ([Note: buffer pool]).
+    pool = BufferPool() if settings.policy.shard_parameters else None
 
     def flatten(indices: list[int]) -> None:
         for i in indices:
@@ -185,7 +188,8 @@ def build_groups(model: torch.nn.Module, plan: FlatPlan, names: dict[int, str],
                                       domain_group=settings.domain_groups[planned.domain],
                                       bucket_numel=plan.bucket_numel, use_reduce_scatter=settings.use_reduce_scatter,
                                       param_dtype=settings.param_dtype,
-                                      placements=[settings.placements[id(p)] for p in planned.params])
+                                      placements=[settings.placements[id(p)] for p in planned.params],
+                                      buffer_pool=pool)
 
     last_module = {id(list(module.modules())[-1]): unit
                    for unit, (_, module) in enumerate(plan.unit_modules, start=1)}

@@ -1,0 +1,101 @@
+"""Stage 3's buffer pool ([Note: buffer pool] in zerodist/zero/buffer_pool.py)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+import zerodist
+import zerodist.comm as comm
+from zerodist.models import GPT, gpt_config
+from zerodist.zero.buffer_pool import BufferPool
+from tests.engine_helpers import base_config
+from tests.harness import distributed_test
+
+STAGE3 = {"stage3_param_persistence_threshold": 0}
+
+
+def test_a_buffer_given_back_is_handed_out_again_for_the_same_size_only():
+    pool = BufferPool()
+    first = pool.take(1000, torch.float32, torch.device("cpu"))
+    ptr = first.data_ptr()
+    pool.give(first)
+    del first
+    assert pool.take(999, torch.float32, torch.device("cpu")).data_ptr() != ptr  # another size: a new one
+    assert pool.take(1000, torch.float64, torch.device("cpu")).data_ptr() != ptr  # another dtype
+    again = pool.take(1000, torch.float32, torch.device("cpu"))
+    assert again.data_ptr() == ptr and pool.reused == 1 and pool.free_bytes == 0
+
+
+def test_a_buffer_someone_else_still_holds_is_not_handed_out_again():
+    pool = BufferPool()
+    buffer = pool.take(1000, torch.float32, torch.device("cpu"))
+    kept = buffer[10:20]  # e.g. a view autograd saved (retain_graph=True)
+    storage = weakref.ref(buffer.untyped_storage())
+    pool.give(buffer)
+    del buffer
+    assert pool.free_bytes == 0 and pool.allocated_bytes == 0  # dropped, not kept
+    other = pool.take(1000, torch.float32, torch.device("cpu"))
+    assert other.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr()
+    del kept
+    gc.collect()
+    assert storage() is None  # freed with its last holder, as without the pool
+
+
+def test_clear_frees_the_idle_buffers():
+    pool = BufferPool()
+    buffers = [pool.take(1000, torch.float32, torch.device("cpu")) for _ in range(3)]
+    assert pool.allocated_bytes == pool.peak_bytes == 3 * 4000
+    storages = [weakref.ref(b.untyped_storage()) for b in buffers]
+    for buffer in buffers[:2]:
+        pool.give(buffer)
+    del buffer
+    buffers = buffers[2:]
+    pool.clear()
+    gc.collect()
+    assert [s() is None for s in storages] == [True, True, False]
+    assert pool.allocated_bytes == 4000 and pool.free_bytes == 0
+
+
+def _ids(step: int) -> torch.Tensor:
+    rank = comm.get_rank()
+    return torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(step))[2 * rank: 2 * rank + 2]
+
+
+@distributed_test(world_size=2)
+def test_stage3_reuses_the_same_buffers_every_step_and_destroy_frees_them():
+    """After the first step no gathered or staging buffer is allocated again: every step's gathers
+    and staging buffers are the same storages, gathered units' buffers become staging buffers, and
+    the pool holds no more than was in use at once. destroy() frees what it holds."""
+    for reuse in (10**9, 0):
+        torch.manual_seed(0)
+        engine, _, _, _ = zerodist.initialize(model=GPT(gpt_config("tiny", n_layers=4)), config=base_config(
+            3, zero_optimization={**STAGE3, "stage3_max_reuse_distance": reuse}))
+        groups = [g for u in engine.stage3.units for g in u.groups]
+        pool = groups[0].buffer_pool
+        assert pool is not None and all(g.buffer_pool is pool for g in groups)
+        used: list[set[int]] = []
+        original_take = pool.take
+
+        def take(*args, **kwargs):
+            buffer = original_take(*args, **kwargs)
+            used[-1].add(buffer.untyped_storage().data_ptr())
+            return buffer
+
+        pool.take = take  # an instance attribute on our own object, removed below
+        for step in range(4):
+            used.append(set())
+            ids = _ids(step)
+            engine.backward(engine(ids[:, :-1], ids[:, 1:]))
+            engine.step()
+        del pool.take
+        allocated = pool.allocated_bytes
+        assert used[1] == used[2] == used[3], "the same storages every step"
+        largest = max(b.span.numel for g in groups for b in g.buckets) * 4
+        # every unit gathered at once (reuse) at most, plus a staging buffer of each size (root, block)
+        assert allocated <= sum(u.numel for u in engine.stage3.units) * 4 + 2 * largest, allocated
+        assert pool.reused >= 3 * len(engine.stage3.units)
+        engine.destroy()
+        assert pool.free_bytes == 0 and pool.allocated_bytes == 0
