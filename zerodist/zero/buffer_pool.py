@@ -20,9 +20,16 @@ longer leave unit-sized holes in the heap each step; `clear()` frees the idle on
 Their contents are stale when taken, as `torch.empty`'s are: a gathered buffer is written whole
 by its all-gather, a staging buffer as [Note: no gradient memset] in bucket.py says.
 
-A buffer comes back only when nothing else holds its storage (a view that autograd kept, e.g. with
-`retain_graph=True`, or that the user took): otherwise the pool drops it, and it is freed when its
-last holder lets go, exactly as without the pool; it is never handed out while still in use.
+A buffer is handed out again only when nothing else holds its storage; it is never handed out
+while still in use. One that comes back still held waits aside (`_waiting`) and joins the free
+buffers once its holder lets go. Most such holds are brief: in a 4-step stage-3 test, about half
+the runs gave back a gathered unit's buffer that something still held, and 50 ms later, with no
+garbage collection in between, nothing did. The likely holder is gloo's worker thread, which lets
+go of a finished collective, and with it of its tensors, only after `wait()` has returned. Dropping
+such a buffer made the pool allocate another and left the hole in the heap it is there to avoid.
+Other holders (a view that autograd kept, e.g. with `retain_graph=True`, or that the user took)
+may hold on for long: at most `MAX_WAITING` buffers wait, and the oldest beyond that is dropped,
+to be freed when its last holder lets go, exactly as without the pool.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import Callable
 import torch
 
 _Key = tuple[int, torch.dtype, torch.device]
+MAX_WAITING = 8
 
 
 def _storage_use_count() -> Callable[[torch.Tensor], int] | None:
@@ -48,13 +56,16 @@ class BufferPool:
 
     def __init__(self) -> None:
         self._free: dict[_Key, list[torch.Tensor]] = {}
+        self._waiting: list[torch.Tensor] = []  # given back while something else still held them
         self._use_count = _storage_use_count()
-        self.allocated_bytes = 0  # every buffer this pool allocated and has not dropped: handed out or free
+        self.allocated_bytes = 0  # every buffer this pool allocated and has not dropped: handed out or kept
         self.peak_bytes = 0
         self.reused = 0  # requests served from the pool (for reports and tests)
+        self.held_when_given = 0  # buffers that came back still held elsewhere (for reports and tests)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D buffer of `numel` elements with stale contents: a free one if any, else a new one."""
+        self._collect_waiting()
         free = self._free.get((numel, dtype, _normalized(torch.device(device))))
         if free:
             self.reused += 1
@@ -65,29 +76,63 @@ class BufferPool:
         return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
-        """`buffer` (from `take`) is no longer used by its taker: keep it for the next request, unless
-        something else still holds its storage (then it is dropped, and freed with its last holder).
-        The caller must drop its own references after this."""
-        # Held by `buffer` and by the storage's Python wrapper that the count itself creates: no one else.
-        if self._use_count is None or self._use_count(buffer) > 2:
+        """`buffer` (from `take`) is no longer used by its taker: keep it for the next request, or, while
+        something else still holds its storage, aside until that lets go. The caller must drop its
+        own references after this."""
+        if self._use_count is None:  # cannot tell whether it is free: never hand it out again
             self.allocated_bytes -= _nbytes(buffer)
             return
-        self._free.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
+        if self._held_elsewhere(buffer):
+            self.held_when_given += 1
+            self._waiting.append(buffer)
+            if len(self._waiting) > MAX_WAITING:
+                self.allocated_bytes -= _nbytes(self._waiting.pop(0))  # freed with its last holder
+            return
+        self._free.setdefault(_key(buffer), []).append(buffer)
+
+    def _held_elsewhere(self, buffer: torch.Tensor) -> bool:
+        # Held by `buffer` and by the storage's Python wrapper that the count itself creates: no one else.
+        return self._use_count(buffer) > 2
+
+    def _collect_waiting(self) -> None:
+        """Move the waiting buffers that nothing else holds any more to the free ones."""
+        if not self._waiting:
+            return
+        still = []
+        for buffer in self._waiting:
+            if self._held_elsewhere(buffer):
+                still.append(buffer)
+            else:
+                self._free.setdefault(_key(buffer), []).append(buffer)
+        self._waiting = still
 
     @property
     def free_buffers(self) -> list[torch.Tensor]:
-        """The buffers held and not handed out."""
+        """The buffers held by the pool alone, ready to hand out."""
+        self._collect_waiting()
         return [b for buffers in self._free.values() for b in buffers]
 
     @property
     def free_bytes(self) -> int:
-        """Bytes held by the pool and not handed out."""
+        """Bytes held by the pool alone, ready to hand out."""
         return sum(_nbytes(b) for b in self.free_buffers)
 
+    @property
+    def waiting_bytes(self) -> int:
+        """Bytes given back while something else still holds them."""
+        self._collect_waiting()
+        return sum(_nbytes(b) for b in self._waiting)
+
     def clear(self) -> None:
-        """Free every buffer not handed out (those handed out are freed when given back or dropped)."""
-        self.allocated_bytes -= self.free_bytes
+        """Let go of every buffer not handed out: the free ones are freed, the waiting ones when their
+        holders let go (those handed out are freed when given back or dropped)."""
+        self.allocated_bytes -= self.free_bytes + sum(_nbytes(b) for b in self._waiting)
         self._free.clear()
+        self._waiting.clear()
+
+
+def _key(buffer: torch.Tensor) -> _Key:
+    return (buffer.numel(), buffer.dtype, buffer.device)
 
 
 def _normalized(device: torch.device) -> torch.device:
