@@ -39,7 +39,7 @@ import zerodist.comm as comm
 from zerodist.debug.sync_report import (GradientSyncError, ParamSync, SyncReport, WeightSyncError,
                                         reference_label)
 from zerodist.utils import get_logger
-from zerodist.zero.state import ZeroState, single_domain_group, zero_state_of
+from zerodist.zero.state import zero_state_of
 
 logger = get_logger(__name__)
 
@@ -213,7 +213,7 @@ def _how(atol: float) -> str:
 
 def _engine_gradients(engine: Any, atol: float, reference: GradSyncWatch | None, rtol: float | None) -> SyncReport:
     state = zero_state_of(engine)
-    group, sharding = single_domain_group(state, "check_gradient_sync"), state.sharding
+    sharding = state.sharding
     stage = sharding.stage
     if sharding.shard_optimizer_state and reference is None:
         raise ValueError(f"check_gradient_sync: at ZeRO stage {stage} each rank holds only its own shard of the "
@@ -222,24 +222,77 @@ def _engine_gradients(engine: Any, atol: float, reference: GradSyncWatch | None,
     if not sharding.shard_gradients and not engine.is_gradient_accumulation_boundary():
         raise ValueError(f"check_gradient_sync: at ZeRO stage {stage} gradients are reduced only at the "
                          "accumulation boundary; call it after the boundary micro-step's engine.backward(loss)")
+    # Each sharding domain's gradients are reduced, so replicated, over its own group (the data
+    # ranks for dense parameters; with experts or tensor slices, see DESIGN.md "Sharding domains").
+    by_axes: dict[tuple[str, ...], list[Any]] = {}
+    for flat in state.groups:
+        by_axes.setdefault(flat.domain.reduce_axes, []).append(flat)
+    found: list[tuple[Any, tuple[ParamSync, ...]]] = []
+    for axes in sorted(by_axes):  # the same order on every rank: each comparison is a collective
+        flats = by_axes[axes]
+        group = flats[0].group
+        if reference is not None:
+            found.append((group, _compare_with_reference(flats, reference, rtol)))
+        else:
+            named = [(r.name, r.slot.numel, g.grad_buffer[r.slot.offset: r.slot.offset + r.slot.numel])
+                     for g in flats for r in g.records]
+            found.append((group, compare_replicated(named, group, atol=atol)))
+    world_size = state.topology.world_size
+    params = _merged(found, world_size)
     if reference is not None:
-        params = _compare_with_reference(state, reference, rtol)
         method = f"ZeRO stage {stage}: each rank's owned shard against a reference all_reduce of the local gradients"
     else:
-        named = [(r.name, r.slot.numel, g.grad_buffer[r.slot.offset: r.slot.offset + r.slot.numel])
-                 for g in state.groups for r in g.records]
-        params = compare_replicated(named, group, atol=atol)
         method = "ZeRO stage 0: the reduced gradient is replicated, compared " + _how(atol)
+    if not _spans_world(found, world_size):
+        method += ", each sharding domain over the ranks it reduces over"
     cleared = not any(grp.holds_gradients() for grp in state.groups)
     note = ("no gradient since the last optimizer step: called after engine.step(), which clears them?"
             if cleared else "")
-    return SyncReport("gradients", method, tuple(group_ranks(group)), params, note)
+    return SyncReport("gradients", method, tuple(range(world_size)), params, note)
 
 
-def _compare_with_reference(zero: ZeroState, watch: GradSyncWatch, rtol: float | None) -> tuple[ParamSync, ...]:
-    """Each rank's owned shard of every bucket against its slice of all_reduce(local) / N."""
+def _spans_world(found: list[tuple[Any, tuple[ParamSync, ...]]], world_size: int) -> bool:
+    """Whether every comparison ran over all ranks (the same answer on every rank: a comparison's
+    group has the same size on all ranks)."""
+    return all(comm.get_world_size(group) == world_size for group, _ in found)
+
+
+def _merged(found: list[tuple[Any, tuple[ParamSync, ...]]], world_size: int) -> tuple[ParamSync, ...]:
+    """One report from comparisons over several groups, the same on every rank: this rank's own
+    results, norms placed by global rank (nan for the ranks outside each group, which hold another
+    slice or other experts), plus what differs in the groups this rank is not in, named with that
+    group's ranks. Without the second part a rank whose groups agree would not raise while another
+    did, and would wait alone at its next collective. Collective over the world."""
+    mine: list[ParamSync] = []
+    differing: list[tuple[tuple[int, ...], ParamSync]] = []
+    for group, syncs in found:
+        members = tuple(group_ranks(group))
+        for sync in syncs:
+            norms = [math.nan] * world_size
+            for rank, norm in zip(members, sync.rank_norms):
+                norms[rank] = norm
+            placed = dataclasses.replace(sync, rank_norms=tuple(norms))
+            mine.append(placed)
+            if not placed.in_sync:
+                differing.append((members, placed))
+    if _spans_world(found, world_size):  # every rank is in every comparison: nothing found elsewhere
+        return tuple(mine)
+    everyone: list[Any] = [None] * world_size
+    comm.all_gather_object(everyone, differing)
+    rank, seen = comm.get_rank(), set()
+    for members, sync in (item for items in everyone for item in items):
+        if rank in members or (members, sync.name) in seen:  # found here too, or by another member
+            continue
+        seen.add((members, sync.name))
+        mine.append(dataclasses.replace(sync, name=f"{sync.name} (on ranks {', '.join(map(str, members))})"))
+    return tuple(mine)
+
+
+def _compare_with_reference(flats: list[Any], watch: GradSyncWatch, rtol: float | None) -> tuple[ParamSync, ...]:
+    """Each rank's owned shard of every bucket of `flats` (flat groups reduced over one group)
+    against its slice of all_reduce(local) / N."""
     results = []
-    for flat in zero.groups:
+    for flat in flats:
         group, rank, size = flat.group, flat.rank, flat.world_size
         expected = watch.local[id(flat)].clone()
         comm.all_reduce(expected, group=group)
@@ -288,16 +341,11 @@ def _check_engine_weights(zero: Any, *, raise_on_mismatch: bool, atol: float, bu
     if buffers:
         by_axes.setdefault(("data", "expert", "tensor"), []).extend(
             (n, b.numel(), b) for n, b in zero.module.named_buffers())
-    params: tuple[ParamSync, ...] = ()
+    found = []
     for axes in sorted(by_axes):  # the same order on every rank: each comparison is a collective
         group = topology.group(*axes)
-        members = group_ranks(group)
-        for found in compare_replicated(by_axes[axes], group, atol=atol):
-            # Norms by global rank; nan for ranks outside this comparison (they hold another slice).
-            norms = [math.nan] * topology.world_size
-            for rank, norm in zip(members, found.rank_norms):
-                norms[rank] = norm
-            params += (dataclasses.replace(found, rank_norms=tuple(norms)),)
+        found.append((group, compare_replicated(by_axes[axes], group, atol=atol)))
+    params = _merged(found, topology.world_size)
     what = "parameters and buffers" if buffers else "parameters"
     report = SyncReport(what, "compared " + _how(atol) + " over each parameter's replicated axes",
                         tuple(range(topology.world_size)), params)

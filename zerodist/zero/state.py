@@ -83,14 +83,3 @@ def zero_state_of(obj: Any) -> ZeroState | None:
         return obj
     state = getattr(obj, "zero_state", None)
     return state if isinstance(state, ZeroState) else None
-
-
-def single_domain_group(zero: ZeroState, what: str) -> Any:
-    """The one process group every flat group reduces over; raises when the parameters live in
-    several domains (each would need its own comparison group)."""
-    groups = {g.domain: g.group for g in zero.groups}
-    if len(groups) > 1:
-        listed = ", ".join(f"reduced over {d.reduce_axes}" for d in groups)
-        raise ValueError(f"{what} compares replicas over one group, but this engine's parameters live in "
-                         f"{len(groups)} sharding domains ({listed}); it does not support several domains yet")
-    return next(iter(groups.values()))
