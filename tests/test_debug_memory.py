@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
+import time
 
 import pytest
 import torch
@@ -85,6 +86,22 @@ def test_estimate_counts_the_padding_of_every_bucket(stage):
         engine.destroy()
 
 
+def _settled_heap_in_use() -> int:
+    """malloc's bytes in use once nothing more is being freed. One full-suite run measured stage 1's
+    growth 3.5 MB short: one full parameter buffer, freed inside the window. The likely holder is
+    gloo's worker thread, which lets go of a finished collective's tensors (here the warm-up engine's
+    last parameter gather) a moment after wait() returns ([Note: buffer pool])."""
+    deadline = time.monotonic() + 2
+    last = heap_in_use()
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = heap_in_use()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def _peak_heap_growth(stage: int, micro_batch: int):
     """(measured, estimate): the peak of malloc's bytes in use, sampled after every module's forward,
     at every gradient in backward and after each step, above what was in use before the model."""
@@ -93,7 +110,7 @@ def _peak_heap_growth(stage: int, micro_batch: int):
     warm.destroy()
     del warm
     gc.collect()  # nothing of an earlier engine may be freed inside the window
-    base = heap_in_use()
+    base = _settled_heap_in_use()
     peak = [base]
 
     def sample(*_):
