@@ -11,20 +11,19 @@ import torch
 
 import zerodist
 import zerodist.comm as comm
-from zerodist.debug import GradientSyncError, GradSyncWatch, WeightSyncError, check_gradient_sync, check_weight_sync
+from zerodist.debug import (GradientSyncError, GradSyncWatch, WeightSyncError, check_gradient_sync,
+                            check_weight_sync)
 from tests.engine_helpers import base_config
 from tests.harness import distributed_test
 from tests.test_debug_sync import _inject_owned, _owned_by, _slot
 from tests.test_moe_engine import MoEModel, _batch
 
+DENSE = "inp.weight"
 
 
 def _expert(rank: int) -> str:
     """The first expert weight that `rank` holds: experts are named by global index, 2 per expert rank."""
     return f"moe.deepspeed_moe.experts.deepspeed_experts.{2 * (rank % 2)}.0.weight"
-
-
-DENSE = "inp.weight"
 
 
 def _moe_engine(stage: int):
@@ -117,19 +116,21 @@ def test_a_tensor_parallel_slice_that_drifted_on_one_rank_raises_on_every_rank()
     from zerodist.comm.topology import coords_of
 
     engine = _train(_config(0, tensor=2), 1)
-    rank, tensor_rank = comm.get_rank(), engine.topology.coords["tensor"]
-    name = "blocks.0.mlp.fc_in.weight"
-    partners = tuple(r for r in range(4) if coords_of(r, engine.topology.degrees)["tensor"] == tensor_rank)
-    assert check_weight_sync(engine, raise_on_mismatch=True).ok
-    bad_rank = 3
-    if rank == bad_rank:
-        with torch.no_grad():
-            dict(engine.module.named_parameters())[name][0, 0] += 1e-3
-    with pytest.raises(WeightSyncError) as caught:
-        check_weight_sync(engine, raise_on_mismatch=True)
-    [bad] = caught.value.report.mismatched
-    others = [r for r in range(4) if r not in partners]
-    holders = partners if bad_rank in partners else others
-    shown = name if rank in holders else f"{name} (on ranks {', '.join(map(str, holders))})"
-    assert (bad.name, bad.differing_ranks) == (shown, (bad_rank,))
-    return str(caught.value)
+    try:
+        name = "blocks.0.mlp.fc_in.weight"
+        assert check_weight_sync(engine, raise_on_mismatch=True).ok
+        bad_rank = 3
+        if comm.get_rank() == bad_rank:
+            with torch.no_grad():
+                dict(engine.module.named_parameters())[name][0, 0] += 1e-3
+        with pytest.raises(WeightSyncError) as caught:
+            check_weight_sync(engine, raise_on_mismatch=True)
+        [bad] = caught.value.report.mismatched
+        # the slice is compared over the ranks holding the same one: the bad rank's tensor coordinate
+        tensor = [coords_of(r, engine.topology.degrees)["tensor"] for r in range(4)]
+        holders = tuple(r for r in range(4) if tensor[r] == tensor[bad_rank])
+        shown = name if comm.get_rank() in holders else f"{name} (on ranks {', '.join(map(str, holders))})"
+        assert (bad.name, bad.differing_ranks) == (shown, (bad_rank,))
+        return str(caught.value)
+    finally:
+        engine.destroy()

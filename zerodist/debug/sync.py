@@ -22,7 +22,12 @@ checksum; the largest group (ties: the one holding the lowest rank) is the refer
 for parameters where groups differ is the reference rank's tensor broadcast so that every rank
 can report its max abs difference. In-sync parameters cost O(1) communication each.
 
-All functions are collectives over the data-parallel group: call them on every rank.
+With experts or tensor slices (several sharding domains), each parameter is compared over the
+ranks that should agree on it, and the results are merged so that every rank gets the same
+report and raises together.
+
+All functions are collectives (over the data-parallel group; with several sharding domains, over
+the world): call them on every rank.
 This layer never imports the engine: it reads the engine's typed `zero_state`
 (`zerodist.zero.state.ZeroState`) and its public step counter and accumulation boundary.
 """
@@ -188,7 +193,8 @@ def check_gradient_sync(model_or_engine: Any, *, raise_on_mismatch: bool = False
     `engine.step()`. Stage 0 compares the replicated reduced gradient bitwise (`atol` to relax);
     with `reference` (any stage, required from stage 1) each rank's owned shard is compared with
     a reference reduction of the watched local gradients, within `rtol` of the parameter's
-    largest |gradient| (default by dtype). A plain model: its `.grad`s over `group` (default
+    largest |gradient| (default by dtype). Each sharding domain (experts, tensor slices) is
+    compared over the ranks it is reduced over. A plain model: its `.grad`s over `group` (default
     world), as DDP leaves them. Returns a `SyncReport`; raises `GradientSyncError` on every rank
     with `raise_on_mismatch` when any parameter differs. Collective.
     """
