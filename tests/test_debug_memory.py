@@ -88,9 +88,9 @@ def test_estimate_counts_the_padding_of_every_bucket(stage):
 
 def _settled_heap_in_use() -> int:
     """malloc's bytes in use once nothing more is being freed. One full-suite run measured stage 1's
-    growth 3.5 MB short: one full parameter buffer, freed inside the window. The likely holder is
-    gloo's worker thread, which lets go of a finished collective's tensors (here the warm-up engine's
-    last parameter gather) a moment after wait() returns ([Note: buffer pool])."""
+    growth 3.5 MB short: one full parameter buffer, freed inside the window. gloo's worker thread
+    lets go of a finished collective's tensors (likely the warm-up engine's last parameter gather)
+    a moment after wait() returns ([Note: buffer pool])."""
     deadline = time.monotonic() + 2
     last = heap_in_use()
     while time.monotonic() < deadline:

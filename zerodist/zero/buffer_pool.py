@@ -25,9 +25,10 @@ while still in use. One that comes back still held waits aside (`_waiting`) and 
 buffers once its holder lets go. Most such holds are brief: in most runs of a 4-step stage-3 test
 on the tiny GPT, a gathered unit's buffer came back while something still held it, and 50 ms
 later, with no garbage collection in between, nothing did (on the 25.5M benchmark model, in none
-of 10 steps). The likely holder is gloo's worker thread, which lets go of a finished collective,
-and with it of its tensors, only after `wait()` has returned. Dropping such a buffer made the pool
-allocate another and left the hole in the heap it is there to avoid.
+of 10 steps). The holder is gloo's worker thread: torch's `ProcessGroupGloo::runLoop` runs a work,
+which marks it complete and wakes the waiter, and drops its own reference to the work (and with
+it the tensors) only after taking its queue's lock again, so `wait()` can return first. Dropping
+such a buffer made the pool allocate another and left the hole in the heap it is there to avoid.
 Other holders (a view that autograd kept, e.g. with `retain_graph=True`, or that the user took)
 may hold on for long: at most `MAX_WAITING` buffers wait, and the oldest beyond that is dropped,
 to be freed when its last holder lets go, exactly as without the pool.
