@@ -23,6 +23,13 @@ from zerodist.zero.flat_group import PendingGather
 SEQ = 16
 
 
+def assert_states_equal(on: dict[str, torch.Tensor], off: dict[str, torch.Tensor]) -> None:
+    """The same keys, and every tensor bitwise equal."""
+    assert on.keys() == off.keys()
+    for key in on:
+        assert torch.equal(on[key], off[key]), key
+
+
 def small_gpt() -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(seq_len=SEQ, d_model=32, n_layers=3, n_heads=2))
@@ -95,9 +102,7 @@ def test_overlap_on_and_off_train_bitwise_alike(stage):
     off = run_distributed(train_body, 2, stage, False)
     for (losses_on, state_on), (losses_off, state_off) in zip(on, off):
         assert losses_on == losses_off
-        assert state_on.keys() == state_off.keys()
-        for key in state_on:
-            assert torch.equal(state_on[key], state_off[key]), key
+        assert_states_equal(state_on, state_off)
 
 
 def event_order_body(overlap: bool) -> tuple[int, int, list[tuple[str, str]]]:
@@ -200,8 +205,7 @@ def test_reading_parameters_between_step_and_forward_waits_for_the_gather():
     off = run_distributed(direct_access_body, 2, False)
     for (total_on, state_on), (total_off, state_off) in zip(on, off):
         assert total_on == total_off
-        for key in state_off:
-            assert torch.equal(state_on[key], state_off[key]), key
+        assert_states_equal(state_on, state_off)
 
 
 def checkpoint_body(folder: str, overlap: bool) -> dict[str, torch.Tensor]:
@@ -221,9 +225,7 @@ def checkpoint_body(folder: str, overlap: bool) -> dict[str, torch.Tensor]:
 def test_a_checkpoint_saved_right_after_step_equals_the_synchronous_one(tmp_path):
     on = run_distributed(checkpoint_body, 2, str(tmp_path / "on"), True)[0]
     off = run_distributed(checkpoint_body, 2, str(tmp_path / "off"), False)[0]
-    assert on.keys() == off.keys()
-    for key in on:
-        assert torch.equal(on[key], off[key]), key
+    assert_states_equal(on, off)
 
 
 def reads_ahead_body(overlap: bool) -> float:
@@ -263,8 +265,7 @@ def step_again_body(overlap: bool) -> dict[str, torch.Tensor]:
 def test_a_second_step_without_a_forward_waits_for_the_first_steps_gather():
     on = run_distributed(step_again_body, 2, True)[0]
     off = run_distributed(step_again_body, 2, False)[0]
-    for key in off:
-        assert torch.equal(on[key], off[key]), key
+    assert_states_equal(on, off)
 
 
 def stage3_persistent_body() -> None:

@@ -12,18 +12,12 @@ import zerodist
 import zerodist.checkpoint as ckpt
 import zerodist.comm as comm
 from tests.harness import run_distributed
-from tests.test_param_gather_overlap import batch, gpt_engine, train_three_steps
+from tests.test_param_gather_overlap import assert_states_equal, batch, gpt_engine, train_three_steps
 from zerodist.zero.stage3 import UnitState
 
 
 def train_body(overlap: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     return train_three_steps(gpt_engine(3, overlap, gas=2))
-
-
-def assert_states_equal(on: dict[str, torch.Tensor], off: dict[str, torch.Tensor]) -> None:
-    assert on.keys() == off.keys()
-    for key in on:
-        assert torch.equal(on[key], off[key]), key
 
 
 def test_overlap_on_and_off_train_bitwise_alike():
