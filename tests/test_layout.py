@@ -10,7 +10,7 @@ from tests.harness import distributed_test
 from zerodist.zero.bucket import Bucket, BucketState, GradSyncPlan
 from zerodist.zero.layout import ALIGN, OwnedSlice, padded_numel, plan_layout
 from zerodist.zero.policy import ShardingPolicy
-from zerodist.zero.stage3 import Unit, UnitState
+from zerodist.zero.units import Unit, UnitState
 
 
 def test_padding_is_a_multiple_of_world_size_times_align_and_never_empty():

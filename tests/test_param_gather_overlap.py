@@ -1,7 +1,7 @@
 """Stages 1-2 overlap the updated parameters' all-gather with the next forward (overlap_comm):
 bitwise the same training as the synchronous gather, gathers issued in step() and waited for in
 the forward unit by unit, and every other reader (the user's own torch calls, checkpoints) waits
-first ([Note: overlapped parameter gather] in zerodist/zero/param_gather.py)."""
+first ([Note: overlapped parameter gather] in zerodist/zero/runtime.py)."""
 
 from __future__ import annotations
 
@@ -71,8 +71,8 @@ def batch(step: int, rows: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train_body(stage: int, overlap: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     engine = gpt_engine(stage, overlap, gas=2)
-    assert engine.optimizer.param_gathers.overlap is overlap
-    assert len(engine.optimizer.param_gathers.groups) >= 5  # root, 3 blocks, persistent
+    assert engine.units.overlap is overlap
+    assert len(engine.units.gather_groups) >= 5  # root, 3 blocks, persistent
     return train_three_steps(engine)
 
 
@@ -108,13 +108,13 @@ def test_overlap_on_and_off_train_bitwise_alike(stage):
 def event_order_body(overlap: bool) -> tuple[int, int, list[tuple[str, str]]]:
     gc.collect()  # engines of earlier tests in this worker process: their registrations go with them
     engine = gpt_engine(2, overlap)
-    schedule = engine.optimizer.param_gathers
+    schedule = engine.units
     engine.backward(engine(*batch(0)))
     with comm.trace() as trace:
         engine.step()
     issued = trace.count("all_gather")
     pending_after_step = len(schedule.pending)
-    names = {id(g): g.records[0].name for g in schedule.groups}
+    names = {id(g): g.records[0].name for g in schedule.gather_groups}
     events: list[tuple[str, str]] = []
     original = PendingGather.wait
     owner = {}
@@ -142,7 +142,7 @@ def event_order_body(overlap: bool) -> tuple[int, int, list[tuple[str, str]]]:
     expected = []
     if overlap:  # each unit's groups just before it runs: root and persistent first
         for unit in range(len(units)):
-            expected += [("wait", names[id(g)]) for g in schedule.by_unit[unit]] + [("forward", f"unit {unit}")]
+            expected += [("wait", names[id(g)]) for g in schedule.gathers_by_unit[unit]] + [("forward", f"unit {unit}")]
     else:
         expected = [("forward", f"unit {unit}") for unit in range(len(units))]
     assert events == expected, events
@@ -163,31 +163,31 @@ def test_gathers_are_issued_in_step_and_waited_for_unit_by_unit_in_the_forward()
 def start_late_on_rank_1(engine, after_root: bool = False) -> None:
     """Rank 1 issues its gathers (`after_root`: those after the root's and the persistent ones)
     0.3 s late, so rank 0's are still in flight when it reads."""
-    schedule = engine.optimizer.param_gathers
+    schedule = engine.units
     if comm.get_rank() == 1:
         def late_start():
-            first = schedule.by_unit[0] if after_root else []
+            first = schedule.gathers_by_unit[0] if after_root else []
             for group in first:
-                group.start_gather_params()
+                group.start_unshard()
             time.sleep(0.3)
-            for group in schedule.groups:
+            for group in schedule.gather_groups:
                 if group not in first:
-                    group.start_gather_params()
+                    group.start_unshard()
             if not schedule.overlap:
-                schedule.finish()
-        schedule.start = late_start  # our own object, not the user's
+                schedule.wait_updated()
+        schedule.after_step = late_start  # our own object, not the user's
 
 
 def direct_access_body(overlap: bool) -> tuple[float, dict[str, torch.Tensor]]:
     """Right after step(), before any forward: the user reads a parameter and saves the state dict."""
     engine = gpt_engine(1, overlap)
-    schedule = engine.optimizer.param_gathers
+    schedule = engine.units
     start_late_on_rank_1(engine)
     engine.backward(engine(*batch(0)))
     engine.step()
     weight = engine.module.blocks[2].mlp.fc_out.weight
     total = weight.sum().item()  # what print(model...weight.sum()) shows
-    group = next(g for g in schedule.groups if any(p is weight for p in g.params))
+    group = next(g for g in schedule.gather_groups if any(p is weight for p in g.params))
     assert not group.is_gathering_params  # the read waited for it
     saved = io.BytesIO()
     torch.save(engine.module.state_dict(), saved)
@@ -214,9 +214,9 @@ def checkpoint_body(folder: str, overlap: bool) -> dict[str, torch.Tensor]:
         engine.backward(engine(*batch(step)))
         engine.step()
     if overlap:
-        assert engine.optimizer.param_gathers.pending
+        assert engine.units.pending
     path = engine.save_checkpoint(folder, tag="right-after-step")
-    assert not engine.optimizer.param_gathers.pending
+    assert not engine.units.pending
     engine.destroy()
     comm.barrier()
     return ckpt.consolidate_checkpoint(path)
@@ -253,10 +253,10 @@ def step_again_body(overlap: bool) -> dict[str, torch.Tensor]:
     loss = engine(*batch(0))
     engine.backward(loss, retain_graph=True)
     engine.step()
-    pending = len(engine.optimizer.param_gathers.pending)
+    pending = len(engine.units.pending)
     engine.backward(loss)
     engine.step()
-    assert pending == (len(engine.optimizer.param_gathers.groups) if overlap else 0)
+    assert pending == (len(engine.units.gather_groups) if overlap else 0)
     state = engine.module_state_dict()
     engine.destroy()
     return state
@@ -272,8 +272,8 @@ def stage3_persistent_body() -> None:
     """Stage 3's persistent groups (LayerNorms, biases) are gathered like stage 2's: waited for at
     the root; the access check still refuses sharded parameters after that forward."""
     engine = gpt_engine(3, True)
-    schedule = engine.optimizer.param_gathers
-    assert schedule.groups and all(not g.policy.shard_parameters for g in schedule.groups)
+    schedule = engine.units
+    assert schedule.gather_groups and all(not g.policy.shard_parameters for g in schedule.gather_groups)
     engine.backward(engine(*batch(0)))
     engine.step()
     assert schedule.pending and sharded_access.is_installed()
@@ -293,7 +293,7 @@ def dropped_body() -> None:
     engine = gpt_engine(2, True)
     engine.backward(engine(*batch(0)))
     engine.step()  # also finishes the done gathers of engines earlier tests left in this worker
-    assert sharded_access.num_pending() == len(engine.optimizer.param_gathers.groups)
+    assert sharded_access.num_pending() == len(engine.units.gather_groups)
     del engine  # no destroy(), no forward: the gathers are still in flight
     gc.collect()
     assert sharded_access.num_pending() == 0  # its groups waited for them when collected

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import zerodist
 import zerodist.comm as comm
 from zerodist.models import GPT, gpt_config, make_mlp
-from zerodist.zero import (GatheredParameters, Init, ShardedParameterError, Stage3ControlFlowError, full_shape,
+from zerodist.zero import (GatheredParameters, Init, ShardedParameterError, UnitControlFlowError, full_shape,
                            is_sharded, sharded_access)
 from tests.engine_helpers import (assert_close_relative, base_config, global_batch, train_distributed,
                                   train_reference)
@@ -332,7 +332,7 @@ def test_divergent_control_flow_is_an_error_on_every_rank(reuse):
     with pytest.raises(DistributedTestFailure) as info:
         run_distributed(_run_divergent, 2, reuse, timeout=60)
     message = str(info.value)
-    assert "failed on 2 of 2" in message and "Stage3ControlFlowError" in message
+    assert "failed on 2 of 2" in message and "UnitControlFlowError" in message
     if reuse == 0:
         # the second run of blocks.1 on rank 1 needs a gather that rank 0 never makes
         assert "rank 1 would gather for forward unit 'blocks.1' (time 2)" in message
@@ -461,6 +461,6 @@ def test_a_rank_skipping_a_backward_is_named():
     with pytest.raises(DistributedTestFailure) as info:
         run_distributed(_run_skipping_a_backward, 2, timeout=60)
     message = str(info.value)
-    assert "failed on 2 of 2" in message and "Stage3ControlFlowError" in message
+    assert "failed on 2 of 2" in message and "UnitControlFlowError" in message
     assert "rank 1 ran '<root>' x2, '0' x2, '2' x2, '4' x2" in message
     assert time.monotonic() - start < 30

@@ -1,5 +1,5 @@
 """Stage 3 with overlap_comm: step() issues the next forward's first unit gathers, which the
-root's pre-hook only waits for ([Note: early gather] in zerodist/zero/stage3.py). Bitwise the same
+root's pre-hook only waits for ([Note: early gather] in zerodist/zero/runtime.py). Bitwise the same
 training as overlap off, the same collectives, and every other reader or writer finishes or
 frees them first."""
 
@@ -13,7 +13,7 @@ import zerodist.checkpoint as ckpt
 import zerodist.comm as comm
 from tests.harness import run_distributed
 from tests.test_param_gather_overlap import assert_states_equal, batch, gpt_engine, train_three_steps
-from zerodist.zero.stage3 import UnitState
+from zerodist.zero.units import UnitState
 
 
 def train_body(overlap: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -29,20 +29,20 @@ def test_overlap_on_and_off_train_bitwise_alike():
 
 
 def issue_order_body(overlap: bool) -> tuple[list[tuple[str, list[int]]], int, list[str]]:
-    """Which `_issue` calls happen in step() and in the next forward, and how many all-gathers."""
+    """Which `unshard` calls happen in step() and in the next forward, and how many all-gathers."""
     engine = gpt_engine(3, overlap)
     runtime = engine.stage3
     engine.backward(engine(*batch(0)))
     calls: list[tuple[str, list[int]]] = []
     phase = ["step"]
-    original = runtime._issue
-    runtime._issue = lambda units, kind: (calls.append((phase[0], [u.index for u in units])), original(units, kind))
+    original = runtime.unshard
+    runtime.unshard = lambda units, kind: (calls.append((phase[0], [u.index for u in units])), original(units, kind=kind))
     with comm.trace() as trace:
         engine.step()
         states = [u.state.value for u in runtime.units]
         phase[0] = "forward"
         loss = engine(*batch(1))
-    del runtime._issue  # our own object's method again
+    del runtime.unshard  # our own object's method again
     engine.backward(loss)
     engine.step()
     engine.destroy()

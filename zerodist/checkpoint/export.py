@@ -41,7 +41,7 @@ from zerodist.tensor_parallel.layers import unslice_tensor
 from zerodist.tensor_parallel.plan import sliced_parameters
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero.state import ZeroState
-from zerodist.zero.stage3 import GatheredParameters
+from zerodist.zero.registry import GatheredParameters
 
 logger = get_logger(__name__)
 

@@ -227,5 +227,6 @@ def load_groups(groups: list[Any], manifest: Manifest, reader: RangeReader, with
             if kind != PARAM:
                 states.setdefault(id(tensor), {})[kind[len(OPTIMIZER_PREFIX):]] = full
         group.copy_master_to_params()
-        group.gather_params()
+        if group.gathers_params:  # full parameters: every rank's loaded shards into the full buffer
+            group.unshard()
     return states

@@ -374,7 +374,7 @@ def check_weight_sync(model_or_engine: Any, *, raise_on_mismatch: bool = False, 
     module = model_or_engine
     if _is_engine(model_or_engine):
         zero = zero_state_of(model_or_engine)
-        zero.optimizer.finish_param_gathers()  # the last step's, still in flight (overlap_comm)
+        zero.runtime.finish_gathers()  # the last step's, still in flight (overlap_comm)
         if zero.sharding.shard_parameters:
             raise ValueError("check_weight_sync: at ZeRO stage 3 each rank holds a shard of the parameters; "
                              "nothing is replicated to compare")

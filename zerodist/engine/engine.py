@@ -34,10 +34,7 @@ from zerodist.moe.state import gather_global_state_dict
 from zerodist.precision import PrecisionPolicy
 from zerodist.tensor_parallel.plan import unsliced_state_dict
 from zerodist.utils import get_logger, log_rank0
-from zerodist.zero import FlatParamGroup, GradReducer, StepResult, ZeroOptimizer, sharded_access
-from zerodist.zero.policy import ShardingPolicy
-from zerodist.zero.state import ZeroState
-from zerodist.zero.stage3 import GatheredParameters, Stage3Runtime
+from zerodist.zero import GatheredParameters, StepResult, UnitRuntime, ZeroState, sharded_access
 
 logger = get_logger(__name__)
 
@@ -49,18 +46,19 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     # The loader initialize() returned, if any: checkpoints record and restore its position.
     training_dataloader: Any = None
 
-    def __init__(self, module: torch.nn.Module, *, config: Config, batch: BatchSizes, policy: PrecisionPolicy,
-                 groups: list[FlatParamGroup], reducer: GradReducer, optimizer: ZeroOptimizer, lr_scheduler: Any,
-                 topology: comm.Topology, sharding: ShardingPolicy, stage3: Stage3Runtime | None = None,
-                 training_dataloader: Any = None):
+    def __init__(self, module: torch.nn.Module, *, config: Config, batch: BatchSizes, zero: ZeroState,
+                 lr_scheduler: Any, training_dataloader: Any = None):
         super().__init__()  # nn.Module's bookkeeping first; `self.module = module` then registers the submodule
-        self.module, self.config, self.batch, self.policy = module, config, batch, policy
-        self.groups, self.reducer, self.optimizer, self.lr_scheduler = groups, reducer, optimizer, lr_scheduler
-        self.topology = topology
+        self.module, self.config, self.batch, self.lr_scheduler = module, config, batch, lr_scheduler
+        # One part today ([Note: parts] in zerodist/comm/parts.py): its ZeRO state, and the names the
+        # rest of the engine reads it by.
+        self.zero_state = zero
+        self.policy, self.topology, self.sharding = zero.precision, zero.topology, zero.sharding
+        self.groups, self.reducer, self.optimizer = zero.groups, zero.reducer, zero.optimizer
+        assert zero.runtime is not None, "apply_zero() makes a runtime"
+        self.units: UnitRuntime = zero.runtime  # the verbs a schedule calls: unshard, wait_unshard, reshard, ...
         self._record_world()
-        self.stage3 = stage3  # the ZeRO-3 hooks and units, None at stages 0-2
-        self.sharding = sharding  # what ZeRO shards; decisions read it, never the stage number
-        self.stage = sharding.stage  # DeepSpeed's number, for reports
+        self.stage = zero.sharding.stage  # DeepSpeed's number, for reports
         self.training_dataloader = training_dataloader
         self.global_steps = 0
         self.micro_steps = 0
@@ -134,8 +132,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         seen = self.reducer.grads_seen
         scaled.backward(retain_graph=retain_graph)
         self.reducer.end_backward()
-        if self.stage3 is not None:
-            self.stage3.end_backward()
+        if self.sharding.shard_parameters:
+            self.units.end_backward()
         if self.reducer.grads_seen == seen:
             raise RuntimeError("engine.backward(): the loss produced no gradient for any trained parameter; "
                                "is it computed from engine(...)'s output?")
@@ -209,8 +207,13 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         next forward's first units, which stay placeholders until it: [Note: early gather]):
         the next forward waits for each unit's where it first uses them, and every other engine call
         that reads or writes parameters calls this first ([Note: overlapped parameter gather] in
-        zerodist/zero/param_gather.py)."""
-        self.optimizer.finish_param_gathers()
+        zerodist/zero/runtime.py)."""
+        self.units.finish_gathers()
+
+    @property
+    def stage3(self) -> UnitRuntime | None:
+        """The unit runtime when parameters are sharded (ZeRO stage 3), None otherwise."""
+        return self.units if self.sharding.shard_parameters else None
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Any = None, save_latest: bool = True,
@@ -235,7 +238,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             raise ValueError("load_checkpoint(load_module_strict=False / custom_load_fn=...): zerodist loads every "
                              "parameter by name, strictly; for a partial load, call model.load_state_dict(state, "
                              "strict=False) on the model before initialize()")
-        self.optimizer.finish_param_gathers(release=True)  # before loading overwrites the buffers they write
+        self.units.finish_gathers(release=True)  # before loading overwrites the buffers they write
         return checkpoint.load_checkpoint(self.zero_state, self, load_dir, tag=tag,
                                           load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
@@ -256,12 +259,6 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def load_training_state_dict(self, state: dict[str, Any]) -> None:
         self.finish_param_gathers()
         training_state.load_training_state_dict(self, state)
-
-    @property
-    def zero_state(self) -> ZeroState:
-        """The typed ZeRO state that checkpoint/ and debug/ take."""
-        return ZeroState(self.module, self.groups, self.reducer, self.optimizer, self.sharding, self.topology,
-                         self.policy, tuple(self.stage3.units) if self.stage3 is not None else ())
 
     def _save_at_interval(self) -> None:
         settings = self.config.checkpoint
@@ -286,7 +283,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         expert groups under global ids, so the result loads into the same model built with
         `ep_size=1` (all ranks must call it together)."""
         self.finish_param_gathers()
-        with GatheredParameters(list(self.module.parameters()), enabled=self.stage3 is not None):
+        with GatheredParameters(list(self.module.parameters()), enabled=self.sharding.shard_parameters):
             # Tensor-parallel slices are gathered too: the keys and shapes of the unparallelized model.
             state = unsliced_state_dict(self.module)
         state = gather_global_state_dict(self.module, state)  # experts under global ids (zerodist/moe/state.py)
@@ -301,14 +298,11 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def destroy(self) -> None:
         """Finish the last step's parameter gathers, remove hooks and stop the comms trace; the module
         keeps working as a plain module."""
-        self.optimizer.finish_param_gathers(release=True)
-        self.optimizer.param_gathers.remove_hooks()
-        self.reducer.remove_hooks()
+        self.units.finish_gathers(release=True)
+        self.zero_state.remove_hooks()
         if self.nan_hunter is not None:
             self.nan_hunter.close()
         self.monitors.close()
-        if self.stage3 is not None:
-            self.stage3.remove_hooks()
         for group in self.groups:
             group.release_pooled_buffers()  # stage 3's idle gathered/staging buffers ([Note: buffer pool])
         if self._trace is not None:

@@ -2,9 +2,11 @@
 
 One short ordered recipe, each step a function with a typed input and output:
 
-    validate -> topology -> apply tensor parallel -> apply expert parallel (none yet)
-             -> apply ZeRO (batch sizes, precision, flat groups per domain, reducer, sharded
-                optimizer, scheduler) -> engine (+ data loader)
+    validate -> topology -> split into parts (one without a pipeline: zerodist/comm/parts.py)
+             -> per part: apply tensor parallel -> apply expert parallel
+                          -> apply ZeRO (`zerodist.zero.apply_zero`: flat groups per domain,
+                             reducer, unit runtime, sharded optimizer, default schedule)
+             -> scheduler -> engine (+ data loader)
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
-from zerodist.comm.domains import buffer_placements, expert_parallel_degree, logical_names, parameter_placements
+from zerodist.comm.domains import expert_parallel_degree
+from zerodist.comm.parts import Part, split_parts
 from zerodist.config import BatchSizes, Config
 from zerodist.engine.dataloader import EngineDataLoader
 from zerodist.engine.deepspeed_args import DEFAULT_PORT, resolve_initialize_arguments, update_args_local_rank
@@ -28,17 +31,14 @@ from zerodist.engine.engine import Engine
 from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
 from zerodist.engine.schedulers import build_scheduler
 from zerodist.moe.parallel import RoutingClock, apply_expert_parallel
-from zerodist.precision import LossScaler, PrecisionPolicy
 from zerodist.tensor_parallel.apply import TENSOR_PARALLEL_LAYERS, TensorParallelSettings, apply_tensor_parallel
 from zerodist.tensor_parallel.plan import PlanError
 from zerodist.tensor_parallel.domino import DominoConfig
 from zerodist.utils import get_logger, log_rank0
-from zerodist.zero import FlatParamGroup, GradReducer, ZeroOptimizer, sharded_access
-from zerodist.zero.param_gather import ParamGatherSchedule
-from zerodist.zero.partition import FlattenSettings, build_groups, build_stage3, continue_recording, is_recorded
-from zerodist.zero.plan import bucket_capacity, plan_groups
-from zerodist.zero.policy import DomainGroup, ShardingPolicy
-from zerodist.zero.stage3 import Stage3Runtime, register_replicated
+from zerodist.zero import OptimizerRecipe, ZeroOptimizer, ZeroSettings, ZeroState, apply_zero, sharded_access
+from zerodist.zero.partition import continue_recording, is_recorded
+from zerodist.zero.plan import bucket_capacity
+from zerodist.zero.policy import ShardingPolicy
 
 logger = get_logger(__name__)
 
@@ -52,20 +52,6 @@ class Validated:
 
     config: Config
     world: comm.WorldInfo
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeroParts:
-    """The output of `_apply_zero`: everything the engine composes."""
-
-    sharding: ShardingPolicy
-    batch: BatchSizes
-    precision: PrecisionPolicy
-    groups: list[FlatParamGroup]
-    reducer: GradReducer
-    optimizer: ZeroOptimizer
-    scheduler: Any
-    stage3: Stage3Runtime | None
 
 
 def initialize(
@@ -104,11 +90,16 @@ def _initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None, 
     """The ordered steps; each takes what the previous ones made."""
     validated = _validate(model, config)
     topology = _build_topology(validated, model)
-    model = _apply_tensor_parallel(model, topology, validated.config)
-    model = _apply_expert_parallel(model, topology, validated.config)
-    zero = _apply_zero(model, model_parameters, optimizer, lr_scheduler, topology, validated)
-    engine, loader = _build_engine(model, zero, topology, validated, training_data, collate_fn)
-    return engine, zero.optimizer, loader, zero.scheduler
+    (part,) = split_parts(model)  # one part until pipeline parallelism splits the model
+    part = _apply_tensor_parallel(part, topology, validated.config)
+    part = _apply_expert_parallel(part, topology, validated.config)
+    world = validated.world
+    batch = validated.config.batch_sizes(topology.num_batch_shards,
+                                         world_size_source=f"{world.source}, WORLD_SIZE={world.world_size}")
+    zero = _apply_zero(part, model_parameters, optimizer, topology, validated.config)
+    scheduler = build_scheduler(validated.config, zero.optimizer.inner, lr_scheduler)
+    engine, loader = _build_engine(part.module, zero, batch, scheduler, validated, training_data, collate_fn)
+    return engine, zero.optimizer, loader, scheduler
 
 
 def _validate(model: torch.nn.Module, config: Config | dict[str, Any] | str | None) -> Validated:
@@ -140,7 +131,7 @@ def _build_topology(validated: Validated, model: torch.nn.Module) -> comm.Topolo
                          gradient_groups=sharding.shard_parameters)
 
 
-def _apply_tensor_parallel(model: torch.nn.Module, topology: comm.Topology, config: Config) -> torch.nn.Module:
+def _apply_tensor_parallel(part: Part, topology: comm.Topology, config: Config) -> Part:
     """Converts the model's layers to tensor-parallel ones by its plan and declares their slices'
     placements (zerodist.comm.domains); Domino when configured."""
     section = config.zerodist.tensor_parallel
@@ -153,9 +144,9 @@ def _apply_tensor_parallel(model: torch.nn.Module, topology: comm.Topology, conf
     # A model built under zerodist.zero.Init() is still on the meta device: its layers are sliced
     # there, in its record, and ZeRO materialises each slice from its own replayed full weight
     # ([Note: recording continued] in zerodist/zero/partition.py).
-    model = apply_tensor_parallel(model, topology, settings, conversion=continue_recording(model))
+    model = apply_tensor_parallel(part.module, topology, settings, conversion=continue_recording(part.module))
     _check_sliced_layers_materialisable(model)
-    return model
+    return dataclasses.replace(part, module=model)
 
 
 def _check_sliced_layers_materialisable(model: torch.nn.Module) -> None:
@@ -172,98 +163,41 @@ def _check_sliced_layers_materialisable(model: torch.nn.Module) -> None:
             "initialize() apply the plan, or call parallelize() inside the same Init() block that built the model")
 
 
-def _apply_expert_parallel(model: torch.nn.Module, topology: comm.Topology, config: Config) -> torch.nn.Module:
+def _apply_expert_parallel(part: Part, topology: comm.Topology, config: Config) -> Part:
     """Gives the model's MoE layers their expert group and routing keys (their `Experts` containers
     declared the `EXPERT` placement when built), and counts training forwards to key random
     routing by step (zerodist/moe/parallel.py)."""
-    if apply_expert_parallel(model, topology):
+    if apply_expert_parallel(part.module, topology):
         batch = config.batch_sizes(topology.num_batch_shards, world_size_source="the topology's batch shards")
-        RoutingClock(model, batch.gradient_accumulation_steps, topology)
-    return model
+        RoutingClock(part.module, batch.gradient_accumulation_steps, topology)
+    return part
 
 
-def _apply_zero(model: torch.nn.Module, model_parameters: Iterable[Any] | None, optimizer: Any, lr_scheduler: Any,
-                topology: comm.Topology, validated: Validated) -> ZeroParts:
-    """Flatten the trained parameters into one group per (unit, param group, domain), each
-    reducing over its domain's group, and build the reducer, sharded optimizer and scheduler."""
-    config, world = validated.config, validated.world
-    batch = config.batch_sizes(topology.num_batch_shards, world_size_source=f"{world.source}, WORLD_SIZE={world.world_size}")
-    if world.backend == "nccl" and not any(p.is_meta for p in model.parameters()):
-        model.to(comm.device_for_rank())
-    precision = PrecisionPolicy.from_config(config)
-    if (recast := precision.describe_recast(model)) is not None:  # before _flatten and model.to() cast it
-        log_rank0(logger, recast, level=logging.WARNING)
-    sharding = ShardingPolicy.from_stage(config.zero_optimization.stage)
-    specs, build_optimizer = resolve_optimizer(model, model_parameters, optimizer, config)
-    check_groups_cover_model(model, specs)
-    names = logical_names(model)  # checkpoints key by them ([Note: logical names] in comm/domains.py)
-    specs = [s for s in specs if s.params]
-    positions = {id(p): i for i, p in enumerate(model.parameters())}
-    groups_by_spec, runtime, gathers = _flatten(model, specs, names, config, topology, precision, sharding)
-    groups = [g for spec_groups in groups_by_spec for g in spec_groups]
-    _sync_untrained_state(model, {id(p) for s in specs for p in s.params}, topology)
-    model.to(precision.param_dtype)  # the rest of the floating state; flattened parameters already are
-    reducer = GradReducer(groups, [[positions[id(p)] for p in g.params] for g in groups],
-                          max_in_flight=2 if sharding.shard_gradients else None,
-                          overlap=config.zero_optimization.overlap_comm,
-                          on_complete=runtime.on_bucket_complete if runtime is not None else None)
-    inner = build_optimizer([{"params": [t for g in spec_groups for t in g.optimizer_tensors], **s.options}
-                             for spec_groups, s in zip(groups_by_spec, specs)])
-    scaler = LossScaler.from_fp16_config(config.fp16) if precision.loss_scaling else LossScaler.disabled()
-    checks = [runtime.runs] if runtime is not None and config.zerodist.debug.unit_order_check else []
-    sharded = ZeroOptimizer(groups, reducer, inner, scaler=scaler, gradient_clipping=config.gradient_clipping,
-                            check_overflow=precision.loss_scaling, world_group=topology.world_group, step_checks=checks,
-                            param_gathers=gathers, stage3=runtime)
-    scheduler = build_scheduler(config, inner, lr_scheduler)
-    return ZeroParts(sharding, batch, precision, groups, reducer, sharded, scheduler, runtime)
+def _apply_zero(part: Part, model_parameters: Iterable[Any] | None, optimizer: Any, topology: comm.Topology,
+                config: Config) -> ZeroState:
+    """The optimizer's param groups (DeepSpeed's config, a torch optimizer or a factory), checked to
+    cover the part; then ZeRO's front door."""
+    specs, build_optimizer = resolve_optimizer(part.module, model_parameters, optimizer, config)
+    check_groups_cover_model(part.module, specs)
+    return apply_zero(part, topology, ZeroSettings.from_config(config), OptimizerRecipe(specs, build_optimizer))
 
 
-def _build_engine(model: torch.nn.Module, zero: ZeroParts, topology: comm.Topology, validated: Validated,
+def _build_engine(model: torch.nn.Module, zero: ZeroState, batch: BatchSizes, scheduler: Any, validated: Validated,
                   training_data: torch.utils.data.Dataset | None,
                   collate_fn: Callable[..., Any] | None) -> tuple[Engine, EngineDataLoader | None]:
+    config, world, topology = validated.config, validated.world, zero.topology
     loader = None
     if training_data is not None:  # dealt by batch shard: tensor-parallel peers read the same samples
-        loader = EngineDataLoader(training_data, batch_size=zero.batch.micro_batch_size,
+        loader = EngineDataLoader(training_data, batch_size=batch.micro_batch_size,
                                   num_replicas=topology.num_batch_shards, rank=topology.batch_rank,
                                   collate_fn=collate_fn)
-    engine = Engine(model, config=validated.config, batch=zero.batch, policy=zero.precision, groups=zero.groups,
-                    reducer=zero.reducer, optimizer=zero.optimizer, lr_scheduler=zero.scheduler, topology=topology,
-                    stage3=zero.stage3, sharding=zero.sharding, training_dataloader=loader)
+    engine = Engine(model, config=config, batch=batch, zero=zero, lr_scheduler=scheduler,
+                    training_dataloader=loader)
     _INITIALIZED.add(model)
-    _log_summary(engine, validated.world)
-    if validated.config.checkpoint.auto_resume:  # e.g. after the elastic agent restarted the job
-        engine.load_checkpoint(validated.config.checkpoint.save_dir)
+    _log_summary(engine, world)
+    if config.checkpoint.auto_resume:  # e.g. after the elastic agent restarted the job
+        engine.load_checkpoint(config.checkpoint.save_dir)
     return engine, loader
-
-
-def _flatten(model: torch.nn.Module, specs: list[Any], names: dict[int, str], config: Config, topology: comm.Topology,
-             precision: PrecisionPolicy, sharding: ShardingPolicy,
-             ) -> tuple[list[list[FlatParamGroup]], Stage3Runtime | None, ParamGatherSchedule]:
-    """The flat groups of each optimizer param group, by one plan at every stage ([Note: one
-    plan for every stage]), each over its domain's group (declared placements, zerodist.comm.
-    domains); with sharded parameters also the runtime that gathers the units; and the schedule
-    of the post-step parameter all-gathers, waited for per unit (overlap_comm)."""
-    zero = config.zero_optimization
-    placements = parameter_placements(model)
-    domains = {key: placement.domain for key, placement in placements.items()}
-    plan = plan_groups(model, [s.params for s in specs], unit_classes=config.zerodist.stage3_unit_classes,
-                       persistence_threshold=zero.stage3_param_persistence_threshold,
-                       bucket_numel=bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
-                       domains=domains)
-    domain_groups = {g.domain: DomainGroup.of(topology, g.domain) for g in plan.groups}
-    settings = FlattenSettings(policy=sharding, domain_groups=domain_groups, placements=placements,
-                               use_reduce_scatter=zero.reduce_scatter, param_dtype=precision.param_dtype,
-                               device=comm.device_for_rank())
-    groups = build_groups(model, plan, names, settings)
-    runtime = None
-    if sharding.shard_parameters:
-        runtime = build_stage3(model, plan, groups, config=config, group=topology.world_group, device=settings.device)
-    else:
-        register_replicated(groups)
-    gathers = ParamGatherSchedule(model, [module for _, module in plan.unit_modules],
-                                  [(planned.unit, group) for planned, group in zip(plan.groups, groups)],
-                                  overlap=zero.overlap_comm)
-    return plan.by_spec(len(specs), groups), runtime, gathers
 
 
 def _fingerprint(model: torch.nn.Module, config: Config) -> tuple[str, str]:
@@ -289,17 +223,6 @@ def _check_ranks_agree(model: torch.nn.Module, config: Config) -> None:
                                "the same script with the same config.")
 
 
-def _sync_untrained_state(model: torch.nn.Module, trained: set[int], topology: comm.Topology) -> None:
-    """Frozen parameters and buffers start as the first rank's of their domain group, like the
-    trained ones (an expert's buffers are its own: they agree within its expert-data group only)."""
-    placements = {**parameter_placements(model), **buffer_placements(model)}
-    tensors = list(model.buffers()) + [p for p in model.parameters() if id(p) not in trained]
-    for tensor in tensors:
-        axes = placements[id(tensor)].domain.replicated_axes
-        group = topology.group(*axes)
-        comm.broadcast(tensor.data, src=topology.ranks(*axes)[0], group=group)
-
-
 def reduce_collective(sharding: ShardingPolicy, reduce_scatter: bool) -> str:
     """The collective that really reduces gradient buckets: with full optimizer state (stage 0)
     always all-reduce, as DDP; otherwise the configured one."""
@@ -322,7 +245,7 @@ def _log_summary(engine: Engine, info: comm.WorldInfo) -> None:
         len(engine.groups), len(engine.reducer.order),
         bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
         ", ".join(f"{'x'.join(axes)} ({size} ranks)" for axes, size in domains.items()),
-        "" if not engine.optimizer.param_gathers.groups else (
+        "" if not engine.units.gather_groups else (
             ", updated parameters all-gathered " + ("during the next forward" if zero.overlap_comm
                                                     else "at the end of step() (overlap_comm false)")),
     )

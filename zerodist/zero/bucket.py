@@ -198,12 +198,14 @@ class Bucket:
             self._drop_staging()
         self.state = BucketState.SYNCED
 
-    def reset(self) -> None:
-        """Ready for the next backward (gradients already reduced stay where they are)."""
+    def reset(self, keep_gradient: bool = False) -> None:
+        """Ready for the next backward (gradients already reduced stay where they are; with
+        `keep_gradient`, so does the staging buffer's unreduced sum, which the next backward adds to)."""
         assert self._pending is None, f"{self.label}: reset with a collective still in flight"
         self.num_ready = 0
         self.state = BucketState.FILLING
-        self._drop_staging()
+        if not keep_gradient:
+            self._drop_staging()
 
     def clear_gradients(self) -> None:
         """After the optimizer step: the next accumulation starts from zero, without a memset

@@ -86,6 +86,8 @@ class FlatParamGroup:
     # The post-step all-gather of updated parameters while it is in flight (stages 1/2); see gather_slot.
     gather_slot: GatherSlot | None = None
     gather_blocked_s = 0.0  # time this rank spent blocked waiting for those gathers, all steps
+    # Sharded parameters: the all-gathers `start_unshard()` issued, until waited for.
+    _unshard_handles: list[comm.CommHandle] = []
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, policy: ShardingPolicy,
                  domain_group: DomainGroup, bucket_numel: int, use_reduce_scatter: bool, param_dtype: torch.dtype,
@@ -175,31 +177,54 @@ class FlatParamGroup:
             slot = record.slot
             record.param.data = buffer[slot.offset: slot.offset + slot.numel].view_as(record.param)
 
-    # ------------------------------------------------------------------ stage 3: SHARDED <-> UNSHARDED
+    # ------------------------------------------------------------------ unshard / reshard
+    # One verb for every all-gather of parameters ([Note: one gather verb]):
+    #   sharded parameters (stage 3's units): the shards into a transient full buffer, then the
+    #   parameters point into it; `reshard()` frees it again.
+    #   full parameters, sharded optimizer state (stages 1/2, stage 3's persistent groups): the
+    #   updated shards into the persistent full buffer, in place, after each optimizer step;
+    #   `reshard()` has nothing to free.
+    #   full optimizer state (stage 0): every rank steps the whole buffer; nothing to gather.
     @property
     def is_unsharded(self) -> bool:
-        return self.param_buffer is not None
+        """Whether the parameters point into a full buffer with no gather left to wait for."""
+        return self.param_buffer is not None and not self.is_gathering_params and not self._unshard_handles
 
-    def start_unshard(self) -> list[comm.CommHandle]:
-        """Allocate the full buffer and all-gather every rank's shard into it (async)."""
-        assert self.param_buffer is None and self.param_shard is not None, (
-            f"start_unshard on {self.records[0].name}...: parameters sharded: {self.policy.shard_parameters}, "
-            f"already unsharded: {self.param_buffer is not None}"
-        )
-        self.param_buffer = self._transient_buffer(self.layout.total_numel)
-        return [
-            comm.all_gather(self._bucket_range(i, self.param_buffer, owned=False), self._shard_range(i, self.param_shard),
-                            group=self.group, async_op=True)
-            for i in range(len(self.layout.buckets))
-        ]
+    def start_unshard(self) -> None:
+        """Issue the all-gathers that make the full buffer current (async, one per bucket)."""
+        if self.policy.shard_parameters:
+            assert self.param_buffer is None and self.param_shard is not None, (
+                f"start_unshard on {self.records[0].name}...: already unsharded: {self.param_buffer is not None}")
+            self.param_buffer = self._transient_buffer(self.layout.total_numel)
+            self._unshard_handles = [
+                comm.all_gather(self._bucket_range(i, self.param_buffer, owned=False),
+                                self._shard_range(i, self.param_shard), group=self.group, async_op=True)
+                for i in range(len(self.layout.buckets))
+            ]
+        elif self.gathers_params:
+            self._start_gather_in_place()
 
-    def finish_unshard(self, handles: list[comm.CommHandle]) -> None:
+    def wait_unshard(self) -> None:
+        """Wait for the all-gathers in flight. Sharded parameters stay placeholders until
+        `finish_unshard()` ([Note: early gather] in runtime.py); full ones are current after this."""
+        handles, self._unshard_handles = self._unshard_handles, []
         for handle in handles:
             handle.wait()
-        assert self.param_buffer is not None
-        if self.registration is not None:
-            self.registration.clear()  # first: the access check refuses `param.data = ...` on a registered one
-        self._point_params_at(self.param_buffer)
+        self.finish_gather_params()
+
+    def finish_unshard(self) -> None:
+        """Wait, then point the parameters at the full buffer."""
+        self.wait_unshard()
+        if self.policy.shard_parameters:
+            assert self.param_buffer is not None, f"finish_unshard on {self.records[0].name}... while sharded"
+            if self.registration is not None:
+                self.registration.clear()  # first: the access check refuses `param.data = ...` on a registered one
+            self._point_params_at(self.param_buffer)
+
+    def unshard(self) -> None:
+        """`start_unshard()` and `finish_unshard()`."""
+        self.start_unshard()
+        self.finish_unshard()
 
     def reshard(self) -> None:
         """Free the full buffer; parameters become placeholders of their full shape.
@@ -214,8 +239,11 @@ class FlatParamGroup:
         its address and raises an error naming the parameter ([Note: sharded access check] in
         sharded_access.py). With the check off (`zerodist.debug.sharded_access_check: false`)
         reading gives NaN, never a stale or partial value, and writing in place raises torch's
-        own error when the parameter has more than one element (they share one memory location)."""
-        assert self.policy.shard_parameters and self.nans is not None
+        own error when the parameter has more than one element (they share one memory location).
+        Full parameters (stages 0-2, persistent groups) have nothing to free."""
+        if not self.policy.shard_parameters:
+            return
+        assert self.nans is not None and not self._unshard_handles, "reshard with a gather in flight"
         self.nans.fill_(float("nan"))  # NaN again, should a one-element parameter have been written to
         for record in self.records:
             record.param.data = record.placeholder
@@ -401,15 +429,13 @@ class FlatParamGroup:
         pending = self.pending_gather
         return pending is not None and not pending.done
 
-    def start_gather_params(self) -> None:
+    def _start_gather_in_place(self) -> None:
         """Issue the all-gathers of every rank's updated shards into the full parameter buffer (async,
         one per bucket, in bucket order). Until `finish_gather_params()` the buffer is being written:
         the access check makes any other reader wait ([Note: parameters being gathered] in
         sharded_access.py)."""
-        if not self.gathers_params:
-            return  # full optimizer state steps the full buffer; sharded parameters are gathered per unit
         assert self.param_buffer is not None and self.pending_gather is None, (
-            f"start_gather_params on {self.records[0].name}...: a gather is already pending")
+            f"start_unshard on {self.records[0].name}...: a gather is already pending")
         handles = [
             comm.all_gather(self._bucket_range(i, self.param_buffer, owned=False),
                             self._bucket_range(i, self.param_buffer, owned=True), group=self.group, async_op=True)
@@ -423,17 +449,12 @@ class FlatParamGroup:
         self.gather_slot.pending = PendingGather(handles, self.param_buffer)
 
     def finish_gather_params(self) -> None:
-        """Wait for the gather `start_gather_params()` issued, if any."""
+        """Wait for the in-place gather `start_unshard()` issued (full parameters), if any."""
         pending = self.pending_gather
         if pending is not None:
             pending.wait()
             self.gather_blocked_s += pending.blocked_s
             self.gather_slot.pending = None  # type: ignore[union-attr]
-
-    def gather_params(self) -> None:
-        """`start_gather_params()` and wait for it."""
-        self.start_gather_params()
-        self.finish_gather_params()
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model state held by this group on this rank, by kind."""

@@ -3,8 +3,9 @@
     reduced gradients (per bucket) -> one all-reduce over the world: the global norm (partial
     sums of squares of disjoint shards), overflow (fp16; all ranks agree) and step checks ->
     scale by 1/loss_scale and the clip coefficient -> torch optimizer steps this rank's tensors
-    -> master -> params -> all-gather updated shards (stages 1/2), issued here and waited for
-    where the next forward first uses them ([Note: overlapped parameter gather] in param_gather.py)
+    -> master -> params. What gathers the updated shards is not the optimizer's business: the
+    schedule's step hooks do (`register_step_pre_hook` / `register_step_post_hook`, as torch's
+    optimizers have), [Note: overlapped parameter gather] in runtime.py.
 
 [Note: the global norm over domains] Each parameter's squares must be summed exactly once.
 Within a domain group the owned shards are disjoint, so summing them over the group's ranks
@@ -20,20 +21,19 @@ it must be elementwise (the tensors are flattened shards), which the engine chec
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 import zerodist.comm as comm
 from zerodist.precision import LossScaler
 from zerodist.zero.flat_group import FlatParamGroup
-from zerodist.zero.param_gather import ParamGatherSchedule
 from zerodist.zero.reducer import GradReducer
-
-if TYPE_CHECKING:
-    from zerodist.zero.stage3 import Stage3Runtime
 
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
@@ -51,8 +51,7 @@ class ZeroOptimizer:
 
     def __init__(self, groups: list[FlatParamGroup], reducer: GradReducer, inner: torch.optim.Optimizer, *,
                  scaler: LossScaler, gradient_clipping: float, check_overflow: bool, world_group: Any = None,
-                 step_checks: list[Any] | None = None, param_gathers: ParamGatherSchedule | None = None,
-                 stage3: Stage3Runtime | None = None):
+                 step_checks: list[Any] | None = None):
         self.groups, self.reducer, self.inner, self.scaler = groups, reducer, inner, scaler
         self.gradient_clipping = gradient_clipping
         self.check_overflow = check_overflow
@@ -61,22 +60,22 @@ class ZeroOptimizer:
         # objects with digests() -> list[int] (each < 2**20), explain() (raises) and reset().
         # Stage 3's run-order check is one ([Note: unit order check]).
         self.step_checks: list[Any] = list(step_checks or [])
-        # The post-step parameter all-gathers; without a schedule (no hooks) they are waited for in step().
-        self.param_gathers = param_gathers or ParamGatherSchedule(None, (), [(None, g) for g in groups], overlap=False)
-        # Stage 3's runtime: with overlap, step() also issues the next forward's first unit gathers
-        # ([Note: early gather] in stage3.py).
-        self.stage3 = stage3
+        # Called before the shards are stepped and after they were (not on a skipped step).
+        # OrderedDicts, not dicts: RemovableHandle holds them weakly, and a plain dict cannot be.
+        self._step_pre_hooks: collections.OrderedDict[int, Callable[[ZeroOptimizer], None]] = collections.OrderedDict()
+        self._step_post_hooks: collections.OrderedDict[int, Callable[[ZeroOptimizer], None]] = collections.OrderedDict()
 
-    def finish_param_gathers(self, release: bool = False) -> None:
-        """Wait for the last step's parameter all-gathers still in flight: every parameter holds
-        its updated values after this. `release` (every rank together, where the shards may change
-        next) also frees stage 3's units gathered early, so no stale full values survive."""
-        self.param_gathers.finish()
-        if self.stage3 is not None:
-            if release:
-                self.stage3.drop_early_gathers()
-            else:
-                self.stage3.finish_early_gathers()
+    def register_step_pre_hook(self, hook: Callable[[ZeroOptimizer], None]) -> RemovableHandle:
+        """`hook(optimizer)` runs at the start of every `step()`, as torch.optim.Optimizer's."""
+        handle = RemovableHandle(self._step_pre_hooks)
+        self._step_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_step_post_hook(self, hook: Callable[[ZeroOptimizer], None]) -> RemovableHandle:
+        """`hook(optimizer)` runs after every `step()` that changed the shards (not a skipped one)."""
+        handle = RemovableHandle(self._step_post_hooks)
+        self._step_post_hooks[handle.id] = hook
+        return handle
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -119,7 +118,8 @@ class ZeroOptimizer:
         return values[0], values[1] > 0
 
     def step(self) -> StepResult:
-        self.finish_param_gathers(release=True)  # a step without a forward since the last one: it steps those buffers
+        for hook in list(self._step_pre_hooks.values()):
+            hook(self)  # the schedule: finish the last gathers, reduce deferred gradients, free units
         self.reducer.settle_gradients()
         squares, overflow = self._reduce_step_stats()
         if overflow:
@@ -142,11 +142,10 @@ class ZeroOptimizer:
         self.inner.step()
         for group in self.groups:
             group.copy_master_to_params()
-        self.param_gathers.start()
-        if self.stage3 is not None and self.param_gathers.overlap:
-            self.stage3.start_early_gathers()  # after the persistent groups': the order the forward waits
         self.zero_grad()
         self.scaler.update(False)
+        for hook in list(self._step_post_hooks.values()):
+            hook(self)  # the schedule: gather the updated parameters
         return StepResult(norm, False, clip_coef)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -6,7 +6,7 @@ walks the modules in `modules()` order, and gives each module real storage holdi
 an eager build would have had, by replaying its tensors' recorded history (see
 [Note: recorded init] in zerodist/zero/replay_init.py). As soon as a unit's last module is
 materialised the unit is flattened (and at stage 3 sharded), so at stage 3 the peak is the
-shards plus about one unit. `build_stage3()` then makes the units and their runtime.
+shards plus about one unit. `apply_zero()` (apply.py) then makes the units and their runtime.
 
 A model put on the meta device by other means (`torch.device("meta")`) has no record: each of
 its modules with meta tensors is given storage and its own `reset_parameters()` is called, from
@@ -31,7 +31,6 @@ from zerodist.zero.init_keywords import check_init_keywords
 from zerodist.zero.plan import FlatPlan
 from zerodist.zero.policy import DomainGroup, ShardingPolicy
 from zerodist.zero.replay_init import InitLog, Recording, Replayer
-from zerodist.zero.stage3 import Stage3Runtime, Stage3Settings, Unit, register_replicated
 
 
 # Keyed by module, not parameter: swap_tensors (used to materialise) refuses weakly-referenced tensors.
@@ -201,22 +200,6 @@ def build_groups(model: torch.nn.Module, plan: FlatPlan, names: dict[int, str],
     flatten(plan.unit_groups(0))
     flatten([i for i, g in enumerate(plan.groups) if g.persistent])
     return [built[i] for i in range(len(plan.groups))]
-
-
-def build_stage3(model: torch.nn.Module, plan: FlatPlan, groups: list[FlatParamGroup], *, config: Any, group: Any,
-                 device: torch.device) -> Stage3Runtime:
-    """The units and the runtime that gathers them, over groups built by `build_groups` with sharded
-    parameters. `group` is where the ranks compare their run order: every rank that runs the model
-    (the world), whatever the domains of the units' groups."""
-    persistent = [g for g, planned in zip(groups, plan.groups) if planned.persistent]
-    units = [
-        Unit(index, name, module, [groups[i] for i in plan.unit_groups(index)])
-        for index, (name, module) in enumerate((("", model), *plan.unit_modules))
-    ]
-    runtime = Stage3Runtime(model, units, units[0], persistent, settings=Stage3Settings.from_config(config),
-                            group=group, device=device)
-    register_replicated(persistent, runtime)
-    return runtime
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from zerodist.comm.topology import DENSE, Domain
-from zerodist.zero.stage3 import select_unit_modules
+from zerodist.zero.units import select_unit_modules
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,10 @@ latest first, which is about the order backward fills them.
 
 A bucket that is not complete when backward ends (unused parameters) is started then; its
 missing gradients are zeros.
+
+While `deferring` (a caller drives the unit runtime: [Note: driving the runtime] in runtime.py)
+no bucket is reduced in backward: each keeps its full-size gradient across backwards, as stages
+0/1 always do, and `reduce_deferred()` reduces them all once, in the same fixed order.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class GradReducer:
         # Stage 3 listens, to reshard complete units.
         self.on_complete = on_complete
         self.sync_enabled = True
+        self.deferring = False  # a caller reduces, once, with reduce_deferred()
+        self._deferred = False  # a backward ran while deferring and its gradients are not reduced yet
         self.grads_seen = 0
         self._next = 0
         self._in_flight: collections.deque[Bucket] = collections.deque()
@@ -68,7 +74,7 @@ class GradReducer:
         param.grad = None  # the gradient now lives in the bucket; free autograd's copy
         self.grads_seen += 1
         if bucket.register_grad_ready():
-            if self.sync_enabled and self.overlap:
+            if self.sync_enabled and self.overlap and not self.deferring:
                 self._start_complete_buckets()
             if self.on_complete is not None:
                 self.on_complete(bucket)
@@ -84,13 +90,27 @@ class GradReducer:
 
     def end_backward(self) -> None:
         """After autograd returns: sync what is left (if syncing), then ready for the next backward."""
-        if self.sync_enabled:
+        if self.deferring:
+            self._deferred = True
+            for bucket in self.order:
+                bucket.reset(keep_gradient=True)
+            return
+        self._reduce_all(self.sync_enabled)
+
+    def _reduce_all(self, sync: bool) -> None:
+        if sync:
             self._start_complete_buckets(force=True)
             while self._in_flight:
                 self._in_flight.popleft().finish_grad_sync()
         for bucket in self.order:
             bucket.reset()
         self._next = 0
+
+    def reduce_deferred(self) -> None:
+        """Reduce every bucket's gradient accumulated while deferring (collective), once."""
+        if self._deferred:
+            self._deferred = False
+            self._reduce_all(sync=True)
 
     def settle_gradients(self) -> None:
         """Before the optimizer reads the buckets: zero what no gradient was written to (already done

@@ -1,7 +1,7 @@
 """Stage 3: tensors autograd saves that are views of a unit's gathered parameters, saved as descriptors.
 
 [Note: saved parameter views] A unit freed after its forward (not kept for reuse, [Note: reuse
-between forward and backward] in stage3.py) drops its gathered buffer, but autograd may still hold
+between forward and backward] in runtime.py) drops its gathered buffer, but autograd may still hold
 it: `F.linear` saves `weight.t()`, a view of the gathered buffer, not the parameter itself (a
 saved parameter follows its `.data`; a saved view keeps the old storage). Every freed unit's
 buffer would so stay alive until its backward, which gathers the unit again into a new one:
@@ -32,7 +32,7 @@ import torch
 
 if TYPE_CHECKING:
     from zerodist.zero.flat_group import FlatParamGroup
-    from zerodist.zero.stage3 import Stage3Runtime, Unit
+    from zerodist.zero.units import Unit
 
 
 class _SavedView:
@@ -56,8 +56,10 @@ class _Outer:
 class SavedParameterViews:
     """The saved-tensor hooks of one unit's forward (one per unit, entered and left by its hooks)."""
 
-    def __init__(self, runtime: Stage3Runtime, unit: Unit):
-        self._runtime, self._unit = weakref.ref(runtime), weakref.ref(unit)
+    def __init__(self, gather_again: Callable[[], None]):
+        """`gather_again()` gathers the unit again for its backward (the schedule's; it holds the
+        runtime weakly and raises if the engine is gone)."""
+        self._gather_again = gather_again
         # one entry per forward of the unit in progress (None: hooks refused, saved as usual)
         self._active: list[torch.autograd.graph.saved_tensors_hooks | None] = []
 
@@ -105,11 +107,3 @@ class SavedParameterViews:
             self._gather_again()
         assert group.param_buffer is not None, "the unit was gathered"
         return group.param_buffer.as_strided(packed.size, packed.stride, packed.offset)
-
-    def _gather_again(self) -> None:
-        runtime, unit = self._runtime(), self._unit()
-        if runtime is None or unit is None:
-            raise RuntimeError("ZeRO-3: a saved parameter view outlived its engine; run backward before "
-                               "destroying the engine")
-        runtime._require(unit, 1)
-

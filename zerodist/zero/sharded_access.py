@@ -33,7 +33,7 @@ passes every call straight through until the next engine call takes it off the s
 
 [Note: parameters being gathered] Stages 1-2 (and stage 3's persistent groups) all-gather the
 updated parameters at the end of `step()` asynchronously and wait for each group only where the
-next forward first uses it ([Note: overlapped parameter gather] in param_gather.py). Until then
+next forward first uses it ([Note: overlapped parameter gather] in runtime.py). Until then
 the group's flat buffer is being written by the collective, so every other reader must wait
 first. The same mode does it: a group registers its buffer's address range while its gather is
 pending (`PendingWrite`), and a call whose arguments (looked at as for the check above) include a

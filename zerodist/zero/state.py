@@ -20,7 +20,10 @@ from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.optimizer import ZeroOptimizer
 from zerodist.zero.policy import ShardingPolicy
 from zerodist.zero.reducer import GradReducer
-from zerodist.zero.stage3 import Unit
+from zerodist.zero.registry import GatheredParameters
+from zerodist.zero.runtime import UnitRuntime
+from zerodist.zero.schedule import DefaultSchedule
+from zerodist.zero.units import Unit
 
 
 class Resumable(Protocol):
@@ -46,6 +49,9 @@ class ZeroState:
     precision: PrecisionPolicy
     # Stage 3's gathered-together modules, in unit order (empty when no parameter is sharded).
     units: tuple[Unit, ...] = ()
+    # The verbs that gather, free and reduce (runtime.py), and the hooks that call them by default.
+    runtime: UnitRuntime | None = None
+    schedule: DefaultSchedule | None = None
 
     @property
     def inner_optimizer(self) -> torch.optim.Optimizer:
@@ -66,6 +72,36 @@ class ZeroState:
     def padded_num_params(self) -> int:
         """Ψ as laid out: every bucket padded to a multiple of N x 64 elements."""
         return sum(g.layout.total_numel for g in self.groups)
+
+    # ------------------------------------------------------------------ the part state surface (comm/parts.py)
+    def logical_state_dict(self) -> dict[str, torch.Tensor]:
+        """The part's `state_dict()` with every parameter whole (gathered at stage 3), cloned;
+        collective."""
+        if self.runtime is not None:
+            self.runtime.finish_gathers()
+        with GatheredParameters(list(self.module.parameters()), enabled=bool(self.units)):
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def load_logical_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a whole `state_dict()` (every rank the same) into the flat buffers, shards and master
+        weights; collective."""
+        if self.runtime is not None:
+            self.runtime.finish_gathers(release=True)
+        with GatheredParameters(list(self.module.parameters()), modifier_rank=0), torch.no_grad():
+            self.module.load_state_dict(state)
+
+    def report(self) -> list[str]:
+        stage = self.sharding.stage
+        lines = [f"ZeRO stage {stage}: {len(self.groups)} flat group(s), {len(self.reducer.order)} bucket(s)"]
+        if self.units:
+            lines.append(f"{len(self.units)} unit(s) gathered around their use, {len(self.runtime.kept) if self.runtime else 0} "
+                         "kept from forward to backward")
+        return lines
+
+    def remove_hooks(self) -> None:
+        self.reducer.remove_hooks()
+        if self.schedule is not None:
+            self.schedule.remove_hooks()
 
     def param_facts(self) -> dict[str, dict[str, Any]]:
         """Logical name -> {"shape", "placement"} of this rank's trained parameters."""

@@ -1,0 +1,65 @@
+"""Parts: the pieces of the model this rank holds, and the surface every technique's state shares.
+
+`initialize()` splits the model into parts before it applies anything (validate -> topology ->
+split -> per part: tensor parallel -> expert parallel -> ZeRO -> engine), because pipeline
+parallelism gives each rank some layers only, and tensor, expert and ZeRO parallelism then
+apply to those layers, not to the model. Without a pipeline there is one part, the whole model.
+
+A technique's front door (`zerodist.zero.apply_zero`, ...) takes a `Part` and returns a part
+state with one small surface (`PartState`), so the engine loops over parts without knowing how
+each technique keeps its state. Parts live here, beside the topology whose `pipe` axis decides
+them, so that every layer-5 package can take one without importing another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+
+from zerodist.comm.domains import logical_names
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One piece of the model held by this rank: `module`, the `index`-th of `num_parts`."""
+
+    index: int
+    module: torch.nn.Module
+    num_parts: int = 1
+
+    @property
+    def names(self) -> dict[int, str]:
+        """Parameter id -> its logical name (the model's without parallelism), which checkpoints key
+        by ([Note: logical names] in domains.py)."""
+        return logical_names(self.module)
+
+
+class PartState(Protocol):
+    """What every technique's state of one part offers the engine."""
+
+    def logical_state_dict(self) -> dict[str, torch.Tensor]:
+        """The part's parameters and buffers under the names and shapes of the model without
+        parallelism (collective)."""
+        ...
+
+    def load_logical_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load what `logical_state_dict()` gave (collective; every rank passes the same)."""
+        ...
+
+    def report(self) -> list[str]:
+        """Lines that describe what the technique did to the part, for the start-up summary."""
+        ...
+
+    def remove_hooks(self) -> None:
+        """Take every hook the technique registered off the part's modules and tensors."""
+        ...
+
+
+def split_parts(model: torch.nn.Module, pipe_degree: int = 1) -> list[Part]:
+    """The parts this rank holds. One part, the whole model, until pipeline parallelism splits it."""
+    if pipe_degree != 1:
+        raise NotImplementedError(f"pipeline parallelism (pipe degree {pipe_degree}) is not available yet; "
+                                  "leave the pipe degree at 1")
+    return [Part(0, model, 1)]

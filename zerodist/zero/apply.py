@@ -1,0 +1,145 @@
+"""`apply_zero`: ZeRO's front door. One part in, its ZeRO state out.
+
+    part -> plan (units, groups per (unit, param group, domain)) -> flat groups (materialising a
+    meta-built part unit by unit) -> untrained state synced -> gradient reducer -> unit runtime ->
+    sharded optimizer -> default schedule (the hooks that drive the runtime)
+
+The stage is a `ShardingPolicy`, decided once from the config; nothing here branches on its
+number. The engine resolves the optimizer (DeepSpeed's config, a torch optimizer or a factory)
+and hands in an `OptimizerRecipe`; the scheduler and the data loader stay the engine's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+import zerodist.comm as comm
+from zerodist.comm.domains import buffer_placements, parameter_placements
+from zerodist.comm.parts import Part
+from zerodist.config import Config
+from zerodist.precision import LossScaler, PrecisionPolicy
+from zerodist.utils import get_logger, log_rank0
+from zerodist.zero.optimizer import ZeroOptimizer
+from zerodist.zero.partition import FlattenSettings, build_groups
+from zerodist.zero.plan import FlatPlan, bucket_capacity, plan_groups
+from zerodist.zero.policy import DomainGroup, ShardingPolicy
+from zerodist.zero.reducer import GradReducer
+from zerodist.zero.runtime import UnitRuntime, UnitSettings
+from zerodist.zero.schedule import DefaultSchedule
+from zerodist.zero.state import ZeroState
+from zerodist.zero.units import Unit
+
+logger = get_logger(__name__)
+
+
+class ParamGroupLike(Protocol):
+    """One optimizer param group: its parameters (model order) and hyper-parameters."""
+
+    params: list[torch.nn.Parameter]
+    options: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerRecipe:
+    """The optimizer's param groups, and how to build it over the flat shards' tensors."""
+
+    specs: Sequence[ParamGroupLike]
+    build: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroSettings:
+    """What ZeRO takes from the config (`from_config`): the config sliced for this layer."""
+
+    sharding: ShardingPolicy
+    precision: PrecisionPolicy
+    unit_classes: tuple[str, ...]
+    persistence_threshold: int  # zero_optimization.stage3_param_persistence_threshold
+    bucket_numel: int  # reduce_bucket_size / allgather_bucket_size
+    use_reduce_scatter: bool  # zero_optimization.reduce_scatter
+    overlap: bool  # zero_optimization.overlap_comm
+    units: UnitSettings
+    gradient_clipping: float
+    loss_scaler: Callable[[], LossScaler]
+
+    @classmethod
+    def from_config(cls, config: Config) -> ZeroSettings:
+        zero = config.zero_optimization
+        precision = PrecisionPolicy.from_config(config)
+        scaler = ((lambda: LossScaler.from_fp16_config(config.fp16)) if precision.loss_scaling
+                  else LossScaler.disabled)
+        return cls(sharding=ShardingPolicy.from_stage(zero.stage), precision=precision,
+                   unit_classes=tuple(config.zerodist.stage3_unit_classes),
+                   persistence_threshold=zero.stage3_param_persistence_threshold,
+                   bucket_numel=bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
+                   use_reduce_scatter=zero.reduce_scatter, overlap=zero.overlap_comm,
+                   units=UnitSettings.from_config(config), gradient_clipping=config.gradient_clipping,
+                   loss_scaler=scaler)
+
+
+def apply_zero(part: Part, topology: comm.Topology, settings: ZeroSettings, optimizer: OptimizerRecipe) -> ZeroState:
+    """Flatten the part's trained parameters into one group per (unit, param group, domain), each
+    reducing over its domain's group, and build the reducer, the unit runtime, the sharded
+    optimizer and the default schedule that drives them."""
+    model, precision, sharding = part.module, settings.precision, settings.sharding
+    device = comm.device_for_rank()
+    if device.type != "cpu" and not any(p.is_meta for p in model.parameters()):
+        model.to(device)
+    if (recast := precision.describe_recast(model)) is not None:  # before flattening and model.to() cast it
+        log_rank0(logger, recast, level=logging.WARNING)
+    specs = [s for s in optimizer.specs if s.params]
+    positions = {id(p): i for i, p in enumerate(model.parameters())}
+    plan, groups = _flatten(part, specs, topology, settings, device)
+    _sync_untrained_state(model, {id(p) for s in specs for p in s.params}, topology)
+    model.to(precision.param_dtype)  # the rest of the floating state; flattened parameters already are
+    reducer = GradReducer(groups, [[positions[id(p)] for p in g.params] for g in groups],
+                          max_in_flight=2 if sharding.shard_gradients else None, overlap=settings.overlap)
+    units = [Unit(index, name, module, [groups[i] for i in plan.unit_groups(index)])
+             for index, (name, module) in enumerate((("", model), *plan.unit_modules))]
+    persistent = [g for g, planned in zip(groups, plan.groups) if planned.persistent]
+    # The run-order check compares every rank that runs the model (the world), whatever the domains.
+    runtime = UnitRuntime(units, persistent, reducer, settings=settings.units, group=topology.world_group,
+                          device=device)
+    by_spec = plan.by_spec(len(specs), groups)
+    inner = optimizer.build([{"params": [t for g in spec_groups for t in g.optimizer_tensors], **s.options}
+                             for spec_groups, s in zip(by_spec, specs)])
+    checks = [runtime.runs] if runtime.shards_parameters and settings.units.order_check else []
+    sharded = ZeroOptimizer(groups, reducer, inner, scaler=settings.loss_scaler(),
+                            gradient_clipping=settings.gradient_clipping, check_overflow=precision.loss_scaling,
+                            world_group=topology.world_group, step_checks=checks)
+    schedule = DefaultSchedule(runtime, sharded)
+    return ZeroState(model, groups, reducer, sharded, sharding, topology, precision,
+                     tuple(units) if runtime.shards_parameters else (), runtime=runtime, schedule=schedule)
+
+
+def _flatten(part: Part, specs: list[ParamGroupLike], topology: comm.Topology, settings: ZeroSettings,
+             device: torch.device) -> tuple[FlatPlan, list[Any]]:
+    """The plan and its flat groups, by one plan at every stage ([Note: one plan for every stage]),
+    each over its domain's group (declared placements, zerodist.comm.domains)."""
+    model = part.module
+    placements = parameter_placements(model)
+    domains = {key: placement.domain for key, placement in placements.items()}
+    plan = plan_groups(model, [s.params for s in specs], unit_classes=settings.unit_classes,
+                       persistence_threshold=settings.persistence_threshold, bucket_numel=settings.bucket_numel,
+                       domains=domains)
+    domain_groups = {g.domain: DomainGroup.of(topology, g.domain) for g in plan.groups}
+    flatten = FlattenSettings(policy=settings.sharding, domain_groups=domain_groups, placements=placements,
+                              use_reduce_scatter=settings.use_reduce_scatter,
+                              param_dtype=settings.precision.param_dtype, device=device)
+    return plan, build_groups(model, plan, part.names, flatten)
+
+
+def _sync_untrained_state(model: torch.nn.Module, trained: set[int], topology: comm.Topology) -> None:
+    """Frozen parameters and buffers start as the first rank's of their domain group, like the
+    trained ones (an expert's buffers are its own: they agree within its expert-data group only)."""
+    placements = {**parameter_placements(model), **buffer_placements(model)}
+    tensors = list(model.buffers()) + [p for p in model.parameters() if id(p) not in trained]
+    for tensor in tensors:
+        axes = placements[id(tensor)].domain.replicated_axes
+        group = topology.group(*axes)
+        comm.broadcast(tensor.data, src=topology.ranks(*axes)[0], group=group)
