@@ -8,7 +8,6 @@ reference within fp32 rounding; the parameters and optimizer state carried over 
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
@@ -25,8 +24,6 @@ from zerodist.models import make_mlp
 
 GLOBAL_BATCH, SAVE_AT, TOTAL = 12, 3, 6  # 12 rows divide among 1, 2, 3 and 4 ranks
 KINDS = ("param", "optimizer.exp_avg", "optimizer.exp_avg_sq")
-STAGE3 = importlib.util.find_spec("zerodist.zero.stage3") is not None
-needs_stage3 = pytest.mark.skipif(not STAGE3, reason="ZeRO stage 3 has not landed in this tree")
 
 
 def _engine(stage: int, precision: str = "fp32", seed: int = 0):
@@ -84,9 +81,9 @@ def sources(tmp_path_factory):
 RESHARDS = [
     ((2, 2), (1, 0)), ((2, 2), (1, 1)), ((2, 2), (4, 1)), ((2, 2), (3, 2)), ((4, 1), (2, 2)), ((1, 0), (2, 2)),
     ((1, 0), (3, 1)), ((3, 2), (4, 0)),
-    pytest.param((2, 2), (1, 3), marks=needs_stage3), pytest.param((2, 2), (4, 3), marks=needs_stage3),
-    pytest.param((2, 3), (1, 0), marks=needs_stage3), pytest.param((2, 3), (4, 1), marks=needs_stage3),
-    pytest.param((4, 3), (3, 3), marks=needs_stage3), pytest.param((1, 3), (2, 2), marks=needs_stage3),
+    ((2, 2), (1, 3)), ((2, 2), (4, 3)),
+    ((2, 3), (1, 0)), ((2, 3), (4, 1)),
+    ((4, 3), (3, 3)), ((1, 3), (2, 2)),
 ]
 
 
@@ -175,7 +172,7 @@ def buffers_body(save_dir: str, stage: int, save: bool) -> dict[str, torch.Tenso
     return engine.module_state_dict()
 
 
-@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=needs_stage3)])
+@pytest.mark.parametrize("stage", [1, 3])
 def test_buffers_frozen_and_tied_weights_round_trip(tmp_path, stage):
     saved = run_distributed(buffers_body, 2, str(tmp_path), 2, True)[0]
     assert saved["norm.num_batches_tracked"] == SAVE_AT and saved["tied.weight"] is not None

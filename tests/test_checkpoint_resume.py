@@ -5,7 +5,6 @@ or uncommitted checkpoints), each a clear error with the previous checkpoint int
 from __future__ import annotations
 
 import errno
-import importlib.util
 import logging
 import os
 import random
@@ -24,8 +23,6 @@ from zerodist.data import TokenDataset
 from zerodist.models import GPT, GPTConfig
 
 SEQ = 32
-STAGE3 = importlib.util.find_spec("zerodist.zero.stage3") is not None
-needs_stage3 = pytest.mark.skipif(not STAGE3, reason="ZeRO stage 3 has not landed in this tree")
 
 
 def gpt_engine(stage: int, precision: str = "fp32", **checkpoint):
@@ -106,8 +103,7 @@ def exact_resume_body(save_dir: str, stage: int, precision: str) -> None:
 
 
 @pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (2, "bf16"), (1, "fp16"),
-                                             pytest.param(3, "fp32", marks=needs_stage3),
-                                             pytest.param(3, "bf16", marks=needs_stage3)])
+                                             (3, "fp32"), (3, "bf16")])
 def test_resume_is_bitwise_identical_to_a_run_that_never_stopped(tmp_path, stage, precision):
     run_distributed(exact_resume_body, 2, str(tmp_path), stage, precision)
 
