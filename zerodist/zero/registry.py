@@ -8,8 +8,8 @@ its flat group. `GatheredParameters`, `is_sharded` and `checkpoint/` look parame
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -18,8 +18,18 @@ import zerodist.comm as comm
 from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.units import Unit, UnitState
 
-if TYPE_CHECKING:
-    from zerodist.zero.runtime import UnitRuntime
+
+class UnitGatherer(Protocol):
+    """What the registry and `GatheredParameters` need of a unit runtime (`UnitRuntime` in
+    runtime.py; described here, not imported, so that the runtime can import the registry)."""
+
+    def unshard(self, units: Sequence[Unit] | None = None, *, kind: int = 0) -> None: ...
+
+    def wait_unshard(self, units: Sequence[Unit] | None = None) -> None: ...
+
+    def reshard(self, units: Sequence[Unit] | None = None) -> None: ...
+
+    def drop_early_gathers(self) -> None: ...
 
 
 # parameter -> weak (runtime or None, unit or None, group): zerodist's own bookkeeping, never on
@@ -35,7 +45,7 @@ def _weak(obj: Any) -> Callable[[], Any]:
     return (lambda: None) if obj is None else weakref.ref(obj)
 
 
-def _lookup(param: torch.Tensor) -> tuple[UnitRuntime | None, Unit | None, FlatParamGroup] | None:
+def _lookup(param: torch.Tensor) -> tuple[UnitGatherer | None, Unit | None, FlatParamGroup] | None:
     entry = _REGISTRY.get(param)
     if entry is None:
         return None
@@ -43,14 +53,14 @@ def _lookup(param: torch.Tensor) -> tuple[UnitRuntime | None, Unit | None, FlatP
     return None if group is None else (runtime, unit, group)
 
 
-def register_replicated(groups: list[FlatParamGroup], runtime: UnitRuntime | None = None) -> None:
+def register_replicated(groups: list[FlatParamGroup], runtime: UnitGatherer | None = None) -> None:
     """Record parameters whose values every rank holds, so GatheredParameters can publish changes."""
     for group in groups:
         for param in group.params:
             _REGISTRY[param] = (_weak(runtime), _weak(None), _weak(group))
 
 
-def register_unit_params(runtime: UnitRuntime, units: list[Unit]) -> None:
+def register_unit_params(runtime: UnitGatherer, units: list[Unit]) -> None:
     """Record the sharded parameters of `units`, gathered by `runtime`."""
     for unit in units:
         for group in unit.groups:
@@ -97,12 +107,12 @@ class GatheredParameters:
         self.params = [params] if isinstance(params, torch.Tensor) else list(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self._gathered: list[tuple[UnitRuntime, Unit]] = []
+        self._gathered: list[tuple[UnitGatherer, Unit]] = []
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
-        units: dict[int, tuple[UnitRuntime, Unit]] = {}
+        units: dict[int, tuple[UnitGatherer, Unit]] = {}
         owners = _owners(self.params)
         for runtime in {id(r): r for r, _, _, _ in owners if r is not None}.values():
             runtime.drop_early_gathers()  # its changes, or their discarding, must reach every unit ([Note: early gather])
