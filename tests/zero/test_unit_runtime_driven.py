@@ -117,3 +117,25 @@ def test_default_schedule_gathers_every_micro_batch_for_contrast():
     (gathers,), _ = run_distributed(default_stage3_body, 2)
     per_batch = run_distributed(driven_body, 2, 3, True)[0][2][0]["gathers"]
     assert gathers > 2 * per_batch
+
+
+def destroy_body() -> list[int]:
+    """`destroy()` takes every hook zerodist put on the model off it, MoE's routing clock included."""
+    from zerodist.models.moe_gpt import MoEGPT
+
+    torch.manual_seed(0)
+    model = MoEGPT(GPTConfig(seq_len=SEQ, d_model=32, n_layers=2, n_heads=2))
+    before = [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]
+    engine, _, _, _ = zerodist.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}})
+    engine.backward(engine(*micro_batch(0, 0)))
+    engine.step()
+    engine.destroy()
+    after = [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]
+    return [sum(before), sum(after)]
+
+
+def test_destroy_removes_every_module_hook():
+    for before, after in run_distributed(destroy_body, 2):
+        assert after == before

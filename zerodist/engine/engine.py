@@ -30,6 +30,7 @@ from zerodist.engine import training_state
 from zerodist.engine.deepspeed_surface import DeepSpeedEngineAPI
 from zerodist.engine.monitor import Monitors
 from zerodist.moe.layer import routing_lines
+from zerodist.moe.parallel import remove_routing_clock
 from zerodist.moe.state import gather_global_state_dict
 from zerodist.precision import PrecisionPolicy
 from zerodist.tensor_parallel.plan import unsliced_state_dict
@@ -300,6 +301,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         keeps working as a plain module."""
         self.units.finish_gathers(release=True)
         self.zero_state.remove_hooks()
+        remove_routing_clock(self.module)  # MoE: the forward counter on the root module
         if self.nan_hunter is not None:
             self.nan_hunter.close()
         self.monitors.close()

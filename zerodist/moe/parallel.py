@@ -85,3 +85,10 @@ def restore_routing_clock(model: torch.nn.Module, micro_steps: int) -> None:
     clock = _CLOCKS.get(model)
     if clock is not None:
         clock.forwards = micro_steps
+
+
+def remove_routing_clock(model: torch.nn.Module) -> None:
+    """Take the routing clock's hooks off `model` (the engine is destroyed); nothing if it has none."""
+    clock = _CLOCKS.get(model)
+    if clock is not None:
+        clock.remove()
