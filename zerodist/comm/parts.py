@@ -37,15 +37,17 @@ class Part:
 
 
 class PartState(Protocol):
-    """What every technique's state of one part offers the engine."""
+    """What every technique's state of one part offers the engine. A technique that changes names
+    or shapes (tensor slices, local expert ids) maps between its view and the logical one; ZeRO
+    changes neither (its sharding is invisible in a `state_dict()` taken while gathered)."""
 
-    def logical_state_dict(self) -> dict[str, torch.Tensor]:
-        """The part's parameters and buffers under the names and shapes of the model without
-        parallelism (collective)."""
+    def to_logical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The part's `state_dict()` as this technique holds it -> the names and shapes of the model
+        without parallelism (collective)."""
         ...
 
-    def load_logical_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load what `logical_state_dict()` gave (collective; every rank passes the same)."""
+    def from_logical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The inverse: what this rank holds of a logical state dict (no collective)."""
         ...
 
     def report(self) -> list[str]:

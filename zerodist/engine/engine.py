@@ -24,18 +24,16 @@ import torch
 
 import zerodist.checkpoint as checkpoint
 import zerodist.comm as comm
+from zerodist.comm.parts import PartState
 from zerodist.config import BatchSizes, Config
 from zerodist.debug import MemoryMonitor, NanHunter, reduce_loss
 from zerodist.engine import training_state
 from zerodist.engine.deepspeed_surface import DeepSpeedEngineAPI
 from zerodist.engine.monitor import Monitors
 from zerodist.moe.layer import routing_lines
-from zerodist.moe.parallel import remove_routing_clock
-from zerodist.moe.state import gather_global_state_dict
 from zerodist.precision import PrecisionPolicy
-from zerodist.tensor_parallel.plan import unsliced_state_dict
 from zerodist.utils import get_logger, log_rank0
-from zerodist.zero import GatheredParameters, StepResult, UnitRuntime, ZeroState, sharded_access
+from zerodist.zero import StepResult, UnitRuntime, ZeroState, sharded_access
 
 logger = get_logger(__name__)
 
@@ -47,12 +45,16 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     # The loader initialize() returned, if any: checkpoints record and restore its position.
     training_dataloader: Any = None
 
-    def __init__(self, module: torch.nn.Module, *, config: Config, batch: BatchSizes, zero: ZeroState,
-                 lr_scheduler: Any, training_dataloader: Any = None):
+    def __init__(self, module: torch.nn.Module, *, config: Config, batch: BatchSizes,
+                 part_states: tuple[PartState, ...], lr_scheduler: Any, training_dataloader: Any = None):
         super().__init__()  # nn.Module's bookkeeping first; `self.module = module` then registers the submodule
         self.module, self.config, self.batch, self.lr_scheduler = module, config, batch, lr_scheduler
-        # One part today ([Note: parts] in zerodist/comm/parts.py): its ZeRO state, and the names the
-        # rest of the engine reads it by.
+        # One part today (zerodist/comm/parts.py): what each technique made of it, in the order applied
+        # (tensor parallel, expert parallel, ZeRO last), and ZeRO's state under the names the rest of
+        # the engine reads it by.
+        self.part_states = part_states
+        zero = part_states[-1]
+        assert isinstance(zero, ZeroState), "ZeRO is applied last"
         self.zero_state = zero
         self.policy, self.topology, self.sharding = zero.precision, zero.topology, zero.sharding
         self.groups, self.reducer, self.optimizer = zero.groups, zero.reducer, zero.optimizer
@@ -283,11 +285,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         At stage 3 the parameters are gathered for it, and MoE experts are gathered from their
         expert groups under global ids, so the result loads into the same model built with
         `ep_size=1` (all ranks must call it together)."""
-        self.finish_param_gathers()
-        with GatheredParameters(list(self.module.parameters()), enabled=self.sharding.shard_parameters):
-            # Tensor-parallel slices are gathered too: the keys and shapes of the unparallelized model.
-            state = unsliced_state_dict(self.module)
-        state = gather_global_state_dict(self.module, state)  # experts under global ids (zerodist/moe/state.py)
+        state = self.zero_state.logical_state_dict()  # whole parameters (gathered at stage 3), cloned
+        for part_state in self.part_states[:-1]:  # tensor slices gathered, then experts under global ids
+            state = part_state.to_logical(state)
         if rank0_only and comm.get_rank() != 0:
             return None
         return state
@@ -300,8 +300,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """Finish the last step's parameter gathers, remove hooks and stop the comms trace; the module
         keeps working as a plain module."""
         self.units.finish_gathers(release=True)
-        self.zero_state.remove_hooks()
-        remove_routing_clock(self.module)  # MoE: the forward counter on the root module
+        for state in self.part_states:
+            state.remove_hooks()  # ZeRO's hooks, MoE's routing clock
         if self.nan_hunter is not None:
             self.nan_hunter.close()
         self.monitors.close()

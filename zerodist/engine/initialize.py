@@ -30,8 +30,9 @@ from zerodist.engine.deepspeed_args import DEFAULT_PORT, resolve_initialize_argu
 from zerodist.engine.engine import Engine
 from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
 from zerodist.engine.schedulers import build_scheduler
-from zerodist.moe.parallel import RoutingClock, apply_expert_parallel
-from zerodist.tensor_parallel.apply import TENSOR_PARALLEL_LAYERS, TensorParallelSettings, apply_tensor_parallel
+from zerodist.moe.parallel import ExpertParallelState, apply_expert_parallel_part
+from zerodist.tensor_parallel.apply import (TENSOR_PARALLEL_LAYERS, TensorParallelSettings, TensorParallelState,
+                                            apply_tensor_parallel)
 from zerodist.tensor_parallel.plan import PlanError
 from zerodist.tensor_parallel.domino import DominoConfig
 from zerodist.utils import get_logger, log_rank0
@@ -91,14 +92,17 @@ def _initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None, 
     validated = _validate(model, config)
     topology = _build_topology(validated, model)
     (part,) = split_parts(model)  # one part until pipeline parallelism splits the model
-    part = _apply_tensor_parallel(part, topology, validated.config)
-    part = _apply_expert_parallel(part, topology, validated.config)
+    tensor = _apply_tensor_parallel(part, topology, validated.config)
+    part = dataclasses.replace(part, module=tensor.module)
     world = validated.world
     batch = validated.config.batch_sizes(topology.num_batch_shards,
                                          world_size_source=f"{world.source}, WORLD_SIZE={world.world_size}")
+    # MoE layers get their expert group and routing keys; random routing is keyed by micro-batch
+    experts = apply_expert_parallel_part(part.module, topology, batch.gradient_accumulation_steps)
     zero = _apply_zero(part, model_parameters, optimizer, topology, validated.config)
     scheduler = build_scheduler(validated.config, zero.optimizer.inner, lr_scheduler)
-    engine, loader = _build_engine(part.module, zero, batch, scheduler, validated, training_data, collate_fn)
+    engine, loader = _build_engine(part.module, (tensor, experts, zero), batch, scheduler, validated, training_data,
+                                   collate_fn)
     return engine, zero.optimizer, loader, scheduler
 
 
@@ -131,7 +135,7 @@ def _build_topology(validated: Validated, model: torch.nn.Module) -> comm.Topolo
                          gradient_groups=sharding.shard_parameters)
 
 
-def _apply_tensor_parallel(part: Part, topology: comm.Topology, config: Config) -> Part:
+def _apply_tensor_parallel(part: Part, topology: comm.Topology, config: Config) -> TensorParallelState:
     """Converts the model's layers to tensor-parallel ones by its plan and declares their slices'
     placements (zerodist.comm.domains); Domino when configured."""
     section = config.zerodist.tensor_parallel
@@ -144,9 +148,9 @@ def _apply_tensor_parallel(part: Part, topology: comm.Topology, config: Config) 
     # A model built under zerodist.zero.Init() is still on the meta device: its layers are sliced
     # there, in its record, and ZeRO materialises each slice from its own replayed full weight
     # ([Note: recording continued] in zerodist/zero/partition.py).
-    model = apply_tensor_parallel(part.module, topology, settings, conversion=continue_recording(part.module))
-    _check_sliced_layers_materialisable(model)
-    return dataclasses.replace(part, module=model)
+    state = apply_tensor_parallel(part.module, topology, settings, conversion=continue_recording(part.module))
+    _check_sliced_layers_materialisable(state.module)
+    return state
 
 
 def _check_sliced_layers_materialisable(model: torch.nn.Module) -> None:
@@ -163,16 +167,6 @@ def _check_sliced_layers_materialisable(model: torch.nn.Module) -> None:
             "initialize() apply the plan, or call parallelize() inside the same Init() block that built the model")
 
 
-def _apply_expert_parallel(part: Part, topology: comm.Topology, config: Config) -> Part:
-    """Gives the model's MoE layers their expert group and routing keys (their `Experts` containers
-    declared the `EXPERT` placement when built), and counts training forwards to key random
-    routing by step (zerodist/moe/parallel.py)."""
-    if apply_expert_parallel(part.module, topology):
-        batch = config.batch_sizes(topology.num_batch_shards, world_size_source="the topology's batch shards")
-        RoutingClock(part.module, batch.gradient_accumulation_steps, topology)
-    return part
-
-
 def _apply_zero(part: Part, model_parameters: Iterable[Any] | None, optimizer: Any, topology: comm.Topology,
                 config: Config) -> ZeroState:
     """The optimizer's param groups (DeepSpeed's config, a torch optimizer or a factory), checked to
@@ -182,16 +176,17 @@ def _apply_zero(part: Part, model_parameters: Iterable[Any] | None, optimizer: A
     return apply_zero(part, topology, ZeroSettings.from_config(config), OptimizerRecipe(specs, build_optimizer))
 
 
-def _build_engine(model: torch.nn.Module, zero: ZeroState, batch: BatchSizes, scheduler: Any, validated: Validated,
-                  training_data: torch.utils.data.Dataset | None,
+def _build_engine(model: torch.nn.Module, states: tuple[TensorParallelState, ExpertParallelState, ZeroState],
+                  batch: BatchSizes, scheduler: Any, validated: Validated, training_data: torch.utils.data.Dataset | None,
                   collate_fn: Callable[..., Any] | None) -> tuple[Engine, EngineDataLoader | None]:
-    config, world, topology = validated.config, validated.world, zero.topology
+    config, world, zero = validated.config, validated.world, states[-1]
+    topology = zero.topology
     loader = None
     if training_data is not None:  # dealt by batch shard: tensor-parallel peers read the same samples
         loader = EngineDataLoader(training_data, batch_size=batch.micro_batch_size,
                                   num_replicas=topology.num_batch_shards, rank=topology.batch_rank,
                                   collate_fn=collate_fn)
-    engine = Engine(model, config=config, batch=batch, zero=zero, lr_scheduler=scheduler,
+    engine = Engine(model, config=config, batch=batch, part_states=states, lr_scheduler=scheduler,
                     training_dataloader=loader)
     _INITIALIZED.add(model)
     _log_summary(engine, world)

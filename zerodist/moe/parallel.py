@@ -10,12 +10,13 @@ can too.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
 
 from zerodist import comm
-from zerodist.moe.state import moe_layers
+from zerodist.moe.state import gather_global_state_dict, localize_state_dict, moe_layers
 
 
 def apply_expert_parallel(model: torch.nn.Module, topology: comm.Topology, *, seed: int = 0) -> int:
@@ -92,3 +93,35 @@ def remove_routing_clock(model: torch.nn.Module) -> None:
     clock = _CLOCKS.get(model)
     if clock is not None:
         clock.remove()
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallelState:
+    """What expert parallelism did to one part: the part state surface of zerodist/comm/parts.py."""
+
+    module: torch.nn.Module
+    num_layers: int
+    degree: int
+
+    def to_logical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every layer's experts gathered from its expert group under global ids (collective)."""
+        return gather_global_state_dict(self.module, state) if self.num_layers else state
+
+    def from_logical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's experts of a global state dict, under local ids (no collective)."""
+        return localize_state_dict(self.module, state) if self.num_layers else state
+
+    def report(self) -> list[str]:
+        return [f"expert parallel: {self.num_layers} MoE layer(s), degree {self.degree}"] if self.num_layers else []
+
+    def remove_hooks(self) -> None:
+        remove_routing_clock(self.module)
+
+
+def apply_expert_parallel_part(model: torch.nn.Module, topology: comm.Topology,
+                               gradient_accumulation_steps: int) -> ExpertParallelState:
+    """The engine's step: `apply_expert_parallel`, and a `RoutingClock` when the part has MoE layers."""
+    num_layers = apply_expert_parallel(model, topology)
+    if num_layers:
+        RoutingClock(model, gradient_accumulation_steps, topology)
+    return ExpertParallelState(model, num_layers, topology.size("expert"))

@@ -20,7 +20,8 @@ from zerodist.comm.topology import Topology
 from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from zerodist.tensor_parallel.domino import DominoConfig
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from zerodist.tensor_parallel.plan import PlanError, parallelize, plan_from_deepspeed
+from zerodist.tensor_parallel.layers import slice_tensor, unslice_tensor
+from zerodist.tensor_parallel.plan import PlanError, parallelize, plan_from_deepspeed, sliced_parameters
 from zerodist.tensor_parallel.plans import gpt_domino, gpt_plan, hf_gpt2_plan, hf_llama_plan
 from zerodist.tensor_parallel.random import RNGTracker, attach_rng_tracker, tensor_parallel_rng
 from zerodist.utils import get_logger, log_rank0
@@ -72,9 +73,40 @@ def choose_plan(model: nn.Module, settings: TensorParallelSettings, rng: RNGTrac
                     "zerodist.tensor_parallel.parallelize(model, plan, topology) before initialize()")
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorParallelState:
+    """What tensor parallelism did to one part: the part state surface of zerodist/comm/parts.py."""
+
+    module: nn.Module
+    degree: int
+    source: str  # where the plan came from; "" when nothing was converted here
+
+    def to_logical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` (the part's `state_dict()`, whole parameters) with every slice gathered over the
+        tensor axis: the keys and shapes of the unparallelized model (collective)."""
+        result = dict(state)
+        for key, (spec, region) in sliced_parameters(self.module).items():
+            result[key] = unslice_tensor(state[key], spec, region)
+        return result
+
+    def from_logical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A state dict of the unparallelized model cut to this rank's slices (no collective)."""
+        result = dict(state)
+        for key, (spec, region) in sliced_parameters(self.module).items():
+            if key in result:
+                result[key] = slice_tensor(result[key], spec, region)
+        return result
+
+    def report(self) -> list[str]:
+        return [f"tensor parallel: degree {self.degree} from {self.source}"] if self.source else []
+
+    def remove_hooks(self) -> None:
+        """Nothing to remove: the converted layers are the model's now (they stay after `destroy()`)."""
+
+
 def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: TensorParallelSettings, *,
-                          conversion: contextlib.AbstractContextManager[Any] | None = None) -> nn.Module:
-    """Parallelize `model` over `topology`'s tensor axis (in place) and return it.
+                          conversion: contextlib.AbstractContextManager[Any] | None = None) -> TensorParallelState:
+    """Parallelize `model` over `topology`'s tensor axis (in place); its part state (`.module`).
 
     `conversion` surrounds the swapping of layers (and nothing else): the engine passes ZeRO's
     `continue_recording(model)` so that a model built under `zerodist.zero.Init()` has its slices
@@ -84,12 +116,12 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
         if existing != topology.size("tensor"):
             raise PlanError(f"the model was parallelized at tensor degree {existing}, but the config asks for "
                             f"{topology.size('tensor')}")
-        return model
+        return TensorParallelState(model, existing, "the model's own layers (parallelized before initialize)")
     if settings.degree == 1:
         if settings.domino is not None or settings.sequence_parallel:
             raise PlanError("zerodist.tensor_parallel.domino / sequence_parallel need a tensor degree above 1 "
                             "(tensor_parallel.autotp_size)")
-        return model
+        return TensorParallelState(model, 1, "")
     # Dropout streams: `replicated` equal on the tensor ranks, `sharded` different (attention heads);
     # seeded from this process's torch seed, which every rank sets alike to build the same model.
     rng = tensor_parallel_rng(topology, seed=torch.initial_seed())
@@ -109,4 +141,4 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
     log_rank0(logger, "tensor parallel: degree %d from %s%s%s", topology.size("tensor"), source,
               ", sequence parallel" if settings.sequence_parallel else "",
               f", Domino {settings.domino.chunks} chunks ({settings.domino.overlap})" if settings.domino else "")
-    return model
+    return TensorParallelState(model, topology.size("tensor"), source)

@@ -82,6 +82,12 @@ class ZeroState:
         with GatheredParameters(list(self.module.parameters()), enabled=bool(self.units)):
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
+    def to_logical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return state  # ZeRO renames and reshapes nothing ([Note: logical names] in comm/domains.py)
+
+    def from_logical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return state
+
     def load_logical_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a whole `state_dict()` (every rank the same) into the flat buffers, shards and master
         weights; collective."""
