@@ -134,9 +134,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         scaled = loss.float() * scale if scale != 1.0 else loss
         seen = self.reducer.grads_seen
         scaled.backward(retain_graph=retain_graph)
-        self.reducer.end_backward()
-        if self.sharding.shard_parameters:
-            self.units.end_backward()
+        assert self.zero_state.schedule is not None
+        self.zero_state.schedule.end_backward()
         if self.reducer.grads_seen == seen:
             raise RuntimeError("engine.backward(): the loss produced no gradient for any trained parameter; "
                                "is it computed from engine(...)'s output?")

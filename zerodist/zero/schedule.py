@@ -68,6 +68,13 @@ class DefaultSchedule:
                 self._handles.append(unit.module.register_forward_hook(lambda _m, _a, _o, v=views: v.leave(),
                                                                        always_call=True))
 
+    def end_backward(self) -> None:
+        """Autograd returned: the reducer syncs what is left (or keeps it, deferring), and every unit
+        still gathered is freed (unless a caller drives the runtime). The engine's one call."""
+        self.runtime.reducer.end_backward()
+        if self.runtime.shards_parameters:
+            self.runtime.end_backward()
+
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
