@@ -103,8 +103,8 @@ def apply_zero(part: Part, topology: comm.Topology, settings: ZeroSettings, opti
              for index, (name, module) in enumerate((("", model), *plan.unit_modules))]
     persistent = [g for g, planned in zip(groups, plan.groups) if planned.persistent]
     # The run-order check compares every rank that runs the model (the world), whatever the domains.
-    runtime = UnitRuntime(units, persistent, reducer, settings=settings.units, group=topology.world_group,
-                          device=device)
+    runtime = UnitRuntime(units, persistent, reducer, shard_parameters=sharding.shard_parameters,
+                          settings=settings.units, group=topology.world_group, device=device)
     by_spec = plan.by_spec(len(specs), groups)
     inner = optimizer.build([{"params": [t for g in spec_groups for t in g.optimizer_tensors], **s.options}
                              for spec_groups, s in zip(by_spec, specs)])

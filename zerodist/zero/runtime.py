@@ -126,10 +126,10 @@ class UnitRuntime:
     """
 
     def __init__(self, units: list[Unit], persistent: list[FlatParamGroup], reducer: GradReducer, *,
-                 settings: UnitSettings, group: Any, device: torch.device):
+                 shard_parameters: bool, settings: UnitSettings, group: Any, device: torch.device):
         self.units, self.root, self.persistent, self.reducer = units, units[0], persistent, reducer
         self.order = units[1:]  # forward order of the non-root units
-        self.shards_parameters = any(g.policy.shard_parameters for u in units for g in u.groups)
+        self.shards_parameters = shard_parameters  # the sharding policy's (stage 3), whatever the units hold
         self.prefetch_numel, self.max_live_numel = settings.prefetch_numel, settings.max_live_numel
         self.overlap = settings.overlap
         self.kept = self._units_kept(settings.max_reuse_numel) if self.shards_parameters else set()
