@@ -70,17 +70,24 @@ def driven_body(stage: int, explicit: bool) -> tuple[list[float], dict[str, torc
                 loss = engine(*micro_batch(step, micro))
                 engine.backward(loss)
                 assert all(u.state is UnitState.UNSHARDED for u in runtime.units)  # kept gathered
+                losses.append(loss.item())
                 if micro < GAS - 1:
                     engine.step()  # not the boundary: counts the micro-step only
-                losses.append(loss.item())
             assert trace.count("reduce_scatter") == 0  # nothing reduced yet
+            gathers = trace.count("all_gather")  # the step's own (the updated persistent groups') aside
             if explicit:
                 runtime.reduce_gradients()
                 runtime.reshard()
-        counts.append({"gathers": trace.count("all_gather"), "reductions": trace.count("reduce_scatter"),
+                reductions = trace.count("reduce_scatter")
+            else:  # the boundary step reduces what is still deferred and frees the units (the README's way)
+                before = trace.count("reduce_scatter")
+                engine.step()
+                reductions = trace.count("reduce_scatter") - before
+        counts.append({"gathers": gathers, "reductions": reductions,
                        "expected_gathers": unit_gathers + (1 if sharded else 0),  # + one order-check exchange
-                       "expected_reductions": grad_buckets if explicit else 0})
-        engine.step()  # the boundary: reduces what is still deferred (explicit=False) and frees the units
+                       "expected_reductions": grad_buckets})
+        if explicit:
+            engine.step()  # the boundary
         assert all(u.state is (UnitState.SHARDED if sharded else UnitState.UNSHARDED) for u in runtime.units)
     state = engine.module_state_dict()
     engine.destroy()
