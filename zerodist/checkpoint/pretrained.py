@@ -148,8 +148,8 @@ def _source_key(tensor: torch.Tensor, names: dict[int, list[str]], source: _Sour
     return next((name for name in names.get(id(tensor), []) if name in source.handles), None)
 
 
-def _check_keys(module: torch.nn.Module, source: _Source, names: dict[int, list[str]], slicings: dict[int, ParamSlicing],
-                strict: bool) -> None:
+def _check_keys(module: torch.nn.Module, source: _Source, names: dict[int, list[str]],
+                slicings: dict[int, ParamSlicing], strict: bool) -> None:
     state = module.state_dict(keep_vars=True)
     missing = sorted({names[id(t)][0] for t in state.values() if _source_key(t, names, source) is None})
     unexpected = sorted(set(source.handles) - set(state))
