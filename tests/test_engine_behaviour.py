@@ -65,7 +65,7 @@ def test_reduce_scatter_false_all_reduces_gradients(stage):
     assert t.total_numel("all_gather") == (0 if stage == 0 else psi)
 
 
-# ---------------------------------------------------------------- memory: DESIGN.md's table
+# ---------------------------------------------------------------- memory: docs/design/zero.md's table
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2])

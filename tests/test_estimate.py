@@ -1,4 +1,4 @@
-"""`zerodist estimate`: DESIGN.md's per-rank memory table, exactly, with shard padding."""
+"""`zerodist estimate`: the per-rank memory table of docs/design/zero.md, exactly, with shard padding."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# DESIGN.md: (replicated bytes per param, sharded bytes per param) for each stage.
+# docs/design/zero.md, "Model state per rank": (replicated bytes per param, sharded bytes per param) for each stage.
 DESIGN_TABLE = {
     "bf16": {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)},
     "fp32": {0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)},

@@ -95,7 +95,7 @@ def test_zero_stages_on_a_data_by_tensor_mesh_match_one_process(stage):
     assert norms[-1] > CLIP  # clipping was active, so a wrong norm would show in the parameters
     _replicated_equal_across_tensor_ranks(engine)
 
-    # Model state per rank: DESIGN.md's formula with the tensor-local (padded) parameter count,
+    # Model state per rank: docs/design/zero.md's formula with the tensor-local (padded) parameter count,
     # over the data degree.
     psi = sum(g.layout.total_numel for g in engine.groups)
     local = sum(p.numel() for p in engine.module.parameters())

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from zerodist.comm.slices import ParamSlicing
 from zerodist.tensor_parallel import SliceSpec, TensorRegion, slice_tensor
-from zerodist.tensor_parallel.slicing import ParamSlicing
 
 
 @pytest.mark.parametrize("spec, shape", [

@@ -23,7 +23,8 @@ last padded); rank R's flat sub-group is its part of each parameter in turn. Ada
 The files are unpickled with `weights_only=True`; the three DeepSpeed classes they hold
 (`LossScaler`/`DynamicLossScaler`, `ZeroStageEnum`, `fragment_address`) are read into stand-ins, so
 DeepSpeed need not be installed. The result is a full, unsharded state (`ImportedState`), which
-`write_zerodist_checkpoint` writes as a one-rank checkpoint: any world size and stage loads it.
+`write_zerodist_checkpoint` writes as a one-rank checkpoint: any world size and stage loads it
+(`zerodist.checkpoint.load` converts a DeepSpeed directory it is given, then loads it as its own).
 DeepSpeed saves no random-number state, so a resumed run's streams start afresh.
 """
 
@@ -36,7 +37,6 @@ import io
 import math
 import pickle
 import re
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -49,8 +49,7 @@ from zerodist.checkpoint.errors import CheckpointCorruptError, CheckpointError, 
 from zerodist.checkpoint.files import AtomicFile, tensor_bytes, write_atomic
 from zerodist.checkpoint.manifest import (OPTIMIZER_PREFIX, PARAM, Manifest, check_tag_name, write_latest,
                                           write_manifest)
-from zerodist.utils import get_logger, log_rank0
-from zerodist.zero.state import Resumable, ZeroState
+from zerodist.utils import get_logger
 
 logger = get_logger(__name__)
 
@@ -574,28 +573,3 @@ def agreed_tag_dir(load_dir: str | Path, tag: Any) -> Path | None:
         found[0] = deepspeed_tag_dir(load_dir, tag)
     comm.broadcast_object_list(found, src=0)
     return found[0]
-
-
-def load_deepspeed_checkpoint(zero: ZeroState, resumable: Resumable, tag_dir: Path, **load_options: Any) -> tuple[str, Any]:
-    """Collective: every rank converts `tag_dir` into its own temporary directory (the same bytes
-    on every rank), the ranks agree that all succeeded, then the ordinary load reshards it into
-    the ZeRO state `zero` and the training state of `resumable` (see `load_checkpoint`). Returns
-    `(tag_dir, client_state)` as `load_checkpoint` does."""
-    from zerodist.checkpoint.load import load_checkpoint
-
-    with tempfile.TemporaryDirectory(prefix="zerodist-deepspeed-import-") as scratch:
-        error: Exception | None = None
-        try:
-            _, state = import_deepspeed(tag_dir, scratch)
-        except Exception as err:  # reported to every rank first, so none waits in the gather below
-            error = err
-        outcomes: list[Any] = [None] * comm.get_world_size()
-        comm.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        failed = [(rank, text) for rank, text in enumerate(outcomes) if text is not None]
-        if failed:
-            raise DeepSpeedImportError(f"rank {failed[0][0]} could not import {tag_dir}: {failed[0][1]}")
-        log_rank0(logger, "importing DeepSpeed checkpoint %s (%s)", tag_dir, state.source)
-        _, client_state = load_checkpoint(zero, resumable, scratch, **load_options)
-    return str(tag_dir), client_state

@@ -16,9 +16,10 @@ logical shape, so the header is written first, with the tensors ordered unit by 
 data follows as each unit is gathered. The torch format has no such layout: rank 0 copies each
 unit to the CPU and pickles the whole dict at the end (the model once in memory, never twice).
 
-Tensor-parallel slices are written unsliced: each chunk's slices are gathered over the tensor
-axis (every rank takes part, in the chunk's key order) and the header carries their logical
-shapes, so the files hold the plain model's tensors at any tensor degree.
+Sliced parameters (tensor parallelism's, found through their declared placements:
+`zerodist.comm.slices`) are written unsliced: each chunk's slices are gathered over their axis
+(every rank takes part, in the chunk's key order) and the header carries their logical shapes,
+so the files hold the plain model's tensors at any tensor degree.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ import torch
 import zerodist.comm as comm
 from zerodist.checkpoint.consolidate import SAFETENSORS_DTYPES
 from zerodist.checkpoint.files import AtomicFile, tensor_bytes
-from zerodist.tensor_parallel.layers import unslice_tensor
-from zerodist.tensor_parallel.plan import sliced_parameters
+from zerodist.comm.slices import ParamSlicing, param_slicings
+from zerodist.comm.topology import Topology
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero.state import ZeroState
 from zerodist.zero.registry import GatheredParameters
@@ -101,20 +102,16 @@ def save_pretrained(engine: Any, save_dir: str | Path, *, max_shard_size: int | 
 class _Chunk:
     """State-dict entries gathered together: one stage-3 unit's, or those every rank holds."""
 
-    def __init__(self, params: list[torch.Tensor]):
-        self.params = params
+    def __init__(self, params: list[torch.Tensor], topology: Topology):
+        self.params, self.topology = params, topology
         self.keys: list[str] = []
         self.tensors: dict[str, torch.Tensor] = {}  # references (sharded outside the gather)
         self.positions: dict[str, int] = {}  # each key's place in state_dict() order
-        self.sliced: dict[str, Any] = {}  # tensor-parallel slices: key -> (SliceSpec, TensorRegion)
+        self.sliced: dict[str, ParamSlicing] = {}  # sliced parameters by key
 
     def shape(self, key: str) -> list[int]:
-        """The tensor's shape as written: a tensor-parallel slice's logical (unsliced) shape."""
-        shape = list(self.tensors[key].shape)
-        if key in self.sliced:
-            spec = self.sliced[key][0]
-            shape[spec.dim] = spec.logical_size
-        return shape
+        """The tensor's shape as written: a slice's logical (unsliced) shape."""
+        return list(self.sliced[key].logical_shape if key in self.sliced else self.tensors[key].shape)
 
     def nbytes(self, key: str) -> int:
         numel = 1
@@ -128,10 +125,10 @@ def _chunks(state: ZeroState, exclude_frozen: bool, drop_tied: bool) -> list[_Ch
     those held by every rank first ([Note: streamed export])."""
     module = state.module
     unit_params = [[p for g in unit.groups for p in g.params] for unit in state.units]
-    chunks = [_Chunk([])] + [_Chunk(params) for params in unit_params]
+    chunks = [_Chunk([], state.topology)] + [_Chunk(params, state.topology) for params in unit_params]
     chunk_of = {id(p): index + 1 for index, params in enumerate(unit_params) for p in params}
     trained = {id(p) for p in module.parameters() if p.requires_grad}
-    sliced = sliced_parameters(module)
+    sliced = param_slicings(module, state.topology)
     seen: set[int] = set()
     for position, (key, tensor) in enumerate(module.state_dict(keep_vars=True).items()):
         if exclude_frozen and isinstance(tensor, torch.nn.Parameter) and id(tensor) not in trained:
@@ -143,8 +140,8 @@ def _chunks(state: ZeroState, exclude_frozen: bool, drop_tied: bool) -> list[_Ch
         chunk.keys.append(key)
         chunk.tensors[key] = tensor
         chunk.positions[key] = position
-        if key in sliced:
-            chunk.sliced[key] = sliced[key]
+        if id(tensor) in sliced:
+            chunk.sliced[key] = sliced[id(tensor)]
     return [c for c in chunks if c.keys]
 
 
@@ -153,9 +150,9 @@ def _gathered(chunks: list[_Chunk]) -> Iterator[tuple[_Chunk, dict[str, torch.Te
     gathered at a time. Collective."""
     for chunk in chunks:
         with GatheredParameters(chunk.params, enabled=bool(chunk.params)), torch.no_grad():
-            # Tensor-parallel slices: gathered on every rank (a collective over the tensor axis).
-            tensors = {k: unslice_tensor(chunk.tensors[k], *chunk.sliced[k]) if k in chunk.sliced else chunk.tensors[k]
-                       for k in chunk.keys}
+            # Slices: gathered on every rank (a collective over the slice's axis).
+            tensors = {k: chunk.sliced[k].gather(chunk.tensors[k], chunk.topology) if k in chunk.sliced
+                       else chunk.tensors[k] for k in chunk.keys}
             values = {}
             if comm.get_rank() == 0:
                 values = {k: tensors[k].detach().to("cpu", copy=True).contiguous() for k in chunk.keys}

@@ -13,13 +13,14 @@ continued run matches the uninterrupted one to fp32 rounding (reductions add in 
 from __future__ import annotations
 
 import io
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import zerodist.comm as comm
-from zerodist.checkpoint.deepspeed_import import agreed_tag_dir, load_deepspeed_checkpoint
+from zerodist.checkpoint.deepspeed_import import DeepSpeedImportError, agreed_tag_dir, import_deepspeed
 from zerodist.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from zerodist.checkpoint.files import RangeReader, file_problem, read_verified
 from zerodist.checkpoint.manifest import Manifest, list_checkpoints, read_manifest
@@ -187,6 +188,29 @@ def load_checkpoint(zero: ZeroState, resumable: Resumable, load_dir: str | Path,
     log_rank0(logger, "loaded checkpoint %s (step %d, saved by %d rank(s) at ZeRO stage %d) into %d rank(s) at "
               "stage %d", tag_dir, manifest.global_steps, manifest.world_size, manifest.stage, world, zero.sharding.stage)
     return str(tag_dir), common["client_state"]
+
+
+def load_deepspeed_checkpoint(zero: ZeroState, resumable: Resumable, tag_dir: Path, **load_options: Any) -> tuple[str, Any]:
+    """Collective: every rank converts `tag_dir` into its own temporary directory (the same bytes
+    on every rank), the ranks agree that all succeeded, then the ordinary load reshards it into
+    the ZeRO state `zero` and the training state of `resumable` (see `load_checkpoint`). Returns
+    `(tag_dir, client_state)` as `load_checkpoint` does."""
+    with tempfile.TemporaryDirectory(prefix="zerodist-deepspeed-import-") as scratch:
+        error: Exception | None = None
+        try:
+            _, state = import_deepspeed(tag_dir, scratch)
+        except Exception as err:  # reported to every rank first, so none waits in the gather below
+            error = err
+        outcomes: list[Any] = [None] * comm.get_world_size()
+        comm.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        failed = [(rank, text) for rank, text in enumerate(outcomes) if text is not None]
+        if failed:
+            raise DeepSpeedImportError(f"rank {failed[0][0]} could not import {tag_dir}: {failed[0][1]}")
+        log_rank0(logger, "importing DeepSpeed checkpoint %s (%s)", tag_dir, state.source)
+        _, client_state = load_checkpoint(zero, resumable, scratch, **load_options)
+    return str(tag_dir), client_state
 
 
 def latest_tag(load_dir: str | Path) -> str | None:

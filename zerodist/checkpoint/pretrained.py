@@ -18,10 +18,11 @@ values are those an eager `load_state_dict` gives, bit for bit (same source valu
 Parameters every rank holds (stages 0-2, stage 3's persistent ones, frozen ones) and buffers
 are read whole.
 
-A tensor-parallel slice (`zerodist.tensor_parallel`) holds part of its logical tensor: read whole,
-the logical tensor is cut to this rank's slice (`slice_tensor`, padding a vocabulary); at stage 3
-each owned run of the local slice maps to runs of the logical tensor (`ParamSlicing.runs`), and
-only those are read. The source's shapes are the unparallelized model's.
+A parameter whose declared placement slices it (a tensor-parallel layer's) holds part of its
+logical tensor (`zerodist.comm.slices`): read whole, the logical tensor is cut to this rank's
+slice (`ParamSlicing.cut`, padding a vocabulary); at stage 3 each owned run of the local slice maps
+to runs of the logical tensor (`ParamSlicing.runs`), and only those are read. The source's shapes
+are the unparallelized model's.
 """
 
 from __future__ import annotations
@@ -35,9 +36,7 @@ from typing import Any
 import torch
 
 from zerodist.checkpoint.errors import CheckpointError
-from zerodist.tensor_parallel.layers import slice_tensor
-from zerodist.tensor_parallel.plan import sliced_parameters
-from zerodist.tensor_parallel.slicing import ParamSlicing
+from zerodist.comm.slices import ParamSlicing, param_slicings
 
 
 @dataclasses.dataclass
@@ -108,7 +107,7 @@ def load_pretrained(engine: Any, path: str | Path, *, strict: bool = True) -> Lo
     state = engine.zero_state  # the typed view; checkpoint/ reads no engine internals
     source = _Source(path)
     names = _names_by_tensor(state.module)
-    slicings = {id(state.module.get_parameter(key)): value for key, value in sliced_parameters(state.module).items()}
+    slicings = param_slicings(state.module, state.topology)
     _check_keys(state.module, source, names, slicings, strict)
     report = LoadReport([str(f) for f in source.files], 0)
     in_groups: set[int] = set()
@@ -124,22 +123,18 @@ def load_pretrained(engine: Any, path: str | Path, *, strict: bool = True) -> Lo
     return report
 
 
-def _logical_shape(tensor: torch.Tensor, slicings: dict[int, Any]) -> list[int]:
-    """The shape of the tensor `tensor` is a tensor-parallel slice of (its own shape if none)."""
-    shape = list(tensor.shape)
-    if id(tensor) in slicings:
-        spec = slicings[id(tensor)][0]
-        shape[spec.dim] = spec.logical_size
-    return shape
+def _logical_shape(tensor: torch.Tensor, slicings: dict[int, ParamSlicing]) -> list[int]:
+    """The shape of the tensor `tensor` is a slice of (its own shape if none)."""
+    return list(slicings[id(tensor)].logical_shape if id(tensor) in slicings else tensor.shape)
 
 
-def _read_whole(source: _Source, key: str, tensor: torch.Tensor, slicings: dict[int, Any],
+def _read_whole(source: _Source, key: str, tensor: torch.Tensor, slicings: dict[int, ParamSlicing],
                 report: LoadReport) -> torch.Tensor:
-    """`tensor`'s values from the source: the whole tensor, or this rank's tensor-parallel slice of it."""
+    """`tensor`'s values from the source: the whole tensor, or this rank's slice of it."""
     values = _read(source, key, None, None, report)
     if id(tensor) not in slicings:
         return values.reshape(tensor.shape)
-    return slice_tensor(values.reshape(_logical_shape(tensor, slicings)), *slicings[id(tensor)])
+    return slicings[id(tensor)].cut(values.reshape(_logical_shape(tensor, slicings)))
 
 
 def _names_by_tensor(module: torch.nn.Module) -> dict[int, list[str]]:
@@ -153,8 +148,8 @@ def _source_key(tensor: torch.Tensor, names: dict[int, list[str]], source: _Sour
     return next((name for name in names.get(id(tensor), []) if name in source.handles), None)
 
 
-def _check_keys(module: torch.nn.Module, source: _Source, names: dict[int, list[str]], slicings: dict[int, Any],
-                strict: bool) -> None:
+def _check_keys(module: torch.nn.Module, source: _Source, names: dict[int, list[str]],
+                slicings: dict[int, ParamSlicing], strict: bool) -> None:
     state = module.state_dict(keep_vars=True)
     missing = sorted({names[id(t)][0] for t in state.values() if _source_key(t, names, source) is None})
     unexpected = sorted(set(source.handles) - set(state))
@@ -188,7 +183,7 @@ def _read(source: _Source, key: str, start: int | None, length: int | None, repo
     return values
 
 
-def _load_group(group: Any, source: _Source, names: dict[int, list[str]], slicings: dict[int, Any],
+def _load_group(group: Any, source: _Source, names: dict[int, list[str]], slicings: dict[int, ParamSlicing],
                 report: LoadReport) -> None:
     """One flat group: its owned runs into the shard (and master) at stage 3, else whole
     parameters into the full buffer and the master taken from it."""
@@ -217,10 +212,9 @@ def _load_group(group: Any, source: _Source, names: dict[int, list[str]], slicin
     report.loaded_keys += sum(k is not None for k in keys)
 
 
-def _runs(param: torch.Tensor, piece: Any, slicings: dict[int, Any]) -> list[tuple[int, int, int]]:
+def _runs(param: torch.Tensor, piece: Any, slicings: dict[int, ParamSlicing]) -> list[tuple[int, int, int]]:
     """An owned piece of `param` as (start in the source tensor, length, offset in the piece): one
-    run, or for a tensor-parallel slice the runs of its logical tensor (padding in none)."""
+    run, or for a slice the runs of its logical tensor (padding in none)."""
     if id(param) not in slicings:
         return [(piece.param_start, piece.length, 0)]
-    spec, region = slicings[id(param)]
-    return ParamSlicing(spec, tuple(param.shape), region.rank, region.size).runs(piece.param_start, piece.length)
+    return slicings[id(param)].runs(piece.param_start, piece.length)

@@ -30,6 +30,7 @@ import zerodist.comm as comm
 from zerodist.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from zerodist.checkpoint.files import RangeReader
 from zerodist.checkpoint.manifest import OPTIMIZER_PREFIX, PARAM, Manifest
+from zerodist.comm.slices import ParamSlicing
 from zerodist.zero.layout import slice_runs
 
 
@@ -76,13 +77,7 @@ def logical_runs(record: Any, start: int, length: int) -> list[tuple[int, int, i
     placement = record.placement
     if placement.fused or placement.logical_size is not None:
         # Fused sub-tensors or padded parts (tensor parallelism): padding belongs to no run.
-        from zerodist.tensor_parallel.slicing import ParamSlicing, SliceSpec
-
-        dim = placement.slice_dim
-        padded = record.shape[dim] * record.num_parts
-        logical = placement.logical_size or padded
-        spec = SliceSpec(dim, logical, tuple(placement.fused), padded_size=padded if padded != logical else None)
-        return ParamSlicing(spec, tuple(record.shape), record.part, record.num_parts).runs(start, length)
+        return ParamSlicing.of(placement, tuple(record.shape), record.part, record.num_parts).runs(start, length)
     return slice_runs(start, length, shape=record.shape, dim=record.placement.slice_dim, part=record.part,
                       num_parts=record.num_parts)
 

@@ -1,8 +1,10 @@
 """Layer 3: the only code that calls torch.distributed.
 
 Initialisation (`init_distributed`), collectives with torch.distributed's signatures, the
-`Topology` of parallel axes, the communication tracer (`trace`), the blocked-time meter (`measure_blocked`) and the desync guard
-(`enable_collective_guard`, on for any program with `ZERODIST_COLLECTIVE_GUARD=1`).
+`Topology` of parallel axes, the placements techniques declare for their parameters (`domains`)
+and the slice arithmetic that reads them (`slices`), the communication tracer (`trace`), the
+blocked-time meter (`measure_blocked`) and the desync guard (`enable_collective_guard`, on for
+any program with `ZERODIST_COLLECTIVE_GUARD=1`).
 `init_distributed`, `all_gather`, `reduce_scatter` and the `get_*` helpers also take
 `deepspeed.comm`'s signatures (deepspeed_names.py), so `from deepspeed import comm` code runs.
 """

@@ -15,7 +15,7 @@ trace is active the cost is one truthiness check of a module-level list per coll
 - bus bandwidth `busbw = algbw * factor`, the factor making it comparable with link speed:
   all_reduce 2(n-1)/n; reduce_scatter, all_gather and all_to_all (n-1)/n; broadcast and reduce 1.
 - "bus elements" = numel * factor is what one rank sends in a bandwidth-optimal algorithm;
-  it is the quantity DESIGN.md's ZeRO communication formulas count (2Ψ(n-1)/n for stages 0-2).
+  it is the quantity the ZeRO communication formulas of docs/design/zero.md count (2Ψ(n-1)/n for stages 0-2).
 DeepSpeed's comms logger reports all_reduce "throughput" as 2S/t (factor 2 instead of
 2(n-1)/n), which overstates bus bandwidth by n/(n-1): 2x on two ranks.
 

@@ -2,7 +2,8 @@
 
 [Note: memory model] Ψ parameters on N ranks; a sharded buffer holds ceil(Ψ/N) elements on
 every rank (the padding of the last shard is counted). Which buffer is sharded at which stage
-is DESIGN.md's table: optimizer state from stage 1, gradients from stage 2, parameters at 3.
+is the table of docs/design/zero.md ("Model state per rank"): optimizer state from stage 1,
+gradients from stage 2, parameters at 3.
 
                       parameters   gradients   optimizer state
   mixed (bf16, fp16)  2Ψ           2Ψ          12Ψ = fp32 master 4Ψ + Adam's two states 8Ψ
@@ -64,7 +65,7 @@ class MemoryEstimate:
 
     @property
     def model_states(self) -> int:
-        """Parameters + gradients + optimizer state: DESIGN.md's table."""
+        """Parameters + gradients + optimizer state: docs/design/zero.md's table."""
         return self.parameters + self.gradients + self.optimizer_states
 
     @property

@@ -229,7 +229,8 @@ def _engine_gradients(engine: Any, atol: float, reference: GradSyncWatch | None,
         raise ValueError(f"check_gradient_sync: at ZeRO stage {stage} gradients are reduced only at the "
                          "accumulation boundary; call it after the boundary micro-step's engine.backward(loss)")
     # Each sharding domain's gradients are reduced, so replicated, over its own group (the data
-    # ranks for dense parameters; with experts or tensor slices, see DESIGN.md "Sharding domains").
+    # ranks for dense parameters; with experts or tensor slices, see docs/design/zero.md,
+    # "Sharding domains and the policy").
     by_axes: dict[tuple[str, ...], list[Any]] = {}
     for flat in state.groups:
         by_axes.setdefault(flat.domain.reduce_axes, []).append(flat)

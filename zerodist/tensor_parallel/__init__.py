@@ -3,7 +3,8 @@
 - `operators`: the conjugate operators (copy-to / reduce-from the tensor region, gather /
   scatter along the last dim, sequence-parallel all-gather / reduce-scatter), autograd functions
   with explicit backwards, every collective through `zerodist.comm`.
-- `layers`: `ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`.
+- `layers`: `ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`; each declares
+  its slices' placements, and cuts them with `zerodist.comm.slices`, which checkpoints read too.
 - `cross_entropy`: `vocab_parallel_cross_entropy`.
 - `plan`: `parallelize(model, plan, topology)` for a model the user wrote, DeepSpeed's
   `partition_config` form; `plans`: built-in plans (demo GPT, Hugging Face Llama and GPT-2).

@@ -27,7 +27,6 @@ layers are swapped keeps its `state_dict()` keys. Placements are declared in the
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerodist.comm.domains import Placement, declare_placement
+from zerodist.comm.slices import SliceSpec, cut_slice, join_slices
 from zerodist.comm.topology import AXES, BATCH_AXES, TENSOR_SLICE, Domain
 from zerodist.tensor_parallel import operators as ops
 from zerodist.tensor_parallel import schedule
@@ -45,36 +45,16 @@ from zerodist.tensor_parallel.operators import TensorRegion, check_divisible
 SEQUENCE_PARTIAL = Domain(BATCH_AXES + ("tensor",), AXES)
 
 
-@dataclasses.dataclass(frozen=True)
-class SliceSpec:
-    """How a parameter of a tensor-parallel layer was cut from its logical tensor."""
-
-    dim: int                        # the logical tensor's dim that is split
-    logical_size: int               # its length along `dim` before padding
-    fused: tuple[int, ...] = ()     # sub-parameter lengths along `dim`, split one by one
-    padded_size: int | None = None  # the padded length (vocabularies), None if unpadded
-
-
 def slice_tensor(full: torch.Tensor, spec: SliceSpec, region: TensorRegion) -> torch.Tensor:
     """This rank's slice of the logical tensor `full` (pads first when `spec.padded_size`)."""
-    if spec.padded_size is not None and spec.padded_size != full.shape[spec.dim]:
-        pad_shape = list(full.shape)
-        pad_shape[spec.dim] = spec.padded_size - full.shape[spec.dim]
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=spec.dim)
-    parts = full.split(list(spec.fused), dim=spec.dim) if spec.fused else (full,)
-    return torch.cat([ops.local_slice(part, spec.dim, region) for part in parts], dim=spec.dim).contiguous()
+    for length in spec.fused or (spec.padded_size or full.shape[spec.dim],):
+        check_divisible(length, region.size, f"dimension {spec.dim} of a {tuple(full.shape)} tensor")
+    return cut_slice(full, spec, region.rank, region.size)
 
 
 def unslice_tensor(local: torch.Tensor, spec: SliceSpec, region: TensorRegion) -> torch.Tensor:
     """The logical tensor from every rank's slice (all-gather; the inverse of `slice_tensor`)."""
-    gathered = ops.all_gather_dim(local.detach(), spec.dim, region)
-    if spec.fused:
-        per_rank = gathered.chunk(region.size, dim=spec.dim)
-        local_sizes = [size // region.size for size in spec.fused]
-        columns = [piece.split(local_sizes, dim=spec.dim) for piece in per_rank]
-        gathered = torch.cat([torch.cat([c[i] for c in columns], dim=spec.dim) for i in range(len(spec.fused))],
-                             dim=spec.dim)
-    return gathered.narrow(spec.dim, 0, spec.logical_size)
+    return join_slices(ops.all_gather_dim(local.detach(), spec.dim, region), spec, region.size)
 
 
 def _check_fused(length: int, fused: tuple[int, ...], region: TensorRegion, what: str) -> None:

@@ -1,4 +1,4 @@
-"""The end-of-run summary: measured numbers set beside DESIGN.md's formulas.
+"""The end-of-run summary: measured numbers set beside the formulas of docs/design/zero.md.
 
 Model state per rank for Ψ parameters on N ranks with Adam (two fp32 states):
 
@@ -101,12 +101,12 @@ def memory_lines(summary: RunSummary) -> list[str]:
     dense_psi = summary.psi - sum(psi for _, psi, _ in summary.narrow_groups)
     if len(summary.psi_by_stage) == 1:
         described = f"Ψ = {dense_psi:,} padded parameters, N = {summary.world_size}, Adam; " \
-                    f"DESIGN.md: {state_formula(summary.stage, mixed)}"
+                    f"docs/design/zero.md: {state_formula(summary.stage, mixed)}"
     else:  # stage 3 with parameters under the persistence threshold: those are stage-2 groups
         parts = [f"stage {stage}: {psi:,} ({state_formula(stage, mixed)})"
                  for stage, psi in sorted(summary.psi_by_stage.items(), reverse=True)]
         described = f"Ψ = {dense_psi:,} padded parameters, of which {'; '.join(parts)}, N = {summary.world_size}, " \
-                    "Adam; DESIGN.md"
+                    "Adam; docs/design/zero.md"
     if summary.narrow_groups:
         expected += sum(state_formula_bytes(stage, mixed, psi, ranks) for stage, psi, ranks in summary.narrow_groups)
         experts = sum(psi for _, psi, _ in summary.narrow_groups)
@@ -128,8 +128,9 @@ def comm_lines(summary: RunSummary) -> list[str]:
     training_bus = (summary.comm_bus_bytes - summary.logging_bus_bytes) / steps
     lines = [f"communication on rank 0 over {summary.steps} steps (tracer):"]
     lines += ["  " + line for line in summary.comm_table.splitlines()]
+    expected = format_bytes(summary.expected_bus_bytes_per_step)
     lines.append(f"  per step: {format_bytes(training_bytes)} issued, {format_bytes(training_bus)} bus bytes for "
-                 f"training; DESIGN.md expects {format_bytes(summary.expected_bus_bytes_per_step)} bus bytes for "
+                 f"training; docs/design/zero.md expects {expected} bus bytes for "
                  "gradients and parameters (plus a few bytes of norm/overflow all_reduce)"
                  + ("; the rest is tensor-parallel traffic (below)" if summary.tensor_degree > 1 else ""))
     lines.append(f"  loss averaging for the progress bar adds {format_bytes(summary.logging_bytes / steps)} per step "

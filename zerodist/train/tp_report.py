@@ -5,7 +5,7 @@ The data-parallel and tensor-parallel groups can have the same size (2 x 2), so 
 records cannot tell their collectives apart; the tensor-parallel layers count their own bytes in
 the schedule log (`zerodist.tensor_parallel.schedule_log`) that wraps the training steps. Per
 micro-batch of T = micro x seq tokens, hidden h, vocabulary V, L
-blocks, e bytes per element (../shared/research/tensor_parallel.md):
+blocks, e bytes per element (docs/tensor_parallel.md, "Communication and overlap"):
 
     forward:  2L all-reduces of T*h (Domino: 2kL of T*h/k) + 1 all-reduce T*h (vocab-parallel
               embedding) + 1 all-gather T*V (the gathered LM head)

@@ -1,6 +1,6 @@
 """What ZeRO shards (the policy) and over which ranks (a flat group's domain group).
 
-A ZeRO stage is a choice of what is sharded (DESIGN.md's table); `ShardingPolicy` states that
+A ZeRO stage is a choice of what is sharded (docs/design/zero.md's table); `ShardingPolicy` states that
 choice once, frozen, and every component reads it instead of comparing stage numbers:
 
     stage   optimizer state   gradients   parameters
