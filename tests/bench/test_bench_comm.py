@@ -15,7 +15,7 @@ from zerodist.bench.comm import BenchOptions, parse_bytes, power_of_two_sizes, r
 from tests.harness import distributed_test
 from tests.processes import run_group
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "ZERODIST_COLLECTIVE_GUARD")
 

@@ -27,7 +27,7 @@ from tests.processes import run_group
 from zerodist.checkpoint import CheckpointCorruptError, CheckpointNotFoundError, consolidate_checkpoint
 from zerodist.checkpoint.deepspeed_import import DeepSpeedImportError, import_deepspeed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOSS_TOLERANCE = 1e-6
 
 

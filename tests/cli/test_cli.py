@@ -8,7 +8,7 @@ import subprocess
 import sys
 from tests.processes import run_group
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _zerodist(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from zerodist.cli.run import describe_failures
 from tests.processes import run_group
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_config_error_every_rank_finds_ends_both_ranks_with_status_2(tmp_path: Path) -> None:

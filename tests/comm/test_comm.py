@@ -15,7 +15,7 @@ import zerodist.comm as comm
 from zerodist.comm.init import read_launch_env, resolve_timeout
 from tests.harness import DistributedTestFailure, distributed_test, run_distributed
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FULL_TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 

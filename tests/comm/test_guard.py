@@ -15,7 +15,7 @@ import zerodist.comm as comm
 from zerodist.comm import collectives, guard
 from tests.harness import distributed_test
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ---------------------------------------------------------------- pure parts
@@ -118,7 +118,7 @@ def test_shape_mismatch_fails_on_every_rank_naming_rank_shapes_and_call_site(wor
         comm.disable_collective_guard()
     assert "collective #1" in message
     assert "shape (4,)" in message and "shape (5,)" in message
-    assert re.search(r"rank 1: #1 all_reduce float32 shape \(5,\) at tests/test_guard\.py:\d+", message)
+    assert re.search(r"rank 1: #1 all_reduce float32 shape \(5,\) at tests/comm/test_guard\.py:\d+", message)
     assert "<lambda>" in message
     if world_size == 4:
         assert "diverging rank(s): 1 (ranks 0, 2-3 agree)" in message

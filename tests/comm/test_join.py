@@ -12,7 +12,7 @@ import sys
 from zerodist.comm.join import DEFAULT_JOIN_TIMEOUT_S, join_timeout_s
 from tests.processes import run_group
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 12  # long enough for the first "waiting" line (due at 5 s), short for a test
 # Prints how long init_distributed() took before it raised, measured inside the process.
 SCRIPT = (

@@ -19,7 +19,7 @@ from zerodist.config import (
 )
 from zerodist.config.deepspeed_keys import NOT_IMPLEMENTED
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 AUTO_CANNOT = '"auto" cannot be resolved by zerodist; give'
 
 # (id, config, fragment the error must contain)

@@ -15,8 +15,8 @@ from zerodist.debug import (GradientSyncError, GradSyncWatch, WeightSyncError, c
                             check_weight_sync)
 from tests.engine_helpers import base_config
 from tests.harness import distributed_test
-from tests.test_debug_sync import _inject_owned, _owned_by, _slot
-from tests.test_moe_engine import MoEModel, _batch
+from tests.debug.test_debug_sync import _inject_owned, _owned_by, _slot
+from tests.moe.test_moe_engine import MoEModel, _batch
 
 DENSE = "inp.weight"
 
@@ -112,7 +112,7 @@ def test_stage2_experts_against_the_reference_reduction():
 def test_a_tensor_parallel_slice_that_drifted_on_one_rank_raises_on_every_rank():
     """data=2 x tensor=2: a column slice is compared over the data ranks holding the same slice
     only, yet every rank raises (the others would otherwise wait alone at their next collective)."""
-    from tests.test_tp_engine import _config, _train
+    from tests.tensor_parallel.test_tp_engine import _config, _train
     from zerodist.comm.topology import coords_of
 
     engine = _train(_config(0, tensor=2), 1)

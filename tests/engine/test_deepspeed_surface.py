@@ -1,6 +1,6 @@
 """DeepSpeed's user-facing surface: config keys that change nothing, `initialize()`'s arguments,
 `add_config_arguments`, the engine as an nn.Module with DeepSpeed's accessors, `zero.Init`'s
-keywords and `deepspeed.comm`'s names. The tutorial script itself is tests/test_deepspeed_tutorial.py."""
+keywords and `deepspeed.comm`'s names. The tutorial script itself is tests/engine/test_deepspeed_tutorial.py."""
 
 from __future__ import annotations
 

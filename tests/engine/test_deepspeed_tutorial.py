@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tests.harness import run_distributed
 from tests.processes import run_group
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "deepspeed_tutorial.py"
 CONFIG = REPO / "examples" / "ds_config.json"
 EPOCHS, SAMPLES, GLOBAL_BATCH = 2, 64, 16

@@ -14,7 +14,7 @@ from tests.processes import run_group
 
 pytest.importorskip("transformers")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_example_trains_a_pretrained_llama_and_saves_it_for_from_pretrained(tmp_path):

@@ -12,7 +12,7 @@ import zerodist.checkpoint as ckpt
 import zerodist.comm as comm
 from tests.engine_helpers import assert_close_relative, base_config
 from tests.harness import run_distributed
-from tests.test_moe_engine import MICRO, MoEModel, _batch, _reference
+from tests.moe.test_moe_engine import MICRO, MoEModel, _batch, _reference
 
 SAVE_AT, TOTAL = 3, 5
 # Random second-expert choice and Jitter: keyed by (step, micro-batch index in the global batch),

@@ -176,7 +176,7 @@ def test_zerodist_train_tp_2_with_domino_on_4_ranks(tmp_path):
 def _llama_through_initialize(pre_parallelized):
     import copy
 
-    from tests.test_tp_parallelize import _tiny_llama
+    from tests.tensor_parallel.test_tp_parallelize import _tiny_llama
     from zerodist.tensor_parallel import hf_llama_plan, parallelize
 
     reference = _tiny_llama(heads=4).float()

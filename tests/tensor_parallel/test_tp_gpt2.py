@@ -23,7 +23,7 @@ from zerodist.tensor_parallel import (
     unsliced_state_dict,
 )
 from tests.harness import distributed_test, run_distributed
-from tests.test_tp_parallelize import _batches, _train_and_compare
+from tests.tensor_parallel.test_tp_parallelize import _batches, _train_and_compare
 
 transformers = pytest.importorskip("transformers")
 

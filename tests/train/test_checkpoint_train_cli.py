@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tests.test_train_cli import REPO, run_train
+from tests.train.test_train_cli import REPO, run_train
 from zerodist.checkpoint import consolidate_checkpoint
 
 

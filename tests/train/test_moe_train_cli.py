@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.test_train_cli import read_losses, run_train
+from tests.train.test_train_cli import read_losses, run_train
 
 
 def test_moe_demo_trains_and_reports_the_load_per_layer(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from zerodist.train import Overrides, default_config, merge_config
 from zerodist.train.report import expected_bus_bytes, state_formula, state_formula_bytes
 from tests.processes import run_group
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_train(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:

@@ -23,7 +23,7 @@ from tests.engine_helpers import (assert_close_relative, base_config, global_bat
 from tests.harness import DistributedTestFailure, distributed_test, run_distributed
 from tests.processes import run_group
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # One unit per Linear, every parameter sharded. The flattening plan depends on both settings at
 # every stage ([Note: one plan for every stage]), so runs compared with stage 3 set them too.
 PER_LINEAR = {"zerodist": {"stage3_unit_classes": ["Linear"]},
@@ -348,7 +348,7 @@ def test_divergent_control_flow_is_an_error_on_every_rank(reuse):
 @pytest.mark.parametrize("stage", [3])
 @distributed_test(world_size=2)
 def test_user_expert_ids_survive_stage_3(stage):
-    from tests.test_engine_behaviour import _attributes, _MoEish
+    from tests.engine.test_engine_behaviour import _attributes, _MoEish
 
     model = _MoEish()
     before = _attributes(model)

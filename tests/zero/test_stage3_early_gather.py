@@ -12,7 +12,7 @@ import zerodist
 import zerodist.checkpoint as ckpt
 import zerodist.comm as comm
 from tests.harness import run_distributed
-from tests.test_param_gather_overlap import assert_states_equal, batch, gpt_engine, train_three_steps
+from tests.zero.test_param_gather_overlap import assert_states_equal, batch, gpt_engine, train_three_steps
 from zerodist.zero.stage3 import UnitState
 
 
