@@ -20,12 +20,14 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
                "ZERODIST_COLLECTIVE_GUARD")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text, value", [("1K", 1024), ("64M", 64 * 2**20), ("64MiB", 64 * 2**20), ("512", 512),
                                          ("1g", 2**30), ("2KB", 2048)])
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
 
 
+@pytest.mark.unit
 def test_parse_bytes_rejects_and_sizes_are_powers_of_two():
     with pytest.raises(ValueError, match="cannot read"):
         parse_bytes("1.5M")
@@ -48,6 +50,7 @@ def test_every_op_is_correct_and_follows_nccl_tests_conventions(world_size):
     assert [r.num_bytes for r in rows if r.op == "all_reduce"] == [64, 128, 256]
 
 
+@pytest.mark.multiprocess
 def test_spawned_two_rank_run_writes_csv_json_png(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")

@@ -25,6 +25,8 @@ from zerodist.checkpoint import KILL_ENV, KILL_POINTS, inspect_checkpoints
 from zerodist.models import make_mlp
 from tests.processes import run_group
 
+pytestmark = pytest.mark.multiprocess
+
 TOTAL_STEPS, PREVIOUS, SAVED = 8, 3, 6
 COMMIT_POINT = KILL_POINTS.index("manifest-renamed")  # from here on the new checkpoint is committed
 REPORTED = KILL_POINTS.index("after-gather")  # a rank past this has handed rank 0 all it wrote

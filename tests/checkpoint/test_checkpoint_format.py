@@ -16,6 +16,7 @@ from zerodist.config import Config, ConfigError
 from zerodist.engine.dataloader import EngineDataLoader
 
 
+@pytest.mark.unit
 def test_atomic_file_appears_complete_or_not_at_all(tmp_path):
     target = tmp_path / "data.bin"
     with pytest.raises(RuntimeError):
@@ -40,6 +41,7 @@ def _manifest(tag: str, steps: int, committed_at: float) -> Manifest:
                     extra={}, aliases={}, state_dict_keys=["w"])
 
 
+@pytest.mark.unit
 def test_manifest_round_trip_and_damage(tmp_path):
     m = _manifest("t", 5, 1.0)
     back = Manifest.from_json(m.to_json(), tmp_path)
@@ -52,6 +54,7 @@ def test_manifest_round_trip_and_damage(tmp_path):
         Manifest.from_json(json.dumps(body), tmp_path)
 
 
+@pytest.mark.unit
 def test_listing_orders_committed_tags_and_names_incomplete_ones(tmp_path):
     for tag, steps, when in (("b", 6, 2.0), ("a", 3, 1.0)):
         (tmp_path / tag).mkdir()
@@ -67,12 +70,14 @@ def test_listing_orders_committed_tags_and_names_incomplete_ones(tmp_path):
     assert list_checkpoints(tmp_path / "missing").committed == []
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bad", ["latest", "a/b", ".hidden", ""])
 def test_tag_names_must_be_plain_directory_names(bad):
     with pytest.raises(ValueError, match="plain directory name"):
         check_tag_name(bad)
 
 
+@pytest.mark.unit
 def test_safetensors_writer_is_read_by_safetensors(tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
     state = {"w": torch.randn(3, 4), "h": torch.randn(5).to(torch.bfloat16), "n": torch.tensor(7),
@@ -89,6 +94,7 @@ def _epoch(loaders) -> list[list[int]]:
     return [sorted(int(v) for batch in step for v in batch[0].reshape(-1)) for step in zip(*loaders)]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("resume_ranks", [2, 4])
 def test_loader_resumes_mid_epoch_with_the_same_global_batches(resume_ranks):
     data = torch.utils.data.TensorDataset(torch.arange(48.0).unsqueeze(1))  # 4 global batches of 12 per epoch
@@ -109,6 +115,7 @@ def test_loader_resumes_mid_epoch_with_the_same_global_batches(resume_ranks):
     assert resumed[0].state_dict() == {"epoch": 2, "samples_in_epoch": 0}
 
 
+@pytest.mark.unit
 def test_auto_resume_and_save_interval_need_a_save_dir():
     with pytest.raises(ConfigError, match=r"'checkpoint.save_interval' is set but 'checkpoint.save_dir' is not"):
         Config.load({"checkpoint": {"save_interval": 5}})
@@ -135,6 +142,7 @@ def trace_points_body(save_dir: str) -> list[str]:
     return seen
 
 
+@pytest.mark.multiprocess
 def test_a_save_passes_every_crash_point_in_order(tmp_path):
     seen = run_distributed(trace_points_body, 1, str(tmp_path))[0]
     second = seen[seen.index("save-done") + 1:]

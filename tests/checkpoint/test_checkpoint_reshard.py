@@ -23,6 +23,8 @@ from tests.engine_helpers import assert_close_relative, base_config, global_batc
 from tests.harness import run_distributed
 from zerodist.models import make_mlp
 
+pytestmark = pytest.mark.multiprocess
+
 GLOBAL_BATCH, SAVE_AT, TOTAL = 12, 3, 6  # 12 rows divide among 1, 2, 3 and 4 ranks
 KINDS = ("param", "optimizer.exp_avg", "optimizer.exp_avg_sq")
 STAGE3 = importlib.util.find_spec("zerodist.zero.stage3") is not None

@@ -23,6 +23,8 @@ from tests.harness import run_distributed
 from zerodist.data import TokenDataset
 from zerodist.models import GPT, GPTConfig
 
+pytestmark = pytest.mark.multiprocess
+
 SEQ = 32
 STAGE3 = importlib.util.find_spec("zerodist.zero.stage3") is not None
 needs_stage3 = pytest.mark.skipif(not STAGE3, reason="ZeRO stage 3 has not landed in this tree")

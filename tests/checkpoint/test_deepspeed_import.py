@@ -58,6 +58,7 @@ def _resume_in_zerodist(checkpoint_dir: str, stage: int, load_optimizer_states: 
     return client_state, losses
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_deepspeed_checkpoint_resumes_in_zerodist_with_deepspeeds_losses(deepspeed_run: Any, stage: int) -> None:
     out, deepspeed_losses = deepspeed_run
@@ -73,6 +74,7 @@ def test_a_deepspeed_checkpoint_resumes_in_zerodist_with_deepspeeds_losses(deeps
     assert worst <= LOSS_TOLERANCE, f"stage {stage}: losses differ from DeepSpeed's resumed run by {worst:.3g}"
 
 
+@pytest.mark.multiprocess
 def test_the_comparison_notices_a_lost_optimizer_state(deepspeed_run: Any) -> None:
     """The tolerance is meaningful: resuming without Adam's moments moves the losses far beyond it."""
     out, deepspeed_losses = deepspeed_run
@@ -82,6 +84,7 @@ def test_the_comparison_notices_a_lost_optimizer_state(deepspeed_run: Any) -> No
     assert worst > 1000 * LOSS_TOLERANCE
 
 
+@pytest.mark.multiprocess
 def test_a_deepspeed_stage_3_checkpoint_resumes_on_one_rank_at_stage_1(deepspeed_run: Any) -> None:
     """Another world size and stage: each micro-step's loss is the mean of DeepSpeed's two ranks'."""
     out, deepspeed_losses = deepspeed_run
@@ -94,6 +97,7 @@ def test_a_deepspeed_stage_3_checkpoint_resumes_on_one_rank_at_stage_1(deepspeed
     assert worst <= 4 * LOSS_TOLERANCE
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_hand_built_fixtures_have_deepspeeds_layout(deepspeed_run: Any, tmp_path: Path, stage: int) -> None:
     """The files tests/deepspeed_fixtures.py writes (for the tests without DeepSpeed) have the
@@ -118,6 +122,7 @@ def _truth_and_import(tmp_path: Path, stage: int, world_size: int) -> tuple[fixt
     return truth, tag_dir
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("stage,world_size", [(0, 2), (1, 3), (2, 3), (3, 3), (3, 2)])
 def test_import_gives_back_exactly_what_the_deepspeed_files_hold(tmp_path: Path, stage: int, world_size: int) -> None:
     truth, tag_dir = _truth_and_import(tmp_path, stage, world_size)
@@ -152,6 +157,7 @@ def _tokens() -> torch.Tensor:
     return torch.randint(0, 10, (8, 3), generator=torch.Generator().manual_seed(9))
 
 
+@pytest.mark.multiprocess
 def test_an_engine_loads_a_deepspeed_directory_and_steps_with_its_adam_state(tmp_path: Path) -> None:
     """Saved by 3 DeepSpeed ranks at stage 3, loaded into 2 zerodist ranks at stage 2 by
     engine.load_checkpoint(DIR): one more step equals torch's AdamW continuing from the same state."""
@@ -174,6 +180,7 @@ def test_an_engine_loads_a_deepspeed_directory_and_steps_with_its_adam_state(tmp
             assert torch.allclose(state[key], value, rtol=1e-5, atol=1e-7), key
 
 
+@pytest.mark.unit
 def test_a_partial_deepspeed_checkpoint_names_the_missing_file(tmp_path: Path) -> None:
     truth = fixtures.write_deepspeed_checkpoint(tmp_path / "z2", 2, 3)
     (truth.tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
@@ -191,6 +198,7 @@ def test_a_partial_deepspeed_checkpoint_names_the_missing_file(tmp_path: Path) -
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.unit
 def test_a_damaged_deepspeed_file_is_named(tmp_path: Path) -> None:
     truth = fixtures.write_deepspeed_checkpoint(tmp_path / "ds", 1, 2)
     path = truth.tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -199,6 +207,7 @@ def test_a_damaged_deepspeed_file_is_named(tmp_path: Path) -> None:
         import_deepspeed(tmp_path / "ds", tmp_path / "out")
 
 
+@pytest.mark.unit
 def test_a_class_outside_deepspeeds_checkpoint_vocabulary_is_named(tmp_path: Path) -> None:
     truth = fixtures.write_deepspeed_checkpoint(tmp_path / "ds", 0, 2)
     path = truth.tag_dir / "mp_rank_00_model_states.pt"
@@ -221,6 +230,7 @@ def _load_partial(path: str) -> str:
     return str(caught.value)
 
 
+@pytest.mark.multiprocess
 def test_loading_a_partial_deepspeed_directory_fails_on_every_rank(tmp_path: Path) -> None:
     truth = fixtures.write_deepspeed_checkpoint(tmp_path, 2, 2)
     (truth.tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
@@ -228,6 +238,7 @@ def test_loading_a_partial_deepspeed_directory_fails_on_every_rank(tmp_path: Pat
         assert "zero_pp_rank_0_mp_rank_00_optim_states.pt is missing" in message
 
 
+@pytest.mark.unit
 def test_cli_import_deepspeed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from zerodist.cli.main import main
 

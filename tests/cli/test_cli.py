@@ -6,7 +6,12 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
+
 from tests.processes import run_group
+
+pytestmark = pytest.mark.multiprocess
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

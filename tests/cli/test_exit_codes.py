@@ -9,12 +9,15 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from zerodist.cli.run import describe_failures
 from tests.processes import run_group
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.multiprocess
 def test_a_config_error_every_rank_finds_ends_both_ranks_with_status_2(tmp_path: Path) -> None:
     # Valid for the launcher's checks; only the ranks' initialize() builds the schedule and finds it wrong.
     config = tmp_path / "ds.json"
@@ -35,6 +38,7 @@ def test_a_config_error_every_rank_finds_ends_both_ranks_with_status_2(tmp_path:
     assert "Traceback" not in text and "terminate called" not in text and "killed by" not in text, text[-3000:]
 
 
+@pytest.mark.unit
 def test_failures_are_described_per_rank_in_rank_order() -> None:
     def failure(code: int) -> SimpleNamespace:
         return SimpleNamespace(exitcode=code, signal_name=lambda: {-15: "SIGTERM", -6: "SIGABRT"}[code])

@@ -30,18 +30,21 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 # ---------------------------------------------------------------- launch environment (pure)
 
+@pytest.mark.unit
 def test_launch_env_torchrun_complete():
     launch = read_launch_env(FULL_TORCHRUN)
     assert (launch.rank, launch.world_size, launch.local_rank, launch.master_port) == (1, 2, 1, 29500)
     assert launch.source == "torchrun"
 
 
+@pytest.mark.unit
 def test_launch_env_empty_is_one_process_world():
     launch = read_launch_env({})
     assert (launch.rank, launch.world_size) == (0, 1)
     assert "one-process" in launch.source
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "env, fragments",
     [
@@ -65,6 +68,7 @@ def test_launch_env_rejects_partial_or_inconsistent(env, fragments):
         assert fragment in str(info.value)
 
 
+@pytest.mark.unit
 def test_launch_env_slurm_and_openmpi():
     slurm = read_launch_env({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "MASTER_ADDR": "n0"})
     assert (slurm.rank, slurm.world_size, slurm.local_rank, slurm.master_port, slurm.source) == (3, 4, 1, 29500, "SLURM")
@@ -73,6 +77,7 @@ def test_launch_env_slurm_and_openmpi():
     assert (ompi.rank, ompi.world_size, ompi.master_port, ompi.source) == (1, 2, 1234, "Open MPI")
 
 
+@pytest.mark.unit
 def test_init_with_partial_env_fails_within_a_second(monkeypatch):
     for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
@@ -85,6 +90,7 @@ def test_init_with_partial_env_fails_within_a_second(monkeypatch):
     assert not comm.is_initialized()
 
 
+@pytest.mark.unit
 def test_timeout_resolution(monkeypatch):
     monkeypatch.delenv("ZERODIST_TIMEOUT", raising=False)
     assert resolve_timeout(None) is None
@@ -101,6 +107,7 @@ def test_timeout_resolution(monkeypatch):
 
 # ---------------------------------------------------------------- init in real processes
 
+@pytest.mark.multiprocess
 def test_collective_without_init_in_one_process_world():
     code = "import torch, zerodist.comm as c; t = torch.ones(3); c.all_reduce(t); print(t.tolist(), c.init_distributed().source)"
     out = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=60)
@@ -108,6 +115,7 @@ def test_collective_without_init_in_one_process_world():
     assert "[1.0, 1.0, 1.0] one-process world" in out.stdout
 
 
+@pytest.mark.multiprocess
 def test_adopts_a_user_made_process_group():
     code = (
         "import torch.distributed as d, zerodist.comm as c\n"
@@ -121,6 +129,7 @@ def test_adopts_a_user_made_process_group():
     assert "adopted" in out.stdout and "gloo [3.0, 3.0]" in out.stdout
 
 
+@pytest.mark.multiprocess
 def test_partial_env_in_a_fresh_process_names_missing_variables():
     code = "import torch, zerodist.comm as c; c.all_reduce(torch.ones(1))"
     out = subprocess.run([sys.executable, "-c", code], env=_clean_env(RANK="0", WORLD_SIZE="2"),
@@ -342,6 +351,7 @@ def test_blocked_meter_counts_synchronous_collectives_and_waits():
     assert timed.num_blocking_calls == 1
 
 
+@pytest.mark.unit
 def test_bus_factors_follow_nccl_tests():
     assert comm.bus_factor("all_reduce", 4) == 1.5
     assert comm.bus_factor("reduce_scatter", 4) == comm.bus_factor("all_gather", 4) == 0.75
@@ -358,6 +368,7 @@ def _fail_on_rank_one_while_rank_zero_waits():
     comm.barrier()  # rank 0 would wait here forever for rank 1
 
 
+@pytest.mark.multiprocess
 def test_harness_fails_all_ranks_fast_when_one_rank_fails():
     start = time.monotonic()
     with pytest.raises(DistributedTestFailure) as info:
@@ -374,6 +385,7 @@ def _return_rank_and_sum(offset):
     return comm.get_rank(), t.item()
 
 
+@pytest.mark.multiprocess
 def test_harness_returns_each_ranks_value():
     assert run_distributed(_return_rank_and_sum, 2, 1) == [(0, 3.0), (1, 3.0)]
 

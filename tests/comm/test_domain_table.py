@@ -7,6 +7,8 @@ from zerodist.comm import DENSE, EXPERT, TENSOR_SLICE, Domain
 from zerodist.comm.domains import Placement, declare_placement, parameter_placements
 from zerodist.comm.errors import TopologyError
 
+pytestmark = pytest.mark.unit
+
 
 def test_undeclared_parameters_are_dense_and_nothing_is_written_on_the_model():
     model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2))

@@ -20,6 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # ---------------------------------------------------------------- pure parts
 
+@pytest.mark.unit
 def test_fingerprint_round_trip_and_agreement():
     a = guard.Fingerprint(3, "all_reduce", "float32", (4, 2), "train.py:10 step")
     assert guard.Fingerprint.decode(a.encode()) == a
@@ -30,6 +31,7 @@ def test_fingerprint_round_trip_and_agreement():
     assert a.describe() == "#3 all_reduce float32 shape (4, 2) at train.py:10 step"
 
 
+@pytest.mark.unit
 def test_env_parsing():
     assert guard.guard_requested({}) is False
     assert guard.guard_requested({"ZERODIST_COLLECTIVE_GUARD": "1"}) is True
@@ -41,6 +43,7 @@ def test_env_parsing():
     assert guard.format_ranks([0, 1, 2, 5]) == "0-2, 5"
 
 
+@pytest.mark.unit
 def test_guard_off_costs_nothing_and_enable_disable_round_trips():
     assert collectives.pre_collective_hooks == []
     with comm.collective_guard(timeout_s=2) as active:
@@ -52,6 +55,7 @@ def test_guard_off_costs_nothing_and_enable_disable_round_trips():
     comm.disable_collective_guard()  # twice is fine
 
 
+@pytest.mark.multiprocess
 def test_env_var_turns_the_guard_on_for_any_program():
     code = ("import torch, zerodist.comm as c; from zerodist.comm import collectives as k; "
             "t = torch.ones(2); c.all_reduce(t); print(len(k.pre_collective_hooks), t.tolist())")

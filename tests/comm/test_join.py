@@ -9,6 +9,8 @@ import re
 import socket
 import sys
 
+import pytest
+
 from zerodist.comm.join import DEFAULT_JOIN_TIMEOUT_S, join_timeout_s
 from tests.processes import run_group
 
@@ -39,11 +41,13 @@ def _start_alone(rank: int, port: int):
     return run_group([sys.executable, "-c", SCRIPT], env=env, timeout=TIMEOUT_S + 90)
 
 
+@pytest.mark.unit
 def test_default_join_timeout_is_minutes_and_a_configured_timeout_wins():
     assert join_timeout_s(None) == DEFAULT_JOIN_TIMEOUT_S == 300.0
     assert join_timeout_s(datetime.timedelta(seconds=7)) == 7.0
 
 
+@pytest.mark.multiprocess
 def test_rank0_alone_says_it_waits_for_rank1_then_fails_within_the_timeout():
     port = _free_port()
     out = _start_alone(0, port)
@@ -59,6 +63,7 @@ def test_rank0_alone_says_it_waits_for_rank1_then_fails_within_the_timeout():
     assert elapsed >= TIMEOUT_S  # it waited the configured time, not torch's 30 minutes (run_group's bound)
 
 
+@pytest.mark.multiprocess
 def test_rank1_alone_says_it_waits_for_rank0s_store_then_fails():
     port = _free_port()
     out = _start_alone(1, port)

@@ -8,11 +8,13 @@ from zerodist.comm.topology import axis_partition, coords_of, rank_of, resolve_d
 from tests.harness import DistributedTestFailure, distributed_test, run_distributed
 
 
+@pytest.mark.unit
 def test_degrees_default_data_takes_the_rest():
     assert resolve_degrees(8, tensor=2) == {"data": 4, "expert": 1, "tensor": 2}
     assert resolve_degrees(8, expert=2, tensor=2) == {"data": 2, "expert": 2, "tensor": 2}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "world, kwargs, fragment",
     [
@@ -28,6 +30,7 @@ def test_degrees_that_do_not_fit_list_every_factor(world, kwargs, fragment):
     assert fragment in str(info.value)
 
 
+@pytest.mark.unit
 def test_coordinates_round_trip_and_tensor_is_innermost():
     degrees = {"data": 2, "expert": 3, "tensor": 2}
     for rank in range(12):
@@ -36,6 +39,7 @@ def test_coordinates_round_trip_and_tensor_is_innermost():
     assert coords_of(6, degrees) == {"data": 1, "expert": 0, "tensor": 0}
 
 
+@pytest.mark.unit
 def test_partitions():
     degrees = {"data": 2, "expert": 1, "tensor": 2}
     assert axis_partition(degrees, ("tensor",)) == [[0, 1], [2, 3]]
@@ -90,6 +94,7 @@ def _mismatched_topology():
     comm.Topology(tensor=2 if comm.get_rank() == 0 else 1)
 
 
+@pytest.mark.multiprocess
 def test_ranks_asking_for_different_topologies_fail_on_every_rank():
     with pytest.raises(DistributedTestFailure) as info:
         run_distributed(_mismatched_topology, 2)

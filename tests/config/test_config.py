@@ -19,6 +19,8 @@ from zerodist.config import (
 )
 from zerodist.config.deepspeed_keys import NOT_IMPLEMENTED
 
+pytestmark = pytest.mark.unit
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 AUTO_CANNOT = '"auto" cannot be resolved by zerodist; give'
 

@@ -11,6 +11,8 @@ import zerodist.comm as comm
 from zerodist.debug import StepTimer, reduce_loss, straggler_report
 from tests.harness import distributed_test
 
+pytestmark = pytest.mark.multiprocess
+
 
 def rank_loss(rank: int) -> float:
     return 0.25 + 1.5 * rank

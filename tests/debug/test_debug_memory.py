@@ -171,6 +171,7 @@ def test_memory_report_per_rank_and_breakdown_logged_every_steps_per_print():
 
 # ---------------------------------------------------------------- the leak watch
 
+@pytest.mark.unit
 def test_leak_watch_warns_on_steady_growth_naming_the_window():
     watch = LeakWatch(window=5, min_growth_bytes=1000, measure=lambda: 0, what="heap in use")
     values = [100, 100, 90, 100, 95, 100, 100]  # noise: no warning
@@ -185,6 +186,7 @@ def test_leak_watch_warns_on_steady_growth_naming_the_window():
     assert all(tiny_rises.observe(s, v) is None for s, v in enumerate(jump_and_creep))
 
 
+@pytest.mark.unit
 def test_leak_watch_ignores_one_jump_and_growth_that_falls_back():
     watch = LeakWatch(window=5, min_growth_bytes=1000, measure=lambda: 0)
     jump = [0, 0, 0, 5000, 5000, 5000, 5000, 5000]  # one allocation that stays (a cache): not a leak

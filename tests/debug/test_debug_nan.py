@@ -14,6 +14,8 @@ from zerodist.debug import NanHunter, NonFiniteError
 from tests.engine_helpers import base_config, global_batch
 from tests.harness import distributed_test
 
+pytestmark = pytest.mark.multiprocess
+
 
 class Poison(nn.Module):
     """Turns its input into NaN from the `at`-th call on, when `active` (one rank only)."""

@@ -28,6 +28,7 @@ def _epochs(loader, num_epochs: int, set_epoch: bool) -> list[list[float]]:
     return orders
 
 
+@pytest.mark.unit
 def test_forgotten_set_epoch_warns_naming_the_epoch_and_the_fix():
     sampler = DistributedSampler(DATA, num_replicas=2, rank=0, shuffle=True, seed=3)
     loader = DataLoader(DATA, batch_size=4, sampler=SamplerWatch(sampler))
@@ -42,6 +43,7 @@ def test_forgotten_set_epoch_warns_naming_the_epoch_and_the_fix():
         vars(DistributedSampler(DATA, num_replicas=2, rank=0, shuffle=True, seed=3)))  # nothing set on it
 
 
+@pytest.mark.unit
 def test_set_epoch_called_or_no_shuffle_stays_quiet():
     watched = DataLoader(DATA, batch_size=4, sampler=SamplerWatch(
         DistributedSampler(DATA, num_replicas=2, rank=1, shuffle=True)))
@@ -55,6 +57,7 @@ def test_set_epoch_called_or_no_shuffle_stays_quiet():
     assert orders[0] != orders[1] and logs == []
 
 
+@pytest.mark.unit
 def test_wrapping_the_loader_reads_the_epoch_and_strict_raises():
     loader = DataLoader(DATA, batch_size=8, sampler=DistributedSampler(DATA, num_replicas=2, rank=0))
     watch = SamplerWatch(loader, strict=True)

@@ -142,6 +142,7 @@ def test_parameter_nudged_on_one_rank_is_named():
         engine.destroy()
 
 
+@pytest.mark.unit
 def test_checksum_sees_order_and_single_bits():
     from zerodist.debug.sync import checksum
 

@@ -18,6 +18,8 @@ from tests.harness import distributed_test
 from tests.debug.test_debug_sync import _inject_owned, _owned_by, _slot
 from tests.moe.test_moe_engine import MoEModel, _batch
 
+pytestmark = pytest.mark.multiprocess
+
 DENSE = "inp.weight"
 
 

@@ -14,6 +14,8 @@ from zerodist.debug.estimate import (
     shard_numel,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)

@@ -42,6 +42,7 @@ def zerodist_log() -> Iterator[list[str]]:
 
 # ---------------------------------------------------------------- config keys that change nothing
 
+@pytest.mark.unit
 def test_no_op_deepspeed_values_load_with_one_info_line():
     raw = {"prescale_gradients": False, "flops_profiler": {"enabled": False, "profile_step": 3},
            "fp16": {"fp16_master_weights_and_grads": False},
@@ -60,6 +61,7 @@ def test_no_op_deepspeed_values_load_with_one_info_line():
     assert messages == []  # nothing to name, no line
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("raw", "fragment"), [
     ({"zero_optimization": {"cpu_offload": True}}, "'zero_optimization.cpu_offload' is a DeepSpeed setting that "
      "zerodist does not implement yet; remove it (accepted, as changing nothing here: false)"),
@@ -80,6 +82,7 @@ def test_values_asking_for_more_and_typos_stay_errors(raw, fragment):
 
 # ---------------------------------------------------------------- arguments and initialize()
 
+@pytest.mark.unit
 def test_add_config_arguments_has_deepspeeds_flags():
     parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
@@ -92,6 +95,7 @@ def _resolve(args=None, model=torch.nn.Linear(1, 1), config=None, config_params=
                                         mesh_param=mesh_param, distributed_port=29500, dist_init_required=None)
 
 
+@pytest.mark.unit
 def test_initialize_takes_the_config_as_deepspeed_does():
     args = argparse.Namespace(deepspeed_config="from_args.json")
     assert _resolve(args) == "from_args.json"
@@ -105,6 +109,7 @@ def test_initialize_takes_the_config_as_deepspeed_does():
         _resolve(argparse.Namespace(deepspeed_config="a.json", deepscale_config="b.json"))
 
 
+@pytest.mark.unit
 def test_initialize_refuses_what_it_cannot_honour():
     with pytest.raises(ValueError, match="takes no model-parallel unit; remove mpu"):
         _resolve(mpu=object())
@@ -206,6 +211,7 @@ def test_save_16bit_model_writes_the_plain_models_keys_on_rank_0():
 
 # ---------------------------------------------------------------- zero.Init's keywords
 
+@pytest.mark.unit
 def test_zero_init_accepts_keywords_that_ask_for_nothing_new():
     with deepspeed.zero.Init(enabled=False):
         eager = torch.nn.Linear(2, 2)
@@ -217,6 +223,7 @@ def test_zero_init_accepts_keywords_that_ask_for_nothing_new():
     assert meta.weight.is_meta
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("keywords", "fragment"), [
     ({"remote_device": "cpu"}, "parameter offload is not implemented"),
     ({"pin_memory": True}, "pinned memory is for CPU offload"),
@@ -233,6 +240,7 @@ def test_zero_init_refuses_keywords_asking_for_more(keywords, fragment):
     assert fragment in str(caught.value)
 
 
+@pytest.mark.unit
 def test_zero_init_rejects_names_deepspeed_does_not_have():
     with pytest.raises(TypeError, match="unexpected keyword argument"):
         deepspeed.zero.Init(remote_devices=None)
@@ -299,6 +307,7 @@ def test_backward_and_step_take_deepspeeds_keywords():
         engine.load_checkpoint("unused", None, False)
 
 
+@pytest.mark.multiprocess
 def test_distributed_port_and_dist_init_required_keep_deepspeeds_meanings():
     """In a fresh process (no process group yet): dist_init_required=False is an error naming the fix,
     and distributed_port becomes rank 0's port only when the launcher gave none."""

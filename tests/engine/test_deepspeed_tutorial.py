@@ -138,12 +138,14 @@ def _check_run(results: dict[str, Any], stage: int, reference_and_test: list[flo
     assert results["after"]["was_step_applied"] is True
 
 
+@pytest.mark.unit
 def test_the_reference_tells_training_from_no_training(reference):
     frozen = reference_losses(learning=False)
     assert frozen[0] == pytest.approx(reference[0], abs=1e-7)  # the first step's learning rate is 0
     assert max(abs(a - b) for a, b in zip(frozen, reference)) > 100 * LOSS_TOLERANCE
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_tutorial_script_matches_one_process_at_every_stage(stage, reference, tmp_path):
     config = _config_for_stage(stage, tmp_path)
@@ -152,6 +154,7 @@ def test_tutorial_script_matches_one_process_at_every_stage(stage, reference, tm
     _check_run(results, stage, reference)
 
 
+@pytest.mark.multiprocess
 def test_tutorial_script_launched_by_zerodist_run(reference, tmp_path):
     """As a user runs it: `zerodist run --nproc 2`, its own processes, the tutorial's config file."""
     config = _config_for_stage(2, tmp_path)
@@ -167,6 +170,7 @@ def test_tutorial_script_launched_by_zerodist_run(reference, tmp_path):
     _check_run(json.loads((tmp_path / "results.json").read_text()), 2, reference)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 def test_tutorial_script_matches_real_deepspeed(tmp_path):
     """Where DeepSpeed is installed: the same script with `import deepspeed` gives the same losses and

@@ -129,6 +129,7 @@ def test_fp16_overflow_on_one_rank_makes_every_rank_skip(stage):
     assert engine.optimizer.scaler.state_dict()["num_overflows"] == 1
 
 
+@pytest.mark.unit
 def test_loss_scaler_hysteresis_and_window():
     from zerodist.precision import LossScaler
 
@@ -206,6 +207,7 @@ class _FakeOptimizer:
         self.param_groups = [{"lr": lr, "betas": (0.9, 0.999)}]
 
 
+@pytest.mark.unit
 def test_deepspeed_schedules_follow_their_formulas():
     # Built at iteration -1 (the warmup minimum), then step() moves one iteration: [Note: schedule iterations].
     s = WarmupLR(_FakeOptimizer(), warmup_min_lr=0.0, warmup_max_lr=0.01, warmup_num_steps=100, warmup_type="log")
@@ -257,6 +259,7 @@ _SCHEDULE_CASES = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name, params", _SCHEDULE_CASES)
 def test_schedules_match_deepspeed_step_for_step(name, params):
     """Where DeepSpeed is installed: the rate every step uses, from construction over 30 steps,
@@ -442,6 +445,7 @@ def _initialize_with_rank_dependent_config():
     zerodist.initialize(model=make_mlp(), config=config)
 
 
+@pytest.mark.multiprocess
 def test_ranks_with_different_configs_fail_on_every_rank():
     with pytest.raises(DistributedTestFailure) as info:
         run_distributed(_initialize_with_rank_dependent_config, 2, timeout=60)

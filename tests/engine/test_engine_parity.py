@@ -9,6 +9,8 @@ import zerodist.comm as comm
 from tests.engine_helpers import (assert_close_relative, base_config, train_distributed, train_reference)
 from tests.harness import distributed_test
 
+pytestmark = pytest.mark.multiprocess
+
 STEPS = 10
 
 

@@ -15,6 +15,7 @@ from zerodist.engine.initialize import reduce_collective
 from zerodist.zero.policy import ShardingPolicy
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("raw, message", [
     ({"zero_optimization": {"contiguous_gradients": False}}, "always copies gradients into flat contiguous buckets"),
     ({"tensor_parallel": {"autotp_size": 2}, "zerodist": {"tensor_parallel": {"size": 4}}},
@@ -25,6 +26,7 @@ def test_values_asking_for_what_zerodist_lacks_are_refused_with_the_reason(raw, 
         Config.load(raw)
 
 
+@pytest.mark.unit
 def test_deepspeed_defaults_for_those_keys_load():
     config = Config.load({"zero_optimization": {"overlap_comm": True, "contiguous_gradients": True,
                                                 "stage3_gather_16bit_weights_on_model_save": True},
@@ -32,6 +34,7 @@ def test_deepspeed_defaults_for_those_keys_load():
     assert config.zero_optimization.overlap_comm and config.tensor_parallel.autotp_size == 1
 
 
+@pytest.mark.unit
 def test_the_log_names_the_collective_that_runs():
     assert reduce_collective(ShardingPolicy.from_stage(0), True) == "all-reduce (reduce_scatter applies from stage 1)"
     assert reduce_collective(ShardingPolicy.from_stage(0), False) == "all-reduce"

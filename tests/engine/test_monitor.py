@@ -42,6 +42,7 @@ def test_csv_monitor_writes_the_mean_loss_per_step():
         assert os.path.exists(os.path.join(box[0], "job", "Train_Samples_lr.csv"))
 
 
+@pytest.mark.unit
 def test_tensorboard_without_the_package_is_a_clear_error(monkeypatch):
     import builtins
 

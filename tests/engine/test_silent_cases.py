@@ -3,6 +3,7 @@ parameter unused in a step still moved by Adam (documented in README's guarantee
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import zerodist
@@ -11,6 +12,8 @@ from zerodist.models import make_mlp
 from tests.debug_helpers import captured_logs
 from tests.engine_helpers import base_config
 from tests.harness import distributed_test
+
+pytestmark = pytest.mark.multiprocess
 
 
 def _recast_warnings(messages: list[str]) -> list[str]:

@@ -12,6 +12,8 @@ import torch
 
 from tests.processes import run_group
 
+pytestmark = pytest.mark.multiprocess
+
 pytest.importorskip("transformers")
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

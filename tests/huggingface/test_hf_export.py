@@ -13,6 +13,8 @@ from tests.engine_helpers import base_config
 from tests.harness import run_distributed
 from tests.hf_models import hf_batch, hf_class, hf_config, hf_loss
 
+pytestmark = pytest.mark.multiprocess
+
 pytest.importorskip("transformers")
 
 

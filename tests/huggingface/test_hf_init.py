@@ -19,6 +19,7 @@ STAGE3 = base_config(3, zero_optimization={"stage3_param_persistence_threshold":
 STAGE3_SGD = {**STAGE3, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind", [*KINDS, "mixtral"])
 def test_partitioned_build_replays_the_models_own_initialisation(kind):
     """One process: every parameter and buffer (rotary tables, position ids) as the eager build,

@@ -12,6 +12,8 @@ from tests.harness import DistributedTestFailure, run_distributed
 from tests.hf_models import hf_batch, hf_class, hf_config
 from zerodist.checkpoint import load_pretrained
 
+pytestmark = pytest.mark.multiprocess
+
 pytest.importorskip("transformers")
 
 # ~3.5M parameters: 4 layers of 256, large enough that the slices matter, small enough to be quick

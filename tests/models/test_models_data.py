@@ -8,6 +8,8 @@ import torch
 from zerodist.data import MIN_CORPUS_BYTES, TokenDataset, split_corpus, stdlib_corpus
 from zerodist.models import GPT, GPT_PRESETS, GPTConfig, count_parameters, gpt_config, make_mlp
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def corpus():

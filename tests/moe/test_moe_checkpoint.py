@@ -14,6 +14,8 @@ from tests.engine_helpers import assert_close_relative, base_config
 from tests.harness import run_distributed
 from tests.moe.test_moe_engine import MICRO, MoEModel, _batch, _reference
 
+pytestmark = pytest.mark.multiprocess
+
 SAVE_AT, TOTAL = 3, 5
 # Random second-expert choice and Jitter: keyed by (step, micro-batch index in the global batch),
 # the routing continues after a resume, at any world and expert-parallel size.

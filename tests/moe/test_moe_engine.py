@@ -13,6 +13,8 @@ from tests.engine_helpers import assert_close_relative, base_config
 from tests.harness import distributed_test
 from zerodist.moe.layer import MoE
 
+pytestmark = pytest.mark.multiprocess
+
 IN_DIM, HIDDEN, OUT_DIM, NUM_EXPERTS, MICRO, STEPS, AUX_COEF = 6, 8, 4, 4, 6, 5, 0.1
 
 

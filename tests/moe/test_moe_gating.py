@@ -7,6 +7,8 @@ import torch
 
 from zerodist.moe.gating import Draws, GateSettings, RoutingKey, TopKGate, capacity, route
 
+pytestmark = pytest.mark.unit
+
 
 def _route(logits, training=True, key=None, used_token=None, **settings):
     logits = torch.as_tensor(logits, dtype=torch.float32)

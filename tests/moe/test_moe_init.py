@@ -6,11 +6,14 @@ from __future__ import annotations
 import gc
 import logging
 
+import pytest
 import torch
 
 import zerodist
 from tests.harness import distributed_test
 from zerodist.models.moe_gpt import MoEConfig, moe_gpt
+
+pytestmark = pytest.mark.multiprocess
 
 
 def _config() -> dict:

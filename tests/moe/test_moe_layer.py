@@ -12,6 +12,8 @@ from zerodist.moe.layer import MoE
 from zerodist.moe.utils import (configure_moe_param_groups, has_moe_layers, is_moe_param,
                                 split_params_into_different_moe_groups_for_optimizer)
 
+pytestmark = pytest.mark.unit
+
 
 def _expert(hidden=8):
     return nn.Sequential(nn.Linear(hidden, 16), nn.GELU(), nn.Linear(16, hidden))

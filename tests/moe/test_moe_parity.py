@@ -11,6 +11,8 @@ import zerodist.comm as comm
 from tests.harness import distributed_test
 from zerodist.moe.layer import MoE, MoEShapeMismatchError
 
+pytestmark = pytest.mark.multiprocess
+
 HIDDEN, NUM_EXPERTS, TOKENS, AUX_COEF = 8, 4, 12, 0.1
 _TOPOLOGIES: dict[int, comm.Topology] = {}
 

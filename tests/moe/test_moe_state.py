@@ -62,6 +62,7 @@ def test_ep2_state_loads_strictly_at_ep1_and_back():
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
 
 
+@pytest.mark.unit
 def test_expert_count_mismatch_is_named():
     full = _Model(ep_size=1, num_experts=4).state_dict()
     with pytest.raises(ValueError, match=r"holds experts \[0, 1, 2, 3\] but the layer has num_experts=2"):

@@ -8,6 +8,8 @@ from zerodist.checkpoint import consolidate_checkpoint
 from zerodist.models.gpt import GPT, GPTConfig
 from tests.harness import run_distributed
 
+pytestmark = pytest.mark.multiprocess
+
 # vocab 62: split evenly at tensor 2, padded to 64 at tensor 4 (embedding and gathered LM head)
 SHAPE = GPTConfig(vocab_size=62, seq_len=8, d_model=16, n_layers=2, n_heads=4, d_ff=32)
 MICRO_GLOBAL = 4  # sequences per step over all data shards

@@ -23,6 +23,8 @@ from zerodist.tensor_parallel import (
 from tests.harness import distributed_test
 from tests.tensor_parallel.test_tp_parallelize import _batches, _train_and_compare
 
+pytestmark = pytest.mark.multiprocess
+
 SHAPE = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32)
 BATCH = 6  # divisible by k = 2 and 3
 

@@ -13,6 +13,8 @@ from zerodist.train.report import state_formula_bytes
 from zerodist.zero import GatheredParameters
 from tests.harness import distributed_test
 
+pytestmark = pytest.mark.multiprocess
+
 SHAPE = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32)
 MICRO = 2
 LR, EPS, CLIP = 1e-2, 1e-6, 0.5  # eps: see test_tp_parallelize (a key bias's gradient is exactly zero)

@@ -25,6 +25,8 @@ from zerodist.tensor_parallel import (
 from tests.harness import distributed_test, run_distributed
 from tests.tensor_parallel.test_tp_parallelize import _batches, _train_and_compare
 
+pytestmark = pytest.mark.multiprocess
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 66  # split evenly at tensor 2, padded to 68 at tensor 4 (the embedding and the tied head)

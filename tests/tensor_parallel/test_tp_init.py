@@ -17,6 +17,8 @@ from zerodist.tensor_parallel import PlanError, gpt_plan, parallelize, rng_track
 from zerodist.zero import GatheredParameters, Init
 from tests.harness import distributed_test
 
+pytestmark = pytest.mark.multiprocess
+
 # vocab 63: the embedding's and the gathered head's vocabularies are padded at tensor 2; the
 # attention's QKV is a fused weight (q, k and v sliced one by one).
 SHAPE = GPTConfig(vocab_size=63, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32, dropout=0.1)

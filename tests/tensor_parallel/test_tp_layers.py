@@ -25,6 +25,8 @@ from zerodist.tensor_parallel import (
 )
 from tests.harness import distributed_test
 
+pytestmark = pytest.mark.multiprocess
+
 TOLERANCE = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
 
 

@@ -6,6 +6,8 @@ import torch
 from zerodist.tensor_parallel import SliceSpec, TensorRegion, slice_tensor
 from zerodist.tensor_parallel.slicing import ParamSlicing
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("spec, shape", [
     (SliceSpec(0, 12), (12, 5)),                      # column weight

@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.train.test_train_cli import REPO, run_train
 from zerodist.checkpoint import consolidate_checkpoint
+
+pytestmark = pytest.mark.multiprocess
 
 
 def _last_row(out: Path) -> dict[str, str]:

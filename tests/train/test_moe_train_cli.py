@@ -5,7 +5,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.train.test_train_cli import read_losses, run_train
+
+pytestmark = pytest.mark.multiprocess
 
 
 def test_moe_demo_trains_and_reports_the_load_per_layer(tmp_path: Path) -> None:

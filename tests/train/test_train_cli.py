@@ -34,6 +34,7 @@ def read_losses(out: Path) -> list[float]:
     return [float(r["loss"]) for r in rows]
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_train_and_report(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = run_train("--steps", "30", "--model", "tiny", "--nproc", "2", "--out", str(out))
@@ -51,6 +52,7 @@ def test_two_ranks_train_and_report(tmp_path: Path) -> None:
     assert json.loads((out / "config.json").read_text())["zero_optimization"]["stage"] == 2
 
 
+@pytest.mark.multiprocess
 def test_one_rank_in_process_stage_1(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = run_train("--steps", "8", "--model", "tiny", "--nproc", "1", "--stage", "1", "--lr", "1e-3",
@@ -63,6 +65,7 @@ def test_one_rank_in_process_stage_1(tmp_path: Path) -> None:
     assert config["optimizer"]["params"]["lr"] == 1e-3
 
 
+@pytest.mark.multiprocess
 def test_one_rank_stage_3_with_every_parameter_sharded(tmp_path: Path) -> None:
     # The summary must not read a full buffer from the first flat group: here it is sharded.
     config = tmp_path / "config.json"
@@ -74,6 +77,7 @@ def test_one_rank_stage_3_with_every_parameter_sharded(tmp_path: Path) -> None:
     assert "16Ψ/N" in result.stdout and "(matches)" in result.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("content, expected", [
     ("{not json", "not valid JSON"),
     ('{"zero_optimization": {"stag": 2}}', "stage"),
@@ -91,12 +95,14 @@ def test_bad_config_is_one_clear_error(tmp_path: Path, content: str, expected: s
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.multiprocess
 def test_unknown_model_is_a_clear_error(tmp_path: Path) -> None:
     result = run_train("--model", "huge", "--out", str(tmp_path / "run"), timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "unknown --model 'huge'" in result.stderr and "tiny" in result.stderr
 
 
+@pytest.mark.unit
 def test_file_sections_replace_defaults_and_flags_override_the_file() -> None:
     file_config = {"train_batch_size": 32, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
                    "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.1}}, "zero_optimization": {"stage": 1}}
@@ -116,6 +122,7 @@ def test_file_sections_replace_defaults_and_flags_override_the_file() -> None:
     assert plain == default_config(77) and plain["scheduler"]["params"]["total_num_steps"] == 77
 
 
+@pytest.mark.unit
 def test_formulas_from_design() -> None:
     psi, n = 1024, 4
     assert [state_formula_bytes(s, False, psi, n) for s in range(4)] == [16 * psi, 8 * psi + 2 * psi,

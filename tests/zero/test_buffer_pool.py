@@ -6,6 +6,7 @@ import gc
 import time
 import weakref
 
+import pytest
 import torch
 
 import zerodist
@@ -18,6 +19,7 @@ from tests.harness import distributed_test
 STAGE3 = {"stage3_param_persistence_threshold": 0}
 
 
+@pytest.mark.unit
 def test_a_buffer_given_back_is_handed_out_again_for_the_same_size_only():
     pool = BufferPool()
     first = pool.take(1000, torch.float32, torch.device("cpu"))
@@ -30,6 +32,7 @@ def test_a_buffer_given_back_is_handed_out_again_for_the_same_size_only():
     assert again.data_ptr() == ptr and pool.reused == 1 and pool.free_bytes == 0
 
 
+@pytest.mark.unit
 def test_a_buffer_someone_else_still_holds_waits_until_they_let_go():
     pool = BufferPool()
     buffer = pool.take(1000, torch.float32, torch.device("cpu"))
@@ -46,6 +49,7 @@ def test_a_buffer_someone_else_still_holds_waits_until_they_let_go():
     assert pool.allocated_bytes == 8000
 
 
+@pytest.mark.unit
 def test_at_most_max_waiting_buffers_wait_and_the_oldest_is_freed_with_its_last_holder():
     pool = BufferPool()
     kept, storages = [], []
@@ -65,6 +69,7 @@ def test_at_most_max_waiting_buffers_wait_and_the_oldest_is_freed_with_its_last_
     assert all(s() is None for s in storages) and pool.allocated_bytes == 0
 
 
+@pytest.mark.unit
 def test_clear_frees_the_idle_buffers():
     pool = BufferPool()
     buffers = [pool.take(1000, torch.float32, torch.device("cpu")) for _ in range(3)]

@@ -14,6 +14,8 @@ from zerodist.comm.domains import (Placement, declare_expert_parallel, declare_l
                                    logical_keys, logical_names)
 from tests.harness import distributed_test, run_distributed
 
+pytestmark = pytest.mark.multiprocess
+
 IN_DIM, HIDDEN, OUT_DIM, MICRO = 16, 32, 8, 4
 NUM_EXPERTS = 2
 STEPS = 4

@@ -19,6 +19,8 @@ from zerodist.models import make_mlp
 from tests.engine_helpers import OUT_DIM, assert_close_relative, base_config, global_batch
 from tests.harness import distributed_test
 
+pytestmark = pytest.mark.multiprocess
+
 aten = torch.ops.aten
 # One flattening plan for every stage, so that stage 3 can be compared bitwise with 0-2 ([Note: one
 # plan for every stage]): a unit per Linear, every parameter sharded; several buckets per group.

@@ -13,6 +13,7 @@ from zerodist.zero.policy import ShardingPolicy
 from zerodist.zero.stage3 import Unit, UnitState
 
 
+@pytest.mark.unit
 def test_padding_is_a_multiple_of_world_size_times_align_and_never_empty():
     assert padded_numel(0, 1) == ALIGN
     assert padded_numel(1, 4) == 4 * ALIGN
@@ -21,6 +22,7 @@ def test_padding_is_a_multiple_of_world_size_times_align_and_never_empty():
     assert padded_numel(10, 3, align=2) == 12
 
 
+@pytest.mark.unit
 def test_plan_layout_packs_whole_parameters_into_buckets_in_order():
     layout = plan_layout([100, 50, 300, 10], bucket_numel=160, world_size=2, align=8)
     # 100 + 50 fit; 300 is larger than a bucket: alone; 10 starts a new bucket
@@ -35,6 +37,7 @@ def test_plan_layout_packs_whole_parameters_into_buckets_in_order():
         plan_layout([1], bucket_numel=1, world_size=0)
 
 
+@pytest.mark.unit
 def test_owned_slices_tile_every_parameter_exactly_once_over_the_ranks():
     numels = [7, 130, 1, 64, 250]
     for world_size in (1, 2, 3, 4):
@@ -51,12 +54,14 @@ def test_owned_slices_tile_every_parameter_exactly_once_over_the_ranks():
         assert all(c == 1 for row in covered for c in row), world_size
 
 
+@pytest.mark.unit
 def test_owned_slices_of_a_parameter_split_between_two_ranks():
     layout = plan_layout([10, 6], bucket_numel=100, world_size=2, align=4)  # one bucket of 16: 8 per rank
     assert layout.owned_slices(0) == [OwnedSlice(0, 0, 8, 0)]
     assert layout.owned_slices(1) == [OwnedSlice(0, 8, 2, 0), OwnedSlice(1, 0, 6, 2)]
 
 
+@pytest.mark.unit
 def test_the_policy_of_each_stage_and_its_persistent_groups():
     policies = [ShardingPolicy.from_stage(s) for s in range(4)]
     assert [(p.shard_optimizer_state, p.shard_gradients, p.shard_parameters) for p in policies] == [
@@ -81,6 +86,7 @@ def _bucket(num_params: int = 2) -> Bucket:
                   grad_owned=full, group=None, rank=0, label="test bucket", slots=layout.slots)
 
 
+@pytest.mark.unit
 def test_bucket_refuses_transitions_out_of_order_without_a_collective():
     bucket = _bucket()
     with pytest.raises(AssertionError, match="finish_grad_sync while filling"):
@@ -109,6 +115,7 @@ def test_bucket_lifecycle_with_a_real_collective():
     assert bucket.state is BucketState.FILLING and bucket.num_ready == 0
 
 
+@pytest.mark.unit
 def test_unit_refuses_transitions_out_of_order():
     unit = Unit(1, "block", torch.nn.Linear(2, 2), [])
     with pytest.raises(AssertionError, match="finish_unshard while sharded"):
@@ -124,6 +131,7 @@ def test_unit_refuses_transitions_out_of_order():
     assert unit.state is UnitState.SHARDED
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dim", [0, 1, 2])
 @pytest.mark.parametrize("num_parts", [1, 2, 3])
 def test_slice_runs_map_a_slice_onto_its_logical_tensor(dim, num_parts):

@@ -20,6 +20,8 @@ from zerodist.models import GPT, GPTConfig
 from zerodist.zero import sharded_access
 from zerodist.zero.flat_group import PendingGather
 
+pytestmark = pytest.mark.multiprocess
+
 SEQ = 16
 
 

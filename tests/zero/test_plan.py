@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from zerodist.models import GPT, gpt_config, make_mlp
 from zerodist.zero import Init
 from zerodist.zero.plan import bucket_capacity, plan_groups
+
+pytestmark = pytest.mark.unit
 
 
 def _names(model, plan):

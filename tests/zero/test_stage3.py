@@ -23,6 +23,8 @@ from tests.engine_helpers import (assert_close_relative, base_config, global_bat
 from tests.harness import DistributedTestFailure, distributed_test, run_distributed
 from tests.processes import run_group
 
+pytestmark = pytest.mark.multiprocess
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # One unit per Linear, every parameter sharded. The flattening plan depends on both settings at
 # every stage ([Note: one plan for every stage]), so runs compared with stage 3 set them too.

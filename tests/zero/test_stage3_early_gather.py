@@ -15,6 +15,8 @@ from tests.harness import run_distributed
 from tests.zero.test_param_gather_overlap import assert_states_equal, batch, gpt_engine, train_three_steps
 from zerodist.zero.stage3 import UnitState
 
+pytestmark = pytest.mark.multiprocess
+
 
 def train_body(overlap: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     return train_three_steps(gpt_engine(3, overlap, gas=2))

@@ -18,6 +18,8 @@ from zerodist.models import GPT, gpt_config
 from tests.engine_helpers import base_config
 from tests.harness import distributed_test
 
+pytestmark = pytest.mark.multiprocess
+
 NO_REUSE = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 
 
