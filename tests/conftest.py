@@ -5,7 +5,7 @@
 ranks or subprocesses); `slow` (over ~10 s on a 2-core machine) is orthogonal. A test marked
 with neither is put in `multiprocess`, so a new test that forgets its marker lands in the tier
 that can do anything, never in the fast one. A `unit` test that starts a process or opens a
-socket fails with UnitTestStartedAProcess naming what it started, during its setup, call or
+socket fails with NotAUnitTest naming what it started, during its setup, call or
 teardown (module- and session-scoped fixtures it triggers included): `pytest -m unit` then stays
 runnable alone, with no port and no rank to wait for. A world of one inside the pytest process
 (zerodist's in-process HashStore group) is allowed: it binds nothing the test chooses and
@@ -35,7 +35,7 @@ from tests.harness import close_pools
 TIERS = ("unit", "multiprocess")
 
 
-class UnitTestStartedAProcess(RuntimeError):
+class NotAUnitTest(RuntimeError):
     pass
 
 
@@ -114,9 +114,10 @@ def _one_torch_thread() -> Iterator[None]:
 
 
 def _process_and_socket_starts() -> list[tuple[Any, str]]:
-    # The Python-level doors every way of starting a process or a connection here goes through:
-    # multiprocessing (any context) starts a BaseProcess, subprocess.run/check_output build a
-    # Popen, torchrun and TCPStore are reached through these or through torch.distributed.
+    # The Python-level doors that starting a process or a connection goes through here:
+    # multiprocessing (any context) starts a BaseProcess, subprocess.run/check_output and torchrun
+    # launches build a Popen, the harness's free port is a Python socket; TCPStore binds from C++,
+    # so it is replaced by name (when torch.distributed is loaded at all).
     starts: list[tuple[Any, str]] = [
         (multiprocessing.process.BaseProcess, "start"),
         (subprocess.Popen, "__init__"),
@@ -133,7 +134,7 @@ def _process_and_socket_starts() -> list[tuple[Any, str]]:
 
 def _refuse(nodeid: str, what: str) -> Callable[..., Any]:
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise UnitTestStartedAProcess(
+        raise NotAUnitTest(
             f"{nodeid} is marked unit but called {what}: a unit test starts no process and opens no socket. "
             "Mark it multiprocess (see [Note: test tiers] in tests/conftest.py).")
     return refuse

@@ -121,6 +121,7 @@ def test_kill_inside_save_keeps_previous_checkpoint(previous, tmp_path, point, r
     assert any(r.tag == f"global_step{SAVED}" and r.committed == committed for r in reports) or not committed
 
 
+@pytest.mark.slow
 def test_dead_rank_is_restarted_and_training_resumes_by_itself(tmp_path):
     """`zerodist run --max-restarts 1` + `checkpoint.auto_resume`: rank 1 dies after step 5; the
     agent restarts the group, initialize() loads step 4 (the newest committed), the job ends

@@ -123,6 +123,7 @@ def test_mixed_precision_reshard_keeps_fp32_master_weights(sources, tmp_path):
     assert_close_relative({k: v.float() for k, v in final.items()}, reference, 3e-2)
 
 
+@pytest.mark.slow
 def test_consolidated_file_loads_into_the_plain_model_without_zerodist(sources, tmp_path):
     path, saved = sources(2, 2, "fp32")
     script = ("import sys, torch, safetensors.torch as st; sys.modules['zerodist'] = None\n"

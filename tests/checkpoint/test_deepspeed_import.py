@@ -58,6 +58,7 @@ def _resume_in_zerodist(checkpoint_dir: str, stage: int, load_optimizer_states: 
     return client_state, losses
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_deepspeed_checkpoint_resumes_in_zerodist_with_deepspeeds_losses(deepspeed_run: Any, stage: int) -> None:
@@ -74,6 +75,7 @@ def test_a_deepspeed_checkpoint_resumes_in_zerodist_with_deepspeeds_losses(deeps
     assert worst <= LOSS_TOLERANCE, f"stage {stage}: losses differ from DeepSpeed's resumed run by {worst:.3g}"
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_comparison_notices_a_lost_optimizer_state(deepspeed_run: Any) -> None:
     """The tolerance is meaningful: resuming without Adam's moments moves the losses far beyond it."""
@@ -84,6 +86,7 @@ def test_the_comparison_notices_a_lost_optimizer_state(deepspeed_run: Any) -> No
     assert worst > 1000 * LOSS_TOLERANCE
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_deepspeed_stage_3_checkpoint_resumes_on_one_rank_at_stage_1(deepspeed_run: Any) -> None:
     """Another world size and stage: each micro-step's loss is the mean of DeepSpeed's two ranks'."""
@@ -97,6 +100,7 @@ def test_a_deepspeed_stage_3_checkpoint_resumes_on_one_rank_at_stage_1(deepspeed
     assert worst <= 4 * LOSS_TOLERANCE
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_hand_built_fixtures_have_deepspeeds_layout(deepspeed_run: Any, tmp_path: Path, stage: int) -> None:

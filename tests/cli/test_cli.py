@@ -24,6 +24,7 @@ def _zerodist(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_run_launches_two_ranks_that_initialise_on_their_first_collective():
     out = _zerodist("run", "--nproc", "2", "examples/hello_all_reduce.py")
     assert out.returncode == 0, out.stderr[-2000:]
@@ -31,6 +32,7 @@ def test_run_launches_two_ranks_that_initialise_on_their_first_collective():
         assert f"rank {rank} of 2: sum of (rank + 1) = 3, ranks gathered = [0.0, 1.0]" in out.stdout
 
 
+@pytest.mark.slow
 def test_doctor_under_run_reports_every_rank():
     out = _zerodist("run", "--nproc", "2", "-m", "zerodist", "doctor", "--size-mib", "1", "--trials", "2")
     assert out.returncode == 0, out.stderr[-2000:]
@@ -46,6 +48,7 @@ def test_doctor_alone_is_a_one_process_world():
     assert "launch vars none (one-process world)" in out.stdout and "1 rank(s)" in out.stdout
 
 
+@pytest.mark.slow
 def test_run_reports_a_failing_rank_with_nonzero_exit(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import os, zerodist.comm as c\nc.barrier()\nif os.environ['RANK'] == '1':\n"

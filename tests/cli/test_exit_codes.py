@@ -17,6 +17,7 @@ from tests.processes import run_group
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_config_error_every_rank_finds_ends_both_ranks_with_status_2(tmp_path: Path) -> None:
     # Valid for the launcher's checks; only the ranks' initialize() builds the schedule and finds it wrong.

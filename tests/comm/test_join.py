@@ -47,6 +47,7 @@ def test_default_join_timeout_is_minutes_and_a_configured_timeout_wins():
     assert join_timeout_s(datetime.timedelta(seconds=7)) == 7.0
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_rank0_alone_says_it_waits_for_rank1_then_fails_within_the_timeout():
     port = _free_port()
@@ -63,6 +64,7 @@ def test_rank0_alone_says_it_waits_for_rank1_then_fails_within_the_timeout():
     assert elapsed >= TIMEOUT_S  # it waited the configured time, not torch's 30 minutes (run_group's bound)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_rank1_alone_says_it_waits_for_rank0s_store_then_fails():
     port = _free_port()

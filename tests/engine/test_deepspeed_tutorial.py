@@ -154,6 +154,7 @@ def test_tutorial_script_matches_one_process_at_every_stage(stage, reference, tm
     _check_run(results, stage, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tutorial_script_launched_by_zerodist_run(reference, tmp_path):
     """As a user runs it: `zerodist run --nproc 2`, its own processes, the tutorial's config file."""
@@ -170,6 +171,7 @@ def test_tutorial_script_launched_by_zerodist_run(reference, tmp_path):
     _check_run(json.loads((tmp_path / "results.json").read_text()), 2, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 def test_tutorial_script_matches_real_deepspeed(tmp_path):

@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow
 def test_example_trains_a_pretrained_llama_and_saves_it_for_from_pretrained(tmp_path):
     import transformers
 

@@ -22,6 +22,7 @@ def _last_row(out: Path) -> dict[str, str]:
         return list(csv.DictReader(f))[-1]
 
 
+@pytest.mark.slow
 def test_train_saves_every_n_steps_and_resumes_exactly(tmp_path: Path) -> None:
     common = ("--steps", "8", "--model", "tiny", "--nproc", "1", "--save-interval", "4")
     whole = run_train(*common, "--out", str(tmp_path / "whole"))

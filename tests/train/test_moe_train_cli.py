@@ -12,6 +12,7 @@ from tests.train.test_train_cli import read_losses, run_train
 pytestmark = pytest.mark.multiprocess
 
 
+@pytest.mark.slow
 def test_moe_demo_trains_and_reports_the_load_per_layer(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = run_train("--moe", "4", "--steps", "12", "--model", "tiny", "--nproc", "2", "--out", str(out))

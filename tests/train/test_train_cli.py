@@ -34,6 +34,7 @@ def read_losses(out: Path) -> list[float]:
     return [float(r["loss"]) for r in rows]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_ranks_train_and_report(tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -52,6 +53,7 @@ def test_two_ranks_train_and_report(tmp_path: Path) -> None:
     assert json.loads((out / "config.json").read_text())["zero_optimization"]["stage"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_one_rank_in_process_stage_1(tmp_path: Path) -> None:
     out = tmp_path / "run"

@@ -410,6 +410,7 @@ print(f"\\nRESULT {full} {block} {root} {peak} {live} {state['params']} {state['
 """
 
 
+@pytest.mark.slow
 def test_partitioned_construction_of_200m_parameters_allocates_its_shards_and_one_unit_at_a_time():
     path = os.path.join(REPO, "tests", "_build_200m.py")
     env = {**os.environ, "PYTHONPATH": REPO}
