@@ -32,6 +32,8 @@ import pytest
 
 from tests.harness import close_pools
 
+pytest_plugins = ["pytester"]  # tests/suite/test_tiers.py runs these hooks in an inner session
+
 TIERS = ("unit", "multiprocess")
 
 
