@@ -72,22 +72,22 @@ def _check_markers_are_declared(config: pytest.Config, items: list[pytest.Item])
         raise pytest.UsageError("markers not declared in pyproject.toml: " + ", ".join(unknown))
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(hookwrapper=True)  # old-style wrapper: pytest 7.4, the oldest [test] allows, has it
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     with _unit_test_rules(item):
-        return (yield)
+        yield
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     with _unit_test_rules(item):
-        return (yield)
+        yield
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     with _unit_test_rules(item):
-        return (yield)
+        yield
 
 
 @contextmanager

@@ -1,9 +1,8 @@
 """The suite's own tiers ([Note: test tiers] in tests/conftest.py), in an inner pytest session run
-in this process (pytester) with the real conftest's hooks and pyproject.toml's declared markers."""
+in this process (pytester) with the real conftest's hooks and the markers pyproject.toml declares."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -42,11 +41,12 @@ def test_unmarked():
 
 
 @pytest.fixture
-def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+def inner(pytester: pytest.Pytester, pytestconfig: pytest.Config, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     # Installed plugins stay out of the inner session: pytest-benchmark runs git when it loads,
     # which this (unit) test's own guard would refuse.
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
-    markers = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
+    markers = [line for line in pytestconfig.getini("markers") if line.startswith(("unit:", "multiprocess:", "slow:"))]
+    assert len(markers) == 3, "pyproject.toml declares unit, multiprocess and slow"
     pytester.makeini("[pytest]\nmarkers =\n" + "".join(f"    {line}\n" for line in markers))
     pytester.makeconftest("from tests.conftest import (pytest_collection_modifyitems, pytest_runtest_call,\n"
                           "    pytest_runtest_setup, pytest_runtest_teardown)\n")
