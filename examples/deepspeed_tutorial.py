@@ -10,7 +10,7 @@ needs no download. examples/ds_config.json is the tutorial's config, legacy keys
 
 After one epoch it saves a checkpoint; after the second it loads that checkpoint back and trains
 the second epoch again, which must give the same losses. With `--results FILE`, rank 0 writes the
-losses and what the engine reported as JSON (tests/test_deepspeed_tutorial.py compares them with a
+losses and what the engine reported as JSON (tests/engine/test_deepspeed_tutorial.py compares them with a
 one-process PyTorch run).
 """
 

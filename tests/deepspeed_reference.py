@@ -5,7 +5,7 @@
 On 2 gloo ranks, for each ZeRO stage: train `STEPS_BEFORE` optimizer steps, save a checkpoint
 under OUT/stage{S} (with a client_state), then build a fresh model and engine, load the checkpoint
 and train `STEPS_AFTER` more steps. Rank 0 writes OUT/losses.json: per stage, the resumed run's
-losses per step and rank. The test (tests/test_deepspeed_import.py) resumes the same checkpoint in
+losses per step and rank. The test (tests/checkpoint/test_deepspeed_import.py) resumes the same checkpoint in
 zerodist on the same batches and compares. The model, batches and config are defined here once,
 for both sides; the config is DeepSpeed JSON that zerodist accepts unchanged.
 """

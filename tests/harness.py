@@ -199,7 +199,7 @@ def distributed_test(world_size: int | list[int] = 2, *, timeout: float = DEFAUL
     """Turn a function whose body runs on every rank into a test parametrized by world size.
 
     The body may take `world_size` and any other parameters given by stacked
-    `@pytest.mark.parametrize` decorators.
+    `@pytest.mark.parametrize` decorators. The test is marked `multiprocess`.
     """
     import pytest
 
@@ -222,6 +222,7 @@ def distributed_test(world_size: int | list[int] = 2, *, timeout: float = DEFAUL
             [inspect.Parameter("world_size", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + others
         )
         del test.__wrapped__  # pytest must see our signature, not the body's
-        return pytest.mark.parametrize("world_size", sizes)(test)
+        # It runs on worker ranks, so it is in the multiprocess tier ([Note: test tiers] in conftest.py).
+        return pytest.mark.multiprocess(pytest.mark.parametrize("world_size", sizes)(test))
 
     return decorate

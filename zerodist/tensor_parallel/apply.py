@@ -40,7 +40,7 @@ class TensorParallelSettings:
     sharded_parameters: bool = False  # ZeRO stage 3: blocks' parameters are released after their forward
 
 
-# [Note: demo GPT plan] The one import against the layer table (tests/test_architecture.py lists
+# [Note: demo GPT plan] The one import against the layer table (tests/suite/test_architecture.py lists
 # it): `zerodist.models` sits above tensor_parallel (its MoE GPT is built from `zerodist.moe`), yet
 # the engine's tensor-parallel step picks the demo GPT's built-in plan (and Domino's blocks) by the
 # model's class: its config names no model type (a Hugging Face model's `config.model_type` does,
