@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerodist import compat
 from zerodist.comm.collectives import pre_collective_hooks
 from zerodist.utils import get_logger, log_rank0
 
@@ -210,7 +211,7 @@ class CollectiveGuard:
 
     def _get_store(self) -> Any:
         if self._store is None:
-            store = dist.distributed_c10d._get_default_store()
+            store = compat.default_store()
             try:
                 # A private connection, so our short timeout leaves the group's own alone.
                 self._store = store.clone()

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from zerodist import comm
+from zerodist import comm, compat
 from zerodist.comm.topology import Topology
 from zerodist.tensor_parallel import schedule
 
@@ -61,7 +61,7 @@ def check_divisible(length: int, parts: int, what: str) -> int:
 def _phase() -> str:
     # Inside autograd's backward pass the engine has a current graph task (-1 elsewhere, in
     # forwards of autograd functions included, which run with gradient mode off).
-    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+    return "backward" if compat.in_backward_pass() else "forward"
 
 
 def all_reduce_(tensor: torch.Tensor, region: TensorRegion, async_op: bool = False) -> comm.CommHandle:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from zerodist import compat
 from zerodist.comm.domains import Placement
 from zerodist.comm.topology import Domain
 from zerodist.zero.buffer_pool import BufferPool
@@ -128,12 +129,8 @@ def _materialise(module: torch.nn.Module, name: str, device: torch.device) -> No
         )
     # Swap storage into the existing parameter objects (torch.utils.swap_tensors): plain
     # to_empty() would replace them, and the optimizer groups and the user hold the originals.
-    swap = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
+    with compat.swap_module_params_on_conversion():
         module.to_empty(device=device, recurse=False)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(swap)
     with torch.no_grad():
         module.reset_parameters()
 
