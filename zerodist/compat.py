@@ -270,7 +270,7 @@ def registered_children(module: torch.nn.Module) -> list[tuple[str, torch.nn.Mod
     return list(module._modules.items())
 
 
-def registered_child(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
+def registered_child(module: object, name: str) -> torch.nn.Module | None:
     """The child registered as `name`, read without `nn.Module.__getattr__` (for a `__getattr__`
     that falls back on it, also while `__init__` has not registered anything yet); None if none.
     Checked on 2.13.0. Without: always None."""

@@ -353,7 +353,7 @@ def save_checkpoint(zero: ZeroState, resumable: Resumable, save_dir: str | Path,
     reports: list[Any] = [None] * comm.get_world_size() if rank == 0 else []
     comm.gather_object(report, reports if rank == 0 else None, dst=0)
     kill_point("after-gather")
-    outcome = [None]
+    outcome: list[str | None] = [None]
     if rank == 0:
         errors = [r.error for r in reports if r.error]
         if not errors:

@@ -9,6 +9,7 @@ Initialisation (`init_distributed`), collectives with torch.distributed's signat
 
 from zerodist.comm.collectives import (
     CommHandle,
+    Group,
     ProcessGroup,
     ReduceOp,
     all_gather_object,

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from zerodist import comm, compat
+from zerodist.comm import Group
 from zerodist.comm.topology import Topology
 from zerodist.tensor_parallel import schedule
 
@@ -34,7 +35,7 @@ from zerodist.tensor_parallel import schedule
 class TensorRegion:
     """This rank's tensor-parallel group: its process group, its size and this rank's index."""
 
-    group: Any
+    group: Group
     size: int
     rank: int
 

@@ -47,7 +47,7 @@ def measure_from_log(engine: Any, log: ScheduleLog, micro_steps: int) -> TensorP
     settings = engine.config.zerodist.tensor_parallel
     chunks = settings.domino.chunks if settings.domino is not None else None
     gpt = engine.module.config
-    expected = (None, None)
+    expected: tuple[int | None, int | None] = (None, None)
     if not settings.sequence_parallel:
         expected = gpt_formula(tokens=engine.batch.micro_batch_size * gpt.seq_len, hidden=gpt.d_model,
                                vocab=gpt.vocab_size, layers=gpt.n_layers,
@@ -69,6 +69,7 @@ def report_lines(report: TensorParallelReport) -> list[str]:
              f" backward {format_bytes(report.backward_bytes)} "
              f"({verdict(report.backward_bytes, report.expected_backward_bytes)})"]
     if report.domino_chunks:
+        assert report.forward_overlap is not None and report.backward_overlap is not None  # measured with Domino
         lines.append(f"  Domino {report.domino_chunks} chunks: {100 * report.forward_overlap:.0f}% of forward and "
                      f"{100 * report.backward_overlap:.0f}% of backward tensor-parallel bytes are issued before compute "
                      "that runs until their wait (schedule order; time-level overlap: benchmarks/)")

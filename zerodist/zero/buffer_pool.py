@@ -85,6 +85,7 @@ class BufferPool:
 
     def _held_elsewhere(self, buffer: torch.Tensor) -> bool:
         # Held by `buffer` and by the storage's Python wrapper that the count itself creates: no one else.
+        assert self._use_count is not None, "give() keeps no buffer without a use count"
         return self._use_count(buffer) > 2
 
     def _collect_waiting(self) -> None:

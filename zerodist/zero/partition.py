@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from zerodist import compat
+from zerodist.comm import Group
 from zerodist.comm.domains import Placement
 from zerodist.comm.topology import Domain
 from zerodist.zero.buffer_pool import BufferPool
@@ -39,7 +40,7 @@ from zerodist.zero.stage3 import Stage3Runtime, Stage3Settings, Unit, register_r
 _INIT_LOGS: weakref.WeakKeyDictionary[torch.nn.Module, InitLog] = weakref.WeakKeyDictionary()
 
 
-def Init(module: torch.nn.Module | None = None, data_parallel_group: Any = None,  # noqa: N802 - DeepSpeed's name
+def Init(module: torch.nn.Module | None = None, data_parallel_group: Group = None,  # noqa: N802 - DeepSpeed's name
          mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
          config_dict_or_path: Any = None, config: Any = None, enabled: bool = True, dtype: torch.dtype | None = None,
          mpu: Any = None, **deepspeed_keywords: Any) -> contextlib.AbstractContextManager[InitLog | None]:
@@ -132,14 +133,15 @@ def _materialise(module: torch.nn.Module, name: str, device: torch.device) -> No
     with compat.swap_module_params_on_conversion():
         module.to_empty(device=device, recurse=False)
     with torch.no_grad():
-        module.reset_parameters()
+        module.reset_parameters()  # type: ignore[operator]  # checked callable above
 
 
 def _materialise_recorded(module: torch.nn.Module, name: str, log: InitLog, device: torch.device) -> None:
     """Replay the recorded history of this module's own meta tensors and swap the values into
     the same parameter and buffer objects (the optimizer groups and the user hold them)."""
     replayer = Replayer()
-    tensors = [(f"parameter '{n}'", t, True) for n, t in module.named_parameters(recurse=False)]
+    tensors: list[tuple[str, torch.Tensor, bool]] = [
+        (f"parameter '{n}'", t, True) for n, t in module.named_parameters(recurse=False)]
     tensors += [(f"buffer '{n}'", t, False) for n, t in module.named_buffers(recurse=False)]
     for what, tensor, is_parameter in tensors:
         if not tensor.is_meta:
@@ -200,7 +202,7 @@ def build_groups(model: torch.nn.Module, plan: FlatPlan, names: dict[int, str],
     return [built[i] for i in range(len(plan.groups))]
 
 
-def build_stage3(model: torch.nn.Module, plan: FlatPlan, groups: list[FlatParamGroup], *, config: Any, group: Any,
+def build_stage3(model: torch.nn.Module, plan: FlatPlan, groups: list[FlatParamGroup], *, config: Any, group: Group,
                  device: torch.device) -> Stage3Runtime:
     """The units and the runtime that gathers them, over groups built by `build_groups` with sharded
     parameters. `group` is where the ranks compare their run order: every rank that runs the model

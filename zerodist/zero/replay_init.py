@@ -121,7 +121,7 @@ class InitLog:
         root = self.roots.get(key)
         if root is None:  # a meta tensor made outside the block: it has no history to replay
             root = self.roots[key] = _Root(tensor.untyped_storage(), None, 0, _layout(tensor))
-        return _TensorRef(root, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset(), seq)
+        return _TensorRef(root, tuple(tensor.size()), tuple(tensor.stride()), int(tensor.storage_offset()), seq)
 
     def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         self.seq += 1
@@ -142,7 +142,7 @@ class InitLog:
                 self.roots[storage_key(value)] = _Root(value.untyped_storage(), event, index, _layout(value),
                                                         _is_dense(value))
 
-    def _freeze(self, args_kwargs: tuple, seq: int) -> tuple:
+    def _freeze(self, args_kwargs: tuple[tuple, dict], seq: int) -> tuple[tuple, dict]:
         """Arguments as they must be replayed: meta tensors as references into the log, real
         tensors copied (the caller may change them later), generators as their current state."""
 
@@ -157,7 +157,7 @@ class InitLog:
 
 
 def _layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    return tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset()
+    return tuple(tensor.size()), tuple(tensor.stride()), int(tensor.storage_offset())
 
 
 def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[Any]:
@@ -241,7 +241,7 @@ class _PretrainedInit(TorchFunctionMode):
             for model in [m for m in self.candidates if _post_init_began(m)]:
                 self.candidates.discard(model)
                 _check_not_tied_yet(model)
-                model.initialize_weights()
+                model.initialize_weights()  # type: ignore[operator]  # a Hugging Face PreTrainedModel's
         finally:
             self.running = False
 
@@ -368,7 +368,7 @@ class Replayer:
         if root is None or root.created_by is None:
             raise InitReplayError(f"{what} is on the meta device but was not created under zerodist.zero.Init(), "
                                   "so there is nothing to replay")
-        ref = _TensorRef(root, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset(), sys.maxsize)
+        ref = _TensorRef(root, tuple(tensor.size()), tuple(tensor.stride()), int(tensor.storage_offset()), sys.maxsize)
         try:
             return self._value(ref)
         except InitReplayError:
