@@ -49,7 +49,7 @@ class ExpertParallelContext:
     global ranks (to read their values out of a world-wide exchange)."""
 
     group: Group
-    batch_group: Any  # over ("data", "expert"): every batch shard, for the balancing counts
+    batch_group: Group  # over ("data", "expert"): every batch shard, for the balancing counts
     expert_rank: int
     expert_ranks: tuple[int, ...]
     world_rank: int

@@ -18,10 +18,14 @@ is then not shown.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from zerodist.tensor_parallel import ScheduleLog
 from zerodist.utils import format_bytes
+
+if TYPE_CHECKING:
+    from zerodist.engine import Engine
+    from zerodist.models.gpt import GPT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +46,11 @@ def gpt_formula(*, tokens: int, hidden: int, vocab: int, layers: int, element_by
     return per_direction + tokens * vocab * element_bytes, per_direction
 
 
-def measure_from_log(engine: Any, log: ScheduleLog, micro_steps: int) -> TensorParallelReport:
+def measure_from_log(engine: Engine, log: ScheduleLog, micro_steps: int) -> TensorParallelReport:
     """Per micro-batch bytes and overlap from the schedule log of a training run."""
     settings = engine.config.zerodist.tensor_parallel
     chunks = settings.domino.chunks if settings.domino is not None else None
-    gpt = engine.module.config
+    gpt = cast("GPT", engine.module).config  # the demo GPT: `zerodist train` builds it
     expected: tuple[int | None, int | None] = (None, None)
     if not settings.sequence_parallel:
         expected = gpt_formula(tokens=engine.batch.micro_batch_size * gpt.seq_len, hidden=gpt.d_model,

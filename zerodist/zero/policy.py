@@ -79,7 +79,7 @@ class DomainGroup:
     degrees: dict[str, int]
     # where the buckets reduce gradients: `group`, or a second group over the same ranks when the
     # Topology was built with gradient groups (stage 3: [Note: gradient groups] in comm/topology.py)
-    grad_group: Any = None
+    grad_group: Group = None
 
     def __post_init__(self) -> None:
         if self.grad_group is None:
