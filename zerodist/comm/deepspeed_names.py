@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 from zerodist.comm import collectives
-from zerodist.comm.collectives import Group
-from zerodist.comm.collectives import CommHandle, ReduceOp
+from zerodist.comm.collectives import CommHandle, Group, ReduceOp
 from zerodist.comm.errors import DistributedInitError
 from zerodist.comm.init import WorldInfo, ensure_initialized, is_initialized
 from zerodist.comm.init import get_global_rank as _get_global_rank
