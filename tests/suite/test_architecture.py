@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2] / "zerodist"
 # package; packages that share a layer do not import each other.
 LAYERS = {
     "zerodist": 0,  # the lazy facade (`zerodist.initialize` ...): imports nothing at import time
-    "utils": 1,
+    "utils": 1, "compat": 1,  # compat.py: every private torch API, importing only torch
     "config": 2,
     "comm": 3,
     "precision": 4,

@@ -198,7 +198,7 @@ def run_comm_bench(options: BenchOptions) -> list[BenchRow]:
     dtype = DTYPES[options.dtype]
     element = torch.empty((), dtype=dtype).element_size()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    local: list[tuple[str, int, int, float, float | None, bool]] = []
+    local: list[tuple[str, int, int, float, float | None, float | None, bool]] = []
     for op in options.ops:
         for num_bytes in power_of_two_sizes(options.min_bytes, options.max_bytes):
             numel = _numel_for(op, num_bytes, element, n)
@@ -293,7 +293,8 @@ def plot_bus_bandwidth(rows: list[BenchRow], path: str, title: str = "") -> None
         mine = [r for r in rows if r.op == op]
         line, = ax.plot([r.num_bytes for r in mine], [r.busbw_gbps for r in mine], marker="o", label=op)
         if mine[0].raw_busbw_gbps is not None:
-            ax.plot([r.num_bytes for r in mine], [r.raw_busbw_gbps for r in mine], linestyle="--",
+            raw = [r.raw_busbw_gbps for r in mine]  # every row of the op has one when its first has
+            ax.plot([r.num_bytes for r in mine], raw, linestyle="--",  # type: ignore[arg-type]
                     color=line.get_color(), label=f"{op} (raw torch)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (bytes, full buffer)")

@@ -38,6 +38,7 @@ import math
 import pickle
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,7 @@ def _zero_stage(value: Any) -> int:
     return int(value)
 
 
-_STAND_INS = [
+_STAND_INS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
     (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (_zero_stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
@@ -350,7 +351,7 @@ def _read_stage0(model_states: dict[str, Any], candidates: list[str], where: Pat
                                        "holding every parameter; save it again with ZeRO stage 1")
         units.append((candidates, saved["fp32_groups_flat"][0], param_groups[0]["params"][0], 0))
     else:
-        masters = saved["fp32_groups"] if wrapped else None
+        masters: Any = saved["fp32_groups"] if wrapped else None  # DeepSpeed's per-group lists
         slots = [[tuple(masters[j][p].shape) if wrapped else
                   tuple(inner["state"][i]["exp_avg"].shape) if "exp_avg" in inner["state"].get(i, {}) else None
                   for p, i in enumerate(pg["params"])] for j, pg in enumerate(param_groups)]
@@ -381,7 +382,7 @@ def _aliases(module: dict[str, torch.Tensor], buffers: set[str]) -> dict[str, st
     for key, value in module.items():
         if key in buffers or value.numel() == 0:
             continue
-        ident = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        ident = (value.untyped_storage().data_ptr(), int(value.storage_offset()), tuple(value.shape))
         if ident in first:
             aliases[key] = first[ident]
         else:

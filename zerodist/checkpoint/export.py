@@ -29,7 +29,7 @@ import io
 import json
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +37,13 @@ import torch
 
 import zerodist.comm as comm
 from zerodist.checkpoint.consolidate import SAFETENSORS_DTYPES
+from zerodist.checkpoint.engine_view import HasZeroState
 from zerodist.checkpoint.files import AtomicFile, tensor_bytes
 from zerodist.comm.slices import ParamSlicing, param_slicings
 from zerodist.comm.topology import Topology
 from zerodist.utils import get_logger, log_rank0
-from zerodist.zero.state import ZeroState
 from zerodist.zero.registry import GatheredParameters
+from zerodist.zero.state import ZeroState
 
 logger = get_logger(__name__)
 
@@ -51,7 +52,7 @@ SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 TORCH_WEIGHTS_NAME = "pytorch_model.bin"
 
 
-def save_16bit_model(engine: Any, save_dir: str | Path, save_filename: str = TORCH_WEIGHTS_NAME,
+def save_16bit_model(engine: HasZeroState, save_dir: str | Path, save_filename: str = TORCH_WEIGHTS_NAME,
                      exclude_frozen_parameters: bool = False) -> bool:
     """DeepSpeed's `engine.save_16bit_model`: the module's state dict in its training dtype, in one
     file `save_dir/save_filename` (safetensors if the name ends in `.safetensors`, else
@@ -69,7 +70,7 @@ def save_16bit_model(engine: Any, save_dir: str | Path, save_filename: str = TOR
     return True
 
 
-def save_pretrained(engine: Any, save_dir: str | Path, *, max_shard_size: int | str = "5GB",
+def save_pretrained(engine: HasZeroState, save_dir: str | Path, *, max_shard_size: int | str = "5GB",
                     safe_serialization: bool = True) -> Path:
     """A directory `transformers`' `from_pretrained` loads unchanged: the model's config (and
     generation config) and its weights as `save_pretrained` writes them (`model.safetensors`, or
@@ -86,12 +87,12 @@ def save_pretrained(engine: Any, save_dir: str | Path, *, max_shard_size: int | 
     if not safe_serialization:
         _write_torch(chunks, save_dir / TORCH_WEIGHTS_NAME)
     else:
-        shards = _plan_shards(chunks, _parse_size(max_shard_size))
-        if len(shards) == 1:
-            shards = [(save_dir / SAFE_WEIGHTS_NAME, shards[0])]
+        planned = _plan_shards(chunks, _parse_size(max_shard_size))
+        if len(planned) == 1:
+            shards = [(save_dir / SAFE_WEIGHTS_NAME, planned[0])]
         else:
-            shards = [(save_dir / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", keys)
-                      for i, keys in enumerate(shards)]
+            shards = [(save_dir / f"model-{i + 1:05d}-of-{len(planned):05d}.safetensors", keys)
+                      for i, keys in enumerate(planned)]
         _write_safetensors_shards(chunks, shards)
         if len(shards) > 1 and comm.get_rank() == 0:
             _write_index(chunks, shards, save_dir / SAFE_WEIGHTS_INDEX_NAME)
@@ -102,7 +103,7 @@ def save_pretrained(engine: Any, save_dir: str | Path, *, max_shard_size: int | 
 class _Chunk:
     """State-dict entries gathered together: one stage-3 unit's, or those every rank holds."""
 
-    def __init__(self, params: list[torch.Tensor], topology: Topology):
+    def __init__(self, params: Sequence[torch.Tensor], topology: Topology):
         self.params, self.topology = params, topology
         self.keys: list[str] = []
         self.tensors: dict[str, torch.Tensor] = {}  # references (sharded outside the gather)

@@ -52,7 +52,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if flat.device.type != "cpu":
         flat = flat.cpu()
     flat = flat.contiguous()
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    # numpy arrays have the buffer protocol; typeshed spells it __buffer__, which numpy declares from 3.12 only.
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def checksum_text(crc: int) -> str:
@@ -186,7 +187,7 @@ class RangeReader:
         if f is None:
             f = self._files[name] = open(self.directory / name, "rb", buffering=0)
         target = out if out.device.type == "cpu" and out.is_contiguous() else torch.empty_like(out, device="cpu")
-        view = memoryview(target.view(torch.uint8).numpy()).cast("B")
+        view = memoryview(target.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # as in tensor_bytes
         f.seek(offset)
         done = 0
         while done < view.nbytes:

@@ -35,8 +35,10 @@ from typing import Any
 
 import torch
 
+from zerodist.checkpoint.engine_view import HasZeroState
 from zerodist.checkpoint.errors import CheckpointError
 from zerodist.comm.slices import ParamSlicing, param_slicings
+from zerodist.zero.flat_group import FlatParamGroup
 
 
 @dataclasses.dataclass
@@ -98,7 +100,7 @@ def _resolve_files(path: Path) -> list[Path]:
                           "*.index.json (the layout save_pretrained writes)")
 
 
-def load_pretrained(engine: Any, path: str | Path, *, strict: bool = True) -> LoadReport:
+def load_pretrained(engine: HasZeroState, path: str | Path, *, strict: bool = True) -> LoadReport:
     """Load the weights at `path` into `engine`'s model, at any ZeRO stage (see [Note: sliced
     load]). Tied weights need one of their names in the source. With `strict`, a key of the
     model (parameter or persistent buffer) missing from the source, or a key of the source the
@@ -183,7 +185,8 @@ def _read(source: _Source, key: str, start: int | None, length: int | None, repo
     return values
 
 
-def _load_group(group: Any, source: _Source, names: dict[int, list[str]], slicings: dict[int, ParamSlicing],
+def _load_group(group: FlatParamGroup, source: _Source, names: dict[int, list[str]],
+                slicings: dict[int, ParamSlicing],
                 report: LoadReport) -> None:
     """One flat group: its owned runs into the shard (and master) at stage 3, else whole
     parameters into the full buffer and the master taken from it."""

@@ -31,6 +31,7 @@ from zerodist.checkpoint.manifest import (MANIFEST, Manifest, check_tag_name, li
                                           write_manifest)
 from zerodist.checkpoint.shards import collect_chunks, collect_scalars
 from zerodist.comm.domains import logical_keys
+from zerodist.config import CheckpointConfig
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero.state import Resumable, ZeroState
 
@@ -50,14 +51,14 @@ class RankReport:
     params: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # logical name -> shape, placement
 
 
-def agreement_timeout(settings: Any) -> float:
+def agreement_timeout(settings: CheckpointConfig) -> float:
     timeout = getattr(settings, "agreement_timeout", None)
     if timeout:
         return float(timeout)
     return comm.ensure_initialized().timeout_s or DEFAULT_AGREEMENT_TIMEOUT_S
 
 
-def agree_on_tag(settings: Any, tag: str, save_dir: Path, global_steps: int) -> tuple[str, str]:
+def agree_on_tag(settings: CheckpointConfig, tag: str, save_dir: Path, global_steps: int) -> tuple[str, str]:
     """Every rank must be saving now; returns the tag and save id every rank uses (rank 0's)."""
     mine = json.dumps({"tag": tag, "step": global_steps, "id": uuid.uuid4().hex[:12], "dir": str(save_dir)})
     timeout = agreement_timeout(settings)
@@ -250,7 +251,7 @@ def check_visible(tag_dir: Path, manifest: Manifest) -> None:
                                   "directory every rank shares (a network or parallel filesystem)")
 
 
-def commit(zero: ZeroState, settings: Any, global_steps: int, save_dir: Path, tag: str, reports: list[RankReport],
+def commit(zero: ZeroState, settings: CheckpointConfig, global_steps: int, save_dir: Path, tag: str, reports: list[RankReport],
            save_latest: bool) -> None:
     """Rank 0: manifest (the commit point), then `latest`, then tidy up. Raises on failure."""
     tag_dir = save_dir / tag
@@ -322,7 +323,7 @@ def _discard(tag_dir: Path, rank: int, save_id: str) -> None:
     comm.barrier()  # so every rank returns to a tidy directory
 
 
-def save_checkpoint(zero: ZeroState, resumable: Resumable, save_dir: str | Path, *, settings: Any, tag: Any = None,
+def save_checkpoint(zero: ZeroState, resumable: Resumable, save_dir: str | Path, *, settings: CheckpointConfig, tag: Any = None,
                     client_state: Any = None, save_latest: bool = True) -> str:
     """Save the ZeRO state and the training state under `save_dir/tag` (collective: call on every
     rank). `settings` is the config's `checkpoint` section.
@@ -353,7 +354,7 @@ def save_checkpoint(zero: ZeroState, resumable: Resumable, save_dir: str | Path,
     reports: list[Any] = [None] * comm.get_world_size() if rank == 0 else []
     comm.gather_object(report, reports if rank == 0 else None, dst=0)
     kill_point("after-gather")
-    outcome = [None]
+    outcome: list[str | None] = [None]
     if rank == 0:
         errors = [r.error for r in reports if r.error]
         if not errors:

@@ -31,6 +31,7 @@ from zerodist.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from zerodist.checkpoint.files import RangeReader
 from zerodist.checkpoint.manifest import OPTIMIZER_PREFIX, PARAM, Manifest
 from zerodist.comm.slices import ParamSlicing
+from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.layout import slice_runs
 
 
@@ -58,7 +59,7 @@ class Request:
     at: int
 
 
-def bucket_slices(group: Any) -> list[list[tuple[int, int, int, int]]]:
+def bucket_slices(group: FlatParamGroup) -> list[list[tuple[int, int, int, int]]]:
     """Per bucket, this rank's (param index, param start, length, offset within its bucket shard)."""
     layout = group.layout
     bases, base = [], 0
@@ -82,7 +83,7 @@ def logical_runs(record: Any, start: int, length: int) -> list[tuple[int, int, i
                       num_parts=record.num_parts)
 
 
-def optimizer_space(group: Any, index: int, state: Any) -> dict[str, torch.Tensor]:
+def optimizer_space(group: FlatParamGroup, index: int, state: Any) -> dict[str, torch.Tensor]:
     """Bucket `index`'s per-element tensors: the stepped values and each elementwise state."""
     tensor = group.optimizer_tensors[index]
     kinds = {PARAM: tensor}
@@ -149,7 +150,7 @@ def check_parameters(shapes: dict[str, tuple[int, ...]], manifest: Manifest) -> 
         raise CheckpointError(f"checkpoint {manifest.tag} does not match the model: " + "; ".join(problems))
 
 
-def bucket_kinds(group: Any, index: int, manifest: Manifest, with_optimizer: bool) -> list[str]:
+def bucket_kinds(group: FlatParamGroup, index: int, manifest: Manifest, with_optimizer: bool) -> list[str]:
     """Kinds to load for bucket `index`: every parameter in a bucket shares one optimizer."""
     names = [group.records[p].name for p in group.layout.buckets[index].param_indices]
     if not with_optimizer:
@@ -162,7 +163,8 @@ def bucket_kinds(group: Any, index: int, manifest: Manifest, with_optimizer: boo
     return sorted(kinds, key=lambda k: k != PARAM)
 
 
-def plan_group(group: Any, manifest: Manifest, with_optimizer: bool) -> Iterator[tuple[int, str, list[Request]]]:
+def plan_group(group: FlatParamGroup, manifest: Manifest,
+               with_optimizer: bool) -> Iterator[tuple[int, str, list[Request]]]:
     """Per (bucket, kind): the requests that fill this rank's part of it."""
     per_bucket = bucket_slices(group)
     for index in range(len(group.optimizer_tensors)):
@@ -173,7 +175,7 @@ def plan_group(group: Any, manifest: Manifest, with_optimizer: bool) -> Iterator
 
 
 def files_needed(groups: list[Any], manifest: Manifest, with_optimizer: bool) -> set[str]:
-    needed = set()
+    needed: set[str] = set()
     for group in groups:
         for _, _, requests in plan_group(group, manifest, with_optimizer):
             for r in requests:

@@ -1,4 +1,5 @@
-"""`zerodist doctor`: what this machine and launch look like, and one measured all_reduce.
+"""`zerodist doctor`: what this machine and launch look like, the private torch APIs this torch has,
+and one measured all_reduce.
 
 Run it alone (a one-process world) or under a launcher (`zerodist run --nproc 2 -m
 zerodist doctor`) to check that every rank can reach every other and at what bandwidth.
@@ -53,6 +54,23 @@ def environment_report() -> list[str]:
     return lines
 
 
+def private_api_report() -> list[str]:
+    """One line per private torch API zerodist uses (zerodist.compat): whether this torch has it,
+    and on a torch without it, what zerodist does instead."""
+    import torch
+
+    from zerodist.compat import CHECKED_ON, PRIVATE_APIS
+
+    missing = sum(not api.available for api in PRIVATE_APIS)
+    lines = [f"private torch APIs: {len(PRIVATE_APIS) - missing} of {len(PRIVATE_APIS)} present in torch "
+             f"{torch.__version__} (checked on {CHECKED_ON})"]
+    for api in PRIVATE_APIS:
+        status = "ok     " if api.available else "MISSING"
+        detail = api.used_for if api.available else f"{api.used_for}; without it: {api.without}"
+        lines.append(f"  {status} {api.name}: {detail}")
+    return lines
+
+
 def measure_all_reduce(size_mib: float, trials: int) -> dict:
     """Time an all_reduce of `size_mib` on this rank and check its result."""
     import torch
@@ -91,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if result["rank"] != 0:
         return 0 if all(r["correct"] for r in reports) else 1
     print("\n".join(environment_report()))
+    print("\n".join(private_api_report()))
     print(f"world       {len(reports)} rank(s), backend {result['backend']}, joined via {result['source']}")
     print(f"all_reduce  {args.size_mib:g} MiB fp32, mean of {args.trials}:")
     for r in reports:

@@ -11,6 +11,7 @@ any program with `ZERODIST_COLLECTIVE_GUARD=1`).
 
 from zerodist.comm.collectives import (
     CommHandle,
+    Group,
     ProcessGroup,
     ReduceOp,
     all_gather_object,

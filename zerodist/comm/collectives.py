@@ -14,21 +14,20 @@ torch has only the former. gloo has no `ReduceOp.AVG`; we emulate it as SUM then
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-# record_function costs ~90 us per call even with no profiler running (measured by
-# `zerodist bench comm`), so collectives are labelled only while a profiler records.
-_profiler_enabled = torch._C._autograd._profiler_enabled
-
+from zerodist import compat
 from zerodist.comm import tracer
 from zerodist.comm.init import ensure_initialized, get_global_rank
 
 ReduceOp = dist.ReduceOp
 ProcessGroup = dist.ProcessGroup
+# A process group as every collective takes it: None is the world (torch.distributed's convention).
+Group: TypeAlias = "dist.ProcessGroup | None"
 
 _all_gather_impl = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_impl = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -70,7 +69,7 @@ class CommHandle:
         return self._work is None or self._work.is_completed()
 
 
-def _needs_avg_emulation(op: Any, group: Any) -> bool:
+def _needs_avg_emulation(op: Any, group: Group) -> bool:
     return op == ReduceOp.AVG and dist.get_backend(group) == "gloo"
 
 
@@ -78,7 +77,7 @@ def _issue(
     op_name: str,
     tensor: torch.Tensor | None,
     numel: int,
-    group: Any,
+    group: Group,
     async_op: bool,
     launch: Callable[[bool], Any],
     after_wait: Callable[[], None] | None = None,
@@ -90,7 +89,9 @@ def _issue(
     if tracer.blocked_meters and not async_op:
         launch = _metered(launch)
     if not tracer.active_traces:
-        if not _profiler_enabled():  # the common case: no label, no tracing, just the call
+        # record_function costs ~90 us per call even with no profiler running (measured by
+        # `zerodist bench comm`), so collectives are labelled only while a profiler records.
+        if not compat.profiler_enabled():  # the common case: no label, no tracing, just the call
             work = launch(async_op)
             return CommHandle(tensor, work if async_op else None, after_wait)
         with record_function(f"zerodist::{op_name}"):
@@ -133,7 +134,7 @@ def _metered(launch: Callable[[bool], Any]) -> Callable[[bool], Any]:
     return metered
 
 
-def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> CommHandle:
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None, async_op: bool = False) -> CommHandle:
     """Reduce `tensor` in place across `group`."""
     ensure_initialized()
     after = None
@@ -146,7 +147,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, 
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False,
+    output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None, async_op: bool = False,
     *, input_is_scratch: bool = False,
 ) -> CommHandle:
     """Reduce `input` (group_size * output.numel() elements) and keep this rank's slice in `output`.
@@ -176,7 +177,7 @@ def reduce_scatter(
 # is that slice: the same sums (gloo runs the same all-reduce either way, so the bits agree), one
 # clone fewer. The tracer still records a reduce-scatter of the same size: the collective that
 # was asked for, and the one NCCL runs.
-def _land_slice(output: torch.Tensor, input: torch.Tensor, group: Any) -> Callable[[], None]:
+def _land_slice(output: torch.Tensor, input: torch.Tensor, group: Group) -> Callable[[], None]:
     rank, numel = dist.get_rank(group), output.numel()
     piece = input.view(-1)[rank * numel: (rank + 1) * numel]
 
@@ -196,7 +197,7 @@ def _then(first: Callable[[], None], second: Callable[[], None] | None) -> Calla
     return both
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False) -> CommHandle:
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False) -> CommHandle:
     """Concatenate every rank's `input` into `output` (group_size * input.numel() elements)."""
     ensure_initialized()
     _check_sizes("all_gather", output.numel(), input.numel(), group, "output", "input")
@@ -221,7 +222,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, asy
 _BROADCAST_GATHER_MAX_RANKS = 8
 
 
-def _gathers_by_broadcast(output: torch.Tensor, input: torch.Tensor, group: Any) -> bool:
+def _gathers_by_broadcast(output: torch.Tensor, input: torch.Tensor, group: Group) -> bool:
     if not (output.is_contiguous() and input.is_contiguous() and output.device.type == "cpu" and input.numel()):
         return False
     if dist.get_backend(group) != "gloo" or dist.get_world_size(group) > _BROADCAST_GATHER_MAX_RANKS:
@@ -234,7 +235,7 @@ def _gathers_by_broadcast(output: torch.Tensor, input: torch.Tensor, group: Any)
     return input.data_ptr() + input.numel() * input.element_size() <= start or input.data_ptr() >= end
 
 
-def _all_gather_by_broadcast(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool) -> Any:
+def _all_gather_by_broadcast(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool) -> Any:
     size, rank, numel = dist.get_world_size(group), dist.get_rank(group), input.numel()
     slots = output.view(-1).split(numel)
     if slots[rank].data_ptr() != input.data_ptr():
@@ -269,7 +270,7 @@ def all_to_all_single(
     input: torch.Tensor,
     output_split_sizes: list[int] | None = None,
     input_split_sizes: list[int] | None = None,
-    group: Any = None,
+    group: Group = None,
     async_op: bool = False,
 ) -> CommHandle:
     """Split `input` along dim 0, send split i to rank i, receive into `output`."""
@@ -281,7 +282,7 @@ def all_to_all_single(
     )
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> CommHandle:
+def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False) -> CommHandle:
     """Copy `tensor` from global rank `src` to every rank of `group`."""
     return _issue(
         "broadcast", tensor, tensor.numel(), group, async_op,
@@ -289,7 +290,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool 
     )
 
 
-def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> CommHandle:
+def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Group = None,
+           async_op: bool = False) -> CommHandle:
     """Reduce `tensor` onto global rank `dst` (other ranks' tensors are left unspecified)."""
     ensure_initialized()
     after = None
@@ -303,17 +305,17 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = 
     )
 
 
-def barrier(group: Any = None, async_op: bool = False) -> CommHandle:
+def barrier(group: Group = None, async_op: bool = False) -> CommHandle:
     """Wait until every rank of `group` arrives."""
     return _issue("barrier", None, 0, group, async_op, lambda a: dist.barrier(group=group, async_op=a))
 
 
-def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+def all_gather_object(object_list: list[Any], obj: Any, group: Group = None) -> None:
     """`object_list[i]` becomes rank i's `obj` (pickled; for small metadata, not tensors)."""
     _issue("all_gather_object", None, 0, group, False, lambda a: dist.all_gather_object(object_list, obj, group=group))
 
 
-def broadcast_object_list(object_list: list[Any], src: int = 0, group: Any = None) -> None:
+def broadcast_object_list(object_list: list[Any], src: int = 0, group: Group = None) -> None:
     """Replace `object_list`'s items with those of global rank `src`."""
     _issue(
         "broadcast_object_list", None, 0, group, False,
@@ -321,7 +323,7 @@ def broadcast_object_list(object_list: list[Any], src: int = 0, group: Any = Non
     )
 
 
-def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, group: Any = None) -> None:
+def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, group: Group = None) -> None:
     """Collect every rank's `obj` into `object_gather_list` on global rank `dst`."""
     _issue(
         "gather_object", None, 0, group, False,
@@ -329,12 +331,16 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
     )
 
 
-def _divide_by_group_size(tensor: torch.Tensor, group: Any) -> Callable[[], None]:
+def _divide_by_group_size(tensor: torch.Tensor, group: Group) -> Callable[[], None]:
     size = dist.get_world_size(group)
-    return lambda: tensor.div_(size)
+
+    def divide() -> None:
+        tensor.div_(size)
+
+    return divide
 
 
-def _check_sizes(op: str, big: int, small: int, group: Any, big_name: str, small_name: str) -> None:
+def _check_sizes(op: str, big: int, small: int, group: Group, big_name: str, small_name: str) -> None:
     size = dist.get_world_size(group)
     if big != small * size:
         raise ValueError(

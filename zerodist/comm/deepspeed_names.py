@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from zerodist.comm import collectives
-from zerodist.comm.collectives import CommHandle, ReduceOp
+from zerodist.comm.collectives import CommHandle, Group, ReduceOp
 from zerodist.comm.errors import DistributedInitError
 from zerodist.comm.init import WorldInfo, ensure_initialized, is_initialized
 from zerodist.comm.init import get_global_rank as _get_global_rank
@@ -77,12 +77,12 @@ def get_world_group() -> Any:
     return dist.group.WORLD
 
 
-def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
+def get_global_rank(group: Group = None, group_rank: int = 0) -> int:
     """The global rank of member `group_rank` of `group` (DeepSpeed's defaults: the world, member 0)."""
     return _get_global_rank(group, group_rank)
 
 
-def get_all_ranks_from_group(group: Any = None) -> list[int]:
+def get_all_ranks_from_group(group: Group = None) -> list[int]:
     """The global ranks of `group`'s members, in group-rank order."""
     ensure_initialized()
     if group is None or group is dist.group.WORLD:
@@ -104,7 +104,7 @@ def has_reduce_scatter_tensor() -> bool:
     return True
 
 
-def all_gather(tensor_list: torch.Tensor | list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
+def all_gather(tensor_list: torch.Tensor | list[torch.Tensor], tensor: torch.Tensor, group: Group = None,
                async_op: bool = False) -> CommHandle:
     """Every rank's `tensor`, concatenated: into the flat tensor `tensor_list` (zerodist's form, group
     size x `tensor.numel()` elements), or one entry per rank of the list `tensor_list` (DeepSpeed's
@@ -123,7 +123,7 @@ def all_gather(tensor_list: torch.Tensor | list[torch.Tensor], tensor: torch.Ten
 
 
 def reduce_scatter(output: torch.Tensor, input_list: torch.Tensor | list[torch.Tensor], op: Any = ReduceOp.SUM,
-                   group: Any = None, async_op: bool = False) -> CommHandle:
+                   group: Group = None, async_op: bool = False) -> CommHandle:
     """Reduce over the group and keep this rank's part in `output`: the flat tensor `input_list`
     (zerodist's form) or the list of one tensor per rank (DeepSpeed's and torch's form)."""
     if isinstance(input_list, torch.Tensor):
@@ -133,32 +133,32 @@ def reduce_scatter(output: torch.Tensor, input_list: torch.Tensor | list[torch.T
     return collectives.reduce_scatter(output, flat, op=op, group=group, async_op=async_op)
 
 
-def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group: Any = None,
+def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group: Group = None,
                            async_op: bool = False) -> CommHandle:
     return collectives.all_gather(output_tensor, tensor, group=group, async_op=async_op)
 
 
-def allgather_fn(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
+def allgather_fn(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group = None,
                  async_op: bool = False) -> CommHandle:
     return collectives.all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM,
-                          group: Any = None, async_op: bool = False) -> CommHandle:
+                          group: Group = None, async_op: bool = False) -> CommHandle:
     return collectives.reduce_scatter(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 
 def reduce_scatter_fn(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM,
-                      group: Any = None, async_op: bool = False) -> CommHandle:
+                      group: Group = None, async_op: bool = False) -> CommHandle:
     return collectives.reduce_scatter(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 
-def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None) -> CommHandle:
+def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None) -> CommHandle:
     """DeepSpeed's all-reduce for inference kernels; here the ordinary, synchronous all-reduce."""
     return collectives.all_reduce(tensor, op=op, group=group)
 
 
-def _check_list(op: str, tensors: Sequence[torch.Tensor], like: torch.Tensor, group: Any) -> list[torch.Tensor]:
+def _check_list(op: str, tensors: Sequence[torch.Tensor], like: torch.Tensor, group: Group) -> list[torch.Tensor]:
     ensure_initialized()
     size = dist.get_world_size(group)
     tensors = list(tensors)

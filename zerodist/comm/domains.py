@@ -25,6 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
+from zerodist import compat
 from zerodist.comm.errors import TopologyError
 from zerodist.comm.topology import AXES, DENSE, Domain
 
@@ -143,7 +144,7 @@ def logical_keys(model: torch.nn.Module) -> dict[str, str]:
     def visit(module: torch.nn.Module, physical: str, logical: str) -> None:
         prefixes[physical] = logical
         offset = _OFFSETS.get(module, 0)
-        for name, child in module._modules.items():  # as state_dict() walks: a child registered twice, twice
+        for name, child in compat.registered_children(module):  # as state_dict() walks: twice if registered twice
             if child is not None:
                 shifted = str(int(name) + offset) if offset else name
                 visit(child, f"{physical}{name}.", f"{logical}{shifted}.")

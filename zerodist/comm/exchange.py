@@ -25,6 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from zerodist import compat
 from zerodist.comm.init import ensure_initialized
 
 _calls: dict[str, int] = {}
@@ -48,7 +49,7 @@ def _key(name: str, call: int, rank: int) -> str:
 def _get_store(timeout_s: float) -> Any:
     global _store, _store_waits
     if _store is None:
-        store = dist.distributed_c10d._get_default_store()
+        store = compat.default_store()
         try:
             # A private connection, so our short deadline leaves the group's own timeout alone.
             _store = store.clone()

@@ -33,14 +33,16 @@ import datetime
 import json
 import os
 import sys
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from zerodist.comm.collectives import pre_collective_hooks
+from zerodist import compat
+from zerodist.comm.collectives import Group, pre_collective_hooks
 from zerodist.utils import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -115,20 +117,20 @@ def format_ranks(ranks: list[int]) -> str:
             prev = r
             continue
         parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = r
+        start = prev = r  # type: ignore[assignment]  # the None sentinel ends the loop
     return ", ".join(parts)
 
 
 def call_site() -> str:
     """The first frame outside zerodist/comm, and the first outside zerodist when different."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_COMM_DIR):
         frame = frame.f_back
     if frame is None:
         return "<unknown>"
     site = _frame_text(frame)
     if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        user = frame
+        user: types.FrameType | None = frame
         while user is not None and user.f_code.co_filename.startswith(_PACKAGE_DIR):
             user = user.f_back
         if user is not None:
@@ -163,7 +165,7 @@ class CollectiveGuard:
         self._store_waits = False  # True when the store could not be cloned with our timeout
         self._announced = False
 
-    def __call__(self, op: str, tensor: torch.Tensor | None, group: Any) -> None:
+    def __call__(self, op: str, tensor: torch.Tensor | None, group: Group) -> None:
         if not self._announced:  # the first guarded collective, when the world exists
             self._announced = True
             log_rank0(logger, "collective guard on (timeout %g s): every collective is checked across ranks",
@@ -195,14 +197,14 @@ class CollectiveGuard:
     def key(self, state: _GroupState, seq: int, rank: int) -> str:
         return f"zerodist/guard/{self.session}/{state.name}/{seq}/{rank}"
 
-    def group_state(self, group: Any = None) -> _GroupState:
+    def group_state(self, group: Group = None) -> _GroupState:
         """This rank's view of `group` (for tests and reports)."""
         return self._group_state(group)
 
-    def _group_state(self, group: Any) -> _GroupState:
+    def _group_state(self, group: Group) -> _GroupState:
         state = self._groups.get(group)
         if state is None:
-            pg = dist.group.WORLD if group is None else group
+            pg = cast(dist.ProcessGroup, dist.group.WORLD if group is None else group)  # initialised by now
             ranks = dist.get_process_group_ranks(pg)
             name = "world" if pg is dist.group.WORLD else pg.group_name  # torch names the same group alike on every rank
             state = self._groups[group] = _GroupState(name, ranks, dist.get_rank())
@@ -210,7 +212,7 @@ class CollectiveGuard:
 
     def _get_store(self) -> Any:
         if self._store is None:
-            store = dist.distributed_c10d._get_default_store()
+            store = compat.default_store()
             try:
                 # A private connection, so our short timeout leaves the group's own alone.
                 self._store = store.clone()

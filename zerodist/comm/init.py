@@ -225,6 +225,7 @@ def init_distributed(
     elif init_method is None:
         # The launcher's store, joined by zerodist itself so that a rank that never comes is
         # reported while the others wait, and fails them within the join timeout.
+        assert launch.master_addr is not None and launch.master_port is not None  # need_master=True read both
         os.environ.setdefault("MASTER_ADDR", launch.master_addr)
         os.environ.setdefault("MASTER_PORT", str(launch.master_port))
         store = join_store(launch.rank, launch.world_size, launch.master_addr, launch.master_port,

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from zerodist.comm.collectives import all_gather_object
+from zerodist.comm.collectives import Group, all_gather_object
 from zerodist.comm.errors import TopologyError
 from zerodist.comm.init import ensure_initialized
 
@@ -99,7 +99,7 @@ _MADE: dict[tuple[Any, ...], Any] = {}
 _MADE_FOR: list[Any] = [None]  # the world the groups in _MADE belong to
 
 
-def _make_group(partition: list[list[int]], timeout: Any, backend: str, second: bool = False) -> Any:
+def _make_group(partition: list[list[int]], timeout: Any, backend: str, second: bool = False) -> Group:
     """This rank's group of `partition` (the world itself when it is one group), or with `second`
     a distinct group over the same ranks ([Note: gradient groups])."""
     if len(partition) == 1 and not second:
@@ -169,6 +169,13 @@ class Topology:
     """
 
     __slots__ = ("_degrees", "_coords", "_groups", "_gradient_groups", "_partitions", "rank", "world_size")
+    rank: int
+    world_size: int
+    _degrees: Mapping[str, int]
+    _coords: Mapping[str, int]
+    _groups: dict[tuple[str, ...], Group]
+    _gradient_groups: dict[tuple[str, ...], Group]
+    _partitions: dict[tuple[str, ...], list[list[int]]]
 
     def __init__(self, *, data: int | None = None, expert: int = 1, tensor: int = 1, group_timeout: Any = None,
                  gradient_groups: bool = False):
@@ -180,14 +187,14 @@ class Topology:
             listed = "; ".join(f"rank {r}: data={d} expert={e} tensor={t}" for r, (d, e, t) in enumerate(requests))
             raise TopologyError(f"ranks asked for different topologies: {listed}")
         degrees = resolve_degrees(world_size, data=data, expert=expert, tensor=tensor)
-        groups: dict[tuple[str, ...], Any] = {}
+        groups: dict[tuple[str, ...], Group] = {}
         partitions: dict[tuple[str, ...], list[list[int]]] = {}
         for count in range(1, len(AXES) + 1):
             for axes in itertools.combinations(AXES, count):
                 partition = axis_partition(degrees, axes)
                 groups[axes] = _make_group(partition, group_timeout, info.backend)  # one per distinct partition
                 partitions[axes] = partition
-        gradient: dict[tuple[str, ...], Any] = dict(groups)
+        gradient: dict[tuple[str, ...], Group] = dict(groups)
         if gradient_groups:
             for axes, partition in partitions.items():  # the same order on every rank: the loop's above
                 if len(partition[0]) > 1:
@@ -210,11 +217,11 @@ class Topology:
     def coords(self) -> Mapping[str, int]:
         return self._coords
 
-    def group(self, *axes: str) -> Any:
+    def group(self, *axes: str) -> Group:
         """The process group of this rank over `axes` (e.g. `group("data", "expert")`)."""
         return self._groups[_canonical(axes)]
 
-    def gradient_group(self, *axes: str) -> Any:
+    def gradient_group(self, *axes: str) -> Group:
         """Where gradients reduced over `axes` are reduced: with `gradient_groups=True` a second
         process group over the same ranks as `group(*axes)` (the same group when it has one rank,
         or without `gradient_groups`).
@@ -277,7 +284,7 @@ class Topology:
         return ("tensor",)
 
     @property
-    def world_group(self) -> Any:
+    def world_group(self) -> Group:
         """Every rank of the mesh: the step's one all-reduce and the run-order checks."""
         return self._groups[AXES]
 

@@ -53,9 +53,11 @@ def resolve_batch_sizes(
         steps = 1  # DeepSpeed's choice when at most the train size is given
     if train is not None and micro is None:
         equation = _equation(train, None, steps, world)
+        assert steps is not None  # set to 1 above when micro and steps were both absent
         micro = _divide(train, steps, world_size, solving=_MICRO, equation=equation)
     elif train is not None and steps is None:
         equation = _equation(train, micro, None, world)
+        assert micro is not None  # the branch above took micro is None
         steps = _divide(train, micro, world_size, solving=_STEPS, equation=equation)
     # Without a train size, whatever is still absent is 1 (checked >= 1 above, so `or` is safe).
     micro, steps = micro or 1, steps or 1

@@ -138,7 +138,7 @@ def describe_schema(schema: dict[str, Any]) -> str:
         return "a list of " + {"string": "strings", "integer": "integers", "number": "numbers"}.get(
             item_kind, "values"
         )
-    simple = {
+    simple: dict[str | None, str] = {
         "boolean": "true or false",
         "string": "a string",
         "object": "an object",

@@ -149,6 +149,7 @@ def activation_bytes(
     bad = [f"{name}={value}" for name, value in given.items() if not isinstance(value, int) or value < 1]
     if bad:
         raise ValueError(f"activation estimate: {', '.join(bad)} must be positive integers")
+    assert hidden is not None and layers is not None and seq_len is not None and micro_batch is not None  # checked
     heads = heads if heads is not None else max(1, hidden // 64)  # head dim 64 when not given
     e, s, b, h = PARAM_BYTES[dtype], seq_len, micro_batch, hidden
     per_layer = s * b * h * (16 * e + 2) + (0 if flash_attention else heads * s * s * b * (2 * e + 1))

@@ -20,12 +20,14 @@ from typing import Any
 import torch
 
 from zerodist import comm
+from zerodist.comm import Group
 
 # Slots of the one all_reduced vector: weighted loss, weight, ranks passing num_tokens, bad ranks.
 _LOSS, _WEIGHT, _WITH_TOKENS, _BAD = range(4)
 
 
-def reduce_loss(loss: torch.Tensor, *, num_tokens: int | float | torch.Tensor | None = None, group: Any = None) -> torch.Tensor:
+def reduce_loss(loss: torch.Tensor, *, num_tokens: int | float | torch.Tensor | None = None,
+                group: Group = None) -> torch.Tensor:
     """The mean of `loss` over the ranks of `group`, token-weighted when `num_tokens` is given.
 
     `loss` is this rank's scalar loss (a per-token mean when `num_tokens` is given). Returns a

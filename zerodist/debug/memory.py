@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
+from zerodist.comm import Group
+from zerodist.debug.engine_view import TrainingEngine, state_of
 from zerodist.debug.estimate import OPTIMIZER_STATES, MemoryEstimate, estimate_memory, formula
 from zerodist.utils import format_bytes, get_logger, log_rank0
 from zerodist.zero.state import zero_state_of
@@ -80,7 +82,7 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # KiB on Linux, bytes on macOS
 
 
-def _cuda_device(engine: Any) -> torch.device | None:
+def _cuda_device(engine: TrainingEngine | None) -> torch.device | None:
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     zero = zero_state_of(engine)
@@ -125,9 +127,9 @@ class MemoryReport:
         return " ".join(parts).replace(" ;", ";")
 
 
-def padded_num_params(engine: Any) -> int:
+def padded_num_params(engine: TrainingEngine) -> int:
     """Ψ as the engine lays it out: every bucket padded to a multiple of N x 64 elements."""
-    return zero_state_of(engine).padded_num_params()
+    return state_of(engine).padded_num_params()
 
 
 def optimizer_kind(optimizer: Any) -> str | None:
@@ -140,14 +142,14 @@ def optimizer_kind(optimizer: Any) -> str | None:
     return None
 
 
-def estimate_for_engine(engine: Any, **kwargs: Any) -> MemoryEstimate | None:
+def estimate_for_engine(engine: TrainingEngine, **kwargs: Any) -> MemoryEstimate | None:
     """`estimate_memory` for this engine: its padded Ψ, world size, stage, precision, optimizer
     and bucket sizes, so the model states agree with `engine.model_state_bytes()` exactly (once
     the optimizer has stepped: Adam's states are created at the first step). `kwargs` go to
     `estimate_memory` (hidden=, layers=, seq_len=, micro_batch=, heads=, flash_attention=...).
     None for an optimizer the estimator has no formula for, or parameters in several sharding
     domains (the formula has one N)."""
-    state = zero_state_of(engine)
+    state = state_of(engine)
     kind = optimizer_kind(state.optimizer)
     sizes = {g.world_size for g in state.groups}
     if kind is None or kind not in OPTIMIZER_STATES or len(sizes) != 1:
@@ -159,7 +161,7 @@ def estimate_for_engine(engine: Any, **kwargs: Any) -> MemoryEstimate | None:
                            dtype=state.precision.name, optimizer=kind, **kwargs)
 
 
-def memory_report(engine: Any = None, *, all_ranks: bool = False, group: Any = None) -> Any:
+def memory_report(engine: TrainingEngine | None = None, *, all_ranks: bool = False, group: Group = None) -> Any:
     """This rank's `MemoryReport`; with `all_ranks`, a list of every rank's (a collective)."""
     cuda = _cuda_device(engine)
     report = MemoryReport(
@@ -169,7 +171,7 @@ def memory_report(engine: Any = None, *, all_ranks: bool = False, group: Any = N
         cuda_allocated=None if cuda is None else torch.cuda.memory_allocated(cuda),
         cuda_reserved=None if cuda is None else torch.cuda.memory_reserved(cuda),
         cuda_peak_allocated=None if cuda is None else torch.cuda.max_memory_allocated(cuda),
-        model_states=None if engine is None else zero_state_of(engine).model_state_bytes(),
+        model_states=None if engine is None else state_of(engine).model_state_bytes(),
         estimate=None if engine is None else estimate_for_engine(engine),
     )
     if not all_ranks:
@@ -179,7 +181,7 @@ def memory_report(engine: Any = None, *, all_ranks: bool = False, group: Any = N
     return everyone
 
 
-def default_measure(engine: Any = None) -> tuple[str, Callable[[], int]]:
+def default_measure(engine: TrainingEngine | None = None) -> tuple[str, Callable[[], int]]:
     """What the leak watch samples (see [Note: what memory is measured]): a name and a function."""
     cuda = _cuda_device(engine)
     if cuda is not None:
@@ -246,7 +248,7 @@ class MemoryMonitor:
     """What `"memory_breakdown": true` turns on in the engine: `on_step()` after every optimizer
     step feeds a `LeakWatch` (every rank) and, every `steps_per_print`, logs rank 0's report."""
 
-    def __init__(self, engine: Any, *, window: int = 10):
+    def __init__(self, engine: TrainingEngine, *, window: int = 10):
         self.engine = engine
         what, measure = default_measure(engine)
         self.leaks = LeakWatch(window, measure=measure, what=what)

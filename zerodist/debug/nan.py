@@ -32,13 +32,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 import zerodist.comm as comm
+from zerodist.comm import Group
 from zerodist.utils import get_logger
-from zerodist.zero.state import zero_state_of
+from zerodist.zero.flat_group import FlatParamGroup
+from zerodist.zero.state import ZeroState, zero_state_of
 
 logger = get_logger(__name__)
 
@@ -123,12 +125,12 @@ class NanHunter:
     (its typed `zero_state`), a `ZeroState`, or a plain `torch.nn.Module`. `check()` is a collective over `group`
     (default: the whole world, since every rank must stop)."""
 
-    def __init__(self, model_or_engine: Any, *, forward: bool = True, gradients: bool | None = None,
-                 group: Any = None):
+    def __init__(self, model_or_engine: torch.nn.Module | ZeroState, *, forward: bool = True,
+                 gradients: bool | None = None, group: Group = None):
         self.zero = zero_state_of(model_or_engine)
         # an engine's public step counters, for the message (a ZeroState or a module has none)
         self.engine = model_or_engine if self.zero is not None and self.zero is not model_or_engine else None
-        module = self.zero.module if self.zero is not None else model_or_engine
+        module = self.zero.module if self.zero is not None else cast(torch.nn.Module, model_or_engine)
         if gradients is None:
             gradients = self.zero is None or not self.zero.precision.loss_scaling
         self.group = group
@@ -159,7 +161,7 @@ class NanHunter:
             inputs = _extremes(_tensors(args))
             self._forward.append((label, out.new_zeros(0) if inputs is None else inputs, out))
 
-    def _on_engine_grad(self, group: Any, index: int, grad: torch.Tensor) -> None:
+    def _on_engine_grad(self, group: FlatParamGroup, index: int, grad: torch.Tensor) -> None:
         self._on_grad(group.records[index].name, grad)
 
     def _on_grad(self, name: str, grad: torch.Tensor) -> None:
@@ -201,6 +203,7 @@ class NanHunter:
                       "or from the batch)" if not _all_finite([inputs])[0] else "(its inputs were finite)")
             return Finding(rank, "forward", i, f"non-finite forward output: module {label}", origin, counts, totals)
         if loss_bad:
+            assert loss is not None  # loss_bad says so
             return Finding(rank, "loss", 0, "non-finite loss:", f"{loss.detach().float().item()}", counts, totals)
         if bad_grads:
             i = bad_grads[0]

@@ -70,7 +70,7 @@ class SamplerWatch:
 
     def _loader_state(self) -> Any:
         """What decides a DistributedSampler's order; None (never compared) for one that does not shuffle."""
-        sampler = getattr(self.wrapped, "sampler", None)
+        sampler: Any = getattr(self.wrapped, "sampler", None)  # any sampler: duck-typed by its epoch
         if not hasattr(sampler, "epoch"):
             return None
         return (sampler.seed, sampler.epoch) if hasattr(sampler, "seed") else sampler.epoch

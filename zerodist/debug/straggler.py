@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from zerodist import comm
+from zerodist.comm import Group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ def summarise(rank: int, step_times_s: list[float]) -> RankStepTimes:
     )
 
 
-def straggler_report(step_times_s: list[float], group: Any = None) -> StragglerReport:
+def straggler_report(step_times_s: list[float], group: Group = None) -> StragglerReport:
     """Gather every rank's step times (all_gather_object) and name the slowest rank.
 
     Collective: call it on every rank of `group`; every rank gets the same report. Ranks are
@@ -136,7 +137,7 @@ class StepTimer:
         finally:
             self.stop()
 
-    def report(self, group: Any = None) -> StragglerReport:
+    def report(self, group: Group = None) -> StragglerReport:
         """`straggler_report(self.times_s, group)`: collective."""
         return straggler_report(self.times_s, group)
 

@@ -36,14 +36,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 import zerodist.comm as comm
+from zerodist.comm import Group
 from zerodist.debug.sync_report import (GradientSyncError, ParamSync, SyncReport, WeightSyncError,
                                         reference_label)
+from zerodist.debug.engine_view import TrainingEngine, state_of
 from zerodist.utils import get_logger
+from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.state import zero_state_of
 
 logger = get_logger(__name__)
@@ -69,18 +72,18 @@ def checksum(tensor: torch.Tensor) -> int:
     return int((bits * weights).sum())  # int64 arithmetic wraps: modular, so order-independent
 
 
-def group_ranks(group: Any) -> list[int]:
+def group_ranks(group: Group) -> list[int]:
     return [comm.get_global_rank(group, i) for i in range(comm.get_world_size(group))]
 
 
-def _gather(values: torch.Tensor, group: Any) -> torch.Tensor:
+def _gather(values: torch.Tensor, group: Group) -> torch.Tensor:
     """[size, *values.shape]: every rank's `values`."""
     out = torch.empty(comm.get_world_size(group) * values.numel(), dtype=values.dtype, device=values.device)
     comm.all_gather(out, values.reshape(-1), group=group)
     return out.view(-1, *values.shape)
 
 
-def compare_replicated(named: Named, group: Any, *, atol: float = 0.0) -> tuple[ParamSync, ...]:
+def compare_replicated(named: Named, group: Group, *, atol: float = 0.0) -> tuple[ParamSync, ...]:
     """Compare tensors that every rank of `group` should hold identically (see [Note: comparing
     replicas]). `atol` > 0 accepts differences up to it."""
     device = next((t.device for _, _, t in named if t is not None), comm.device_for_rank())
@@ -113,7 +116,7 @@ def compare_replicated(named: Named, group: Any, *, atol: float = 0.0) -> tuple[
     return tuple(result)
 
 
-def _diffs_from_references(named: Named, references: dict[int, int], group: Any,
+def _diffs_from_references(named: Named, references: dict[int, int], group: Group,
                            device: torch.device) -> dict[int, list[float]]:
     """For each parameter in `references`: every rank's max |mine - reference's| (nan where a
     rank or the reference has no tensor). One broadcast per distinct reference rank."""
@@ -157,16 +160,16 @@ class GradSyncWatch:
     the gradients. Accumulation follows the engine: the copy restarts after each optimizer step.
     """
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: TrainingEngine):
         if not _is_engine(engine):
             raise TypeError(f"GradSyncWatch takes a zerodist engine, got {type(engine).__name__}")
-        self.engine, self.zero = engine, zero_state_of(engine)
+        self.engine, self.zero = engine, state_of(engine)
         self.local = {id(g): torch.zeros(g.layout.total_numel, dtype=torch.float32, device=g.device)
                       for g in self.zero.groups}
         self._step = engine.global_steps
         self.zero.reducer.grad_observers.append(self._on_grad)
 
-    def _on_grad(self, group: Any, index: int, grad: torch.Tensor) -> None:
+    def _on_grad(self, group: FlatParamGroup, index: int, grad: torch.Tensor) -> None:
         if self._step != self.engine.global_steps:  # an optimizer step cleared the buckets
             for buffer in self.local.values():
                 buffer.zero_()
@@ -184,9 +187,10 @@ class GradSyncWatch:
         self.local = {}
 
 
-def check_gradient_sync(model_or_engine: Any, *, raise_on_mismatch: bool = False, atol: float = 0.0,
+def check_gradient_sync(model_or_engine: torch.nn.Module | TrainingEngine, *, raise_on_mismatch: bool = False,
+                        atol: float = 0.0,
                         reference: GradSyncWatch | None = None, rtol: float | None = None,
-                        group: Any = None) -> SyncReport:
+                        group: Group = None) -> SyncReport:
     """Compare across data-parallel ranks every gradient that should agree after reduction.
 
     Engine: call after `engine.backward(loss)` at the accumulation boundary and before
@@ -199,9 +203,10 @@ def check_gradient_sync(model_or_engine: Any, *, raise_on_mismatch: bool = False
     with `raise_on_mismatch` when any parameter differs. Collective.
     """
     if _is_engine(model_or_engine):
-        report = _engine_gradients(model_or_engine, atol, reference, rtol)
+        report = _engine_gradients(cast(TrainingEngine, model_or_engine), atol, reference, rtol)
     else:
-        named = [(n, p.numel(), p.grad) for n, p in model_or_engine.named_parameters() if p.requires_grad]
+        model = cast(torch.nn.Module, model_or_engine)  # not an engine: a plain model
+        named = [(n, p.numel(), p.grad) for n, p in model.named_parameters() if p.requires_grad]
         params = compare_replicated(named, group, atol=atol)
         note = "no parameter has a gradient" if all(t is None for _, _, t in named) else ""
         report = SyncReport("gradients", "each rank's .grad compared " + _how(atol),
@@ -217,8 +222,9 @@ def _how(atol: float) -> str:
     return "bitwise" if atol == 0 else f"within {atol:g}"
 
 
-def _engine_gradients(engine: Any, atol: float, reference: GradSyncWatch | None, rtol: float | None) -> SyncReport:
-    state = zero_state_of(engine)
+def _engine_gradients(engine: TrainingEngine, atol: float, reference: GradSyncWatch | None,
+                      rtol: float | None) -> SyncReport:
+    state = state_of(engine)
     sharding = state.sharding
     stage = sharding.stage
     if sharding.shard_optimizer_state and reference is None:
@@ -363,8 +369,8 @@ def _check_engine_weights(zero: Any, *, raise_on_mismatch: bool, atol: float, bu
     return report
 
 
-def check_weight_sync(model_or_engine: Any, *, raise_on_mismatch: bool = False, atol: float = 0.0,
-                      buffers: bool = False, group: Any = None) -> SyncReport:
+def check_weight_sync(model_or_engine: torch.nn.Module, *, raise_on_mismatch: bool = False, atol: float = 0.0,
+                      buffers: bool = False, group: Group = None) -> SyncReport:
     """Compare every parameter (and, with `buffers`, every buffer) across data-parallel ranks,
     bitwise unless `atol` is given: replicas that drifted apart (a missed sync, a rank-dependent
     update) are named with the ranks that differ. Raises `WeightSyncError` on every rank with
@@ -374,13 +380,14 @@ def check_weight_sync(model_or_engine: Any, *, raise_on_mismatch: bool = False, 
     """
     module = model_or_engine
     if _is_engine(model_or_engine):
-        zero = zero_state_of(model_or_engine)
+        zero = state_of(cast(TrainingEngine, model_or_engine))
+        assert zero.runtime is not None, "apply_zero() makes a runtime"
         zero.runtime.finish_gathers()  # the last step's, still in flight (overlap_comm)
         if zero.sharding.shard_parameters:
             raise ValueError("check_weight_sync: at ZeRO stage 3 each rank holds a shard of the parameters; "
                              "nothing is replicated to compare")
         return _check_engine_weights(zero, raise_on_mismatch=raise_on_mismatch, atol=atol, buffers=buffers)
-    named = [(n, p.numel(), p.detach()) for n, p in module.named_parameters()]
+    named: Named = [(n, p.numel(), p.detach()) for n, p in module.named_parameters()]
     if buffers:
         named += [(n, b.numel(), b) for n, b in module.named_buffers()]
     params = compare_replicated(named, group, atol=atol)

@@ -41,8 +41,8 @@ class EngineDataLoader:
 
     def __init__(self, dataset: Dataset, *, batch_size: int, num_replicas: int, rank: int, seed: int = 0,
                  collate_fn: Callable[..., Any] | None = None, shuffle: bool = True):
-        self.sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-                                          drop_last=True)
+        self.sampler: DistributedSampler[Any] = DistributedSampler(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self._skipping = _SkippingSampler(self.sampler)
         self.generator = torch.Generator()
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self._skipping, collate_fn=collate_fn,

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
+from zerodist import compat
 from zerodist.utils import get_logger
 
 logger = get_logger(__name__)
@@ -131,7 +132,7 @@ class DeepSpeedEngineAPI:
             return super().__getattr__(name)  # type: ignore[misc]
         except AttributeError:
             pass
-        module = self.__dict__.get("_modules", {}).get("module")
+        module = compat.registered_child(self, "module")
         if module is None:  # still in __init__, before the model is registered
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         try:

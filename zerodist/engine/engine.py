@@ -200,8 +200,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         if self._trace is not None:
             log_rank0(logger, "communication so far:\n%s", self.comms_trace.format_summary())
 
-    def zero_grad(self) -> None:
-        """Drop accumulated gradients (the engine already does this after each optimizer step)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients (the engine already does this after each optimizer step); they
+        are always dropped, whatever `set_to_none` says (nn.Module's signature)."""
         self.optimizer.zero_grad()
 
     def finish_param_gathers(self) -> None:
@@ -265,6 +266,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def _save_at_interval(self) -> None:
         settings = self.config.checkpoint
         if settings.save_interval and self.global_steps % settings.save_interval == 0:
+            assert settings.save_dir is not None, "the config requires checkpoint.save_dir with save_interval"
             self.save_checkpoint(settings.save_dir)
 
     # ------------------------------------------------------------------ queries

@@ -84,12 +84,13 @@ def initialize(
     return result
 
 
-def _initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None, optimizer: Any,
+def _initialize(model: torch.nn.Module | None, model_parameters: Iterable[Any] | None, optimizer: Any,
                 config: Config | dict[str, Any] | str | None, training_data: torch.utils.data.Dataset | None,
                 lr_scheduler: Any, collate_fn: Callable[..., Any] | None,
                 ) -> tuple[Engine, ZeroOptimizer, EngineDataLoader | None, Any]:
     """The ordered steps; each takes what the previous ones made."""
     validated = _validate(model, config)
+    assert isinstance(model, torch.nn.Module)  # _validate refused anything else, by name
     topology = _build_topology(validated, model)
     (part,) = split_parts(model)  # one part until pipeline parallelism splits the model
     tensor = _apply_tensor_parallel(part, topology, validated.config)
@@ -106,7 +107,7 @@ def _initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None, 
     return engine, zero.optimizer, loader, scheduler
 
 
-def _validate(model: torch.nn.Module, config: Config | dict[str, Any] | str | None) -> Validated:
+def _validate(model: torch.nn.Module | None, config: Config | dict[str, Any] | str | None) -> Validated:
     """The model is a fresh module, the config valid, the world initialised, and every rank
     brings the same config and model structure."""
     if not isinstance(model, torch.nn.Module):
@@ -191,6 +192,7 @@ def _build_engine(model: torch.nn.Module, states: tuple[TensorParallelState, Exp
     _INITIALIZED.add(model)
     _log_summary(engine, world)
     if config.checkpoint.auto_resume:  # e.g. after the elastic agent restarted the job
+        assert config.checkpoint.save_dir is not None, "the config requires checkpoint.save_dir with auto_resume"
         engine.load_checkpoint(config.checkpoint.save_dir)
     return engine, loader
 

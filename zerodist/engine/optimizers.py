@@ -37,7 +37,7 @@ class ParamGroupSpec:
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 
-def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+def _constructor_kwargs(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
     accepted = inspect.signature(cls.__init__).parameters
     return {k: v for k, v in defaults.items() if k in accepted}
 

@@ -13,18 +13,36 @@ RNG stream or data position for this rank) or None.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from zerodist.checkpoint.state import capture_rng, restore_rng
 from zerodist.moe.parallel import restore_routing_clock
 from zerodist.tensor_parallel.random import rng_tracker_of
+from zerodist.config import BatchSizes
 from zerodist.utils import get_logger, log_rank0
+from zerodist.zero import ZeroOptimizer
+
+
+class Engine(Protocol):
+    """What the resumable training state reads and writes of an engine (engine.py's `Engine`;
+    described, not imported, so that engine.py can import this module)."""
+
+    module: torch.nn.Module
+    global_steps: int
+    micro_steps: int
+    skipped_steps: int
+    batch: BatchSizes
+    optimizer: ZeroOptimizer
+    lr_scheduler: Any
+    training_dataloader: Any
 
 logger = get_logger(__name__)
 COUNTERS = ("global_steps", "micro_steps", "skipped_steps")
 
 
-def training_state_dict(engine: Any) -> dict[str, Any]:
+def training_state_dict(engine: Engine) -> dict[str, Any]:
     loader = engine.training_dataloader
     scheduler = engine.lr_scheduler
     return {
@@ -37,7 +55,7 @@ def training_state_dict(engine: Any) -> dict[str, Any]:
     }
 
 
-def load_training_state_dict(engine: Any, state: dict[str, Any]) -> None:
+def load_training_state_dict(engine: Engine, state: dict[str, Any]) -> None:
     missing = [key for key in COUNTERS if key not in state]
     if missing:
         raise KeyError(f"load_training_state_dict: the state has no {', '.join(missing)}; pass a dict made by "
@@ -67,7 +85,7 @@ def load_training_state_dict(engine: Any, state: dict[str, Any]) -> None:
             tracker.load_state_dict(state["rng"]["tensor_parallel"])
 
 
-def _capture_rng(engine: Any) -> dict[str, Any]:
+def _capture_rng(engine: Engine) -> dict[str, Any]:
     """This process's streams, and tensor parallelism's dropout streams (replicated / sharded)."""
     rng = capture_rng()
     tracker = rng_tracker_of(engine.module)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,7 @@ GPT_PRESETS: dict[str, GPTConfig] = {
 }
 
 
-def gpt_config(name: str, **overrides: object) -> GPTConfig:
+def gpt_config(name: str, **overrides: Any) -> GPTConfig:
     """The preset ``name`` ("tiny", "small", "bench", "bench-25m"), with optional field overrides."""
     if name not in GPT_PRESETS:
         raise ValueError(f"unknown GPT preset {name!r}; choose one of: {', '.join(GPT_PRESETS)}")
@@ -173,7 +174,7 @@ class GPT(nn.Module):
         """Re-draw every weight: GPT-2 init (see [Note: per-module init]); LayerNorm (1, 0)."""
         for module in self.modules():
             if module is not self and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+                module.reset_parameters()  # type: ignore[operator]  # nn.Module.__getattr__ is typed Tensor | Module
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if idx.dim() != 2:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from zerodist import comm
+from zerodist.comm import Group
 from zerodist.moe.gating import Routing
 
 
@@ -31,7 +32,7 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single along dim 0 whose backward is the reverse all-to-all (splits swapped)."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, rows: torch.Tensor, output_splits: list[int] | None,
+    def forward(ctx: Any, group: Group, rows: torch.Tensor, output_splits: list[int] | None,
                 input_splits: list[int] | None) -> torch.Tensor:  # type: ignore[override]
         ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
         rows = rows.contiguous()
@@ -48,7 +49,7 @@ class _AllToAll(torch.autograd.Function):
         return None, back, None, None
 
 
-def all_to_all(group: Any, rows: torch.Tensor, output_splits: list[int] | None = None,
+def all_to_all(group: Group, rows: torch.Tensor, output_splits: list[int] | None = None,
                input_splits: list[int] | None = None) -> torch.Tensor:
     """Differentiable all-to-all of `rows` over `group` (equal splits when the sizes are None)."""
     return _AllToAll.apply(group, rows, output_splits, input_splits)
@@ -110,7 +111,7 @@ class DroplessPlan:
     received_counts: list[list[int]]
 
 
-def plan_dropless(routing: Routing, num_experts: int, group: Any, ep_size: int) -> DroplessPlan:
+def plan_dropless(routing: Routing, num_experts: int, group: Group, ep_size: int) -> DroplessPlan:
     """Sort the routed rows by expert and exchange per-expert counts over the expert group."""
     token, expert, _, weight = _kept_routes(routing)
     order = torch.sort(expert, stable=True).indices

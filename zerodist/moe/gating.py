@@ -268,6 +268,8 @@ def _apply_capacity(expert: torch.Tensor, routed: torch.Tensor, gates: torch.Ten
 
 
 class TopKGate(torch.nn.Module):
+    expert_bias: torch.Tensor  # buffers registered in __init__ (with load balancing only)
+    tokens_per_expert: torch.Tensor
     """DeepSpeed's `TopKGate`: a bias-free linear map to E logits (`wg`, a dense parameter), run
     in fp32, then `route`. Returns a `Routing`."""
 

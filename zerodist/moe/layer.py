@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerodist import comm
+from zerodist.comm import Group
 from zerodist.comm.domains import declare_expert_parallel, declare_logical_offset
 from zerodist.comm.init import resolve_timeout
 from zerodist.moe import dispatch
@@ -47,8 +48,8 @@ class ExpertParallelContext:
     """What a layer needs from the topology: its expert group, its index in it, and the group's
     global ranks (to read their values out of a world-wide exchange)."""
 
-    group: Any
-    batch_group: Any  # over ("data", "expert"): every batch shard, for the balancing counts
+    group: Group
+    batch_group: Group  # over ("data", "expert"): every batch shard, for the balancing counts
     expert_rank: int
     expert_ranks: tuple[int, ...]
     world_rank: int
@@ -295,7 +296,8 @@ class MoE(nn.Module):
         return self.deepspeed_moe.last_stats
 
     def forward(self, hidden_states: torch.Tensor,
-                used_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                used_token: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         output = self.deepspeed_moe(hidden_states, used_token)
         if self.use_residual:
             output_mlp = self.mlp(hidden_states)

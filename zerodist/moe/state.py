@@ -44,7 +44,8 @@ def gather_global_state_dict(model: torch.nn.Module, state: dict[str, torch.Tens
     result = dict(state)
     for name, layer in moe_layers(model):
         prefix = experts_prefix(name)
-        local_keys = sorted((k for k in state if _split_key(k, prefix)), key=lambda k: _split_key(k, prefix))
+        local_keys = sorted((k for k in state if _split_key(k, prefix)),
+                            key=lambda k: _split_key(k, prefix) or (-1, ""))  # every key kept has one
         for key in local_keys:
             del result[key]
         context = _CONTEXTS.get(layer.deepspeed_moe)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from zerodist.comm import CommHandle
 from zerodist.tensor_parallel import schedule
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from zerodist.tensor_parallel.operators import TensorRegion, UnevenSplitError, all_reduce_
@@ -67,7 +68,7 @@ class _PendingReduction:
     __slots__ = ("handle", "collective")
 
     def __init__(self) -> None:
-        self.handle = None
+        self.handle: CommHandle | None = None
         self.collective = -1
 
 

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from zerodist import comm
+from zerodist import comm, compat
+from zerodist.comm import Group
 from zerodist.comm.topology import Topology
 from zerodist.tensor_parallel import schedule
 
@@ -34,7 +35,7 @@ from zerodist.tensor_parallel import schedule
 class TensorRegion:
     """This rank's tensor-parallel group: its process group, its size and this rank's index."""
 
-    group: Any
+    group: Group
     size: int
     rank: int
 
@@ -61,7 +62,7 @@ def check_divisible(length: int, parts: int, what: str) -> int:
 def _phase() -> str:
     # Inside autograd's backward pass the engine has a current graph task (-1 elsewhere, in
     # forwards of autograd functions included, which run with gradient mode off).
-    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+    return "backward" if compat.in_backward_pass() else "forward"
 
 
 def all_reduce_(tensor: torch.Tensor, region: TensorRegion, async_op: bool = False) -> comm.CommHandle:

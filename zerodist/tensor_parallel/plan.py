@@ -31,7 +31,7 @@ import dataclasses
 import fnmatch
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, Union
+from typing import Any, Union, cast
 
 import torch
 from torch import nn
@@ -150,17 +150,20 @@ def _convert(name: str, module: nn.Module, entry: PlanEntry, region: TensorRegio
     if wants is not None and not isinstance(module, wants):
         raise PlanError(f"plan entry for {name!r} is {type(entry).__name__}, which applies to {wants.__name__}, "
                         f"but {name!r} is a {type(module).__name__}")
+    # `wants` checked the module's class above.
     if isinstance(entry, Colwise):
+        linear = cast(nn.Linear, module)
         fused = entry.fused
         if isinstance(fused, int):
-            fused = (module.out_features // fused,) * fused
-        return ColumnParallelLinear.from_linear(module, region, gather_output=entry.gather_output,
+            fused = (linear.out_features // fused,) * fused
+        return ColumnParallelLinear.from_linear(linear, region, gather_output=entry.gather_output,
                                                 sequence_parallel=sequence_parallel, fused=fused)
     if isinstance(entry, Rowwise):
-        return RowParallelLinear.from_linear(module, region, input_is_parallel=entry.input_is_parallel,
+        return RowParallelLinear.from_linear(cast(nn.Linear, module), region, input_is_parallel=entry.input_is_parallel,
                                              sequence_parallel=sequence_parallel)
     if isinstance(entry, Vocab):
-        return VocabParallelEmbedding.from_embedding(module, region, sequence_parallel=sequence_parallel)
+        return VocabParallelEmbedding.from_embedding(cast(nn.Embedding, module), region,
+                                                     sequence_parallel=sequence_parallel)
     if isinstance(entry, Replace):
         return entry.build(module, region, sequence_parallel)
     if isinstance(entry, Sequence):
@@ -181,7 +184,7 @@ def _tied_heads(matched: list[tuple[str, nn.Module, PlanEntry]]) -> set[int]:
     """The ids of the parameters `TiedHead` entries keep tied, after checking each entry: the
     head's weight is its embedding's, and the plan makes that embedding `vocab`."""
     vocab = {name: module for name, module, entry in matched if isinstance(entry, Vocab)}
-    kept = set()
+    kept: set[int] = set()
     for name, module, entry in matched:
         if not isinstance(entry, TiedHead):
             continue
@@ -225,7 +228,8 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | PlanEntry], topology:
         # Tied heads last: each takes its embedding's converted (sliced) parameter.
         for name, module, entry in sorted(matched, key=lambda item: isinstance(item[2], TiedHead)):
             if isinstance(entry, TiedHead):
-                new = TiedVocabParallelHead(model.get_submodule(entry.embedding), sequence_parallel=sequence_parallel)
+                embedding = cast(VocabParallelEmbedding, model.get_submodule(entry.embedding))  # converted by now
+                new = TiedVocabParallelHead(embedding, sequence_parallel=sequence_parallel)
             else:
                 new = _convert(name, module, entry, region, sequence_parallel)
             if new is not None:
@@ -241,7 +245,8 @@ def _slice_specs(module: nn.Module) -> dict[str, SliceSpec]:
     """A tensor-parallel layer's sliced parameters (local names) and how each was cut."""
     if isinstance(module, (ColumnParallelConv1D, RowParallelConv1D)):
         return module.slice_specs()
-    specs = {"weight": module.weight_spec}
+    layer = cast(Union[ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding], module)
+    specs = {"weight": layer.weight_spec}
     if isinstance(module, ColumnParallelLinear) and module.bias is not None:
         specs["bias"] = module.weight_spec
     return specs

@@ -20,6 +20,7 @@ to `wte`, which `TiedHead` keeps tied over the vocab-parallel slice.
 from __future__ import annotations
 
 import functools
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,7 @@ class HeadParallelAttention(nn.Module):
     """Causal self-attention over this rank's heads: QKV column-parallel (fused, each of q, k, v
     split by heads), the output projection row-parallel. Built from a demo-GPT attention."""
 
-    def __init__(self, attention: nn.Module, region: TensorRegion, sequence_parallel: bool,
+    def __init__(self, attention: Any, region: TensorRegion, sequence_parallel: bool,  # models.gpt.CausalSelfAttention
                  rng: RNGTracker | None = None):
         super().__init__()
         d_model = attention.qkv.in_features
@@ -92,18 +93,20 @@ def _build_attention(module: nn.Module, region: TensorRegion, sequence_parallel:
 def gpt_block_branches(block: nn.Module) -> list[ResidualBranch]:
     """The demo GPT block's two residual branches, after `gpt_plan` (head-parallel attention; MLP
     with column `fc_in` and row `fc_out`), for the Domino schedule."""
-    attn, mlp = block.attn, block.mlp
+    # After gpt_plan: attention head-parallel, the MLP's fc_in column- and fc_out row-parallel.
+    attn, mlp = cast(HeadParallelAttention, block.attn), cast(nn.Module, block.mlp)
+    fc_out = cast(RowParallelLinear, mlp.fc_out)
     return [
-        ResidualBranch(lambda x: attn.proj.partial(attn.attend(block.ln_1(x))),
+        ResidualBranch(lambda x: attn.proj.partial(attn.attend(block.ln_1(x))),  # type: ignore[operator]
                        lambda y: attn.resid_dropout(attn.proj.add_bias(y))),
-        ResidualBranch(lambda x: mlp.fc_out.partial(mlp.act(mlp.fc_in(block.ln_2(x)))),
-                       lambda y: mlp.dropout(mlp.fc_out.add_bias(y))),
+        ResidualBranch(lambda x: fc_out.partial(mlp.act(mlp.fc_in(block.ln_2(x)))),  # type: ignore[operator]
+                       lambda y: mlp.dropout(fc_out.add_bias(y))),  # type: ignore[operator]
     ]
 
 
 def gpt_domino(model: nn.Module, topology: Topology, config: DominoConfig) -> nn.Module:
     """Run a `gpt_plan`-parallelized demo GPT's blocks with the Domino schedule (in place)."""
-    apply_domino(model.blocks, gpt_block_branches, TensorRegion.of(topology), config)
+    apply_domino(cast(nn.ModuleList, model.blocks), gpt_block_branches, TensorRegion.of(topology), config)
     return model
 
 
@@ -169,11 +172,12 @@ def _head_parallel_class(base: type) -> type:
     })
 
 
-def _gpt2_attention(attention: nn.Module, region: TensorRegion, sequence_parallel: bool) -> nn.Module:
+def _gpt2_attention(attention: Any, region: TensorRegion, sequence_parallel: bool) -> nn.Module:
     """A new attention module (never the user's, which is left untouched) of a subclass of
     `type(attention)`, with its plain attributes, `c_attn` column-parallel with q, k and v each split
     by heads, `c_proj` row-parallel, the dropouts shared, and `split_size` / `num_heads` local.
-    GPT-2's forward splits `c_attn`'s output by `split_size` and infers the head count from it."""
+    GPT-2's forward splits `c_attn`'s output by `split_size` and infers the head count from it.
+    `attention` is Hugging Face's GPT2Attention, read by attribute: transformers is not imported here."""
     embed_dim = attention.embed_dim
     if attention.split_size != embed_dim or attention.c_attn.weight.shape != (embed_dim, 3 * embed_dim):
         raise PlanError(f"{type(attention).__name__} is not GPT-2's self-attention as the plan knows it "
@@ -181,8 +185,9 @@ def _gpt2_attention(attention: nn.Module, region: TensorRegion, sequence_paralle
     if list(attention.buffers(recurse=False)):
         raise PlanError(f"{type(attention).__name__} holds buffers this plan does not know how to carry over")
     num_local_heads = check_divisible(attention.num_heads, region.size, "GPT-2's attention heads (n_head)")
-    cls = _head_parallel_class(type(attention))
-    local = cls.__new__(cls)
+    # typeshed's Hashable does not match type[Any]; `type(...)`'s result is typed plain `type`.
+    cls = _head_parallel_class(type(attention))  # type: ignore[arg-type]
+    local = cls.__new__(cls)  # type: ignore[call-overload]
     nn.Module.__init__(local)
     for key, value in vars(attention).items():
         if not key.startswith("_"):  # plain attributes (config, head_dim, scaling, layer_idx, training, ...)

@@ -17,26 +17,29 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import zerodist
 import zerodist.comm as comm
 from zerodist.data import TokenDataset, split_corpus, stdlib_corpus
+from zerodist.debug.memory import peak_rss_bytes, rss_bytes
 from zerodist.engine import Engine
 from zerodist.models import GPT, count_parameters, gpt_config
 from zerodist.tensor_parallel import schedule_log
-from zerodist.debug.memory import peak_rss_bytes, rss_bytes
 from zerodist.train.metrics import StepRecord, plot_loss, write_csv
 from zerodist.train.options import TrainPlan
 from zerodist.train.report import RankMemory, RunSummary, expected_bus_bytes, format_summary
 from zerodist.train.tp_report import measure_from_log, report_lines
 
+if TYPE_CHECKING:
+    from zerodist.models.moe_gpt import MoEGPT
+
 try:  # the debug layer's reduction, token-weighted and checked on every rank
     from zerodist.debug import reduce_loss
 except ImportError:  # an older tree without zerodist.debug.reduce_loss: the plain mean is the same here
-    def reduce_loss(loss: torch.Tensor) -> torch.Tensor:
+    def reduce_loss(loss: torch.Tensor) -> torch.Tensor:  # type: ignore[misc]  # the old signature
         averaged = loss.detach().float().clone()
         comm.all_reduce(averaged, op=comm.ReduceOp.AVG)
         return averaged
@@ -162,7 +165,7 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
     )
 
 
-def print_header(plan: TrainPlan, engine: Engine, model: GPT) -> None:
+def print_header(plan: TrainPlan, engine: Engine, model: GPT | MoEGPT) -> None:
     batch = engine.batch
     print(f"zerodist train: GPT {plan.model!r} ({count_parameters(model):,} parameters, seq {model.config.seq_len}), "
           f"{plan.steps} steps on {comm.get_world_size()} rank(s), batch {batch.train_batch_size} = micro "
@@ -208,7 +211,7 @@ def train(plan: TrainPlan) -> int:
     if plan.moe_experts:
         from zerodist.train import moe_report
 
-        model = moe_report.build_moe_model(plan.model, plan.moe_experts, comm.get_world_size())
+        model: GPT | MoEGPT = moe_report.build_moe_model(plan.model, plan.moe_experts, comm.get_world_size())
         tracker = moe_report.LoadTracker(model)
     else:
         model = GPT(gpt_config(plan.model))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -59,7 +60,7 @@ class LoadTracker:
 
     def _hook(self, index: int):
         def record(module: torch.nn.Module, args: object, output: object) -> None:
-            stats = module.last_stats  # type: ignore[union-attr]
+            stats = cast(MoE, module).last_stats  # the hook is on MoE layers only
             if module.training and stats is not None:
                 self.routes[index] = [a + b for a, b in zip(self.routes[index], stats.exp_counts)]
                 self.dropped[index] += stats.num_dropped

@@ -18,10 +18,14 @@ is then not shown.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from zerodist.tensor_parallel import ScheduleLog
 from zerodist.utils import format_bytes
+
+if TYPE_CHECKING:
+    from zerodist.engine import Engine
+    from zerodist.models.gpt import GPT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,12 +46,12 @@ def gpt_formula(*, tokens: int, hidden: int, vocab: int, layers: int, element_by
     return per_direction + tokens * vocab * element_bytes, per_direction
 
 
-def measure_from_log(engine: Any, log: ScheduleLog, micro_steps: int) -> TensorParallelReport:
+def measure_from_log(engine: Engine, log: ScheduleLog, micro_steps: int) -> TensorParallelReport:
     """Per micro-batch bytes and overlap from the schedule log of a training run."""
     settings = engine.config.zerodist.tensor_parallel
     chunks = settings.domino.chunks if settings.domino is not None else None
-    gpt = engine.module.config
-    expected = (None, None)
+    gpt = cast("GPT", engine.module).config  # the demo GPT: `zerodist train` builds it
+    expected: tuple[int | None, int | None] = (None, None)
     if not settings.sequence_parallel:
         expected = gpt_formula(tokens=engine.batch.micro_batch_size * gpt.seq_len, hidden=gpt.d_model,
                                vocab=gpt.vocab_size, layers=gpt.n_layers,
@@ -69,6 +73,7 @@ def report_lines(report: TensorParallelReport) -> list[str]:
              f" backward {format_bytes(report.backward_bytes)} "
              f"({verdict(report.backward_bytes, report.expected_backward_bytes)})"]
     if report.domino_chunks:
+        assert report.forward_overlap is not None and report.backward_overlap is not None  # measured with Domino
         lines.append(f"  Domino {report.domino_chunks} chunks: {100 * report.forward_overlap:.0f}% of forward and "
                      f"{100 * report.backward_overlap:.0f}% of backward tensor-parallel bytes are issued before compute "
                      "that runs until their wait (schedule order; time-level overlap: benchmarks/)")

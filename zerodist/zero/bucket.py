@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
+from zerodist.comm import Group
 from zerodist.comm import collectives
 from zerodist.zero.buffer_pool import BufferPool
 from zerodist.zero.layout import BucketSpan, ParamSlot
@@ -73,7 +74,7 @@ class Bucket:
     settled: bool  # zero_unwritten() ran since the window began: the full buffer is the gradient
 
     def __init__(self, span: BucketSpan, *, plan: GradSyncPlan, grad_full: torch.Tensor | None,
-                 grad_owned: torch.Tensor, group: Any, rank: int, label: str, slots: Sequence[ParamSlot],
+                 grad_owned: torch.Tensor, group: Group, rank: int, label: str, slots: Sequence[ParamSlot],
                  buffer_pool: BufferPool | None = None):
         self.span, self.plan, self.group, self.rank, self.label = span, plan, group, rank, label
         self.buffer_pool = buffer_pool  # stage 3: where staging buffers come from and go back to

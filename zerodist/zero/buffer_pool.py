@@ -36,21 +36,12 @@ to be freed when its last holder lets go, exactly as without the pool.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
+
+from zerodist import compat
 
 _Key = tuple[int, torch.dtype, torch.device]
 MAX_WAITING = 8
-
-
-def _storage_use_count() -> Callable[[torch.Tensor], int] | None:
-    """How many tensors (and the storage's Python wrapper) hold a tensor's storage: torch's own
-    private counter (also used by torch._inductor); None where this torch has none."""
-    counter = getattr(torch._C, "_storage_Use_Count", None)
-    if counter is None:
-        return None
-    return lambda tensor: counter(tensor.untyped_storage()._cdata)
 
 
 class BufferPool:
@@ -59,7 +50,7 @@ class BufferPool:
     def __init__(self) -> None:
         self._free: dict[_Key, list[torch.Tensor]] = {}
         self._waiting: list[torch.Tensor] = []  # given back while something else still held them
-        self._use_count = _storage_use_count()
+        self._use_count = compat.storage_use_counter()  # None: no reuse, see compat
         self.allocated_bytes = 0  # every buffer this pool allocated and has not dropped: handed out or kept
         self.peak_bytes = 0
         self.reused = 0  # requests served from the pool (for reports and tests)
@@ -94,6 +85,7 @@ class BufferPool:
 
     def _held_elsewhere(self, buffer: torch.Tensor) -> bool:
         # Held by `buffer` and by the storage's Python wrapper that the count itself creates: no one else.
+        assert self._use_count is not None, "give() keeps no buffer without a use count"
         return self._use_count(buffer) > 2
 
     def _collect_waiting(self) -> None:

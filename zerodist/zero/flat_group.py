@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -54,6 +55,12 @@ class ParamRecord:
     part: int = 0  # this rank's index along the placement's slice axis
     num_parts: int = 1
     placeholder: torch.Tensor | None = None
+
+    @property
+    def sharded_data(self) -> torch.Tensor:
+        """The placeholder (sharded parameters only)."""
+        assert self.placeholder is not None, f"{self.name}: a full parameter has no placeholder"
+        return self.placeholder
 
     @property
     def domain(self) -> Domain:
@@ -137,7 +144,7 @@ class FlatParamGroup:
     def _make_records(self, params: list[torch.nn.Parameter], names: list[str], placements: list[Placement],
                       param_dtype: torch.dtype) -> list[ParamRecord]:
         shapes = [tuple(p.shape) for p in params]
-        placeholders: list[torch.Tensor | None] = [None] * len(params)
+        placeholders: Sequence[torch.Tensor | None] = [None] * len(params)
         if self.policy.shard_parameters:
             # Sharded parameters: their data while sharded, made once ([Note: sharded placeholder]).
             self.nans, placeholders = sharded_access.placeholders(shapes, param_dtype, params[0].device)
@@ -246,7 +253,7 @@ class FlatParamGroup:
         assert self.nans is not None and not self._unshard_handles, "reshard with a gather in flight"
         self.nans.fill_(float("nan"))  # NaN again, should a one-element parameter have been written to
         for record in self.records:
-            record.param.data = record.placeholder
+            record.param.data = record.sharded_data
         full, self.param_buffer = self.param_buffer, None
         self._register_placeholders()
         if full is not None and self.buffer_pool is not None:
@@ -274,7 +281,7 @@ class FlatParamGroup:
     def _register_placeholders(self) -> None:
         if self.registration is not None and self.param_buffer is None:
             for record in self.records:
-                self.registration.add(record.placeholder, record.name)
+                self.registration.add(record.sharded_data, record.name)
 
     def _initial_shard(self) -> torch.Tensor | None:
         """Stage 3: this rank's shards of the initial values, concatenated, built without the full
@@ -287,10 +294,11 @@ class FlatParamGroup:
         digest = hashlib.blake2b(digest_size=16)
         for record in self.records:
             digest.update(record.slot.offset.to_bytes(8, "little"))
-            digest.update(memoryview(record.param.detach().reshape(-1).contiguous().view(torch.uint8).numpy()))
+            digest.update(record.param.detach().reshape(-1).contiguous().view(torch.uint8).numpy().data)
         if not _ranks_agree(digest.digest(), self.group):
             return None
-        owned, pieces, start = [], [], 0  # this rank's range of each bucket, and where it lands in the shard
+        pieces: list[tuple[int, int, int]] = []  # this rank's range of each bucket, and where it lands in the shard
+        start = 0
         for span in self.layout.buckets:
             low = span.shard_offset(self.rank)
             pieces.append((low, low + span.shard_numel, start))
@@ -302,7 +310,7 @@ class FlatParamGroup:
                 begin, end = max(low, slot.offset), min(high, slot.offset + slot.numel)
                 if begin < end:
                     shard[at + begin - low: at + end - low].copy_(flat[begin - slot.offset: end - slot.offset])
-            record.param.data = record.placeholder
+            record.param.data = record.sharded_data
         return shard
 
     def _gather_initial_values(self) -> torch.Tensor:
@@ -520,7 +528,7 @@ def _agree_or_broadcast(buffer: torch.Tensor, group: Any) -> None:
     if buffer.is_cuda:
         comm.broadcast(buffer, src=comm.get_global_rank(group, 0), group=group)
         return
-    digest = hashlib.blake2b(memoryview(buffer.view(torch.uint8).numpy()), digest_size=16).digest()
+    digest = hashlib.blake2b(buffer.view(torch.uint8).numpy().data, digest_size=16).digest()
     if not _ranks_agree(digest, group):
         comm.broadcast(buffer, src=comm.get_global_rank(group, 0), group=group)
 

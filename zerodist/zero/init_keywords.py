@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
+from zerodist.comm import Group
 from zerodist.config import Config
 
 # Keywords DeepSpeed's Init takes whose default is the only value that asks for nothing new.
@@ -27,7 +28,7 @@ _TRAINING_DTYPE_NAMES = {torch.float32: "fp32 (neither fp16 nor bf16 enabled)", 
                          torch.bfloat16: "bf16.enabled"}
 
 
-def check_init_keywords(*, module: Any, data_parallel_group: Any, remote_device: Any, pin_memory: bool,
+def check_init_keywords(*, module: Any, data_parallel_group: Group, remote_device: Any, pin_memory: bool,
                         config_dict_or_path: Any, config: Any, dtype: Any, mpu: Any, extra: dict[str, Any]) -> None:
     """Raise ValueError (TypeError for a name DeepSpeed's Init does not take) naming the keyword."""
     unknown = sorted(set(extra) - set(_DEFAULT_ONLY) - {"tensor_overrides", "mem_efficient_linear"})

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from zerodist import compat
+from zerodist.comm import Group
 from zerodist.comm.domains import Placement
 from zerodist.comm.topology import Domain
 from zerodist.zero.buffer_pool import BufferPool
@@ -37,7 +39,7 @@ from zerodist.zero.replay_init import InitLog, Recording, Replayer
 _INIT_LOGS: weakref.WeakKeyDictionary[torch.nn.Module, InitLog] = weakref.WeakKeyDictionary()
 
 
-def Init(module: torch.nn.Module | None = None, data_parallel_group: Any = None,  # noqa: N802 - DeepSpeed's name
+def Init(module: torch.nn.Module | None = None, data_parallel_group: Group = None,  # noqa: N802 - DeepSpeed's name
          mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
          config_dict_or_path: Any = None, config: Any = None, enabled: bool = True, dtype: torch.dtype | None = None,
          mpu: Any = None, **deepspeed_keywords: Any) -> contextlib.AbstractContextManager[InitLog | None]:
@@ -127,21 +129,18 @@ def _materialise(module: torch.nn.Module, name: str, device: torch.device) -> No
         )
     # Swap storage into the existing parameter objects (torch.utils.swap_tensors): plain
     # to_empty() would replace them, and the optimizer groups and the user hold the originals.
-    swap = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
+    with compat.swap_module_params_on_conversion():
         module.to_empty(device=device, recurse=False)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(swap)
     with torch.no_grad():
-        module.reset_parameters()
+        module.reset_parameters()  # type: ignore[operator]  # checked callable above
 
 
 def _materialise_recorded(module: torch.nn.Module, name: str, log: InitLog, device: torch.device) -> None:
     """Replay the recorded history of this module's own meta tensors and swap the values into
     the same parameter and buffer objects (the optimizer groups and the user hold them)."""
     replayer = Replayer()
-    tensors = [(f"parameter '{n}'", t, True) for n, t in module.named_parameters(recurse=False)]
+    tensors: list[tuple[str, torch.Tensor, bool]] = [
+        (f"parameter '{n}'", t, True) for n, t in module.named_parameters(recurse=False)]
     tensors += [(f"buffer '{n}'", t, False) for n, t in module.named_buffers(recurse=False)]
     for what, tensor, is_parameter in tensors:
         if not tensor.is_meta:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from zerodist.comm import Group
 from zerodist.comm.topology import Domain, Topology
 
 
@@ -65,7 +66,7 @@ class DomainGroup:
     """The ranks one flat group reduces and shards over: its domain's group on this rank."""
 
     domain: Domain
-    group: Any  # the process group over domain.reduce_axes
+    group: Group  # the process group over domain.reduce_axes
     rank: int  # this rank's index in `group`
     size: int
     ranks: tuple[int, ...]  # global ranks of `group`, ascending (index = rank in the group)
@@ -78,7 +79,7 @@ class DomainGroup:
     degrees: dict[str, int]
     # where the buckets reduce gradients: `group`, or a second group over the same ranks when the
     # Topology was built with gradient groups (stage 3: [Note: gradient groups] in comm/topology.py)
-    grad_group: Any = None
+    grad_group: Group = None
 
     def __post_init__(self) -> None:
         if self.grad_group is None:

@@ -36,9 +36,8 @@ class UnitGatherer(Protocol):
 # the parameter. Replicated parameters (stages 0-2, stage 3's persistent ones) have no unit.
 # The values are weak too: a group holds its parameters, so a strong value would keep its own key
 # (and every buffer of a destroyed engine) alive forever.
-_REGISTRY: WeakIdKeyDictionary[torch.Tensor, tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]]] = (
-    WeakIdKeyDictionary()
-)
+# values: (runtime, unit, group) as weak references; torch's WeakIdKeyDictionary takes no type arguments
+_REGISTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _weak(obj: Any) -> Callable[[], Any]:
@@ -137,6 +136,7 @@ class GatheredParameters:
         self._gathered = []
 
     def _publish_changes(self) -> None:
+        assert self.modifier_rank is not None
         groups = {id(g): g for _, _, g, _ in _owners(self.params)}
         for group in groups.values():
             assert group.param_buffer is not None, "a gathered group has its full buffer"

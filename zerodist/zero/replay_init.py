@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+
+from zerodist.compat import TorchDispatchMode, op_schema_arguments, storage_key, tree_flatten, tree_map
 
 META = torch.device("meta")
 REPLAY_DEVICE = torch.device("cpu")
@@ -68,7 +68,7 @@ class _GeneratorState:
 @dataclasses.dataclass(eq=False)
 class _Event:
     seq: int
-    func: Any  # torch._ops.OpOverload
+    func: Any  # an aten OpOverload
     args: tuple
     kwargs: dict
     rng_state: torch.Tensor | None  # the default CPU generator's state before a random op
@@ -86,10 +86,6 @@ class _Root:
     dense: bool = False  # the created tensor is its whole storage, each element once
     mutations: list[_Event] = dataclasses.field(default_factory=list)
     mutation_seqs: list[int] = dataclasses.field(default_factory=list)
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
 
 
 def _is_meta(value: Any) -> bool:
@@ -118,14 +114,14 @@ class InitLog:
         return merged
 
     def root_of(self, tensor: torch.Tensor) -> _Root | None:
-        return self.roots.get(_storage_key(tensor))
+        return self.roots.get(storage_key(tensor))
 
     def ref(self, tensor: torch.Tensor, seq: int) -> _TensorRef:
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         root = self.roots.get(key)
         if root is None:  # a meta tensor made outside the block: it has no history to replay
             root = self.roots[key] = _Root(tensor.untyped_storage(), None, 0, _layout(tensor))
-        return _TensorRef(root, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset(), seq)
+        return _TensorRef(root, tuple(tensor.size()), tuple(tensor.stride()), int(tensor.storage_offset()), seq)
 
     def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         self.seq += 1
@@ -142,11 +138,11 @@ class InitLog:
                 root.mutation_seqs.append(seq)
         outputs, _ = tree_flatten(out)
         for index, value in enumerate(outputs):
-            if _is_meta(value) and _storage_key(value) not in self.roots:
-                self.roots[_storage_key(value)] = _Root(value.untyped_storage(), event, index, _layout(value),
+            if _is_meta(value) and storage_key(value) not in self.roots:
+                self.roots[storage_key(value)] = _Root(value.untyped_storage(), event, index, _layout(value),
                                                         _is_dense(value))
 
-    def _freeze(self, args_kwargs: tuple, seq: int) -> tuple:
+    def _freeze(self, args_kwargs: tuple[tuple, dict], seq: int) -> tuple[tuple, dict]:
         """Arguments as they must be replayed: meta tensors as references into the log, real
         tensors copied (the caller may change them later), generators as their current state."""
 
@@ -161,12 +157,12 @@ class InitLog:
 
 
 def _layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    return tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset()
+    return tuple(tensor.size()), tuple(tensor.stride()), int(tensor.storage_offset())
 
 
 def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     written = []
-    for position, argument in enumerate(func._schema.arguments):
+    for position, argument in enumerate(op_schema_arguments(func)):
         if argument.alias_info is not None and argument.alias_info.is_write:
             if argument.kwarg_only or position >= len(args):
                 written.append(kwargs.get(argument.name))
@@ -245,7 +241,7 @@ class _PretrainedInit(TorchFunctionMode):
             for model in [m for m in self.candidates if _post_init_began(m)]:
                 self.candidates.discard(model)
                 _check_not_tied_yet(model)
-                model.initialize_weights()
+                model.initialize_weights()  # type: ignore[operator]  # a Hugging Face PreTrainedModel's
         finally:
             self.running = False
 
@@ -372,7 +368,7 @@ class Replayer:
         if root is None or root.created_by is None:
             raise InitReplayError(f"{what} is on the meta device but was not created under zerodist.zero.Init(), "
                                   "so there is nothing to replay")
-        ref = _TensorRef(root, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset(), sys.maxsize)
+        ref = _TensorRef(root, tuple(tensor.size()), tuple(tensor.stride()), int(tensor.storage_offset()), sys.maxsize)
         try:
             return self._value(ref)
         except InitReplayError:

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from zerodist import compat
+
 if TYPE_CHECKING:
     from zerodist.zero.flat_group import FlatParamGroup
     from zerodist.zero.units import Unit
@@ -65,14 +67,14 @@ class SavedParameterViews:
 
     def enter(self, unit: Unit) -> None:
         """After the unit's gather: save views of its buffers as descriptors until `leave`."""
-        if not torch.is_grad_enabled() or not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        if not torch.is_grad_enabled() or not compat.saved_tensors_hooks_enabled():
             self._active.append(None)  # nothing saved, or hooks refused here (a compile transform): as usual
             return
         # address -> (group, dtype, device); nothing here holds a buffer
         buffers = {g.param_buffer.untyped_storage().data_ptr(): (weakref.ref(g), g.param_buffer.dtype,
                                                                  g.param_buffer.device)
                    for g in unit.groups if g.param_buffer is not None}
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer = compat.outer_saved_tensors_hooks()
         hooks = torch.autograd.graph.saved_tensors_hooks(
             lambda tensor: self._pack(tensor, buffers, outer), self._unpack)
         hooks.__enter__()

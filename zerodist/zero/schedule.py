@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from torch.utils._pytree import tree_flatten
+from zerodist.compat import tree_flatten
 from zerodist.zero import sharded_access
 from zerodist.zero.optimizer import ZeroOptimizer
 from zerodist.zero.runtime import BACKWARD, FORWARD, UnitRuntime

@@ -56,6 +56,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from zerodist import compat
+
 
 class ShardedParameterError(RuntimeError):
     """A ZeRO-3 sharded parameter's values were used outside a gather."""
@@ -161,7 +163,7 @@ def _address(tensor: torch.Tensor) -> int | None:
     try:
         if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:
             return tensor.data_ptr()
-        with torch._C.DisableTorchFunctionSubclass():
+        with compat.disable_torch_function_subclass():
             return tensor.data_ptr()
     except RuntimeError:
         return None
@@ -171,7 +173,7 @@ def _entry_of(tensor: torch.Tensor) -> _Entry | None:
     """The slow path: a tensor subclass, looked at without its own __torch_function__, or a
     tensor without storage (sparse, mkldnn, a wrapper like DTensor), which has no entry."""
     try:
-        with torch._C.DisableTorchFunctionSubclass():
+        with compat.disable_torch_function_subclass():
             return _ENTRIES.get(tensor.data_ptr())
     except RuntimeError:
         return None
@@ -199,16 +201,15 @@ def _find(args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any] | None, nest
     return None
 
 
-_METADATA_PROPERTIES = ("shape", "dtype", "device", "layout", "ndim", "requires_grad", "is_leaf", "grad", "_grad",
-                        "grad_fn", "_grad_fn", "retains_grad", "_backward_hooks", "_post_accumulate_grad_hooks",
-                        "itemsize", "nbytes", "output_nr", "_version", "_base", "data", "is_cuda", "is_cpu",
-                        "is_meta", "is_sparse", "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested", "is_xpu",
-                        "is_mps", "is_xla", "is_mtia", "is_ipu", "is_maia", "is_vulkan")
-_SETTABLE = ("grad", "_grad", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
+_METADATA_PROPERTIES = ("shape", "dtype", "device", "layout", "ndim", "requires_grad", "is_leaf", "grad", "grad_fn",
+                        "retains_grad", "itemsize", "nbytes", "output_nr", "data", "is_cuda", "is_cpu", "is_meta",
+                        "is_sparse", "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested", "is_xpu", "is_mps",
+                        "is_xla", "is_mtia", "is_ipu", "is_maia", "is_vulkan", *compat.PRIVATE_TENSOR_PROPERTIES)
+_SETTABLE = ("grad", "requires_grad", *compat.PRIVATE_TENSOR_SETTABLE)
 _METADATA_METHODS = ("size", "dim", "ndimension", "numel", "nelement", "element_size", "__len__", "__hash__",
                      "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
                      "is_floating_point", "is_complex", "is_signed", "get_device", "is_shared", "is_inference",
-                     "_is_view")
+                     *compat.PRIVATE_TENSOR_METHODS)
 
 # What passes for a sharded parameter: its metadata and gradient bookkeeping, never its values
 # nor its storage. The `.data` getter passes because the alias it returns has the placeholder's
@@ -270,18 +271,18 @@ _MODE = ShardedAccessCheck()
 # `torch.set_default_device` keeps at the very bottom). Anything else would make a later exit
 # pop the check instead of its own mode.
 def _stack() -> list[Any]:
-    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+    return [compat.torch_function_mode_at(i) for i in range(compat.torch_function_mode_count())]
 
 
 def _set_stack(modes: list[Any]) -> None:
-    while torch._C._len_torch_function_stack():
-        torch._C._pop_torch_function_stack()
+    while compat.torch_function_mode_count():
+        compat.pop_torch_function_mode()
     for mode in modes:
-        torch._C._push_on_torch_function_stack(mode)
+        compat.push_torch_function_mode(mode)
 
 
 def _install_at_bottom(stack: list[Any]) -> None:
-    default_device = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+    default_device = compat.default_device_mode()
     bottom = 1 if stack and stack[0] is default_device else 0
     _set_stack(stack[:bottom] + [_MODE] + stack[bottom:])
 
@@ -293,7 +294,7 @@ def _remove(stack: list[Any]) -> tuple[int, list[Any]] | None:
     index = stack.index(_MODE)
     rest = stack[:index] + stack[index + 1:]
     if index == len(stack) - 1:
-        torch._C._pop_torch_function_stack()  # the usual case: nothing above it
+        compat.pop_torch_function_mode()  # the usual case: nothing above it
     else:
         _set_stack(rest)
     return index, rest
@@ -331,9 +332,9 @@ class suspended:  # noqa: N801 - used as a context manager, like torch.no_grad
                     _install_at_bottom(stack)
                 state.removed, state.placeholders_unchecked = None, True
                 return
-            length = torch._C._len_torch_function_stack()
-            if length == 1 and torch._C._get_function_stack_at(0) is _MODE:
-                torch._C._pop_torch_function_stack()  # the usual case, without building lists
+            length = compat.torch_function_mode_count()
+            if length == 1 and compat.torch_function_mode_at(0) is _MODE:
+                compat.pop_torch_function_mode()  # the usual case, without building lists
                 state.removed = (0, [])
             else:
                 state.removed = _remove(_stack()) if length else None
@@ -345,10 +346,10 @@ class suspended:  # noqa: N801 - used as a context manager, like torch.no_grad
             return
         removed, state.removed = state.removed, None
         state.placeholders_unchecked = False
-        length = torch._C._len_torch_function_stack()
+        length = compat.torch_function_mode_count()
         active = _active()
         if active and removed == (0, []) and length == 0:
-            torch._C._push_on_torch_function_stack(_MODE)  # the usual case again
+            compat.push_torch_function_mode(_MODE)  # the usual case again
             return
         stack = _stack()
         if not active:
@@ -369,11 +370,11 @@ def settle() -> None:
     leaving that block puts the check back if placeholders are registered."""
     if _PENDING or (_ENTRIES and not _STATE.placeholders_unchecked):
         return
-    length = torch._C._len_torch_function_stack()
-    if length and torch._C._get_function_stack_at(length - 1) is _MODE:
-        torch._C._pop_torch_function_stack()
+    length = compat.torch_function_mode_count()
+    if length and compat.torch_function_mode_at(length - 1) is _MODE:
+        compat.pop_torch_function_mode()
 
 
 def is_installed() -> bool:
     """Whether the check is on this thread's torch-function mode stack."""
-    return any(torch._C._get_function_stack_at(i) is _MODE for i in range(torch._C._len_torch_function_stack()))
+    return any(compat.torch_function_mode_at(i) is _MODE for i in range(compat.torch_function_mode_count()))
