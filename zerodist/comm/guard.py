@@ -200,12 +200,15 @@ class CollectiveGuard:
         return self._group_state(group)
 
     def _group_state(self, group: Any) -> _GroupState:
-        state = self._groups.get(group)
+        # `None` and `dist.group.WORLD` are one group with one sequence of collectives: counted
+        # apart, one rank's `group=None` call and another's `group=WORLD` call got different
+        # numbers under the same key name, and correct runs failed as desynced.
+        pg = dist.group.WORLD if group is None else group
+        state = self._groups.get(pg)
         if state is None:
-            pg = dist.group.WORLD if group is None else group
             ranks = dist.get_process_group_ranks(pg)
             name = "world" if pg is dist.group.WORLD else pg.group_name  # torch names the same group alike on every rank
-            state = self._groups[group] = _GroupState(name, ranks, dist.get_rank())
+            state = self._groups[pg] = _GroupState(name, ranks, dist.get_rank())
         return state
 
     def _get_store(self) -> Any:
