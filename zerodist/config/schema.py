@@ -308,8 +308,13 @@ class ZerodistTensorParallelConfig(Section):
 class ZerodistConfig(Section):
     timeout: Annotated[float, Field(gt=0)] | None = Field(
         None,
-        description="Seconds a collective may wait before failing, and ranks may wait for each other to join; "
-                    "null keeps torch's default for collectives (30 minutes on gloo) and 300 s for joining.",
+        description="Seconds a collective may wait before failing with a named error, and ranks may wait for each "
+                    "other to join; null means 600 s for collectives and 300 s for joining.",
+    )
+    hang_warning: Annotated[float, Field(gt=0)] | None = Field(
+        None,
+        description="Seconds a rank waits in a collective before it logs which ranks have not arrived and where "
+                    "they are; null means ZERODIST_HANG_WARNING, else 15 s.",
     )
     debug: DebugConfig = Field(
         default_factory=DebugConfig, description="Checks that trade speed for early, named errors."

@@ -121,6 +121,8 @@ def _validate(model: torch.nn.Module, config: Config | dict[str, Any] | str | No
                            "or keep using the engine returned the first time")
     config = Config.load(config if config is not None else {})
     world = comm.init_distributed(timeout=config.zerodist.timeout)
+    if config.zerodist.hang_warning is not None:
+        comm.set_hang_warning(config.zerodist.hang_warning)
     if config.zerodist.debug.collective_guard:
         from zerodist.comm.guard import enable_collective_guard
 
