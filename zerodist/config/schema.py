@@ -217,6 +217,10 @@ class CheckpointConfig(Section):
     keep_last: int = Field(
         0, ge=0, description="Keep only this many newest checkpoints in save_dir; 0 keeps all."
     )
+    skip_damaged: bool = Field(
+        False, description="Load the newest intact checkpoint when a newer one is damaged; false makes that an "
+        "error naming both.",
+    )
     agreement_timeout: Annotated[float, Field(gt=0)] | None = Field(
         None,
         description="Seconds a save waits for every rank to call it; null means the collective timeout.",

@@ -239,7 +239,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         return checkpoint.load_checkpoint(self.zero_state, self, load_dir, tag=tag,
                                           load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
-                                          load_module_only=load_module_only)
+                                          load_module_only=load_module_only,
+                                          skip_damaged=self.config.checkpoint.skip_damaged)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
