@@ -320,6 +320,11 @@ class ZerodistConfig(Section):
         description="Seconds a rank waits in a collective before it logs which ranks have not arrived and where "
                     "they are; null means ZERODIST_HANG_WARNING, else 15 s.",
     )
+    nonfinite_gradients: Literal["skip", "raise"] = Field(
+        "skip",
+        description="fp32/bf16: when any rank's gradients hold NaN/Inf, every rank skips the step with a warning "
+                    "naming the rank(s) (skip), or raises NonFiniteError (raise). fp16 skips and lowers its loss scale.",
+    )
     debug: DebugConfig = Field(
         default_factory=DebugConfig, description="Checks that trade speed for early, named errors."
     )
