@@ -40,6 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="output folder (default runs/train-<timestamp>)")
     p.add_argument("--save-interval", type=_positive_int, default=None, metavar="N",
                    help="save a checkpoint every N steps in OUT/checkpoints")
+    p.add_argument("--keep-last", type=_positive_int, default=None, metavar="N",
+                   help="keep only the newest N checkpoints in OUT/checkpoints (default: all)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in OUT/checkpoints (give the earlier run's --out)")
     p.add_argument("--tp", type=_positive_int, default=None, metavar="T",
@@ -85,6 +87,7 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     out = Path(args.out or default_out()).resolve()
     overrides = Overrides(stage=args.stage, micro_batch=args.micro_batch, lr=args.lr, steps=args.steps,
                           bf16=args.bf16, fp16=args.fp16, save_interval=args.save_interval, resume=args.resume,
+                          keep_last=args.keep_last,
                           save_dir=str(out / "checkpoints"), tensor_parallel=args.tp, domino_chunks=args.domino)
     config = merge_config(file_config, overrides, steps)
     source = f"{args.config} with the command-line flags" if args.config else None
@@ -111,7 +114,7 @@ def worker_args(args: argparse.Namespace, out: Path) -> list[str]:
     argv = ["train", "--out", str(out)]
     flags = {"--config": args.config, "--stage": args.stage, "--steps": args.steps, "--model": args.model,
              "--micro-batch": args.micro_batch, "--lr": args.lr, "--seed": args.seed,
-             "--save-interval": args.save_interval, "--moe": args.moe, "--tp": args.tp, "--domino": args.domino}
+             "--save-interval": args.save_interval, "--keep-last": args.keep_last, "--moe": args.moe, "--tp": args.tp, "--domino": args.domino}
     for flag, value in flags.items():
         if value is not None:
             argv += [flag, str(value)]

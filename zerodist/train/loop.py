@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -28,7 +29,7 @@ from zerodist.engine import Engine
 from zerodist.models import GPT, count_parameters, gpt_config
 from zerodist.tensor_parallel import schedule_log
 from zerodist.debug.memory import peak_rss_bytes, rss_bytes
-from zerodist.train.metrics import StepRecord, plot_loss, write_csv
+from zerodist.train.metrics import MetricsLog, StepRecord, plot_loss, read_csv, write_csv
 from zerodist.train.options import TrainPlan
 from zerodist.train.report import RankMemory, RunSummary, expected_bus_bytes, format_summary
 from zerodist.train.tp_report import measure_from_log, report_lines
@@ -90,10 +91,11 @@ class ProgressBar:
             self.bar.close()
 
 
-def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int) -> tuple[list[StepRecord], float, Any, Any]:
+def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int,
+              metrics: MetricsLog | None = None) -> tuple[list[StepRecord], float, Any, Any]:
     """Train `steps` optimizer steps; returns (records, seconds, tracer of everything, tracer of
     the loss averaging alone). The loss averaging runs in a nested trace so the summary can
-    tell the engine's traffic from the progress bar's."""
+    tell the engine's traffic from the progress bar's. Each step's row goes to `metrics` as it ends."""
     device = comm.device_for_rank()
     tokens = engine.batch.train_batch_size * seq_len
     batches = endless(loader)
@@ -112,6 +114,8 @@ def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int) -> tuple[li
             seconds = time.perf_counter() - step_started
             record = StepRecord(step, loss, lr, tokens / seconds, rss_bytes())
             records.append(record)
+            if metrics is not None:
+                metrics.append(record)
             bar.update(record, tokens, seconds)
     bar.close()
     elapsed = time.perf_counter() - started
@@ -185,6 +189,25 @@ def write_outputs(plan: TrainPlan, records: list[StepRecord], summary: RunSummar
     return lines
 
 
+def finished_already(plan: TrainPlan, resumed: int, rank0: bool) -> int:
+    """The checkpoint resumed from is at or past `--steps`: 0 with one line when the run is
+    complete (a restart after the final save), 2 naming both numbers when `--steps` is below it."""
+    save_dir = plan.config.get("checkpoint", {}).get("save_dir")
+    if resumed > plan.steps:
+        if rank0:
+            print(f"zerodist train: --steps {plan.steps} is below the step of the checkpoint resumed from ({resumed}, in "
+                  f"{save_dir}); pass --steps {resumed} or more to train on from it, or another --out to start afresh",
+                  file=sys.stderr, flush=True)
+        return 2
+    if rank0:
+        history = read_csv(plan.out / "metrics.csv", resumed)
+        if history:  # a run killed between its final save and its outputs: the plot from the kept rows
+            plot_loss(history, plan.out / "loss.png", f"GPT {plan.model}, {comm.get_world_size()} rank(s)")
+        print(f"zerodist train: nothing left to train: the checkpoint in {save_dir} is at step {resumed} of --steps "
+              f"{plan.steps}; the run's outputs are in {plan.out}", flush=True)
+    return 0
+
+
 def _moe_lines(plan: TrainPlan, engine: Engine, model: Any, load: Any, everything: Any, steps: int,
                seq_len: int) -> list[str]:
     """Rank 0: the MoE demo's load-balance section and its expert_load.png."""
@@ -216,15 +239,23 @@ def train(plan: TrainPlan) -> int:
     dataset = build_dataset(plan, seq_len)
     engine, _, loader, _ = zerodist.initialize(model=model, config=plan.config, training_data=dataset)
     rank0 = comm.get_rank() == 0
+    resumed = engine.global_steps  # the step of the checkpoint resumed from; 0 for a fresh run
+    if resumed >= plan.steps:
+        engine.destroy()
+        return finished_already(plan, resumed, rank0)
     if rank0:
         print_header(plan, engine, model)
+    history = read_csv(plan.out / "metrics.csv", resumed) if resumed else []
+    metrics = MetricsLog(plan.out / "metrics.csv", history) if rank0 else None
     try:
         with schedule_log() as tensor_parallel_log:  # tensor-parallel bytes and Domino's schedule
-            records, elapsed, everything, logging_traces = run_steps(engine, loader, plan.steps, seq_len)
+            records, elapsed, everything, logging_traces = run_steps(engine, loader, plan.steps, seq_len, metrics)
         memory = gather_memory(engine)
         load = tracker.gather() if plan.moe_experts else None
     finally:
         engine.destroy()
+        if metrics is not None:
+            metrics.close()
     summary = summarize(engine, records, elapsed, everything, logging_traces, memory, seq_len)
     if rank0:
         print(format_summary(summary), flush=True)
@@ -234,7 +265,7 @@ def train(plan: TrainPlan) -> int:
         if engine.topology.size("tensor") > 1:
             report = measure_from_log(engine, tensor_parallel_log, len(records) * engine.batch.gradient_accumulation_steps)
             print("\n".join("  " + line for line in report_lines(report)), flush=True)
-        for line in write_outputs(plan, records, summary):
+        for line in write_outputs(plan, history + records, summary):
             print(line, flush=True)
     if not all(math.isfinite(r.loss) for r in records[-1:]):
         if rank0:
