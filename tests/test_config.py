@@ -356,6 +356,7 @@ def test_defaults_are_deepspeed_defaults():
         "save_interval": 0,
         "save_dir": None,
         "keep_last": 0,
+        "max_failed_saves": 3,
         "skip_damaged": False,
         "agreement_timeout": None,
     }

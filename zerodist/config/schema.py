@@ -217,6 +217,10 @@ class CheckpointConfig(Section):
     keep_last: int = Field(
         0, ge=0, description="Keep only this many newest checkpoints in save_dir; 0 keeps all."
     )
+    max_failed_saves: int = Field(
+        3, ge=1, description="Interval saves that may fail in a row (each warns on every rank; training goes on "
+        "and retries at the next interval); the next failure stops training with the error.",
+    )
     skip_damaged: bool = Field(
         False, description="Load the newest intact checkpoint when a newer one is damaged; false makes that an "
         "error naming both.",

@@ -65,6 +65,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self.interval_saves = checkpoint.IntervalSaves(config.checkpoint)  # a failed one warns; training goes on
         self.last_step: StepResult | None = None
         self._boundary_override: bool | None = None
         self._no_sync = False
@@ -283,9 +284,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                          self.policy, tuple(self.stage3.units) if self.stage3 is not None else ())
 
     def _save_at_interval(self) -> None:
-        settings = self.config.checkpoint
-        if settings.save_interval and self.global_steps % settings.save_interval == 0:
-            self.save_checkpoint(settings.save_dir)
+        self.interval_saves.after_step(self.global_steps, lambda: self.save_checkpoint(self.config.checkpoint.save_dir))
 
     # ------------------------------------------------------------------ queries
     def get_lr(self) -> list[float]:

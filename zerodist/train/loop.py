@@ -267,6 +267,11 @@ def train(plan: TrainPlan) -> int:
             print("\n".join("  " + line for line in report_lines(report)), flush=True)
         for line in write_outputs(plan, history + records, summary):
             print(line, flush=True)
+    if engine.interval_saves.last_error is not None:  # the same on every rank: a save's outcome is agreed
+        if rank0:
+            print(f"zerodist train: the run ended with its last interval save failed, so its last steps are not "
+                  f"saved: {engine.interval_saves.last_error}", flush=True)
+        return 1
     if not all(math.isfinite(r.loss) for r in records[-1:]):
         if rank0:
             print("zerodist train: the loss is not finite at the last step; lower --lr or use --bf16", flush=True)
