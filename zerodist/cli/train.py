@@ -69,6 +69,7 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     from zerodist.config import Config, ConfigError
     from zerodist.config.source import read_json_file
     from zerodist.engine.optimizers import optimizer_from_config
+    from zerodist.engine.schedulers import scheduler_from_config
     from zerodist.models import GPT_PRESETS
     from zerodist.train import Overrides, TrainPlan, merge_config
     from zerodist.train.options import DEFAULT_MODEL, DEFAULT_SEED, DEFAULT_STEPS
@@ -99,6 +100,8 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
         checked.batch_sizes(world_size // tensor, world_size_source=f"{world_size} rank(s) / tensor {tensor}")
         if checked.optimizer is not None:
             optimizer_from_config(checked)
+        if checked.scheduler is not None:
+            scheduler_from_config(checked)
     except ConfigError as err:
         raise ConfigError(err.problems, source=source) from None
     return TrainPlan(model=model, steps=steps, seed=DEFAULT_SEED if args.seed is None else args.seed, out=out,
