@@ -93,24 +93,27 @@ class ProgressBar:
 
 def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int,
               metrics: MetricsLog | None = None) -> tuple[list[StepRecord], float, Any, Any]:
-    """Train `steps` optimizer steps; returns (records, seconds, tracer of everything, tracer of
-    the loss averaging alone). The loss averaging runs in a nested trace so the summary can
+    """Train `steps` optimizer steps; returns (records, seconds, tracer of everything, bytes and
+    bus bytes of the loss averaging alone). The loss averaging runs in a nested trace so the summary can
     tell the engine's traffic from the progress bar's. Each step's row goes to `metrics` as it ends."""
     device = comm.device_for_rank()
     tokens = engine.batch.train_batch_size * seq_len
     batches = endless(loader)
     first = engine.global_steps + 1  # after 1 when a checkpoint was resumed
     bar = ProgressBar(steps - first + 1, enabled=comm.get_rank() == 0)
-    records, logging_traces = [], []
+    records: list[StepRecord] = []
+    logging_traffic = [0, 0.0]  # bytes and bus bytes of the loss averaging, summed as the steps go
     started = time.perf_counter()
-    with comm.trace() as everything, _logs_beside(bar):
+    # Totals only, not a record per collective: memory stays flat however long the run.
+    with comm.trace(keep_records=False) as everything, _logs_beside(bar):
         for step in range(first, steps + 1):
             step_started = time.perf_counter()
             lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves it on in engine.step()
             local_loss = micro_steps(engine, batches, device)
-            with comm.trace() as logging_trace:
+            with comm.trace(keep_records=False) as logging_trace:
                 loss = float(reduce_loss(local_loss))
-            logging_traces.append(logging_trace)
+            logging_traffic[0] += logging_trace.total_bytes()
+            logging_traffic[1] += logging_trace.bus_bytes()
             seconds = time.perf_counter() - step_started
             record = StepRecord(step, loss, lr, tokens / seconds, rss_bytes())
             records.append(record)
@@ -119,7 +122,7 @@ def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int,
             bar.update(record, tokens, seconds)
     bar.close()
     elapsed = time.perf_counter() - started
-    return records, elapsed, everything, logging_traces
+    return records, elapsed, everything, tuple(logging_traffic)
 
 
 def _logs_beside(bar: ProgressBar) -> Any:
@@ -138,7 +141,7 @@ def gather_memory(engine: Engine) -> list[RankMemory]:
     return everyone
 
 
-def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everything: Any, logging_traces: list[Any],
+def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everything: Any, logging_traffic: tuple,
               memory: list[RankMemory], seq_len: int) -> RunSummary:
     zero = engine.config.zero_optimization
     world = engine.topology.num_batch_shards
@@ -155,9 +158,9 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
         steps=len(records), world_size=world, stage=zero.stage, precision=engine.policy.name, elapsed_s=elapsed,
         losses=[r.loss for r in records], tokens_per_s=tokens / elapsed, psi=psi, psi_by_stage=psi_by_stage, memory=memory,
         comm_table=everything.format_summary(), comm_bytes=everything.total_bytes(),
-        comm_bus_bytes=sum(r.bus_bytes for r in everything.records),
-        logging_bytes=sum(t.total_bytes() for t in logging_traces),
-        logging_bus_bytes=sum(r.bus_bytes for t in logging_traces for r in t.records),
+        comm_bus_bytes=everything.bus_bytes(),
+        logging_bytes=logging_traffic[0],
+        logging_bus_bytes=logging_traffic[1],
         expected_bus_bytes_per_step=expected_bus_bytes(
             stage=zero.stage, psi=psi, world_size=world, accumulation_steps=engine.gradient_accumulation_steps(),
             reduce_scatter=zero.reduce_scatter, element_bytes=engine.policy.param_dtype.itemsize),
@@ -249,14 +252,14 @@ def train(plan: TrainPlan) -> int:
     metrics = MetricsLog(plan.out / "metrics.csv", history) if rank0 else None
     try:
         with schedule_log() as tensor_parallel_log:  # tensor-parallel bytes and Domino's schedule
-            records, elapsed, everything, logging_traces = run_steps(engine, loader, plan.steps, seq_len, metrics)
+            records, elapsed, everything, logging_traffic = run_steps(engine, loader, plan.steps, seq_len, metrics)
         memory = gather_memory(engine)
         load = tracker.gather() if plan.moe_experts else None
     finally:
         engine.destroy()
         if metrics is not None:
             metrics.close()
-    summary = summarize(engine, records, elapsed, everything, logging_traces, memory, seq_len)
+    summary = summarize(engine, records, elapsed, everything, logging_traffic, memory, seq_len)
     if rank0:
         print(format_summary(summary), flush=True)
         if load is not None:
