@@ -97,3 +97,25 @@ def test_an_older_damaged_manifest_does_not_block_the_newest(tmp_path):
     (tmp_path / "global_step1" / "manifest.json").write_text("{")
     assert set(list_checkpoints(tmp_path).damaged) == {"global_step1"}
     assert run_distributed(load_body, 2, str(tmp_path)) == ["global_step2"] * 2
+
+
+def test_latest_naming_no_committed_tag_is_said_as_such(tmp_path, caplog):
+    import logging
+
+    for tag, steps in (("global_step350", 350),):
+        (tmp_path / tag).mkdir()
+        manifest = Manifest(tag=tag, global_steps=steps, world_size=1, stage=0, precision="fp32",
+                            param_dtype="float32", committed_at=1.0, versions={}, files={}, state_files={0: "s"},
+                            params={}, extra={}, aliases={}, state_dict_keys=[])
+        (tmp_path / tag / "manifest.json").write_text(manifest.to_json())
+    (tmp_path / "latest").write_text("global_step999")
+    logger = logging.getLogger("zerodist")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="zerodist"):
+            assert ckpt.latest_tag(tmp_path) == "global_step350"
+    finally:
+        logger.removeHandler(caplog.handler)
+    # it was "latest names global_step999, but global_step350 was committed after it": neither was true
+    assert "latest names global_step999, which is not a committed checkpoint (no such tag)" in caplog.text
+    assert "committed after it" not in caplog.text
