@@ -50,3 +50,18 @@ def test_restarts_keep_the_history_and_never_fail_a_finished_run(tmp_path):
     assert more.returncode == 0, more.stderr[-3000:]
     six = _rows(out)
     assert [s for s, _ in six] == [1, 2, 3, 4, 5, 6] and six[:4] == four
+
+
+def test_a_damaged_newest_checkpoint_is_one_message_and_exit_1(tmp_path):
+    import json
+
+    out = tmp_path / "run"
+    assert _train(out, "--steps", "2").returncode == 0
+    manifest = out / "checkpoints" / "global_step2" / "manifest.json"
+    body = json.loads(manifest.read_text())
+    body["global_steps"] = 3  # still valid JSON
+    manifest.write_text(json.dumps(body, indent=1))
+    resumed = _train(out, "--steps", "4", "--resume")
+    assert resumed.returncode == 1
+    assert "zerodist train: the newest checkpoint in" in resumed.stderr and "damaged, CRC-32" in resumed.stderr
+    assert "No intact checkpoint is left to resume from." in resumed.stderr and "Traceback" not in resumed.stderr

@@ -148,8 +148,15 @@ def run(args: argparse.Namespace) -> int:
     if in_place or nproc == 1:
         from zerodist.train import train
 
+        from zerodist.checkpoint import CheckpointCorruptError
+
         try:
             return train(plan)
+        except CheckpointCorruptError as err:
+            # Raised alike on every rank by the resume (a damaged newest checkpoint): one message.
+            if os.environ.get("RANK", "0") == "0":
+                print(f"zerodist train: {err}", file=sys.stderr, flush=True)
+            return 1
         except ConfigError as err:
             # What only the ranks can check (the schedule, the optimizer groups, ...): every rank
             # raises the same error at the same point, so rank 0 alone says it, without a
