@@ -88,7 +88,7 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     out = Path(args.out or default_out()).resolve()
     overrides = Overrides(stage=args.stage, micro_batch=args.micro_batch, lr=args.lr, steps=args.steps,
                           bf16=args.bf16, fp16=args.fp16, save_interval=args.save_interval, resume=args.resume,
-                          keep_last=args.keep_last,
+                          keep_last=getattr(args, "keep_last", None),  # absent from hand-made Namespaces
                           save_dir=str(out / "checkpoints"), tensor_parallel=args.tp, domino_chunks=args.domino)
     config = merge_config(file_config, overrides, steps)
     source = f"{args.config} with the command-line flags" if args.config else None
@@ -117,7 +117,8 @@ def worker_args(args: argparse.Namespace, out: Path) -> list[str]:
     argv = ["train", "--out", str(out)]
     flags = {"--config": args.config, "--stage": args.stage, "--steps": args.steps, "--model": args.model,
              "--micro-batch": args.micro_batch, "--lr": args.lr, "--seed": args.seed,
-             "--save-interval": args.save_interval, "--keep-last": args.keep_last, "--moe": args.moe, "--tp": args.tp, "--domino": args.domino}
+             "--save-interval": args.save_interval, "--keep-last": getattr(args, "keep_last", None), "--moe": args.moe,
+             "--tp": args.tp, "--domino": args.domino}
     for flag, value in flags.items():
         if value is not None:
             argv += [flag, str(value)]
