@@ -93,4 +93,5 @@ def test_a_frozen_rank_is_named_and_every_rank_fails_by_name(tmp_path):
     assert failed_after < TIMEOUT_S + 30
     # continued after rank 0 left, rank 1 finds its peer gone and says so by name too
     assert re.search(r"CollectiveError: rank 1: .* in all_reduce #2 on group 'world' .* main;", out1), out1
-    assert "Connection closed by peer" in out1.splitlines()[-1]
+    assert re.search(r"all_reduce #2 on group 'world' \(ranks 0-1\) failed after \d+ s: .*Connection closed by peer",
+                     out1), out1

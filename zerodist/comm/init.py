@@ -273,6 +273,7 @@ def destroy_world() -> None:
     collected here, while the interpreter is whole."""
     try:
         if dist.is_initialized():
+            watchdog.publish_exit()  # a rank still waiting for this one is told it left, not just "connection closed"
             dist.destroy_process_group()
         for name in ("last_type", "last_value", "last_traceback", "last_exc"):
             if hasattr(sys, name):

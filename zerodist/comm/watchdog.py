@@ -239,6 +239,17 @@ class Watchdog:
         return CollectiveError(f"{story}\n{block.ticket.describe()} failed after {waited:.0f} s: {error}. A peer's "
                                "connection closing means that rank exited or crashed: its own log says why.")
 
+    def publish_exit(self) -> None:
+        """This process is leaving the world (its program ended): say so, so that a rank still
+        waiting in a collective learns why its peer's connection closed. Only over a store
+        connection made earlier (a dead store's host must not hold up the exit); never raises."""
+        if self._store is None:
+            return
+        try:
+            self._publish({"state": "exited"})
+        except Exception as error:  # leaving anyway
+            logger.debug("watchdog: could not publish the exit: %s", error)
+
     def _publish(self, position: dict[str, Any]) -> None:
         position["time"] = time.time()
         with self._lock:
@@ -263,8 +274,8 @@ class Watchdog:
                 self._store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
             except (AttributeError, RuntimeError) as error:
                 self._store_broken = True
-                logger.warning("hang watchdog: cannot reach the store (%s); it will not say where other ranks are",
-                               error)
+                logger.debug("hang watchdog: cannot clone the store (%s); it will not say where other ranks are",
+                             error)
         return self._store
 
 
@@ -280,6 +291,9 @@ def _position_text(position: dict[str, Any] | None) -> str:
     state = position.get("state")
     if state == "blocked":
         return f"is at {position['at']} (for {ago:.0f} s)"
+    if state == "exited":
+        return (f"exited {ago:.0f} s ago: its program ended while this rank still issues collectives (the ranks "
+                "ran different numbers of steps: uneven batch counts per rank, or a loop that ends earlier on some)")
     if state == "failed":
         return f"failed {ago:.0f} s ago in {position['at']}: {position.get('error')}"
     return f"left {position['at']} {ago:.0f} s ago and has not been blocked for long since"
