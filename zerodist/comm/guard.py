@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from zerodist.comm.collectives import pre_collective_hooks
+from zerodist.comm.watchdog import call_site as frame_call_site
 from zerodist.utils import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -49,8 +50,6 @@ ENV_VAR = "ZERODIST_COLLECTIVE_GUARD"
 TIMEOUT_ENV_VAR = "ZERODIST_COLLECTIVE_GUARD_TIMEOUT"
 DEFAULT_TIMEOUT_S = 5.0
 
-_COMM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_PACKAGE_DIR = os.path.dirname(_COMM_DIR.rstrip(os.sep)) + os.sep
 # Ops whose tensor has the same shape on every rank. all_to_all's output may legitimately
 # differ in its first dim (uneven splits), so only its trailing dims are compared.
 _SAME_SHAPE_OPS = frozenset({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"})
@@ -121,35 +120,7 @@ def format_ranks(ranks: list[int]) -> str:
 
 def call_site() -> str:
     """The first frame outside zerodist/comm, and the first outside zerodist when different."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_COMM_DIR):
-        frame = frame.f_back
-    if frame is None:
-        return "<unknown>"
-    site = _frame_text(frame)
-    if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        user = frame
-        while user is not None and user.f_code.co_filename.startswith(_PACKAGE_DIR):
-            user = user.f_back
-        if user is not None:
-            site += f" <- {_frame_text(user)}"
-    return site
-
-
-_display_paths: dict[str, str] = {}
-
-
-def _frame_text(frame: Any) -> str:
-    path = frame.f_code.co_filename
-    shown = _display_paths.get(path)
-    if shown is None:
-        try:
-            relative = os.path.relpath(path)
-            shown = relative if not relative.startswith("..") else path
-        except ValueError:
-            shown = path  # another drive on Windows
-        _display_paths[path] = shown
-    return f"{shown}:{frame.f_lineno} {frame.f_code.co_name}"
+    return frame_call_site(sys._getframe(1))
 
 
 class CollectiveGuard:

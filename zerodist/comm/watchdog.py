@@ -329,14 +329,20 @@ def _is_plumbing(frame: Any) -> bool:
     return path.startswith(_TORCH_DIR) or path.endswith(f"{os.sep}contextlib.py")
 
 
+_display_paths: dict[str, str] = {}
+
+
 def _frame_text(frame: Any) -> str:
     path = frame.f_code.co_filename
-    try:
-        relative = os.path.relpath(path)
-        path = relative if not relative.startswith("..") else path
-    except ValueError:
-        pass
-    return f"{path}:{frame.f_lineno} {frame.f_code.co_name}"
+    shown = _display_paths.get(path)
+    if shown is None:
+        try:
+            relative = os.path.relpath(path)
+            shown = relative if not relative.startswith("..") else path
+        except ValueError:
+            shown = path  # another drive on Windows
+        _display_paths[path] = shown
+    return f"{shown}:{frame.f_lineno} {frame.f_code.co_name}"
 
 
 def _warning_from_env() -> float:
