@@ -65,3 +65,17 @@ def test_a_damaged_newest_checkpoint_is_one_message_and_exit_1(tmp_path):
     assert resumed.returncode == 1
     assert "zerodist train: the newest checkpoint in" in resumed.stderr and "damaged, CRC-32" in resumed.stderr
     assert "No intact checkpoint is left to resume from." in resumed.stderr and "Traceback" not in resumed.stderr
+
+
+def test_failed_interval_saves_let_the_run_finish_then_exit_1(tmp_path):
+    import json
+
+    (tmp_path / "not_a_directory").touch()  # every save fails: its tag directory cannot be made
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"checkpoint": {"save_dir": str(tmp_path / "not_a_directory")}}))
+    done = _train(tmp_path / "run", "--steps", "4", "--config", str(config))  # saves at steps 2 and 4 fail
+    assert done.returncode == 1
+    out = done.stdout + done.stderr  # the warnings pass through the progress bar's writer
+    assert out.count("Training goes on") == 2, out[-3000:]
+    assert [s for s, _ in _rows(tmp_path / "run")] == [1, 2, 3, 4]  # every step trained, outputs written
+    assert "zerodist train: the run ended with its last interval save failed" in done.stdout
