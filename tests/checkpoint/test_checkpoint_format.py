@@ -66,6 +66,9 @@ def test_listing_orders_committed_tags_and_names_incomplete_ones(tmp_path):
     listing = list_checkpoints(tmp_path)
     assert [m.tag for m in listing.committed] == ["a", "b"] and listing.latest == "a"
     assert set(listing.incomplete) == {"c", "d"} and "not valid JSON" in listing.incomplete["d"]
+    with pytest.raises(ckpt.CheckpointCorruptError, match="newest intact checkpoint is b"):
+        ckpt.latest_tag(tmp_path)  # d's manifest is damaged, and may be newer than b: never skipped silently
+    (tmp_path / "d" / "manifest.json").unlink()
     assert ckpt.latest_tag(tmp_path) == "b"  # committed after the one `latest` names
     assert list_checkpoints(tmp_path / "missing").committed == []
 

@@ -358,6 +358,8 @@ def test_defaults_are_deepspeed_defaults():
         "save_interval": 0,
         "save_dir": None,
         "keep_last": 0,
+        "max_failed_saves": 3,
+        "skip_damaged": False,
         "agreement_timeout": None,
     }
     for monitor in (config.csv_monitor, config.tensorboard):
@@ -366,7 +368,8 @@ def test_defaults_are_deepspeed_defaults():
             "output_path": "",
             "job_name": "DeepSpeedJobName",
         }
-    assert config.zerodist.timeout is None
+    assert config.zerodist.timeout is None and config.zerodist.hang_warning is None
+    assert config.zerodist.nonfinite_gradients == "skip"
     assert not config.zerodist.debug.collective_guard and not config.zerodist.debug.nan_check
 
 

@@ -22,11 +22,11 @@ from zerodist.checkpoint.inspect import TagReport, inspect_checkpoints
 from zerodist.checkpoint.load import latest_tag, load_checkpoint
 from zerodist.checkpoint.manifest import Manifest, list_checkpoints, read_manifest
 from zerodist.checkpoint.pretrained import LoadReport, load_pretrained
-from zerodist.checkpoint.save import save_checkpoint
+from zerodist.checkpoint.save import IntervalSaves, save_checkpoint
 
 __all__ = [
     "KILL_ENV", "KILL_POINTS", "CheckpointAgreementError", "CheckpointCorruptError", "CheckpointError",
-    "CheckpointNotFoundError", "CheckpointWriteError", "LoadReport", "Manifest", "TagReport", "consolidate_checkpoint",
+    "CheckpointNotFoundError", "CheckpointWriteError", "IntervalSaves", "LoadReport", "Manifest", "TagReport", "consolidate_checkpoint",
     "inspect_checkpoints", "latest_tag", "list_checkpoints", "load_checkpoint", "load_pretrained", "read_manifest", "save_checkpoint",
     "save_16bit_model", "save_consolidated", "save_pretrained", "write_safetensors",
 ]

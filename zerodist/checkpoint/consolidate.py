@@ -37,8 +37,8 @@ def resolve_tag_dir(path: str | Path, tag: str | None = None) -> Path:
     if tag is None and is_tag_dir(path):
         return path
     chosen, error = choose_tag(path, tag)
-    if error:
-        raise CheckpointNotFoundError(error)
+    if error is not None:
+        raise error
     if chosen is None:
         raise CheckpointNotFoundError(f"{path}: no committed checkpoint here (nor is it a checkpoint's tag directory)")
     return path / chosen

@@ -29,11 +29,12 @@ def inspect_checkpoints(path: str | Path, verify: bool = True) -> tuple[list[Tag
     the tag `latest` names. `verify` re-reads every file and checks its size and checksum."""
     path = Path(path)
     if is_tag_dir(path):
-        manifests, incomplete, latest = [read_manifest(path)], {}, None
+        manifests, incomplete, damaged, latest = [read_manifest(path)], {}, {}, None
         base = path.parent
     else:
         listing = list_checkpoints(path)
         manifests, incomplete, latest, base = listing.committed, listing.incomplete, listing.latest, path
+        damaged = listing.damaged
     reports = []
     for m in manifests:
         problems: list[str] = []
@@ -44,5 +45,7 @@ def inspect_checkpoints(path: str | Path, verify: bool = True) -> tuple[list[Tag
                     problems.append(problem)
         reports.append(TagReport(m.tag, True, m.global_steps, m.world_size, m.stage, m.precision, m.num_params,
                                  len(m.files), m.total_bytes, tuple(problems)))
-    reports += [TagReport(tag, False, note=why) for tag, why in incomplete.items()]
+    # A damaged manifest is a problem (inspect exits 1), a missing one an unfinished save.
+    reports += [TagReport(tag, False, problems=(why,)) if tag in damaged else TagReport(tag, False, note=why)
+                for tag, why in incomplete.items()]
     return reports, latest

@@ -33,23 +33,65 @@ from zerodist.zero.state import Resumable, ZeroState
 logger = get_logger(__name__)
 
 
-def choose_tag(load_dir: Path, tag: Any) -> tuple[str | None, str | None]:
-    """(tag to load or None, error) for `load_dir`; warns about every uncommitted tag."""
+def choose_tag(load_dir: Path, tag: Any, skip_damaged: bool = False) -> tuple[str | None, CheckpointError | None]:
+    """(tag to load or None, error) for `load_dir`; warns about every uncommitted tag.
+
+    A damaged manifest newer than the newest intact checkpoint is an error naming both, unless
+    `skip_damaged` (then a warning, and the intact one loads): a silent fall-back would train
+    on from an older step than the user believes. An older damaged one is only warned about."""
     listing = list_checkpoints(load_dir)
-    for name, why in listing.incomplete.items():
-        logger.warning("skipping checkpoint %s in %s: %s", name, load_dir, why)
     committed = [m.tag for m in listing.committed]
     if tag is not None:
         if listing.find(str(tag)) is None:
             why = listing.incomplete.get(str(tag), "no such tag")
-            return None, (f"no committed checkpoint {str(tag)!r} in {load_dir} ({why}); committed tags: "
-                          f"{', '.join(committed) or 'none'}")
+            kind = CheckpointCorruptError if str(tag) in listing.damaged else CheckpointNotFoundError
+            return None, kind(f"no committed checkpoint {str(tag)!r} in {load_dir} ({why}); committed tags: "
+                              f"{', '.join(committed) or 'none'}")
         return str(tag), None
     newest = max(listing.committed, key=lambda m: m.committed_at, default=None)
-    if newest is not None and listing.latest not in (None, newest.tag):
-        logger.warning("%s/latest names %s, but %s was committed after it (a save interrupted before updating "
-                       "latest); loading %s", load_dir, listing.latest, newest.tag, newest.tag)
+    blocking = _damaged_after(listing, newest)
+    if blocking and not skip_damaged:
+        return None, CheckpointCorruptError(_damaged_message(load_dir, listing, blocking, newest))
+    for name, why in listing.incomplete.items():
+        logger.warning("skipping checkpoint %s in %s: %s", name, load_dir, why)
+    if listing.latest is not None and newest is not None and listing.latest != newest.tag:
+        named = listing.find(listing.latest)
+        if named is not None:
+            logger.warning("%s/latest names %s, but %s was committed after it (a save interrupted before updating "
+                           "latest); loading %s", load_dir, listing.latest, newest.tag, newest.tag)
+        else:
+            logger.warning("%s/latest names %s, which is not a committed checkpoint (%s); loading the newest "
+                           "committed one, %s", load_dir, listing.latest,
+                           listing.incomplete.get(listing.latest, "no such tag"), newest.tag)
     return (newest.tag if newest else None), None
+
+
+def _damaged_after(listing: Any, newest: Manifest | None) -> list[str]:
+    """The damaged tags that may be newer than `newest`: `latest` names it, its step (from a
+    `global_stepN` name) is higher, or, without a step in its name, its manifest changed later."""
+    found = []
+    for tag, mtime in listing.damaged.items():
+        step = tag.removeprefix("global_step")
+        if newest is None or tag == listing.latest:
+            found.append(tag)
+        elif step.isdigit():
+            if int(step) > newest.global_steps:
+                found.append(tag)
+        elif mtime > newest.committed_at:
+            found.append(tag)
+    return found
+
+
+def _damaged_message(load_dir: Path, listing: Any, damaged: list[str], newest: Manifest | None) -> str:
+    lines = [f"the newest checkpoint in {load_dir} is damaged; nothing was loaded:"]
+    lines += [f"  {tag}: {listing.incomplete[tag]}" for tag in damaged]
+    if newest is None:
+        lines.append("No intact checkpoint is left to resume from.")
+    else:
+        lines.append(f"The newest intact checkpoint is {newest.tag} (step {newest.global_steps}). To resume from it, "
+                     f"pass tag={newest.tag!r} to load_checkpoint, or set checkpoint.skip_damaged: true in the config; "
+                     "or move the damaged tag away.")
+    return "\n".join(lines)
 
 
 def _verify(tag_dir: Path, manifest: Manifest, names: set[str]) -> list[str]:
@@ -125,37 +167,39 @@ def _all_shapes(zero: ZeroState) -> dict[str, tuple[int, ...]]:
     return {name: tuple(shape) for shapes in everyone for name, shape in shapes.items()}
 
 
-def _pick(load_dir: Path, tag: Any) -> Manifest | None:
-    """Rank 0 chooses and reads the manifest; every rank gets the same (never different tags)."""
+def _pick(load_dir: Path, tag: Any, skip_damaged: bool) -> Manifest | None:
+    """Rank 0 chooses and reads the manifest; every rank gets the same (never different tags),
+    or raises the same error."""
     choice: list[Any] = [None]
     if comm.get_rank() == 0:
-        chosen, error = choose_tag(load_dir, tag)
+        chosen, error = choose_tag(load_dir, tag, skip_damaged)
         try:
             choice[0] = (read_manifest(load_dir / chosen) if chosen else None, error)
         except CheckpointError as err:
-            choice[0] = (None, str(err))
+            choice[0] = (None, err)
     comm.broadcast_object_list(choice, src=0)
     manifest, error = choice[0]
-    if error:
-        raise CheckpointNotFoundError(error)
+    if error is not None:
+        raise error
     return manifest
 
 
 def load_checkpoint(zero: ZeroState, resumable: Resumable, load_dir: str | Path, tag: Any = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False) -> tuple[str | None, Any]:
+                    load_module_only: bool = False, skip_damaged: bool = False) -> tuple[str | None, Any]:
     """Load `load_dir/tag` (default: the most recently committed) into the ZeRO state `zero` and,
     unless `load_module_only`, the training state of `resumable` (collective).
 
     Returns `(checkpoint directory, client_state)`, or `(None, None)` when `load_dir` holds no
-    committed checkpoint (as DeepSpeed does)."""
+    committed checkpoint (as DeepSpeed does). A damaged newest checkpoint is an error naming the
+    newest intact one, which `skip_damaged=True` (or that tag) loads instead."""
     load_dir = Path(load_dir).absolute()
     deepspeed_dir = agreed_tag_dir(load_dir, tag)
     if deepspeed_dir is not None:  # DeepSpeed's files: converted, then loaded as ours
         return load_deepspeed_checkpoint(zero, resumable, deepspeed_dir, load_optimizer_states=load_optimizer_states,
                                          load_lr_scheduler_states=load_lr_scheduler_states,
                                          load_module_only=load_module_only)
-    manifest = _pick(load_dir, tag)
+    manifest = _pick(load_dir, tag, skip_damaged)
     if manifest is None:
         log_rank0(logger, "no committed checkpoint in %s; nothing loaded", load_dir, level=30)
         return None, None
@@ -216,6 +260,6 @@ def load_deepspeed_checkpoint(zero: ZeroState, resumable: Resumable, tag_dir: Pa
 def latest_tag(load_dir: str | Path) -> str | None:
     """The tag `load_checkpoint(load_dir)` would load (no collective; for tools and tests)."""
     tag, error = choose_tag(Path(load_dir), None)
-    if error:
-        raise CheckpointError(error)
+    if error is not None:
+        raise error
     return tag

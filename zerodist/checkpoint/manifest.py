@@ -23,11 +23,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
 from zerodist.checkpoint.errors import CheckpointCorruptError, CheckpointNotFoundError
-from zerodist.checkpoint.files import write_atomic
+from zerodist.checkpoint.files import checksum_text, write_atomic
 
 FORMAT = "zerodist-checkpoint"
 VERSION = 1
@@ -82,6 +83,7 @@ class Manifest:
     def to_json(self) -> str:
         body = {"format": FORMAT, "version": VERSION, **dataclasses.asdict(self)}
         body["state_files"] = {str(r): f for r, f in self.state_files.items()}
+        body[CHECKSUM] = _body_checksum(body)  # [Note: manifest checksum]
         return json.dumps(body, indent=1)
 
     @classmethod
@@ -96,12 +98,39 @@ class Manifest:
             raise CheckpointCorruptError(f"{where}: format version {body.get('version')}; this zerodist reads "
                                          f"version {VERSION}")
         fields = {f.name for f in dataclasses.fields(cls)}
+        _check_body(body, fields, where)
         try:
             manifest = cls(**{k: v for k, v in body.items() if k in fields})
         except TypeError as err:
             raise CheckpointCorruptError(f"{where}: incomplete manifest ({err})") from None
         manifest.state_files = {int(r): f for r, f in manifest.state_files.items()}
         return manifest
+
+
+# [Note: manifest checksum] Every data file's CRC-32 is in the manifest; the manifest's own is in
+# its "checksum" key: the CRC-32 of the JSON text of every other key, as `json.dumps(body,
+# indent=1)` writes it (JSON of Python values reads back to the same values, so the reader
+# re-serialises what it parsed and compares). A changed offset that is still valid JSON (4 bytes
+# shifted: a silently wrong resume) is thus caught. Manifests of zerodist versions before the
+# checksum have no such key and are read as before; any key the format does not know, as a
+# damaged "checksum" key's name would be, is damage.
+CHECKSUM = "checksum"
+_HEADER_KEYS = frozenset({"format", "version"})
+
+
+def _body_checksum(body: dict[str, Any]) -> str:
+    text = json.dumps({k: v for k, v in body.items() if k != CHECKSUM}, indent=1)
+    return checksum_text(zlib.crc32(text.encode("utf-8")))
+
+
+def _check_body(body: dict[str, Any], fields: set[str], where: Path) -> None:
+    unknown = sorted(set(body) - fields - _HEADER_KEYS - {CHECKSUM})
+    if unknown:
+        raise CheckpointCorruptError(f"{where}: damaged, unknown key(s) {unknown}")
+    expected = body.get(CHECKSUM)
+    if expected is not None and _body_checksum(body) != expected:
+        raise CheckpointCorruptError(f"{where}: damaged, CRC-32 {_body_checksum(body)} instead of {expected} "
+                                     "(the manifest was changed after it was written)")
 
 
 def _numel(shape: list[int]) -> int:
@@ -141,8 +170,9 @@ class Listing:
     """The tags under a save directory: committed (oldest first) and incomplete (with why)."""
 
     committed: list[Manifest]
-    incomplete: dict[str, str]
+    incomplete: dict[str, str]  # tag -> why it is not loadable (no manifest, or a damaged one)
     latest: str | None
+    damaged: dict[str, float] = dataclasses.field(default_factory=dict)  # tag -> its damaged manifest's mtime
 
     def newest(self) -> Manifest | None:
         return self.committed[-1] if self.committed else None
@@ -154,7 +184,7 @@ class Listing:
 def list_checkpoints(save_dir: Path) -> Listing:
     """Every tag directory under `save_dir`; a tag is committed when its manifest reads back."""
     save_dir = Path(save_dir)
-    committed, incomplete = [], {}
+    committed, incomplete, damaged = [], {}, {}
     try:
         entries = sorted(os.scandir(save_dir), key=lambda e: e.name)
     except (FileNotFoundError, NotADirectoryError):
@@ -168,8 +198,16 @@ def list_checkpoints(save_dir: Path) -> Listing:
             incomplete[entry.name] = f"no {MANIFEST} (a save that did not finish)"
         except CheckpointCorruptError as err:
             incomplete[entry.name] = str(err)
+            damaged[entry.name] = _mtime(Path(entry.path) / MANIFEST)
     committed.sort(key=lambda m: (m.global_steps, m.committed_at))
-    return Listing(committed, incomplete, read_latest(save_dir))
+    return Listing(committed, incomplete, read_latest(save_dir), damaged)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def is_tag_dir(path: Path) -> bool:

@@ -257,25 +257,55 @@ def commit(zero: ZeroState, settings: CheckpointConfig, global_steps: int, save_
     tag_dir = save_dir / tag
     manifest = build_manifest(zero, global_steps, tag, reports)
     check_visible(tag_dir, manifest)
-    previous = (tag_dir / MANIFEST).read_bytes() if (tag_dir / MANIFEST).is_file() else None
     write_manifest(tag_dir, manifest)
     kill_point("manifest-committed")
     if save_latest:
         try:
             write_latest(save_dir, tag)
-        except BaseException:
-            # Every rank is about to discard this save's files: the manifest must not point at them.
-            if previous is None:
-                (tag_dir / MANIFEST).unlink(missing_ok=True)
-            else:
-                write_atomic(tag_dir / MANIFEST, previous)
-            raise
+        except OSError as err:
+            # The checkpoint is complete and committed: keep it. Loading picks the newest committed
+            # tag, whatever `latest` says, so a stale `latest` loses nothing; rolling the commit
+            # back (as before) threw a complete checkpoint away.
+            logger.warning("checkpoint %s is committed, but %s could not be updated (%s); loads still pick %s, the "
+                           "newest committed tag", tag, save_dir / "latest", err, tag)
     kill_point("cleanup-started")
     try:
         remove_unreferenced(tag_dir, manifest)
         prune(save_dir, settings.keep_last, keep=tag)
     except OSError as err:  # the checkpoint is committed; tidying is best effort
         logger.warning("checkpoint %s committed, but removing old files failed: %s", tag, err)
+
+
+class IntervalSaves:
+    """The saves every `save_interval` steps. A failed one (no space, no permission: a
+    `CheckpointWriteError`, the same on every rank) warns on every rank and training goes on,
+    to try again at the next interval, until `max_failed_saves` have failed in a row; the
+    earlier checkpoints stay intact. `last_error` is the failure of the latest interval save,
+    None once one succeeds: a run that ends with it set has not saved its last steps."""
+
+    def __init__(self, settings: Any):
+        self.settings = settings
+        self.failed_in_a_row = 0
+        self.last_error: CheckpointWriteError | None = None
+
+    def after_step(self, global_steps: int, save: Any) -> None:
+        interval = self.settings.save_interval
+        if not interval or global_steps % interval:
+            return
+        try:
+            save()
+        except CheckpointWriteError as err:
+            self.failed_in_a_row += 1
+            self.last_error = err
+            limit = self.settings.max_failed_saves
+            if self.failed_in_a_row >= limit:
+                raise CheckpointWriteError(f"{self.failed_in_a_row} interval saves in a row failed "
+                                           f"(checkpoint.max_failed_saves is {limit}); the last: {err}") from err
+            logger.warning("step %d: %s. Training goes on; the next save is at step %d (%d of %d interval saves "
+                           "failed in a row; checkpoint.max_failed_saves stops training at %d)", global_steps, err,
+                           global_steps + interval, self.failed_in_a_row, limit, limit)
+            return
+        self.failed_in_a_row, self.last_error = 0, None
 
 
 def remove_unreferenced(tag_dir: Path, manifest: Manifest) -> None:

@@ -77,7 +77,7 @@ def inspect(args: argparse.Namespace) -> int:
     for r in reports:
         integrity = ("not checked" if args.no_verify else "ok") if not r.problems else f"DAMAGED ({len(r.problems)} file(s))"
         if not r.committed:
-            integrity = "incomplete, skipped by load"
+            integrity = "DAMAGED (manifest)" if r.problems else "incomplete, skipped by load"
         rows.append((r.tag, _cell(r.global_steps), _cell(r.world_size), _cell(r.stage), _cell(r.precision),
                      _cell(r.num_params, "{:,}"), _cell(r.num_files), _size(r.total_bytes), integrity))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

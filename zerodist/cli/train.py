@@ -40,6 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="output folder (default runs/train-<timestamp>)")
     p.add_argument("--save-interval", type=_positive_int, default=None, metavar="N",
                    help="save a checkpoint every N steps in OUT/checkpoints")
+    p.add_argument("--keep-last", type=_positive_int, default=None, metavar="N",
+                   help="keep only the newest N checkpoints in OUT/checkpoints (default: all)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in OUT/checkpoints (give the earlier run's --out)")
     p.add_argument("--tp", type=_positive_int, default=None, metavar="T",
@@ -67,6 +69,7 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     from zerodist.config import Config, ConfigError
     from zerodist.config.source import read_json_file
     from zerodist.engine.optimizers import optimizer_from_config
+    from zerodist.engine.schedulers import scheduler_from_config
     from zerodist.models import GPT_PRESETS
     from zerodist.train import Overrides, TrainPlan, merge_config
     from zerodist.train.options import DEFAULT_MODEL, DEFAULT_SEED, DEFAULT_STEPS
@@ -85,6 +88,7 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     out = Path(args.out or default_out()).resolve()
     overrides = Overrides(stage=args.stage, micro_batch=args.micro_batch, lr=args.lr, steps=args.steps,
                           bf16=args.bf16, fp16=args.fp16, save_interval=args.save_interval, resume=args.resume,
+                          keep_last=getattr(args, "keep_last", None),  # absent from hand-made Namespaces
                           save_dir=str(out / "checkpoints"), tensor_parallel=args.tp, domino_chunks=args.domino)
     config = merge_config(file_config, overrides, steps)
     source = f"{args.config} with the command-line flags" if args.config else None
@@ -96,6 +100,8 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
         checked.batch_sizes(world_size // tensor, world_size_source=f"{world_size} rank(s) / tensor {tensor}")
         if checked.optimizer is not None:
             optimizer_from_config(checked)
+        if checked.scheduler is not None:
+            scheduler_from_config(checked)
     except ConfigError as err:
         raise ConfigError(err.problems, source=source) from None
     return TrainPlan(model=model, steps=steps, seed=DEFAULT_SEED if args.seed is None else args.seed, out=out,
@@ -111,7 +117,8 @@ def worker_args(args: argparse.Namespace, out: Path) -> list[str]:
     argv = ["train", "--out", str(out)]
     flags = {"--config": args.config, "--stage": args.stage, "--steps": args.steps, "--model": args.model,
              "--micro-batch": args.micro_batch, "--lr": args.lr, "--seed": args.seed,
-             "--save-interval": args.save_interval, "--moe": args.moe, "--tp": args.tp, "--domino": args.domino}
+             "--save-interval": args.save_interval, "--keep-last": getattr(args, "keep_last", None), "--moe": args.moe,
+             "--tp": args.tp, "--domino": args.domino}
     for flag, value in flags.items():
         if value is not None:
             argv += [flag, str(value)]
@@ -142,8 +149,15 @@ def run(args: argparse.Namespace) -> int:
     if in_place or nproc == 1:
         from zerodist.train import train
 
+        from zerodist.checkpoint import CheckpointCorruptError
+
         try:
             return train(plan)
+        except CheckpointCorruptError as err:
+            # Raised alike on every rank by the resume (a damaged newest checkpoint): one message.
+            if os.environ.get("RANK", "0") == "0":
+                print(f"zerodist train: {err}", file=sys.stderr, flush=True)
+            return 1
         except ConfigError as err:
             # What only the ranks can check (the schedule, the optimizer groups, ...): every rank
             # raises the same error at the same point, so rank 0 alone says it, without a

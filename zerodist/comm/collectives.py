@@ -23,6 +23,7 @@ from torch.autograd.profiler import record_function
 from zerodist import compat
 from zerodist.comm import tracer
 from zerodist.comm.init import ensure_initialized, get_global_rank
+from zerodist.comm.watchdog import Ticket, watchdog
 
 ReduceOp = dist.ReduceOp
 ProcessGroup = dist.ProcessGroup
@@ -40,12 +41,14 @@ pre_collective_hooks: list[Callable[[str, torch.Tensor | None, Any], None]] = []
 class CommHandle:
     """The result of a collective: `tensor` (or None) and its pending work, if any."""
 
-    __slots__ = ("tensor", "_work", "_after_wait")
+    __slots__ = ("tensor", "_work", "_after_wait", "_ticket")
 
-    def __init__(self, tensor: torch.Tensor | None, work: Any = None, after_wait: Callable[[], None] | None = None):
+    def __init__(self, tensor: torch.Tensor | None, work: Any = None, after_wait: Callable[[], None] | None = None,
+                 ticket: Ticket | None = None):
         self.tensor = tensor
         self._work = work
         self._after_wait = after_wait
+        self._ticket = ticket  # what the hang watchdog calls this collective while wait() blocks
         if work is None and after_wait is not None:
             after_wait()
             self._after_wait = None
@@ -53,12 +56,13 @@ class CommHandle:
     def wait(self) -> torch.Tensor | None:
         """Block until the collective is done; returns the result tensor. Safe to call twice."""
         if self._work is not None:
-            if tracer.blocked_meters:  # [Note: blocked time] in tracer.py
-                start = tracer.now()
-                self._work.wait()
-                tracer.add_blocked(tracer.now() - start)
-            else:
-                self._work.wait()
+            with watchdog.blocked(self._ticket):
+                if tracer.blocked_meters:  # [Note: blocked time] in tracer.py
+                    start = tracer.now()
+                    self._work.wait()
+                    tracer.add_blocked(tracer.now() - start)
+                else:
+                    self._work.wait()
             self._work = None
             if self._after_wait is not None:
                 self._after_wait()
@@ -86,25 +90,28 @@ def _issue(
     if pre_collective_hooks:
         for hook in pre_collective_hooks:
             hook(op_name, tensor, group)
+    ticket = watchdog.issue(op_name, group)  # [Note: watchdog cost] in watchdog.py
     if tracer.blocked_meters and not async_op:
         launch = _metered(launch)
+    if not async_op:
+        launch = _watched(launch, ticket)
     if not tracer.active_traces:
         # record_function costs ~90 us per call even with no profiler running (measured by
         # `zerodist bench comm`), so collectives are labelled only while a profiler records.
         if not compat.profiler_enabled():  # the common case: no label, no tracing, just the call
             work = launch(async_op)
-            return CommHandle(tensor, work if async_op else None, after_wait)
+            return CommHandle(tensor, work if async_op else None, after_wait, ticket)
         with record_function(f"zerodist::{op_name}"):
             work = launch(async_op)
-        return CommHandle(tensor, work if async_op else None, after_wait)
+        return CommHandle(tensor, work if async_op else None, after_wait, ticket)
     group_size = dist.get_world_size(group)
     if not tracer.timing_requested():
         with record_function(f"zerodist::{op_name}"):
             work = launch(async_op)
         tracer.record(op_name, tensor, numel, group_size, None)
-        return CommHandle(tensor, work if async_op else None, after_wait)
+        return CommHandle(tensor, work if async_op else None, after_wait, ticket)
     start = tracer.now()
-    with record_function(f"zerodist::{op_name}"):
+    with record_function(f"zerodist::{op_name}"), watchdog.blocked(ticket):
         work = launch(True)
         if work is not None:
             work.wait()
@@ -115,6 +122,16 @@ def _issue(
     if tracer.blocked_meters:  # a timed trace makes every collective block where it is issued
         tracer.add_blocked(duration)
     return CommHandle(tensor, None, after_wait)
+
+
+def _watched(launch: Callable[[bool], Any], ticket: Ticket) -> Callable[[bool], Any]:
+    """`launch`, called synchronously while the hang watchdog knows where this thread waits."""
+
+    def watched(async_op: bool) -> Any:
+        with watchdog.blocked(ticket):
+            return launch(async_op)
+
+    return watched
 
 
 def _metered(launch: Callable[[bool], Any]) -> Callable[[bool], Any]:

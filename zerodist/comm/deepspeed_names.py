@@ -40,7 +40,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
 
     The launcher's variables (torchrun, SLURM, Open MPI: read whatever `auto_mpi_discovery`
     says) give rank and world size; `rank` / `world_size`, when given, must agree with them.
-    `timeout` None means `ZERODIST_TIMEOUT`, else torch's default. Returns how this process joined
+    `timeout` None means `ZERODIST_TIMEOUT`, else 600 s. Returns how this process joined
     (DeepSpeed returns None)."""
     del auto_mpi_discovery, verbose  # Open MPI's variables are always read; logging is zerodist's own
     if config is not None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from zerodist import compat
 from zerodist.comm.init import ensure_initialized
+from zerodist.comm.watchdog import Ticket, watchdog
 
 _calls: dict[str, int] = {}
 _store: Any = None
@@ -72,10 +73,13 @@ def exchange_with_deadline(name: str, value: str, timeout_s: float) -> list[str]
     store = _get_store(timeout_s)
     store.set(_key(name, call, rank), json.dumps({"value": value}))
     peers = [r for r in range(world) if r != rank]
+    # The hang watchdog names this wait like a collective's: who has not come, and where they are.
+    ticket = Ticket(f"exchange '{name}'", f"exchange:{name}", tuple(range(world)), call)
     try:
-        if _store_waits:
-            store.wait([_key(name, call, r) for r in peers], datetime.timedelta(seconds=timeout_s))
-        raw = store.multi_get([_key(name, call, r) for r in peers])
+        with watchdog.blocked(ticket):
+            if _store_waits:
+                store.wait([_key(name, call, r) for r in peers], datetime.timedelta(seconds=timeout_s))
+            raw = store.multi_get([_key(name, call, r) for r in peers])
     except dist.DistStoreError:
         store.set(_key(name, call, rank), json.dumps({"aborted": f"rank {rank} gave up after {timeout_s:g} s"}))
         missing = [r for r in peers if not store.check([_key(name, call, r)])]

@@ -33,7 +33,6 @@ import datetime
 import json
 import os
 import sys
-import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -43,6 +42,7 @@ import torch.distributed as dist
 
 from zerodist import compat
 from zerodist.comm.collectives import Group, pre_collective_hooks
+from zerodist.comm.watchdog import call_site as frame_call_site
 from zerodist.utils import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -51,8 +51,6 @@ ENV_VAR = "ZERODIST_COLLECTIVE_GUARD"
 TIMEOUT_ENV_VAR = "ZERODIST_COLLECTIVE_GUARD_TIMEOUT"
 DEFAULT_TIMEOUT_S = 5.0
 
-_COMM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_PACKAGE_DIR = os.path.dirname(_COMM_DIR.rstrip(os.sep)) + os.sep
 # Ops whose tensor has the same shape on every rank. all_to_all's output may legitimately
 # differ in its first dim (uneven splits), so only its trailing dims are compared.
 _SAME_SHAPE_OPS = frozenset({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"})
@@ -123,35 +121,7 @@ def format_ranks(ranks: list[int]) -> str:
 
 def call_site() -> str:
     """The first frame outside zerodist/comm, and the first outside zerodist when different."""
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_COMM_DIR):
-        frame = frame.f_back
-    if frame is None:
-        return "<unknown>"
-    site = _frame_text(frame)
-    if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        user: types.FrameType | None = frame
-        while user is not None and user.f_code.co_filename.startswith(_PACKAGE_DIR):
-            user = user.f_back
-        if user is not None:
-            site += f" <- {_frame_text(user)}"
-    return site
-
-
-_display_paths: dict[str, str] = {}
-
-
-def _frame_text(frame: Any) -> str:
-    path = frame.f_code.co_filename
-    shown = _display_paths.get(path)
-    if shown is None:
-        try:
-            relative = os.path.relpath(path)
-            shown = relative if not relative.startswith("..") else path
-        except ValueError:
-            shown = path  # another drive on Windows
-        _display_paths[path] = shown
-    return f"{shown}:{frame.f_lineno} {frame.f_code.co_name}"
+    return frame_call_site(sys._getframe(1))
 
 
 class CollectiveGuard:
@@ -202,12 +172,15 @@ class CollectiveGuard:
         return self._group_state(group)
 
     def _group_state(self, group: Group) -> _GroupState:
-        state = self._groups.get(group)
+        # `None` and `dist.group.WORLD` are one group with one sequence of collectives: counted
+        # apart, one rank's `group=None` call and another's `group=WORLD` call got different
+        # numbers under the same key name, and correct runs failed as desynced.
+        pg = cast(dist.ProcessGroup, dist.group.WORLD if group is None else group)  # initialised by now
+        state = self._groups.get(pg)
         if state is None:
-            pg = cast(dist.ProcessGroup, dist.group.WORLD if group is None else group)  # initialised by now
             ranks = dist.get_process_group_ranks(pg)
             name = "world" if pg is dist.group.WORLD else pg.group_name  # torch names the same group alike on every rank
-            state = self._groups[group] = _GroupState(name, ranks, dist.get_rank())
+            state = self._groups[pg] = _GroupState(name, ranks, dist.get_rank())
         return state
 
     def _get_store(self) -> Any:

@@ -20,10 +20,10 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
 
 from zerodist.comm.errors import DistributedInitError
 from zerodist.comm.join import join_store, join_timeout_s
+from zerodist.comm.watchdog import DEFAULT_COLLECTIVE_TIMEOUT_S, watchdog
 from zerodist.utils import get_logger, parse_int_env
 
 logger = get_logger(__name__)
@@ -161,7 +161,8 @@ def available_backends() -> dict[str, bool]:
 
 
 def resolve_timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
-    """The collective timeout: the argument, else `ZERODIST_TIMEOUT` seconds, else torch's default (None)."""
+    """The configured collective timeout: the argument, else `ZERODIST_TIMEOUT` seconds, else None
+    (then collectives wait `DEFAULT_COLLECTIVE_TIMEOUT_S` and joining `DEFAULT_JOIN_TIMEOUT_S`)."""
     if isinstance(timeout, datetime.timedelta):
         return timeout
     if timeout is None:
@@ -217,11 +218,13 @@ def init_distributed(
     launch = read_launch_env(need_master=init_method is None)
     chosen = choose_backend(launch.local_rank, backend)
     delta = resolve_timeout(timeout)
+    # Unset, the collectives' timeout is ours, not torch's 30 minutes ([Note: watchdog cost]).
+    collective_timeout = delta or datetime.timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S)
     if chosen == "nccl":
         torch.cuda.set_device(launch.local_rank)
     if launch.world_size == 1 and launch.master_addr is None and init_method is None:
         # No rendezvous needed: an in-memory store, so no port is ever opened.
-        dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=delta)
+        dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=collective_timeout)
     elif init_method is None:
         # The launcher's store, joined by zerodist itself so that a rank that never comes is
         # reported while the others wait, and fails them within the join timeout.
@@ -230,17 +233,17 @@ def init_distributed(
         os.environ.setdefault("MASTER_PORT", str(launch.master_port))
         store = join_store(launch.rank, launch.world_size, launch.master_addr, launch.master_port,
                            join_timeout_s(delta))
-        store.set_timeout(delta or default_pg_timeout)
+        store.set_timeout(collective_timeout)
         # As torch's own rendezvous does: the group's keys under a prefix of their own.
         dist.init_process_group(chosen, store=dist.PrefixStore("default_pg", store), rank=launch.rank,
-                                world_size=launch.world_size, timeout=delta)
+                                world_size=launch.world_size, timeout=collective_timeout)
     else:
         dist.init_process_group(chosen, init_method=init_method, rank=launch.rank,
-                                world_size=launch.world_size, timeout=delta)
+                                world_size=launch.world_size, timeout=collective_timeout)
     _world = WorldInfo(
-        launch.rank, launch.world_size, launch.local_rank, chosen, launch.source,
-        None if delta is None else delta.total_seconds(),
+        launch.rank, launch.world_size, launch.local_rank, chosen, launch.source, collective_timeout.total_seconds(),
     )
+    watchdog.reset()
     logger.debug("joined world: %s", _world)
     _destroy_at_exit()
     return _world
@@ -271,6 +274,7 @@ def destroy_world() -> None:
     collected here, while the interpreter is whole."""
     try:
         if dist.is_initialized():
+            watchdog.publish_exit()  # a rank still waiting for this one is told it left, not just "connection closed"
             dist.destroy_process_group()
         for name in ("last_type", "last_value", "last_traceback", "last_exc"):
             if hasattr(sys, name):

@@ -20,9 +20,12 @@ join's keys, so neither may be mistaken for a rank that is here now.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
+import threading
 import time
+from typing import Any
 
 import torch.distributed as dist
 
@@ -58,7 +61,10 @@ def join_store(rank: int, world_size: int, host: str, port: int, timeout_s: floa
     store = _connect(rank, world_size, host, port, clock)
     prefix = f"zerodist/join/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_joins}"
     keys = [f"{prefix}/{r}" for r in range(world_size)]
+    token = os.environ.get("TORCHELASTIC_RUN_ID", "")  # the launcher's id of this job ([Note: job token])
     try:
+        if rank == 0:
+            store.set(f"{prefix}/job", token)  # before the count: whoever sees everyone arrived can read it
         store.set(keys[rank], "here")  # who came, read only to report who has not
         arrived = store.add(f"{prefix}/count", 1)
         # Polled, not store.wait(): each timed-out wait makes torch log a warning. One counter
@@ -73,11 +79,32 @@ def join_store(rank: int, world_size: int, host: str, port: int, timeout_s: floa
                 clock.report(f"waiting for {_ranks(missing)}")
             time.sleep(POLL_S)
             arrived = store.add(f"{prefix}/count", 0)
+        _check_same_job(store, prefix, arrived, token, rank, world_size, clock)
     except dist.DistError as error:  # the store's host went away: it gave up, or died
         raise DistributedInitError(
             f"rank {rank} of {world_size}: lost the store at {clock.address} while waiting for the other ranks "
             f"({error}); the rank hosting it has exited (see its log). {_ADVICE}") from None
     return store
+
+
+# [Note: job token] Two jobs given the same MASTER_PORT: the second job's rank 0 cannot bind it,
+# and its other ranks reach the first job's store. There, the join count is already complete,
+# so one more rank makes it exceed WORLD_SIZE; and rank 0 of every job writes its launcher's
+# run id (TORCHELASTIC_RUN_ID), which the other ranks compare with their own. Either way they
+# fail at once, by name, instead of waiting in a rendezvous that is not theirs.
+def _check_same_job(store: dist.Store, prefix: str, arrived: int, token: str, rank: int, world_size: int,
+                    clock: _Clock) -> None:
+    if arrived > world_size:
+        raise DistributedInitError(
+            f"rank {rank} of {world_size}: the store at {clock.address} already counts {arrived} joined ranks, more "
+            f"than WORLD_SIZE {world_size}: it belongs to another job (MASTER_PORT shared with a running job), or "
+            f"a rank was started twice. Give each job its own MASTER_PORT.")
+    theirs = store.get(f"{prefix}/job").decode() if rank != 0 else token
+    if theirs != token:
+        raise DistributedInitError(
+            f"rank {rank} of {world_size}: the store at {clock.address} belongs to another job (run id {theirs!r}, "
+            f"this rank's is {token!r}): MASTER_PORT is shared with a running job. Give each job its own "
+            "MASTER_PORT.")
 
 
 _ADVICE = (
@@ -104,16 +131,41 @@ def _connect(rank: int, world_size: int, host: str, port: int, clock: _Clock) ->
         if clock.report_due():
             clock.report(f"waiting for the store ({owner} hosts it)")
         time.sleep(POLL_S)
-    try:
-        # wait_for_workers=False: the server must not block here until every rank connects;
-        # join_store's loop does that, reporting as it goes.
-        return dist.TCPStore(host, port, world_size, is_master=is_server,
+    # wait_for_workers=False: the server must not block here until every rank connects;
+    # join_store's loop does that, reporting as it goes.
+    make = functools.partial(dist.TCPStore, host, port, world_size, is_master=is_server,
                              timeout=datetime.timedelta(seconds=max(clock.left(), 10.0)), wait_for_workers=False,
                              multi_tenant=True, use_libuv=os.environ.get("USE_LIBUV", "1") == "1")
+    try:
+        return make() if is_server else _bounded(make, clock, f"rank {rank} of {world_size}")
     except dist.DistError as error:
         what = "host" if is_server else "connect to"
         raise DistributedInitError(f"rank {rank} of {world_size} could not {what} the store at "
                                    f"{clock.address}: {error}") from None
+
+
+def _bounded(make: Any, clock: _Clock, who: str) -> dist.Store:
+    """`make()` (a store client) within the join timeout. A port held by a program that accepts
+    connections but is not a store leaves TCPStore's handshake waiting past its own timeout, so
+    the client is made in a thread of its own and abandoned (a daemon) when time is up."""
+    result: list[Any] = []
+
+    def connect() -> None:
+        try:
+            result.append(make())
+        except BaseException as error:  # handed to the joining thread
+            result.append(error)
+
+    thread = threading.Thread(target=connect, name="zerodist-store-connect", daemon=True)
+    thread.start()
+    thread.join(max(clock.left(), 1.0))
+    if not result:
+        raise DistributedInitError(
+            f"{who}: something listens at {clock.address} but did not answer as a store within "
+            f"{clock.timeout_s:g} s: another program (or another job's rank 0) holds MASTER_PORT. {_ADVICE}")
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
 
 
 def _listening(host: str, port: int) -> bool:

@@ -96,17 +96,27 @@ class OpSummary:
 class Trace:
     """Records collectives between `__enter__` and `__exit__` (use `trace()`)."""
 
-    def __init__(self, *, timing: bool = False, ops: Iterable[str] | None = None, verbose: bool = False):
+    def __init__(self, *, timing: bool = False, ops: Iterable[str] | None = None, verbose: bool = False,
+                 keep_records: bool = True):
         self.timing = timing
         self.ops = frozenset(ops) if ops else None
         self.verbose = verbose
+        # keep_records=False: only per-op totals, in constant memory, for a trace around a whole
+        # run (a record per collective grew a long run's memory step after step).
+        self.keep_records = keep_records
         self.records: list[CollectiveRecord] = []
+        self._totals: dict[str, _OpTotals] = {}
 
     def wants(self, op: str) -> bool:
         return self.ops is None or op in self.ops
 
     def add(self, record: CollectiveRecord) -> None:
-        self.records.append(record)
+        if self.keep_records:
+            self.records.append(record)
+        totals = self._totals.get(record.op)
+        if totals is None:
+            totals = self._totals[record.op] = _OpTotals()
+        totals.add(record)
         if self.verbose:
             logger.info(
                 "%s %s x%d (%s) group=%d%s", record.op, record.dtype, record.numel,
@@ -114,25 +124,28 @@ class Trace:
                 "" if record.duration_s is None else f" {record.duration_s * 1e3:.3f} ms",
             )
 
+    def _selected(self, op: str | None) -> list[_OpTotals]:
+        return [t for name, t in self._totals.items() if op is None or name == op]
+
     def count(self, op: str | None = None) -> int:
-        return sum(1 for r in self.records if op is None or r.op == op)
+        return sum(t.count for t in self._selected(op))
 
     def total_bytes(self, op: str | None = None) -> int:
-        return sum(r.num_bytes for r in self.records if op is None or r.op == op)
+        return sum(t.num_bytes for t in self._selected(op))
 
     def total_numel(self, op: str | None = None) -> int:
-        return sum(r.numel for r in self.records if op is None or r.op == op)
+        return sum(t.numel for t in self._selected(op))
 
     def bus_elements(self, op: str | None = None) -> float:
         """Elements this rank sends under nccl-tests' convention (see [Note: bandwidth conventions])."""
-        return sum(r.bus_elements for r in self.records if op is None or r.op == op)
+        return sum(t.bus_elements for t in self._selected(op))
+
+    def bus_bytes(self, op: str | None = None) -> float:
+        return sum(t.bus_bytes for t in self._selected(op))
 
     def summary(self) -> dict[str, OpSummary]:
         """Per-op totals, in first-seen order."""
-        by_op: dict[str, list[CollectiveRecord]] = {}
-        for record in self.records:
-            by_op.setdefault(record.op, []).append(record)
-        return {op: _summarise(op, records) for op, records in by_op.items()}
+        return {op: totals.summary(op) for op, totals in self._totals.items()}
 
     def format_summary(self) -> str:
         header = f"{'op':<18}{'count':>7}{'bytes':>13}{'bus bytes':>13}{'time ms':>10}{'algbw GB/s':>12}{'busbw GB/s':>12}"
@@ -148,14 +161,29 @@ class Trace:
         return "\n".join(lines)
 
 
-def _summarise(op: str, records: list[CollectiveRecord]) -> OpSummary:
-    num_bytes = sum(r.num_bytes for r in records)
-    bus_bytes = sum(r.bus_bytes for r in records)
-    timed = all(r.duration_s is not None for r in records)
-    time_s = sum(r.duration_s for r in records) if timed else None  # type: ignore[misc]
-    algbw = num_bytes / time_s / 1e9 if time_s else None
-    busbw = bus_bytes / time_s / 1e9 if time_s else None
-    return OpSummary(op, len(records), sum(r.numel for r in records), num_bytes, bus_bytes, time_s, algbw, busbw)
+@dataclasses.dataclass
+class _OpTotals:
+    """One op's running totals within a trace."""
+
+    count: int = 0
+    numel: int = 0
+    num_bytes: int = 0
+    bus_bytes: float = 0.0
+    bus_elements: float = 0.0
+    time_s: float | None = 0.0  # None once any record was untimed
+
+    def add(self, record: CollectiveRecord) -> None:
+        self.count += 1
+        self.numel += record.numel
+        self.num_bytes += record.num_bytes
+        self.bus_bytes += record.bus_bytes
+        self.bus_elements += record.bus_elements
+        self.time_s = None if self.time_s is None or record.duration_s is None else self.time_s + record.duration_s
+
+    def summary(self, op: str) -> OpSummary:
+        algbw = self.num_bytes / self.time_s / 1e9 if self.time_s else None
+        busbw = self.bus_bytes / self.time_s / 1e9 if self.time_s else None
+        return OpSummary(op, self.count, self.numel, self.num_bytes, self.bus_bytes, self.time_s, algbw, busbw)
 
 
 # Traces currently recording, innermost last. Collectives test this list's truthiness only.
@@ -163,14 +191,15 @@ active_traces: list[Trace] = []
 
 
 @contextmanager
-def trace(*, timing: bool = False, ops: Iterable[str] | None = None, verbose: bool = False) -> Iterator[Trace]:
+def trace(*, timing: bool = False, ops: Iterable[str] | None = None, verbose: bool = False,
+          keep_records: bool = True) -> Iterator[Trace]:
     """Record every collective issued through zerodist in this block.
 
     `timing=True` measures each collective's duration, which makes async collectives wait
     where they are issued: use it to measure, not while overlapping. `ops` restricts recording
     to those op names; `verbose` logs each record as it happens.
     """
-    current = Trace(timing=timing, ops=ops, verbose=verbose)
+    current = Trace(timing=timing, ops=ops, verbose=verbose, keep_records=keep_records)
     active_traces.append(current)
     try:
         yield current

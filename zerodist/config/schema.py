@@ -217,6 +217,14 @@ class CheckpointConfig(Section):
     keep_last: int = Field(
         0, ge=0, description="Keep only this many newest checkpoints in save_dir; 0 keeps all."
     )
+    max_failed_saves: int = Field(
+        3, ge=1, description="Interval saves that may fail in a row (each warns on every rank; training goes on "
+        "and retries at the next interval); the next failure stops training with the error.",
+    )
+    skip_damaged: bool = Field(
+        False, description="Load the newest intact checkpoint when a newer one is damaged; false makes that an "
+        "error naming both.",
+    )
     agreement_timeout: Annotated[float, Field(gt=0)] | None = Field(
         None,
         description="Seconds a save waits for every rank to call it; null means the collective timeout.",
@@ -308,8 +316,18 @@ class ZerodistTensorParallelConfig(Section):
 class ZerodistConfig(Section):
     timeout: Annotated[float, Field(gt=0)] | None = Field(
         None,
-        description="Seconds a collective may wait before failing, and ranks may wait for each other to join; "
-                    "null keeps torch's default for collectives (30 minutes on gloo) and 300 s for joining.",
+        description="Seconds a collective may wait before failing with a named error, and ranks may wait for each "
+                    "other to join; null means 600 s for collectives and 300 s for joining.",
+    )
+    hang_warning: Annotated[float, Field(gt=0)] | None = Field(
+        None,
+        description="Seconds a rank waits in a collective before it logs which ranks have not arrived and where "
+                    "they are; null means ZERODIST_HANG_WARNING, else 15 s.",
+    )
+    nonfinite_gradients: Literal["skip", "raise"] = Field(
+        "skip",
+        description="fp32/bf16: when any rank's gradients hold NaN/Inf, every rank skips the step with a warning "
+                    "naming the rank(s) (skip), or raises NonFiniteError (raise). fp16 skips and lowers its loss scale.",
     )
     debug: DebugConfig = Field(
         default_factory=DebugConfig, description="Checks that trade speed for early, named errors."

@@ -26,7 +26,7 @@ import zerodist.checkpoint as checkpoint
 import zerodist.comm as comm
 from zerodist.comm.parts import PartState
 from zerodist.config import BatchSizes, Config
-from zerodist.debug import MemoryMonitor, NanHunter, reduce_loss
+from zerodist.debug import MemoryMonitor, NanHunter, NonFiniteError, reduce_loss
 from zerodist.engine import training_state
 from zerodist.engine.deepspeed_surface import DeepSpeedEngineAPI
 from zerodist.engine.monitor import Monitors
@@ -66,6 +66,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self.interval_saves = checkpoint.IntervalSaves(config.checkpoint)  # a failed one warns; training goes on
         self.last_step: StepResult | None = None
         self._boundary_override: bool | None = None
         self._no_sync = False
@@ -165,12 +166,30 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.global_steps += 1
         if result.overflow:
             self.skipped_steps += 1
-            log_rank0(logger, "step %d: gradient overflow on some rank; every rank skipped the step, loss scale now %g",
-                      self.global_steps, self.optimizer.scaler.scale)
+            if result.nonfinite:
+                self._skipped_nonfinite(result)
+            else:
+                log_rank0(logger, "step %d: gradient overflow on some rank; every rank skipped the step, loss scale "
+                          "now %g", self.global_steps, self.optimizer.scaler.scale)
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step(**lr_kwargs)
         self._report()
         self._save_at_interval()
+
+    def _skipped_nonfinite(self, result: StepResult) -> None:
+        """fp32/bf16: every rank skipped the step (the all-reduced norm was NaN/Inf); name the
+        ranks (one collective, on this rare path only), then warn or raise, by config."""
+        loss_bad = not all(bool(torch.isfinite(loss).all()) for loss in self._micro_losses)
+        loss_ranks, shard_ranks = self.optimizer.ranks_where(loss_bad, result.nonfinite_here)
+        where = (f"a non-finite loss on rank(s) {loss_ranks}" if loss_ranks else
+                 f"finite losses, but non-finite gradients in the reduced shards of rank(s) {shard_ranks}")
+        message = (f"step {self.global_steps}: {where} (gradient norm {result.grad_norm}); every rank skipped the "
+                   f"step, the weights are unchanged ({self.skipped_steps} step(s) skipped so far)")
+        if self.config.zerodist.nonfinite_gradients == "raise":
+            raise NonFiniteError(f"{message}. zerodist.nonfinite_gradients is 'raise' ('skip' skips such steps with "
+                                 "a warning); zerodist.debug.nan_check: true finds the first NaN/Inf", [])
+        log_rank0(logger, "%s. zerodist.nonfinite_gradients: 'raise' makes this an error; zerodist.debug.nan_check: "
+                  "true finds the first NaN/Inf", message, level=30)
 
     def _report(self) -> None:
         losses, self._micro_losses = self._micro_losses, []
@@ -245,7 +264,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         return checkpoint.load_checkpoint(self.zero_state, self, load_dir, tag=tag,
                                           load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
-                                          load_module_only=load_module_only)
+                                          load_module_only=load_module_only,
+                                          skip_damaged=self.config.checkpoint.skip_damaged)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -264,10 +284,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         training_state.load_training_state_dict(self, state)
 
     def _save_at_interval(self) -> None:
-        settings = self.config.checkpoint
-        if settings.save_interval and self.global_steps % settings.save_interval == 0:
-            assert settings.save_dir is not None, "the config requires checkpoint.save_dir with save_interval"
-            self.save_checkpoint(settings.save_dir)
+        save_dir = self.config.checkpoint.save_dir  # the config requires it with save_interval
+        self.interval_saves.after_step(self.global_steps, lambda: self.save_checkpoint(str(save_dir)))
 
     # ------------------------------------------------------------------ queries
     def get_lr(self) -> list[float]:

@@ -36,6 +36,7 @@ from zerodist.tensor_parallel.apply import (TENSOR_PARALLEL_LAYERS, TensorParall
 from zerodist.tensor_parallel.plan import PlanError
 from zerodist.tensor_parallel.domino import DominoConfig
 from zerodist.utils import get_logger, log_rank0
+from zerodist.utils.differences import differing_entries, flatten
 from zerodist.zero import OptimizerRecipe, ZeroOptimizer, ZeroSettings, ZeroState, apply_zero, sharded_access
 from zerodist.zero.partition import continue_recording, is_recorded
 from zerodist.zero.plan import bucket_capacity
@@ -117,6 +118,8 @@ def _validate(model: torch.nn.Module | None, config: Config | dict[str, Any] | s
                            "or keep using the engine returned the first time")
     config = Config.load(config if config is not None else {})
     world = comm.init_distributed(timeout=config.zerodist.timeout)
+    if config.zerodist.hang_warning is not None:
+        comm.set_hang_warning(config.zerodist.hang_warning)
     if config.zerodist.debug.collective_guard:
         from zerodist.comm.guard import enable_collective_guard
 
@@ -209,15 +212,19 @@ def _check_ranks_agree(model: torch.nn.Module, config: Config) -> None:
     mine = _fingerprint(model, config)
     everyone: list[Any] = [None] * comm.get_world_size()
     comm.all_gather_object(everyone, mine)
-    for index, what in enumerate(("config", "model (parameter names, shapes, dtypes)")):
-        values = [f[index] for f in everyone]
-        if len(set(values)) > 1:
-            groups: dict[str, list[int]] = {}
-            for rank, value in enumerate(values):
-                groups.setdefault(value, []).append(rank)
-            listed = "; ".join(f"ranks {r} have {v}" for v, r in groups.items())
-            raise RuntimeError(f"initialize(): the ranks disagree on the {what}: {listed}. Every rank must run "
-                               "the same script with the same config.")
+    if len(set(everyone)) == 1:
+        return
+    # Rare path, every rank alike: the whole config and parameter list, to name what differs.
+    details: list[Any] = [None] * comm.get_world_size()
+    comm.all_gather_object(details, (flatten(config.to_dict()),
+                                     {n: f"{tuple(p.shape)} {p.dtype}" for n, p in model.named_parameters()}))
+    for index, what in enumerate(("config key(s)", "model's parameter(s) (name: shape dtype)")):
+        lines = differing_entries([d[index] for d in details])
+        if lines:
+            raise RuntimeError(f"initialize(): the ranks disagree on the {what}:\n  " + "\n  ".join(lines) +
+                               "\nEvery rank must run the same script with the same config.")
+    raise RuntimeError(f"initialize(): the ranks disagree on the config or model (digests {everyone}); every rank "
+                       "must run the same script with the same config.")
 
 
 def reduce_collective(sharding: ShardingPolicy, reduce_scatter: bool) -> str:

@@ -73,7 +73,20 @@ def optimizer_from_config(config: Config) -> tuple[type, dict[str, Any]]:
     if unknown:
         raise ConfigError(f"optimizer.params {unknown} are not arguments of torch.optim.{cls.__name__}"
                           + did_you_mean(unknown[0], [a for a in accepted if a not in ("self", "params")]))
+    _check_values(cls, params)
     return cls, params
+
+
+def _check_values(cls: type, params: dict[str, Any]) -> None:
+    """torch checks the values (a negative lr, betas outside [0, 1)) only when the optimizer is
+    built, on every rank, as a traceback: build one over a scalar now, so validation says it."""
+    try:
+        cls([torch.zeros(1, requires_grad=True)], **params)
+    except ValueError as err:
+        if str(err).startswith("Invalid"):  # torch's value checks; others (a device-only option) wait for the real build
+            raise ConfigError(f"optimizer.params of torch.optim.{cls.__name__} {params}: {err}") from None
+    except (TypeError, RuntimeError):
+        pass
 
 
 def resolve_optimizer(

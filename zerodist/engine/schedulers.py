@@ -14,6 +14,7 @@ make a DeepSpeed run and a zerodist run step with the same rates, and let a chec
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -192,6 +193,17 @@ def build_scheduler(config: Config, optimizer: torch.optim.Optimizer, user_sched
         return user_scheduler
     if config.scheduler is None:
         return None
+    cls, params = scheduler_from_config(config)
+    try:
+        return cls(optimizer, **params)
+    except TypeError as err:
+        raise ConfigError(f"scheduler {config.scheduler.type}: {err}") from None
+
+
+def scheduler_from_config(config: Config) -> tuple[Any, dict[str, Any]]:
+    """The schedule class `config.scheduler` names and its arguments, each checked to be one of
+    the class's (with a did-you-mean): a typo is a validation error, not a traceback on every rank."""
+    assert config.scheduler is not None
     name, params = config.scheduler.type, dict(config.scheduler.params)
     if name in SCHEDULES:
         cls: Any = SCHEDULES[name]
@@ -200,7 +212,9 @@ def build_scheduler(config: Config, optimizer: torch.optim.Optimizer, user_sched
     else:
         raise ConfigError(f"scheduler.type {name!r} is neither a DeepSpeed schedule ({', '.join(SCHEDULES)}) nor a "
                           "torch.optim.lr_scheduler class" + did_you_mean(name, SCHEDULES))
-    try:
-        return cls(optimizer, **params)
-    except TypeError as err:
-        raise ConfigError(f"scheduler {name}: {err}") from None
+    accepted = [a for a in inspect.signature(cls.__init__).parameters if a not in ("self", "optimizer")]
+    unknown = [k for k in params if k not in accepted]
+    if unknown and not any(inspect.signature(cls.__init__).parameters[a].kind == inspect.Parameter.VAR_KEYWORD
+                           for a in accepted):
+        raise ConfigError(f"scheduler.params {unknown} are not arguments of {name}" + did_you_mean(unknown[0], accepted))
+    return cls, params

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,7 @@ from zerodist.debug.memory import peak_rss_bytes, rss_bytes
 from zerodist.engine import Engine
 from zerodist.models import GPT, count_parameters, gpt_config
 from zerodist.tensor_parallel import schedule_log
-from zerodist.train.metrics import StepRecord, plot_loss, write_csv
+from zerodist.train.metrics import MetricsLog, StepRecord, plot_loss, read_csv, write_csv
 from zerodist.train.options import TrainPlan
 from zerodist.train.report import RankMemory, RunSummary, expected_bus_bytes, format_summary
 from zerodist.train.tp_report import measure_from_log, report_lines
@@ -93,32 +94,38 @@ class ProgressBar:
             self.bar.close()
 
 
-def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int) -> tuple[list[StepRecord], float, Any, Any]:
-    """Train `steps` optimizer steps; returns (records, seconds, tracer of everything, tracer of
-    the loss averaging alone). The loss averaging runs in a nested trace so the summary can
-    tell the engine's traffic from the progress bar's."""
+def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int,
+              metrics: MetricsLog | None = None) -> tuple[list[StepRecord], float, Any, Any]:
+    """Train `steps` optimizer steps; returns (records, seconds, tracer of everything, bytes and
+    bus bytes of the loss averaging alone). The loss averaging runs in a nested trace so the summary can
+    tell the engine's traffic from the progress bar's. Each step's row goes to `metrics` as it ends."""
     device = comm.device_for_rank()
     tokens = engine.batch.train_batch_size * seq_len
     batches = endless(loader)
     first = engine.global_steps + 1  # after 1 when a checkpoint was resumed
     bar = ProgressBar(steps - first + 1, enabled=comm.get_rank() == 0)
-    records, logging_traces = [], []
+    records: list[StepRecord] = []
+    logging_traffic = [0, 0.0]  # bytes and bus bytes of the loss averaging, summed as the steps go
     started = time.perf_counter()
-    with comm.trace() as everything, _logs_beside(bar):
+    # Totals only, not a record per collective: memory stays flat however long the run.
+    with comm.trace(keep_records=False) as everything, _logs_beside(bar):
         for step in range(first, steps + 1):
             step_started = time.perf_counter()
             lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves it on in engine.step()
             local_loss = micro_steps(engine, batches, device)
-            with comm.trace() as logging_trace:
+            with comm.trace(keep_records=False) as logging_trace:
                 loss = float(reduce_loss(local_loss))
-            logging_traces.append(logging_trace)
+            logging_traffic[0] += logging_trace.total_bytes()
+            logging_traffic[1] += logging_trace.bus_bytes()
             seconds = time.perf_counter() - step_started
             record = StepRecord(step, loss, lr, tokens / seconds, rss_bytes())
             records.append(record)
+            if metrics is not None:
+                metrics.append(record)
             bar.update(record, tokens, seconds)
     bar.close()
     elapsed = time.perf_counter() - started
-    return records, elapsed, everything, logging_traces
+    return records, elapsed, everything, tuple(logging_traffic)
 
 
 def _logs_beside(bar: ProgressBar) -> Any:
@@ -137,7 +144,7 @@ def gather_memory(engine: Engine) -> list[RankMemory]:
     return everyone
 
 
-def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everything: Any, logging_traces: list[Any],
+def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everything: Any, logging_traffic: tuple,
               memory: list[RankMemory], seq_len: int) -> RunSummary:
     zero = engine.config.zero_optimization
     world = engine.topology.num_batch_shards
@@ -154,9 +161,9 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
         steps=len(records), world_size=world, stage=zero.stage, precision=engine.policy.name, elapsed_s=elapsed,
         losses=[r.loss for r in records], tokens_per_s=tokens / elapsed, psi=psi, psi_by_stage=psi_by_stage, memory=memory,
         comm_table=everything.format_summary(), comm_bytes=everything.total_bytes(),
-        comm_bus_bytes=sum(r.bus_bytes for r in everything.records),
-        logging_bytes=sum(t.total_bytes() for t in logging_traces),
-        logging_bus_bytes=sum(r.bus_bytes for t in logging_traces for r in t.records),
+        comm_bus_bytes=everything.bus_bytes(),
+        logging_bytes=logging_traffic[0],
+        logging_bus_bytes=logging_traffic[1],
         expected_bus_bytes_per_step=expected_bus_bytes(
             stage=zero.stage, psi=psi, world_size=world, accumulation_steps=engine.gradient_accumulation_steps(),
             reduce_scatter=zero.reduce_scatter, element_bytes=engine.policy.param_dtype.itemsize),
@@ -186,6 +193,25 @@ def write_outputs(plan: TrainPlan, records: list[StepRecord], summary: RunSummar
                         f"{summary.world_size} rank(s)")
     lines.append(f"loss curve not written: {skipped}" if skipped else f"wrote {plan.out / 'loss.png'}")
     return lines
+
+
+def finished_already(plan: TrainPlan, resumed: int, rank0: bool) -> int:
+    """The checkpoint resumed from is at or past `--steps`: 0 with one line when the run is
+    complete (a restart after the final save), 2 naming both numbers when `--steps` is below it."""
+    save_dir = plan.config.get("checkpoint", {}).get("save_dir")
+    if resumed > plan.steps:
+        if rank0:
+            print(f"zerodist train: --steps {plan.steps} is below the step of the checkpoint resumed from ({resumed}, in "
+                  f"{save_dir}); pass --steps {resumed} or more to train on from it, or another --out to start afresh",
+                  file=sys.stderr, flush=True)
+        return 2
+    if rank0:
+        history = read_csv(plan.out / "metrics.csv", resumed)
+        if history:  # a run killed between its final save and its outputs: the plot from the kept rows
+            plot_loss(history, plan.out / "loss.png", f"GPT {plan.model}, {comm.get_world_size()} rank(s)")
+        print(f"zerodist train: nothing left to train: the checkpoint in {save_dir} is at step {resumed} of --steps "
+              f"{plan.steps}; the run's outputs are in {plan.out}", flush=True)
+    return 0
 
 
 def _moe_lines(plan: TrainPlan, engine: Engine, model: Any, load: Any, everything: Any, steps: int,
@@ -219,16 +245,24 @@ def train(plan: TrainPlan) -> int:
     dataset = build_dataset(plan, seq_len)
     engine, _, loader, _ = zerodist.initialize(model=model, config=plan.config, training_data=dataset)
     rank0 = comm.get_rank() == 0
+    resumed = engine.global_steps  # the step of the checkpoint resumed from; 0 for a fresh run
+    if resumed >= plan.steps:
+        engine.destroy()
+        return finished_already(plan, resumed, rank0)
     if rank0:
         print_header(plan, engine, model)
+    history = read_csv(plan.out / "metrics.csv", resumed) if resumed else []
+    metrics = MetricsLog(plan.out / "metrics.csv", history) if rank0 else None
     try:
         with schedule_log() as tensor_parallel_log:  # tensor-parallel bytes and Domino's schedule
-            records, elapsed, everything, logging_traces = run_steps(engine, loader, plan.steps, seq_len)
+            records, elapsed, everything, logging_traffic = run_steps(engine, loader, plan.steps, seq_len, metrics)
         memory = gather_memory(engine)
         load = tracker.gather() if plan.moe_experts else None
     finally:
         engine.destroy()
-    summary = summarize(engine, records, elapsed, everything, logging_traces, memory, seq_len)
+        if metrics is not None:
+            metrics.close()
+    summary = summarize(engine, records, elapsed, everything, logging_traffic, memory, seq_len)
     if rank0:
         print(format_summary(summary), flush=True)
         if load is not None:
@@ -237,8 +271,13 @@ def train(plan: TrainPlan) -> int:
         if engine.topology.size("tensor") > 1:
             report = measure_from_log(engine, tensor_parallel_log, len(records) * engine.batch.gradient_accumulation_steps)
             print("\n".join("  " + line for line in report_lines(report)), flush=True)
-        for line in write_outputs(plan, records, summary):
+        for line in write_outputs(plan, history + records, summary):
             print(line, flush=True)
+    if engine.interval_saves.last_error is not None:  # the same on every rank: a save's outcome is agreed
+        if rank0:
+            print(f"zerodist train: the run ended with its last interval save failed, so its last steps are not "
+                  f"saved: {engine.interval_saves.last_error}", flush=True)
+        return 1
     if not all(math.isfinite(r.loss) for r in records[-1:]):
         if rank0:
             print("zerodist train: the loss is not finite at the last step; lower --lr or use --bf16", flush=True)

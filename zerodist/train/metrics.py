@@ -37,6 +37,42 @@ def write_csv(records: list[StepRecord], path: Path) -> None:
         writer.writerows(r.csv_row() for r in records)
 
 
+def read_csv(path: Path, up_to_step: int) -> list[StepRecord]:
+    """The rows of an earlier run's metrics.csv up to `up_to_step` (the checkpoint resumed from:
+    later rows are trained again); none when the file is absent or unreadable."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+        records = [StepRecord(int(r["step"]), float(r["loss"]), float(r["lr"]), float(r["tokens_per_s"]),
+                              int(float(r["rss_mib"]) * MIB)) for r in rows]
+    except (OSError, KeyError, ValueError, TypeError):
+        return []
+    return [r for r in records if r.step <= up_to_step]
+
+
+class MetricsLog:
+    """metrics.csv written a row per step, flushed, so a run killed midway keeps its history and
+    a resumed run continues it ([Note: metrics across resumes])."""
+
+    def __init__(self, path: Path, history: list[StepRecord]):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_csv(history, path)
+        self.file = open(path, "a", newline="", encoding="utf-8")
+        self.writer = csv.DictWriter(self.file, fieldnames=CSV_FIELDS)
+
+    def append(self, record: StepRecord) -> None:
+        self.writer.writerow(record.csv_row())
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+# [Note: metrics across resumes] A resumed run restarts at the checkpoint's step, so the rows an
+# earlier run wrote after that step are trained again: they are dropped and rewritten, and the
+# rows up to it are kept. metrics.csv and loss.png thus always cover steps 1..N of one history.
+
+
 def plot_loss(records: list[StepRecord], path: Path, title: str) -> str | None:
     """Write the loss curve to `path`; returns why it was skipped, or None when written."""
     try:

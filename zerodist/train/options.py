@@ -43,6 +43,7 @@ class Overrides:
     fp16: bool = False
     save_interval: int | None = None  # checkpoint every N steps into save_dir
     resume: bool = False  # continue from the newest checkpoint in save_dir
+    keep_last: int | None = None  # --keep-last: checkpoint.keep_last (only the newest N kept)
     save_dir: str | None = None  # set by the CLI from --out; a file's checkpoint.save_dir wins
     tensor_parallel: int | None = None  # --tp: tensor_parallel.autotp_size
     domino_chunks: int | None = None  # --domino: zerodist.tensor_parallel.domino.chunks (inter-layer overlap)
@@ -109,11 +110,13 @@ def apply_overrides(config: dict[str, Any], overrides: Overrides) -> None:
             schedule["warmup_max_lr"] = overrides.lr
     if overrides.steps is not None and "total_num_steps" in _scheduler_params(config):
         _scheduler_params(config)["total_num_steps"] = overrides.steps
-    if overrides.save_interval is not None or overrides.resume:
+    if overrides.save_interval is not None or overrides.resume or overrides.keep_last is not None:
         checkpoint = _section(config, "checkpoint", {})
         checkpoint.setdefault("save_dir", overrides.save_dir)
         if overrides.save_interval is not None:
             checkpoint["save_interval"] = overrides.save_interval
+        if overrides.keep_last is not None:
+            checkpoint["keep_last"] = overrides.keep_last
         checkpoint["auto_resume"] = overrides.resume or checkpoint.get("auto_resume", False)
     if overrides.tensor_parallel is not None:
         _section(config, "tensor_parallel", {})["autotp_size"] = overrides.tensor_parallel

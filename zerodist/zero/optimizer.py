@@ -41,8 +41,10 @@ _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     grad_norm: float  # unscaled, before clipping; inf/nan on overflow
-    overflow: bool
+    overflow: bool  # the step was skipped on every rank (fp16 overflow, or non-finite gradients)
     clip_coef: float
+    nonfinite: bool = False  # skipped for non-finite gradients without loss scaling (fp32/bf16)
+    nonfinite_here: bool = False  # this rank's own reduced gradient shards held the non-finite values
 
 
 class ZeroOptimizer:
@@ -126,6 +128,13 @@ class ZeroOptimizer:
             self.scaler.update(True)
             self.zero_grad()
             return StepResult(math.inf, True, 1.0)
+        if not math.isfinite(squares):
+            # Without loss scaling nothing else looks: one rank's NaN, summed into every rank's
+            # gradients and the clip's norm, would make every weight NaN. The sum of squares is the
+            # same on every rank (all-reduced), so every rank skips together.
+            local = not self.owned_grads_finite()
+            self.zero_grad()
+            return StepResult(squares, True, 1.0, nonfinite=True, nonfinite_here=local)
         norm = math.sqrt(squares) / self.scaler.scale
         clip_coef = 1.0
         if self.gradient_clipping > 0:
@@ -147,6 +156,19 @@ class ZeroOptimizer:
         for hook in list(self._step_post_hooks.values()):
             hook(self)  # the schedule: gather the updated parameters
         return StepResult(norm, False, clip_coef)
+
+    def owned_grads_finite(self) -> bool:
+        """Whether this rank's reduced gradient shards are all finite (before `step()` drops them)."""
+        return all(bool(torch.isfinite(g).all()) for group in self.groups for g in group.owned_grads())
+
+    def ranks_where(self, *flags: bool) -> list[list[int]]:
+        """For each of this rank's `flags`, the ranks where it is true (one all-reduce over the
+        world: for rare paths only)."""
+        table = torch.zeros(len(flags), comm.get_world_size(self.world_group), dtype=torch.float32,
+                            device=self.groups[0].device)
+        table[:, comm.get_rank(self.world_group)] = torch.tensor([float(f) for f in flags])
+        comm.all_reduce(table, group=self.world_group)
+        return [[r for r, v in enumerate(row) if v] for row in table.tolist()]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every accumulated gradient (the next accumulation starts from zero)."""

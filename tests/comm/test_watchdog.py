@@ -1,0 +1,97 @@
+"""The hang watchdog: ranks that disagree, or a frozen rank, give a line naming who waits for
+whom within the warning threshold, then a named error on every rank at the collective timeout."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "tests", "comm", "hang_script.py")
+WARNING_S, TIMEOUT_S = 2, 12
+DEADLINE_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(case: str, tmp_path) -> list[subprocess.Popen]:
+    port = _free_port()
+    ranks = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "ZERODIST_"))}
+        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), ZERODIST_TIMEOUT=str(TIMEOUT_S), ZERODIST_HANG_WARNING=str(WARNING_S),
+                   PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+        ranks.append(subprocess.Popen([sys.executable, SCRIPT, case, str(tmp_path / "ckpt")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    return ranks
+
+
+def _finish(process: subprocess.Popen, deadline: float) -> str:
+    try:
+        out, _ = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, _ = process.communicate()
+        raise AssertionError(f"a rank hung past the test's deadline and was killed:\n{out[-4000:]}") from None
+    return out
+
+
+def _blocked_at(out: str) -> float:
+    return float(re.search(r"blocks at ([\d.]+)|stops itself at ([\d.]+)", out).group(1) or
+                 re.search(r"stops itself at ([\d.]+)", out).group(1))
+
+
+@pytest.mark.parametrize("case, rank0_error, rank0_at", [
+    ("extra-step-barrier", "CollectiveTimeoutError", r"barrier #\d+ on group 'world'"),
+    ("extra-step-save", "CheckpointAgreementError", r"exchange 'checkpoint-save' #0"),
+])
+def test_ranks_that_disagree_name_each_other_then_fail_by_name(case, rank0_error, rank0_at, tmp_path):
+    ranks = _start(case, tmp_path)
+    deadline = time.monotonic() + DEADLINE_S
+    outs = [_finish(p, deadline) for p in ranks]
+    finished = time.time()
+    for rank, (process, out) in enumerate(zip(ranks, outs)):
+        assert process.returncode != 0, f"rank {rank} exited 0:\n{out[-3000:]}"
+    rank0, rank1 = outs
+    # rank 0 names rank 1 and where it is: inside its extra step's gradient reduction
+    assert re.search(rf"rank 0: waiting \d+ s for rank\(s\) \[1\] at {rank0_at}", rank0), rank0[-3000:]
+    assert re.search(r"rank 1 is at reduce_scatter #\d+ on group .* (step|start_grad_sync|finish)", rank0), rank0[-3000:]
+    assert re.search(rf"rank 1: waiting \d+ s for rank\(s\) \[0\] at reduce_scatter #\d+", rank1), rank1[-3000:]
+    assert re.search(r"rank 0 is at (barrier|exchange)", rank1), rank1[-3000:]
+    assert re.search(rf"{rank0_error}: .*rank", rank0), rank0[-3000:]
+    # rank 1 times out too, or finds rank 0's connection closed once rank 0 has failed: named either way
+    assert re.search(r"zerodist.comm.watchdog.Collective(Timeout)?Error: rank 1: waiting", rank1), rank1[-3000:]
+    # named within the collective timeout, plus start-up slack on a loaded machine
+    assert finished - _blocked_at(rank0) < TIMEOUT_S + 30
+
+
+def test_a_frozen_rank_is_named_and_every_rank_fails_by_name(tmp_path):
+    rank0, rank1 = _start("frozen", tmp_path)
+    deadline = time.monotonic() + DEADLINE_S
+    out0 = _finish(rank0, deadline)
+    frozen_at = _blocked_at(rank1.stdout.readline())
+    failed_after = time.time() - frozen_at
+    os.kill(rank1.pid, signal.SIGCONT)
+    out1 = _finish(rank1, deadline)
+    assert rank0.returncode != 0 and rank1.returncode != 0
+    assert re.search(r"rank 0: waiting \d+ s for rank\(s\) \[1\] at all_reduce #2 on group 'world'", out0), out0
+    assert "rank 1 has not been blocked in a collective for long" in out0
+    assert re.search(r"CollectiveTimeoutError: rank 0: waiting \d+ s for rank\(s\) \[1\] at all_reduce #2", out0), out0
+    assert failed_after < TIMEOUT_S + 30
+    # continued after rank 0 left, rank 1 finds its peer gone and says so by name too
+    assert re.search(r"CollectiveError: rank 1: .* in all_reduce #2 on group 'world' .* main;", out1), out1
+    assert re.search(r"all_reduce #2 on group 'world' \(ranks 0-1\) failed after \d+ s: .*Connection closed by peer",
+                     out1), out1

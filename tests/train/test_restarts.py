@@ -1,0 +1,81 @@
+"""`zerodist train` restarted: a finished run exits 0 with one line, `--steps` below the
+checkpoint is a named error, metrics.csv keeps the whole history across resumes, --keep-last."""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+from pathlib import Path
+
+from tests.processes import run_group
+
+REPO = Path(__file__).resolve().parents[2]
+COMMON = ("--model", "tiny", "--nproc", "1", "--save-interval", "2", "--keep-last", "1")
+
+
+def _train(out: Path, *args: str):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    return run_group([sys.executable, "-m", "zerodist", "train", *COMMON, "--out", str(out), *args], cwd=REPO,
+                     env=env, timeout=150)
+
+
+def _rows(out: Path) -> list[tuple[int, str]]:
+    with open(out / "metrics.csv", encoding="utf-8") as f:
+        return [(int(r["step"]), r["loss"]) for r in csv.DictReader(f)]
+
+
+def test_restarts_keep_the_history_and_never_fail_a_finished_run(tmp_path):
+    out = tmp_path / "run"
+    first = _train(out, "--steps", "4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["global_step4", "latest"]  # --keep-last 1
+    four = _rows(out)
+    assert [s for s, _ in four] == [1, 2, 3, 4]
+
+    (out / "loss.png").unlink()  # as if killed after the final save, before the plot
+    again = _train(out, "--steps", "4", "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.strip().splitlines() == [
+        f"zerodist train: nothing left to train: the checkpoint in {out / 'checkpoints'} is at step 4 of --steps 4; "
+        f"the run's outputs are in {out}"]
+    assert (out / "loss.png").is_file() and _rows(out) == four
+
+    below = _train(out, "--steps", "3", "--resume")
+    assert below.returncode == 2
+    assert "--steps 3 is below the step of the checkpoint resumed from (4" in below.stderr
+
+    more = _train(out, "--steps", "6", "--resume")
+    assert more.returncode == 0, more.stderr[-3000:]
+    six = _rows(out)
+    assert [s for s, _ in six] == [1, 2, 3, 4, 5, 6] and six[:4] == four
+
+
+def test_a_damaged_newest_checkpoint_is_one_message_and_exit_1(tmp_path):
+    import json
+
+    out = tmp_path / "run"
+    assert _train(out, "--steps", "2").returncode == 0
+    manifest = out / "checkpoints" / "global_step2" / "manifest.json"
+    body = json.loads(manifest.read_text())
+    body["global_steps"] = 3  # still valid JSON
+    manifest.write_text(json.dumps(body, indent=1))
+    resumed = _train(out, "--steps", "4", "--resume")
+    assert resumed.returncode == 1
+    assert "zerodist train: the newest checkpoint in" in resumed.stderr and "damaged, CRC-32" in resumed.stderr
+    assert "No intact checkpoint is left to resume from." in resumed.stderr and "Traceback" not in resumed.stderr
+
+
+def test_failed_interval_saves_let_the_run_finish_then_exit_1(tmp_path):
+    import json
+
+    (tmp_path / "not_a_directory").touch()  # every save fails: its tag directory cannot be made
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"checkpoint": {"save_dir": str(tmp_path / "not_a_directory")}}))
+    done = _train(tmp_path / "run", "--steps", "4", "--config", str(config))  # saves at steps 2 and 4 fail
+    assert done.returncode == 1
+    out = done.stdout + done.stderr  # the warnings pass through the progress bar's writer
+    assert out.count("Training goes on") == 2, out[-3000:]
+    assert [s for s, _ in _rows(tmp_path / "run")] == [1, 2, 3, 4]  # every step trained, outputs written
+    assert "zerodist train: the run ended with its last interval save failed" in done.stdout

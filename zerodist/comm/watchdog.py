@@ -1,0 +1,368 @@
+"""The hang watchdog: a rank blocked in a collective says whom it waits for, then fails by name.
+
+A collective that one rank never joins (ranks disagree on the order of collectives, a rank is
+frozen or computing forever) blocks the others until the backend's timeout, and then gloo says
+"Timed out waiting 600000ms for recv operation" without naming anyone. Here every collective
+issued through `zerodist.comm` gets a sequence number within its process group (one counter
+increment on the hot path), and the main thread marks where it blocks (a synchronous
+collective, `CommHandle.wait()`, a store exchange). A daemon thread looks every second: once a
+block has lasted `publish_after` seconds it writes this rank's position to the store, and at the
+warning threshold it reads every other rank's position and logs
+
+    rank 0: waiting 15 s for rank(s) [1] at barrier #3 on group 'world' (ranks 0-1) at train.py:40 main;
+    rank 1 is at all_reduce #12 on group '1' (ranks 0-1) at zerodist/zero/bucket.py:173 start_grad_sync <- ...
+
+repeating every `REPEAT_S`. When the backend's timeout ends the block (the collective timeout:
+`zerodist.timeout`, `ZERODIST_TIMEOUT`, else `DEFAULT_COLLECTIVE_TIMEOUT_S`), or a peer's
+connection drops, the error becomes `CollectiveTimeoutError` / `CollectiveError` carrying the
+same description, on every rank that was blocked.
+
+    ZERODIST_HANG_WARNING=5 (seconds)    set_hang_warning(5)    config: zerodist.hang_warning
+
+[Note: watchdog cost] Nothing on the hot path touches the store or walks the stack: the call site
+is read by the watchdog thread from the blocked thread's current frame (`sys._current_frames`),
+and positions are written only for blocks longer than `publish_after`. A healthy run writes
+nothing. Reading the other ranks' positions costs one store round trip per rank per report.
+Keys: `zerodist/watchdog/<attempt>/<rank>`, one per rank, overwritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple, cast
+
+import torch
+import torch.distributed as dist
+
+from zerodist import compat
+from zerodist.utils import get_logger
+
+logger = get_logger(__name__)
+
+WARNING_ENV_VAR = "ZERODIST_HANG_WARNING"
+DEFAULT_WARNING_S = 15.0
+# NCCL's own default in torch; gloo's is 30 minutes, which turned a desync into half an hour of silence.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+REPEAT_S = 30.0
+STORE_TIMEOUT_S = 5.0
+
+_COMM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(_COMM_DIR.rstrip(os.sep)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed while this rank waited in it (a peer left, or the backend gave up)."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective did not complete within the collective timeout: some rank never joined it."""
+
+
+class Ticket(NamedTuple):
+    """One collective (or store exchange) as the watchdog names it (a tuple: made per collective)."""
+
+    op: str
+    group: str
+    ranks: tuple[int, ...]
+    seq: int
+
+    def describe(self) -> str:
+        if self.group.startswith("exchange:"):  # a store exchange has no process group
+            return f"{self.op} #{self.seq} (ranks {format_ranks(self.ranks)}, through the store)"
+        return f"{self.op} #{self.seq} on group '{self.group}' (ranks {format_ranks(self.ranks)})"
+
+
+@dataclasses.dataclass
+class _Block:
+    ticket: Ticket
+    started: float  # monotonic
+    thread_id: int
+    warned_at: float = -REPEAT_S
+
+
+def format_ranks(ranks: Any) -> str:
+    """`[0, 1, 2, 5]` -> `'0-2, 5'`."""
+    ordered = sorted(ranks)
+    if not ordered:
+        return "none"
+    parts, start, prev = [], ordered[0], ordered[0]
+    for r in ordered[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ", ".join(parts)
+
+
+class Watchdog:
+    """This process's sequence numbers, its current block, and the thread that reports on it."""
+
+    def __init__(self) -> None:
+        self.warning_s = _warning_from_env()
+        self._groups: dict[Any, list] = {}  # process group -> [name, ranks, next seq]
+        self._block: _Block | None = None
+        self._thread: threading.Thread | None = None
+        self._store: Any = None
+        self._store_broken = False
+        self._published: tuple[_Block, str] | None = None  # the block whose position is in the store
+        self._lock = threading.Lock()  # the store connection is shared by this thread and the watchdog's
+
+    # ------------------------------------------------------------ main thread (hot path)
+
+    def issue(self, op: str, group: Any) -> Ticket:
+        pg = dist.group.WORLD if group is None else group
+        entry = self._groups.get(pg)
+        if entry is None:
+            name = "world" if pg is dist.group.WORLD else cast(dist.ProcessGroup, pg).group_name
+            entry = self._groups[pg] = [name, tuple(dist.get_process_group_ranks(pg)), 0]
+        seq = entry[2]
+        entry[2] = seq + 1
+        return Ticket(op, entry[0], entry[1], seq)
+
+    @contextmanager
+    def blocked(self, ticket: Ticket | None) -> Iterator[None]:
+        """Mark the calling thread blocked in `ticket` (None: not a tracked collective)."""
+        if ticket is None or len(ticket.ranks) == 1 or self._block is not None:
+            yield
+            return
+        self._prepare()
+        self._block = block = _Block(ticket, time.monotonic(), threading.get_ident())
+        try:
+            yield
+        except RuntimeError as error:
+            # A store's own timeout belongs to the caller (a store exchange names its missing ranks).
+            if isinstance(error, (CollectiveError, dist.DistStoreError)) or not _from_backend(error):
+                raise
+            raise self._failure(block, error) from error
+        finally:
+            self._block = None
+
+    # ------------------------------------------------------------ reporting
+
+    def publish_after(self) -> float:
+        return min(2.0, self.warning_s / 2)
+
+    def reset(self) -> None:
+        """Forget the old world's groups and store connection (a new world was made)."""
+        with self._lock:
+            self._groups, self._store, self._store_broken, self._published = {}, None, False, None
+
+    def _prepare(self) -> None:
+        if self._store is None and not self._store_broken:
+            # Connect now, while the store surely lives: connecting later to a store whose host
+            # has died waits out the whole store timeout, twice.
+            with self._lock:
+                self._get_store()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="zerodist-watchdog", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.publish_after()))
+            try:
+                self._look()
+            except Exception as error:  # never let the watchdog kill or hang the process
+                logger.debug("watchdog: %s", error)
+
+    def _look(self) -> None:
+        block = self._block
+        if self._published is not None and self._published[0] is not block:
+            # The block we published ended: say so, so that nobody is told we are still there.
+            self._publish({"state": "left", "at": self._published[1]})
+            self._published = None
+        if block is None:
+            return
+        waited = time.monotonic() - block.started
+        if waited < self.publish_after():
+            return
+        if self._published is None:
+            where = self._describe_block(block)
+            self._published = (block, where)
+            self._publish({"state": "blocked", "at": where, "op": block.ticket.op,
+                           "group": block.ticket.group, "seq": block.ticket.seq})
+        if waited >= self.warning_s and time.monotonic() - block.warned_at >= REPEAT_S:
+            block.warned_at = time.monotonic()
+            logger.warning("%s", self.explain(block, waited))
+
+    def _describe_block(self, block: _Block) -> str:
+        frame = sys._current_frames().get(block.thread_id)
+        return f"{block.ticket.describe()} at {call_site(frame)}"
+
+    def explain(self, block: _Block, waited: float) -> str:
+        """Whom this block waits for, and where they are."""
+        me = dist.get_rank()
+        peers = [r for r in block.ticket.ranks if r != me]
+        positions = self._read_positions(peers)
+        ticket = block.ticket
+        here = [r for r, p in positions.items()
+                if p and p.get("state") == "blocked" and (p.get("op"), p.get("group"), p.get("seq")) ==
+                (ticket.op, ticket.group, ticket.seq)]
+        missing = [r for r in peers if r not in here]
+        head = f"rank {me}: waiting {waited:.0f} s"
+        where = self._describe_block(block)
+        if not missing:
+            return (f"{head} in {where}; every rank of the group is in it too "
+                    "(a slow transfer or an overloaded host, not a missing rank)")
+        lines = [f"{head} for rank(s) [{format_ranks(missing)}] at {where}"]
+        for r in missing:
+            lines.append(f"  rank {r} {_position_text(positions.get(r))}")
+        return "\n".join(lines)
+
+    def _failure(self, block: _Block, error: RuntimeError) -> CollectiveError:
+        waited = time.monotonic() - block.started
+        timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
+        try:
+            story = self.explain(block, waited)
+            self._publish({"state": "failed", "at": self._describe_block(block),
+                           "error": "timed out" if timed_out else str(error)[:200]})
+        except Exception as read_error:  # the store may be what died
+            story = (f"rank {dist.get_rank()}: blocked {waited:.0f} s in {self._describe_block(block)}; where the "
+                     f"other ranks are is unknown: the store could not be read ({read_error})")
+        if timed_out:
+            return CollectiveTimeoutError(
+                f"{story}\n{block.ticket.describe()} did not complete within the collective timeout "
+                f"({waited:.0f} s waited). Every rank must issue the same collectives in the same order; a rank "
+                "that runs an extra step, skips a barrier or a save, or is stuck, looks like this. The timeout is "
+                f"zerodist.timeout in the config or ZERODIST_TIMEOUT seconds ({DEFAULT_COLLECTIVE_TIMEOUT_S:g} s "
+                f"by default). Backend: {error}")
+        return CollectiveError(f"{story}\n{block.ticket.describe()} failed after {waited:.0f} s: {error}. A peer's "
+                               "connection closing means that rank exited or crashed: its own log says why.")
+
+    def publish_exit(self) -> None:
+        """This process is leaving the world (its program ended): say so, so that a rank still
+        waiting in a collective learns why its peer's connection closed. Only over a store
+        connection made earlier (a dead store's host must not hold up the exit); never raises."""
+        if self._store is None:
+            return
+        try:
+            self._publish({"state": "exited"})
+        except Exception as error:  # leaving anyway
+            logger.debug("watchdog: could not publish the exit: %s", error)
+
+    def _publish(self, position: dict[str, Any]) -> None:
+        position["time"] = time.time()
+        with self._lock:
+            store = self._get_store()
+            if store is not None:
+                store.set(_key(dist.get_rank()), json.dumps(position))
+
+    def _read_positions(self, ranks: list[int]) -> dict[int, dict[str, Any] | None]:
+        found: dict[int, dict[str, Any] | None] = {}
+        with self._lock:
+            store = self._get_store()
+            for r in ranks:
+                key = _key(r)
+                found[r] = json.loads(store.get(key)) if store is not None and store.check([key]) else None
+        return found
+
+    def _get_store(self) -> Any:
+        if self._store is None and not self._store_broken:
+            try:
+                # A connection of our own with a short timeout: a dead store must not hang the watchdog.
+                store: Any = compat.default_store()  # Store.clone() is missing from torch's type stubs
+                self._store = store.clone()
+                self._store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+            except (AttributeError, RuntimeError) as error:
+                self._store_broken = True
+                logger.debug("hang watchdog: cannot clone the store (%s); it will not say where other ranks are",
+                             error)
+        return self._store
+
+
+def _key(rank: int) -> str:
+    return f"zerodist/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+
+
+def _position_text(position: dict[str, Any] | None) -> str:
+    if position is None:
+        return ("has not been blocked in a collective for long (it is computing, frozen, or outside "
+                "zerodist's collectives)")
+    ago = time.time() - position.get("time", time.time())
+    state = position.get("state")
+    if state == "blocked":
+        return f"is at {position['at']} (for {ago:.0f} s)"
+    if state == "exited":
+        return (f"exited {ago:.0f} s ago: its program ended while this rank still issues collectives (the ranks "
+                "ran different numbers of steps: uneven batch counts per rank, or a loop that ends earlier on some)")
+    if state == "failed":
+        return f"failed {ago:.0f} s ago in {position['at']}: {position.get('error')}"
+    return f"left {position['at']} {ago:.0f} s ago and has not been blocked for long since"
+
+
+def _from_backend(error: RuntimeError) -> bool:
+    """gloo's timeouts and lost connections are plain RuntimeErrors from its C++ code."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or "gloo" in text or "Timed out" in text or "Connection" in text
+
+
+def call_site(frame: Any) -> str:
+    """The first frame outside zerodist/comm, and the first outside zerodist when different."""
+    while frame is not None and frame.f_code.co_filename.startswith(_COMM_DIR) or _is_plumbing(frame):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    site = _frame_text(frame)
+    if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        user = frame
+        while user is not None and user.f_code.co_filename.startswith(_PACKAGE_DIR):
+            user = user.f_back
+        if user is not None:
+            site += f" <- {_frame_text(user)}"
+    return site
+
+
+def _is_plumbing(frame: Any) -> bool:
+    """Frames between the blocked thread's caller and the backend: contextlib's and torch's own."""
+    if frame is None:
+        return False
+    path = frame.f_code.co_filename
+    return path.startswith(_TORCH_DIR) or path.endswith(f"{os.sep}contextlib.py")
+
+
+_display_paths: dict[str, str] = {}
+
+
+def _frame_text(frame: Any) -> str:
+    path = frame.f_code.co_filename
+    shown = _display_paths.get(path)
+    if shown is None:
+        try:
+            relative = os.path.relpath(path)
+            shown = relative if not relative.startswith("..") else path
+        except ValueError:
+            shown = path  # another drive on Windows
+        _display_paths[path] = shown
+    return f"{shown}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
+def _warning_from_env() -> float:
+    raw = os.environ.get(WARNING_ENV_VAR, "")
+    try:
+        seconds = float(raw) if raw else DEFAULT_WARNING_S
+    except ValueError:
+        raise ValueError(f"{WARNING_ENV_VAR}={raw!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise ValueError(f"{WARNING_ENV_VAR} must be > 0 seconds, got {raw}")
+    return seconds
+
+
+watchdog = Watchdog()
+
+
+def set_hang_warning(seconds: float) -> None:
+    """Warn after a collective has blocked this long (seconds > 0); call on every rank."""
+    if not seconds > 0:
+        raise ValueError(f"the hang warning must be > 0 seconds, got {seconds}")
+    watchdog.warning_s = float(seconds)
