@@ -120,6 +120,7 @@ class ZerodistStrategy(DDPStrategy):
             raise ValueError("ZerodistStrategy clips by the global norm only, not gradient_clip_algorithm="
                              f"{trainer.gradient_clip_algorithm!r}")
         raw.setdefault("gradient_clipping", trainer.gradient_clip_val or 0.0)
+        raw.setdefault("steps_per_print", float("inf"))  # Lightning logs; the engine's lines would repeat it
         if raw.get("train_micro_batch_size_per_gpu") in (None, "auto"):
             raw["train_micro_batch_size_per_gpu"] = _loader_batch_size(trainer)
         raw.pop("train_batch_size", None)  # implied by the other two and the world

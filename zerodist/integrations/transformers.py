@@ -76,9 +76,11 @@ def hidden_size(model: torch.nn.Module) -> int | None:
 
 def load_trainer_config(source: Any, args: Any, model: torch.nn.Module, num_training_steps: int | None) -> Config:
     """The DeepSpeed config with "auto" filled as the Trainer fills it. Batch sizes and clipping
-    the config leaves out are the Trainer's too: the Trainer's loop decides them."""
+    the config leaves out are the Trainer's too (the Trainer's loop decides them), and the engine
+    logs no progress lines unless the config asks (the Trainer logs)."""
     raw, _ = read_source(source) if not isinstance(source, Config) else (source.to_dict(), None)
-    raw = {**{key: "auto" for key in _BATCH_AND_CLIP_KEYS}, **raw}
+    # The Trainer logs the loss; accelerate sends DeepSpeed steps_per_print=Infinity for the same reason.
+    raw = {**{key: "auto" for key in _BATCH_AND_CLIP_KEYS}, "steps_per_print": float("inf"), **raw}
     return Config.load(raw, auto=trainer_values(args, model, num_training_steps))
 
 
