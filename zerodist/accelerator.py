@@ -85,8 +85,10 @@ class Accelerator:
         return torch.cuda.memory_allocated(device_index) if self._is_cuda() else _rss_bytes()
 
     def max_memory_allocated(self, device_index: int | None = None) -> int:
+        if self._is_cuda():
+            return torch.cuda.max_memory_allocated(device_index)
         # getrusage's peak is sampled by the kernel and can trail the current size by a few pages.
-        return torch.cuda.max_memory_allocated(device_index) if self._is_cuda() else max(_peak_rss_bytes(), _rss_bytes())
+        return max(_peak_rss_bytes(), _rss_bytes())
 
     def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
         if self._is_cuda():

@@ -103,7 +103,8 @@ def test_disagreeing_explicit_values_are_one_error_naming_both_values():
     assert caught.value.problems == (
         "'train_batch_size' is 16 but the Trainer's world_size x per_device_train_batch_size x "
         "gradient_accumulation_steps is 8; make them agree, or set the key to \"auto\"",
-        "'gradient_clipping' is 0.5 but the Trainer's max_grad_norm is 1.0; make them agree, or set the key to \"auto\"",
+        "'gradient_clipping' is 0.5 but the Trainer's max_grad_norm is 1.0; make them agree, or set the key to "
+        "\"auto\"",
         "'optimizer.params.lr' is 0.001 but the Trainer's learning_rate is 0.01; make them agree, or set the key to "
         "\"auto\"",
     )

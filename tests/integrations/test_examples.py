@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def launch(example: str, out: Path) -> str:
-    args = [sys.executable, "-m", "zerodist", "run", "--nproc", "2", str(REPO / "examples" / example), "--out", str(out)]
+    args = [sys.executable, "-m", "zerodist", "run", "--nproc", "2", str(REPO / "examples" / example),
+            "--out", str(out)]
     result = run_group(args, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

@@ -66,8 +66,9 @@ def _rules(values: TrainerValues, stage: Any) -> list[_Rule]:
     rules = [
         _Rule("train_micro_batch_size_per_gpu", values.per_device_train_batch_size, "per_device_train_batch_size"),
         _Rule("gradient_accumulation_steps", values.gradient_accumulation_steps, "gradient_accumulation_steps"),
-        _Rule("train_batch_size", values.world_size * values.per_device_train_batch_size
-              * values.gradient_accumulation_steps, "world_size x per_device_train_batch_size x gradient_accumulation_steps"),
+        _Rule("train_batch_size",
+              values.world_size * values.per_device_train_batch_size * values.gradient_accumulation_steps,
+              "world_size x per_device_train_batch_size x gradient_accumulation_steps"),
         _Rule("gradient_clipping", values.max_grad_norm, "max_grad_norm"),
         _Rule("optimizer.params.lr", values.learning_rate, "learning_rate"),
         _Rule("optimizer.params.betas", [values.adam_beta1, values.adam_beta2], "[adam_beta1, adam_beta2]"),
