@@ -2,11 +2,11 @@
 
     PYTHONPATH=. python benchmarks/integrations_bench.py [--stage 3] [--rounds 3] [--steps 25]
 
-The same Llama (hidden 256, 4 layers, vocab 256, 5.0M parameters), the same config (LLaMA-Factory's
+The same Llama (hidden 256, 4 layers, vocab 256, 3.3M parameters), the same config (LLaMA-Factory's
 ds_z{stage} template, "auto" filled from the same TrainingArguments: micro-batch 4 x 128 tokens,
 accumulation 2, clipping 1.0, the Trainer's AdamW (fused) lr 1e-3 with its linear schedule), 2 gloo ranks with one thread each, fp32. Each run is a
-fresh `zerodist run --nproc 2`; the two are interleaved `--rounds` times so that a busy machine
-slows both alike. The time per optimizer step is the median of the steps after the first 5 (the
+fresh `zerodist run --nproc 2`; the two are interleaved `--rounds` times, in ABBA order, so that a
+busy machine slows both alike. The time per optimizer step is the median of the steps after the first 5 (the
 Trainer's by a callback at on_step_end, the loop's around engine.step()). Prints the ratio. Needs
 transformers and accelerate. DeepSpeed driven by the same Trainer is compared only where DeepSpeed
 is installed (not on the development machine; the issue's goal is <= 0.9x its step time).
@@ -137,7 +137,8 @@ def main() -> None:
         return
     results: dict[str, list[float]] = {"loop": [], "trainer": []}
     for round_ in range(args.rounds):
-        for kind in ("loop", "trainer"):
+        # ABBA order: a machine whose load drifts during the run slows neither side more.
+        for kind in ("loop", "trainer") if round_ % 2 == 0 else ("trainer", "loop"):
             results[kind].append(launch(kind, args.stage, args.steps, Path(args.out) / f"{kind}-{round_}"))
             print(f"round {round_} {kind:8s} {results[kind][-1] * 1000:8.1f} ms/step", flush=True)
     loop, trainer = statistics.median(results["loop"]), statistics.median(results["trainer"])
