@@ -24,6 +24,8 @@ that decide who owns the model and the step (transformers 5.23-5.x, whose privat
   boundary, so gradients are reduced by ZeRO and clipped once, by the engine;
 - the Trainer's own clip, ``optimizer.step()`` and ``lr_scheduler.step()`` become no-ops (the
   engine did them) and its logged learning rate and gradient norm are the engine's;
+- the Trainer's ``.to(device)`` of the model is skipped: ``initialize`` places it, and a model built
+  in ``zerodist.zero.Init()`` is on the meta device until then;
 - checkpoints are zerodist checkpoints (``_save_optimizer_and_scheduler``, resumed in
   ``_prepare_for_training``); the Trainer still writes its state, RNG and the weights;
   ``save_model`` writes Hugging Face weights gathered one unit at a time (``save_pretrained``).
@@ -126,6 +128,11 @@ class ZerodistTrainerMixin:
             scheduler = self.lr_scheduler or (lambda inner: self.create_scheduler(max_steps, optimizer=inner))
         engine, *_ = zerodist.initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
         return engine
+
+    def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
+        # initialize() places the model on its rank's device; one built in zero.Init() is on the meta
+        # device until then, and .to() would fail on it.
+        return None
 
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
         return self.engine if self.engine is not None else model  # never DDP
