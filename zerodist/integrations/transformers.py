@@ -264,7 +264,9 @@ def zerodist_trainer_class(base: type) -> type:
         raise TypeError(f"zerodist_trainer_class takes a transformers.Trainer subclass, got {base!r}")
     missing = [name for name in ("_prepare_for_training", "training_step", "_clip_grad_norm", "_get_grad_norm",
                                  "_save_optimizer_and_scheduler", "_load_from_checkpoint") if not hasattr(base, name)]
-    if "num_items_in_batch" not in inspect.signature(base.training_step).parameters:
+    # The mixin's training_step replaces the Trainer's (and a subclass's own wrapper of it, such as
+    # SFTTrainer's activation-offloading context): it must take what the Trainer's loop passes.
+    if "num_items_in_batch" not in inspect.signature(transformers.Trainer.training_step).parameters:
         missing.append("training_step(..., num_items_in_batch)")
     if missing:
         raise ImportError(f"transformers {transformers.__version__}'s Trainer lacks {', '.join(missing)}; "
