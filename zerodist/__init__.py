@@ -28,7 +28,10 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
-_SUBPACKAGES = {"comm", "config", "zero", "engine", "debug", "models", "data", "precision", "checkpoint"}
+# Reached as attributes without an import of their own, as DeepSpeed's are after `import deepspeed`
+# (`deepspeed.moe.layer.MoE`, `deepspeed.accelerator.get_accelerator()`); each is imported on first use.
+_SUBPACKAGES = {"accelerator", "checkpoint", "comm", "config", "data", "debug", "engine", "integrations", "models",
+                "moe", "precision", "tensor_parallel", "zero"}
 
 
 def __getattr__(name: str) -> Any:

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.unit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 AUTO_CANNOT = '"auto" cannot be resolved by zerodist; give'
+AUTO_TRAINER = '"auto" is filled by Hugging Face\'s Trainer'
 
 # (id, config, fragment the error must contain)
 BAD_CONFIGS = [
@@ -129,9 +130,9 @@ BAD_CONFIGS = [
     (
         "auto-clipping",
         {"gradient_clipping": "auto"},
-        f"'gradient_clipping': {AUTO_CANNOT} a number",
+        f"'gradient_clipping': {AUTO_TRAINER} (from max_grad_norm), and nothing fills it here; give a number",
     ),
-    ("auto-bool", {"fp16": {"enabled": "auto"}}, f"'fp16.enabled': {AUTO_CANNOT} true or false"),
+    ("auto-bool", {"fp16": {"enabled": "auto"}}, f"'fp16.enabled': {AUTO_TRAINER} (from fp16)"),
     (
         "auto-stage",
         {"zero_optimization": {"stage": "auto"}},
@@ -140,7 +141,7 @@ BAD_CONFIGS = [
     (
         "auto-optimizer-param",
         {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
-        f"'optimizer.params.lr': {AUTO_CANNOT}",
+        f"'optimizer.params.lr': {AUTO_TRAINER} (from learning_rate)",
     ),
     (
         "optimizer-without-type",
@@ -216,7 +217,7 @@ def test_every_problem_is_reported_together():
     for fragment in (
         "unknown key 'train_batchsize' (did you mean 'train_batch_size'?)",
         "'amp' is a DeepSpeed setting",
-        f"'gradient_clipping': {AUTO_CANNOT}",
+        f"'gradient_clipping': {AUTO_TRAINER}",
         "'fp16.loss_scale': got -1",
         "'zero_optimization.stage': got 4",
         "'zero_optimization.offload_optimizer' is a DeepSpeed setting",

@@ -4,6 +4,7 @@ Imports only ``zerodist.utils`` and pydantic: no torch, no ``zerodist.comm``, so
 be checked (``zerodist config show``) on a machine without a GPU or a process group.
 """
 
+from zerodist.config.auto import TrainerValues, resolve_auto
 from zerodist.config.batch import BatchSizes, resolve_batch_sizes
 from zerodist.config.errors import ConfigError
 from zerodist.config.markdown import render_defaults_markdown
@@ -34,9 +35,11 @@ __all__ = [
     "MonitorConfig",
     "OptimizerConfig",
     "SchedulerConfig",
+    "TrainerValues",
     "ZeroConfig",
     "ZerodistConfig",
     "render_defaults_markdown",
+    "resolve_auto",
     "resolve_batch_sizes",
     "show_config",
 ]

@@ -62,6 +62,27 @@ RENAMED: dict[tuple[str, str], str] = {
     ("", "bfloat16"): "bf16",
 }
 
+# DeepSpeed's ZeRO-3 fields are named without the `stage3_` prefix and take the prefixed name as a
+# pydantic alias (populate_by_name), so either spelling configures the same field; axolotl's
+# templates write `max_live_parameters`. Un-prefixed name -> the name zerodist's schema uses.
+ZERO_ALIASES: dict[str, str] = {
+    name: f"stage3_{name}" for name in _keys("""
+        prefetch_bucket_size param_persistence_threshold model_persistence_threshold
+        max_live_parameters max_reuse_distance gather_16bit_weights_on_model_save
+        module_granularity_threshold use_all_reduce_for_fetch_params allgather_sequential
+        """)
+}
+
+# Top-level keys DeepSpeed reads nothing from: its top level is read key by key and ignores the
+# rest. `comms_config` and `monitor_config` are the names of DeepSpeed's *parsed* sections
+# (`DeepSpeedConfig.comms_config` comes from `comms_logger`, `.monitor_config` from `tensorboard`,
+# `csv_monitor`, `wandb`, `comet`), so a key of that name in the JSON configures nothing there
+# either; LLaMA-Factory's templates write both. A top-level key starting with "_" is a comment.
+IGNORED_BY_DEEPSPEED: dict[str, str] = {
+    "comms_config": "the collective tracer is 'comms_logger'",
+    "monitor_config": "monitors are the top-level 'csv_monitor' and 'tensorboard' sections",
+}
+
 
 def not_implemented_message(path: str, section: str = "", key: str = "") -> str:
     accepted = no_op_values(section, key)
@@ -98,6 +119,12 @@ def _disabled_section(value: Any) -> bool:
 def _all_off(value: Any) -> bool:
     """A section whose every setting is false or null (activation_checkpointing's defaults)."""
     return isinstance(value, Mapping) and all(v is False or v is None for v in value.values())
+
+
+def _any_count(value: Any) -> bool:
+    """A non-negative element count as DeepSpeed reads one (`0`, `4`, `1e9`; not `true`)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+            and float(value).is_integer())
 
 
 def _no_offload(value: Any) -> bool:
@@ -137,10 +164,12 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("zero_optimization", "memory_efficient_linear"): (_any_bool, "true or false (torch's linear is never replaced)"),
     ("zero_optimization", "override_module_apply"): (_same(True), "true"),
     ("zero_optimization", "pipeline_loading_checkpoint"): (_same(False), "false"),
-    ("zero_optimization", "round_robin_gradients"): (_same(False), "false"),
+    # An offload copy schedule (which rank copies which gradient to the host): the gradients are the same.
+    ("zero_optimization", "round_robin_gradients"): (_any_bool, "true or false (there is no offload)"),
     ("zero_optimization", "stage3_gather_fp16_weights_on_model_save"): (_same(False), "false"),
     ("zero_optimization", "stage3_module_granularity_threshold"): (_same(0), "0"),
-    ("zero_optimization", "sub_group_size"): (_same(1_000_000_000), "1e9"),
+    # How many elements the optimizer steps at a time; Adam is elementwise, so any tiling gives the same result.
+    ("zero_optimization", "sub_group_size"): (_any_count, "any count (each shard is stepped whole)"),
     ("zero_optimization", "use_multi_rank_bucket_allreduce"): (_same(True), "true"),
     ("zero_optimization", "zero_hpz_partition_size"): (_same(1), "1"),
     ("zero_optimization", "zero_quantized_gradients"): (_same(False), "false"),
@@ -173,10 +202,34 @@ def no_op_values(section: str, key: str) -> str | None:
     return None if entry is None else entry[1]
 
 
+def is_ignored_by_deepspeed(key: str) -> bool:
+    return key in IGNORED_BY_DEEPSPEED or key.startswith("_")
+
+
+def unalias_zero_keys(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`raw` with `zero_optimization`'s un-prefixed DeepSpeed names under their `stage3_` names,
+    and the problems: both spellings of one field given."""
+    zero = raw.get("zero_optimization")
+    if not isinstance(zero, Mapping) or not any(key in ZERO_ALIASES for key in zero):
+        return raw, []
+    renamed: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
+    problems = []
+    for key, value in zero.items():
+        name = ZERO_ALIASES.get(key, key)
+        if name in renamed:
+            problems.append(f"'zero_optimization.{given_as[name]}' and 'zero_optimization.{key}' are one "
+                            "DeepSpeed setting under two names; give one")
+        renamed[name], given_as[name] = value, key
+    return {**raw, "zero_optimization": renamed}, problems
+
+
 def drop_no_op_keys(raw: dict[str, Any]) -> dict[str, Any]:
     """`raw` without the DeepSpeed keys whose values change nothing here, named in one info line
     (on rank 0). Other values stay, so validation refuses them with the reason."""
-    dropped: list[str] = []
+    dropped = [f"{key} (DeepSpeed ignores it{'; ' + IGNORED_BY_DEEPSPEED[key] if key in IGNORED_BY_DEEPSPEED else ''})"
+               for key in raw if is_ignored_by_deepspeed(key)]
+    raw = {key: value for key, value in raw.items() if not is_ignored_by_deepspeed(key)}
     result = _without_no_op(raw, "", dropped)
     for section, value in raw.items():
         if isinstance(value, Mapping) and any(s == section for s, _ in NO_OP_VALUES):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from zerodist.config.deepspeed_keys import NO_OP_VALUES, NOT_IMPLEMENTED
+from zerodist.config.deepspeed_keys import IGNORED_BY_DEEPSPEED, NO_OP_VALUES, NOT_IMPLEMENTED, ZERO_ALIASES
 from zerodist.config.errors import show_value
 from zerodist.config.problems import describe_schema, field_schemas, nested_model
 from zerodist.config.schema import Config
@@ -91,4 +91,13 @@ def _not_implemented_markdown() -> str:
     ]
     for (section, key), (_, accepted) in NO_OP_VALUES.items():
         lines.append(f"| `{section + '.' if section else ''}{key}` | {accepted} |")
+    lines += [
+        "",
+        "DeepSpeed reads nothing from these top-level keys, so neither does zerodist (one info line",
+        "names them): " + ", ".join(f"`{key}` ({why})" for key, why in IGNORED_BY_DEEPSPEED.items())
+        + ", and any key starting with `_` (a comment, such as `_comment`).",
+        "",
+        "DeepSpeed's un-prefixed names of the ZeRO-3 keys are accepted as the `stage3_` names: "
+        + ", ".join(f"`{short}`" for short in ZERO_ALIASES) + ".",
+    ]
     return "\n".join(lines) + "\n"

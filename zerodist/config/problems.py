@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from zerodist.config.auto import trainer_source
 from zerodist.config.deepspeed_keys import NOT_IMPLEMENTED, RENAMED, is_not_implemented, not_implemented_message
 from zerodist.config.errors import show_value
 from zerodist.utils import did_you_mean
@@ -44,8 +45,17 @@ def _problem(detail: Any, root: type[BaseModel]) -> str:
     if detail["type"] == "missing":
         return f"missing required key '{path}' ({expected})"
     if isinstance(value, str) and value == "auto":
-        return f"'{path}': \"auto\" cannot be resolved by zerodist; give {expected}"
+        return _auto_problem(path, expected)
     return f"'{path}': got {show_value(value)}; expected {expected}"
+
+
+def _auto_problem(path: str, expected: str) -> str:
+    source = trainer_source(path)
+    if source is None:
+        return f"'{path}': \"auto\" cannot be resolved by zerodist; give {expected}"
+    # A Trainer template used without the Trainer: say what fills it there, and both ways out.
+    return (f"'{path}': \"auto\" is filled by Hugging Face's Trainer (from {source}), and nothing fills it "
+            f"here; give {expected}, or train with zerodist.integrations.transformers.ZerodistTrainer")
 
 
 def _unknown_key_problem(location: Location, root: type[BaseModel]) -> str:

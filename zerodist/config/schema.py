@@ -26,8 +26,9 @@ from pydantic import (
     model_validator,
 )
 
+from zerodist.config.auto import TrainerValues, resolve_auto
 from zerodist.config.batch import BatchSizes, resolve_batch_sizes
-from zerodist.config.deepspeed_keys import drop_no_op_keys
+from zerodist.config.deepspeed_keys import drop_no_op_keys, unalias_zero_keys
 from zerodist.config.errors import ConfigError
 from zerodist.config.problems import validation_problems
 from zerodist.config.source import read_source
@@ -44,7 +45,7 @@ class Section(BaseModel):
 
 
 def _reject_auto(value: Any) -> Any:
-    # HF Trainer configs put "auto" inside optimizer params; only the Trainer can resolve it.
+    # HF Trainer configs put "auto" inside optimizer params; only the Trainer's values fill it (auto.py).
     if isinstance(value, str) and value == "auto":
         raise ValueError("auto")
     return value
@@ -372,8 +373,9 @@ class Config(Section):
     gradient_clipping: float = Field(
         0.0, ge=0, description="Clip gradients to this global L2 norm; 0 turns clipping off."
     )
-    steps_per_print: int = Field(
-        10, ge=1, description="Log progress every this many optimizer steps."
+    steps_per_print: Annotated[int, Field(ge=1)] | None = Field(
+        10, description="Log progress every this many optimizer steps; Infinity or null never logs (accelerate "
+        "sends Infinity)."
     )
     wall_clock_breakdown: bool = Field(
         False, description="Time forward, backward and step and log the breakdown."
@@ -406,6 +408,11 @@ class Config(Section):
     zerodist: ZerodistConfig = Field(
         default_factory=ZerodistConfig, description="zerodist settings DeepSpeed has no key for."
     )
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _infinity_means_never(cls, value: Any) -> Any:
+        return None if isinstance(value, float) and value == float("inf") else value
 
     @field_validator(*_BATCH_FIELDS, mode="before")
     @classmethod
@@ -452,16 +459,24 @@ class Config(Section):
         return self.zerodist.tensor_parallel.size or self.tensor_parallel.autotp_size
 
     @classmethod
-    def load(cls, source: Config | Mapping[str, Any] | str | os.PathLike[str]) -> Config:
+    def load(cls, source: Config | Mapping[str, Any] | str | os.PathLike[str], *,
+             auto: TrainerValues | None = None) -> Config:
         """Validate a dict, or a JSON file at a path; a Config is returned as is.
 
+        ``auto``: fill each ``"auto"`` from these values first, as Hugging Face's Trainer does
+        (auto.py). Without it, ``"auto"`` is accepted only where the batch or a default decides it.
         Raises ConfigError listing every problem, one line each; never pydantic's raw error.
         """
         if isinstance(source, Config):
             return source
         raw, source_name = read_source(source)
+        if auto is not None:
+            raw = resolve_auto(raw, auto, source=source_name)
+        raw, alias_problems = unalias_zero_keys(raw)  # DeepSpeed's un-prefixed ZeRO-3 names
         raw = drop_no_op_keys(raw)  # DeepSpeed keys set to values that change nothing here
         try:
+            if alias_problems:
+                raise ConfigError(alias_problems, source=source_name)
             return cls.model_validate(raw)
         except ValidationError as error:
             problems = validation_problems(error, cls)
