@@ -39,7 +39,7 @@ LAYERS = {
     "utils": 1, "compat": 1,  # compat.py: every private torch API, importing only torch
     "config": 2,
     "comm": 3,
-    "precision": 4,
+    "precision": 4, "accelerator": 4,  # accelerator.py: DeepSpeed's get_accelerator(), over comm's device choice
     "zero": 5, "moe": 5, "tensor_parallel": 5, "sequence": 5, "pipe": 5, "offload": 5,
     # The demo's model and data stand where a user's model does: above the building blocks they
     # may use (`models.moe_gpt` is built from `moe`'s layer), below the engine they are handed to.

@@ -220,7 +220,7 @@ def unalias_zero_keys(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if name in renamed:
             problems.append(f"'zero_optimization.{given_as[name]}' and 'zero_optimization.{key}' are one "
                             "DeepSpeed setting under two names; give one")
-        renamed[name], given_as[name] = value, key
+        renamed[str(name)], given_as[str(name)] = value, key
     return {**raw, "zero_optimization": renamed}, problems
 
 

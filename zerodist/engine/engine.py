@@ -195,8 +195,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         losses, self._micro_losses = self._micro_losses, []
         if self.memory_monitor is not None:
             self.memory_monitor.on_step(self.global_steps)
-        every = self.config.steps_per_print
-        printing = bool(every) and self.global_steps % every == 0
+        every = self.config.steps_per_print or 0  # None: never (DeepSpeed's Infinity)
+        printing = every > 0 and self.global_steps % every == 0
         if not (printing or self.monitors):
             return
         # The global batch's loss (mean over the data-parallel ranks and this step's micro-batches), not

@@ -69,6 +69,7 @@ class ZerodistStrategy(DDPStrategy):
 
     @property
     def precision_plugin(self) -> Precision:
+        assert self._precision_plugin is not None, "the setter always gives one"
         return self._precision_plugin
 
     @precision_plugin.setter
@@ -87,10 +88,11 @@ class ZerodistStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
-            raise ValueError(f"ZerodistStrategy runs fit() only, not {trainer.state.fn.value}()")
+            raise ValueError(f"ZerodistStrategy runs fit() only, not {getattr(trainer.state.fn, 'value', None)}()")
         config = self._resolved_config(trainer)
         optimizer, scheduler_config = None, None
         if config.optimizer is None:
+            assert self.lightning_module is not None  # attached before setup()
             optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
             if len(optimizers) != 1 or len(schedulers) > 1:
                 raise ValueError("ZerodistStrategy takes one optimizer and at most one scheduler from "
