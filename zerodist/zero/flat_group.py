@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
+from zerodist.comm.collectives import Group
 from zerodist.comm.domains import Placement
 from zerodist.comm.topology import Domain
 from zerodist.zero import sharded_access
@@ -522,7 +523,7 @@ def _part_of(placement: Placement, domain_group: DomainGroup) -> tuple[int, int]
     return domain_group.coords[placement.slice_axis], domain_group.degrees[placement.slice_axis]
 
 
-def _agree_or_broadcast(buffer: torch.Tensor, group: Any) -> None:
+def _agree_or_broadcast(buffer: torch.Tensor, group: Group) -> None:
     """Make `buffer` equal to the group's first rank's. Ranks built with the same seed already
     agree: compare a digest (16 bytes each) and move the values only if some rank differs."""
     if buffer.is_cuda:
@@ -533,7 +534,7 @@ def _agree_or_broadcast(buffer: torch.Tensor, group: Any) -> None:
         comm.broadcast(buffer, src=comm.get_global_rank(group, 0), group=group)
 
 
-def _ranks_agree(digest: bytes, group: Any) -> bool:
+def _ranks_agree(digest: bytes, group: Group) -> bool:
     """Whether every rank of `group` holds the same `digest` (one small all-gather)."""
     digests: list[Any] = [None] * comm.get_world_size(group)
     comm.all_gather_object(digests, digest, group=group)

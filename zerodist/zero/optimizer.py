@@ -31,6 +31,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 import zerodist.comm as comm
+from zerodist.comm.collectives import Group
 from zerodist.precision import LossScaler
 from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.reducer import GradReducer
@@ -52,7 +53,7 @@ class ZeroOptimizer:
     optimizer's, so learning-rate schedulers work on it as on any optimizer."""
 
     def __init__(self, groups: list[FlatParamGroup], reducer: GradReducer, inner: torch.optim.Optimizer, *,
-                 scaler: LossScaler, gradient_clipping: float, check_overflow: bool, world_group: Any = None,
+                 scaler: LossScaler, gradient_clipping: float, check_overflow: bool, world_group: Group = None,
                  step_checks: list[Any] | None = None):
         self.groups, self.reducer, self.inner, self.scaler = groups, reducer, inner, scaler
         self.gradient_clipping = gradient_clipping

@@ -73,6 +73,8 @@ from typing import Any
 
 import torch
 
+from zerodist.comm.collectives import Group
+
 from zerodist.zero import sharded_access
 from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.reducer import GradReducer
@@ -126,7 +128,7 @@ class UnitRuntime:
     """
 
     def __init__(self, units: list[Unit], persistent: list[FlatParamGroup], reducer: GradReducer, *,
-                 shard_parameters: bool, settings: UnitSettings, group: Any, device: torch.device):
+                 shard_parameters: bool, settings: UnitSettings, group: Group, device: torch.device):
         self.units, self.root, self.persistent, self.reducer = units, units[0], persistent, reducer
         self.order = units[1:]  # forward order of the non-root units
         self.shards_parameters = shard_parameters  # the sharding policy's (stage 3), whatever the units hold
@@ -156,8 +158,8 @@ class UnitRuntime:
             register_unit_params(self, units)
             if settings.access_check:
                 for unit in units:
-                    for group in unit.groups:
-                        group.enable_access_check()
+                    for flat in unit.groups:
+                        flat.enable_access_check()
             register_replicated(persistent, self)
         else:
             register_replicated([g for u in units for g in u.groups] + persistent)

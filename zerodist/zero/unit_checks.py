@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
+from zerodist.comm.collectives import Group
 from zerodist.zero.units import Unit
 
 class UnitControlFlowError(RuntimeError):
@@ -36,7 +37,7 @@ class UnitOrderCheck:
 
     KINDS = ("gather for forward", "gather for backward")
 
-    def __init__(self, units: list[Unit], group: Any, enabled: bool, device: torch.device):
+    def __init__(self, units: list[Unit], group: Group, enabled: bool, device: torch.device):
         self.units, self.group, self.enabled, self.device = units, group, enabled, device
         self.counts: dict[tuple[int, int], int] = {}
 
@@ -81,7 +82,7 @@ class RunCheck:
 
     _KEEP = 10_000  # runs remembered for the message; the digests cover them all
 
-    def __init__(self, units: list[Unit], group: Any):
+    def __init__(self, units: list[Unit], group: Group):
         self.units, self.group = units, group
         self.runs: list[int] = []
         self.count = 0
