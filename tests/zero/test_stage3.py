@@ -158,7 +158,7 @@ def test_units_reused_from_forward_to_backward_are_gathered_once(world_size):
     with comm.trace() as t:
         engine.backward(F.mse_loss(engine(x), y))
         assert all(u.state.value == "sharded" for u in engine.stage3.units)  # all freed after backward
-        engine.step()  # issues the next forward's gathers ([Note: early gather] in stage3.py)
+        engine.step()  # issues the next forward's gathers ([Note: early gather] in runtime.py)
     psi = sum(u.numel for u in engine.stage3.units)
     gathers = [r for r in t.records if r.op == "all_gather" and r.dtype != torch.int64]
     checks = [r for r in t.records if r.op == "all_gather" and r.dtype == torch.int64]

@@ -58,7 +58,7 @@ Groups are issued in the order the forward waits for them, root and persistent f
 completes one process group's collectives in issue order, so a group issued last but waited for
 first would hold up the forward until every gather had landed. Stage 3's persistent groups (full
 parameters, sharded optimizer state) are gathered the same way; its units gather themselves, and
-`step()` issues the next forward's first units after these groups ([Note: early gather]).
+the step's post-hook issues the next forward's first units after these groups ([Note: early gather]).
 
 `overlap_comm: false` waits for every group at the end of `step()`, as before.
 """
