@@ -411,16 +411,13 @@ print(f"\\nRESULT {full} {block} {root} {peak} {live} {state['params']} {state['
 
 
 @pytest.mark.slow
-def test_partitioned_construction_of_200m_parameters_allocates_its_shards_and_one_unit_at_a_time():
-    path = os.path.join(REPO, "tests", "_build_200m.py")
+def test_partitioned_construction_of_200m_parameters_allocates_its_shards_and_one_unit_at_a_time(tmp_path):
+    path = str(tmp_path / "build_200m.py")  # a folder of its own: two runs of this file never share it
     env = {**os.environ, "PYTHONPATH": REPO}
     with open(path, "w") as handle:
         handle.write(_BUILD_200M)
-    try:
-        out = run_group([sys.executable, "-m", "zerodist", "run", "--nproc", "2", path], env=env,
-                        capture_output=True, text=True, timeout=240)
-    finally:
-        os.remove(path)
+    out = run_group([sys.executable, "-m", "zerodist", "run", "--nproc", "2", path], env=env,
+                    capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     # the two ranks share one stdout: their lines can run together, so match rather than split lines
     results = re.findall(r"RESULT" + r" (\d+)" * 8, out.stdout)
