@@ -4,7 +4,6 @@ next success resets the count; `max_failed_saves` failures in a row stop trainin
 from __future__ import annotations
 
 import errno
-import logging
 import shutil
 import tempfile
 
@@ -14,20 +13,12 @@ import torch.nn.functional as F
 import zerodist
 import zerodist.checkpoint as ckpt
 import zerodist.comm as comm
+from tests.debug_helpers import captured_logs
 from tests.engine_helpers import base_config, global_batch
 from tests.harness import distributed_test
 from zerodist.models import make_mlp
 
 FAILING_STEPS = {2, 4, 5}
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 @distributed_test(world_size=2, timeout=150)
@@ -45,12 +36,10 @@ def test_failed_interval_saves_warn_and_training_goes_on_until_the_limit():
             raise OSError(errno.ENOSPC, "No space left on device")
         return original(self, *args, **kwargs)
 
-    records = _Records()
-    logging.getLogger("zerodist").addHandler(records)
     ckpt.files.AtomicFile.write = write
     rank = comm.get_rank()
     try:
-        with pytest.raises(ckpt.CheckpointWriteError, match=r"2 interval saves in a row failed \(checkpoint."
+        with captured_logs() as lines, pytest.raises(ckpt.CheckpointWriteError, match=r"2 interval saves in a row failed \(checkpoint."
                                                             r"max_failed_saves is 2\).*No space left"):
             for step in range(6):
                 x, y = global_batch(step, 8)
@@ -58,10 +47,9 @@ def test_failed_interval_saves_warn_and_training_goes_on_until_the_limit():
                 engine.step()
     finally:
         ckpt.files.AtomicFile.write = original
-        logging.getLogger("zerodist").removeHandler(records)
     assert engine.global_steps == 5  # steps 2 and 4 failed to save and training went on
-    warned = [line for line in records.lines if "Training goes on" in line]
-    assert len(warned) == 2 and "step 2: save_checkpoint('global_step2') failed" in warned[0], records.lines
+    warned = [line for line in lines if "Training goes on" in line]
+    assert len(warned) == 2 and "step 2: save_checkpoint('global_step2') failed" in warned[0], lines
     assert "1 of 2 interval saves failed in a row" in warned[1]  # step 3's success reset the count
     assert [m.tag for m in ckpt.list_checkpoints(save_dir).committed] == ["global_step1", "global_step3"]
     engine.destroy()

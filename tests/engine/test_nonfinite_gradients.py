@@ -3,7 +3,6 @@ every rank into NaN, silently. Now every rank skips the step, naming the rank, o
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 
 import zerodist
 import zerodist.comm as comm
+from tests.debug_helpers import captured_logs
 from tests.engine_helpers import base_config, global_batch
 from tests.harness import distributed_test
 from zerodist.debug import NonFiniteError
@@ -32,31 +32,18 @@ def _train(config, batches, poison=None):
     return engine
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 @distributed_test(world_size=2, timeout=150)
 @pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "bf16"), (2, "fp32"), (3, "fp32"), (3, "bf16")])
 def test_a_nan_loss_on_one_rank_skips_the_step_everywhere_and_names_it(stage, precision):
     config = base_config(stage, **({"bf16": {"enabled": True}} if precision == "bf16" else {}))
-    records = _Records()
-    logging.getLogger("zerodist").addHandler(records)
-    try:
+    with captured_logs() as lines:
         engine = _train(config, [0, 1, 2], poison=1)
-    finally:
-        logging.getLogger("zerodist").removeHandler(records)
     weights = engine.module_state_dict()
     assert engine.skipped_steps == 1 and engine.global_steps == 3
     assert all(bool(torch.isfinite(w).all()) for w in weights.values())
     if comm.get_rank() == 0:
         assert any("step 2: a non-finite loss on rank(s) [1]" in line and "every rank skipped the step" in line
-                   for line in records.lines), records.lines
+                   for line in lines), lines
     engine.destroy()
     expected = _train(config, [0, 2]).module_state_dict()  # the step never happened
     for name in weights:

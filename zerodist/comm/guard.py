@@ -43,6 +43,7 @@ import torch.distributed as dist
 from zerodist import compat
 from zerodist.comm.collectives import Group, pre_collective_hooks
 from zerodist.comm.watchdog import call_site as frame_call_site
+from zerodist.comm.watchdog import seconds_from_env
 from zerodist.utils import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -273,11 +274,7 @@ _sessions = 0  # guard sessions started by this process; equal on every rank (se
 def resolve_guard_timeout(timeout_s: float | None = None) -> float:
     """The argument, else `ZERODIST_COLLECTIVE_GUARD_TIMEOUT`, else 5 s."""
     if timeout_s is None:
-        raw = os.environ.get(TIMEOUT_ENV_VAR, "")
-        try:
-            timeout_s = float(raw) if raw else DEFAULT_TIMEOUT_S
-        except ValueError:
-            raise ValueError(f"{TIMEOUT_ENV_VAR}={raw!r} is not a number of seconds") from None
+        timeout_s = seconds_from_env(TIMEOUT_ENV_VAR, DEFAULT_TIMEOUT_S)
     if not timeout_s > 0:
         raise ValueError(f"collective guard timeout must be > 0 seconds, got {timeout_s}")
     return float(timeout_s)

@@ -347,14 +347,20 @@ def _frame_text(frame: Any) -> str:
     return f"{shown}:{frame.f_lineno} {frame.f_code.co_name}"
 
 
-def _warning_from_env() -> float:
-    raw = os.environ.get(WARNING_ENV_VAR, "")
+def seconds_from_env(name: str, default: float) -> float:
+    """The environment variable `name` as a number of seconds, `default` when unset; a named
+    error when it is not a number. The caller checks the range."""
+    raw = os.environ.get(name, "")
     try:
-        seconds = float(raw) if raw else DEFAULT_WARNING_S
+        return float(raw) if raw else default
     except ValueError:
-        raise ValueError(f"{WARNING_ENV_VAR}={raw!r} is not a number of seconds") from None
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+
+
+def _warning_from_env() -> float:
+    seconds = seconds_from_env(WARNING_ENV_VAR, DEFAULT_WARNING_S)
     if not seconds > 0:
-        raise ValueError(f"{WARNING_ENV_VAR} must be > 0 seconds, got {raw}")
+        raise ValueError(f"{WARNING_ENV_VAR} must be > 0 seconds, got {seconds:g}")
     return seconds
 
 

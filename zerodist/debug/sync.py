@@ -381,7 +381,6 @@ def check_weight_sync(model_or_engine: torch.nn.Module, *, raise_on_mismatch: bo
     module = model_or_engine
     if _is_engine(model_or_engine):
         zero = state_of(cast(TrainingEngine, model_or_engine))
-        assert zero.runtime is not None, "apply_zero() makes a runtime"
         zero.runtime.finish_gathers()  # the last step's, still in flight (overlap_comm)
         if zero.sharding.shard_parameters:
             raise ValueError("check_weight_sync: at ZeRO stage 3 each rank holds a shard of the parameters; "

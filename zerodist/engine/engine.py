@@ -58,7 +58,6 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.zero_state = zero
         self.policy, self.topology, self.sharding = zero.precision, zero.topology, zero.sharding
         self.groups, self.reducer, self.optimizer = zero.groups, zero.reducer, zero.optimizer
-        assert zero.runtime is not None, "apply_zero() makes a runtime"
         self.units: UnitRuntime = zero.runtime  # the verbs a schedule calls: unshard, wait_unshard, reshard, ...
         self._record_world()
         self.stage = zero.sharding.stage  # DeepSpeed's number, for reports
@@ -135,7 +134,6 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         scaled = loss.float() * scale if scale != 1.0 else loss
         seen = self.reducer.grads_seen
         scaled.backward(retain_graph=retain_graph)
-        assert self.zero_state.schedule is not None
         self.zero_state.schedule.end_backward()
         if self.reducer.grads_seen == seen:
             raise RuntimeError("engine.backward(): the loss produced no gradient for any trained parameter; "

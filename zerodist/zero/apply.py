@@ -113,8 +113,7 @@ def apply_zero(part: Part, topology: comm.Topology, settings: ZeroSettings, opti
                             gradient_clipping=settings.gradient_clipping, check_overflow=precision.loss_scaling,
                             world_group=topology.world_group, step_checks=checks)
     schedule = DefaultSchedule(runtime, sharded)
-    return ZeroState(model, groups, reducer, sharded, sharding, topology, precision,
-                     tuple(units) if runtime.shards_parameters else (), runtime=runtime, schedule=schedule)
+    return ZeroState(model, groups, reducer, sharded, sharding, topology, precision, runtime, schedule)
 
 
 def _flatten(part: Part, specs: list[ParamGroupLike], topology: comm.Topology, settings: ZeroSettings,

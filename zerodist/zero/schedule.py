@@ -146,6 +146,5 @@ def _gather_for_backward(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakre
 def _wait_updated(runtime_ref: weakref.ref[UnitRuntime], index: int, module: torch.nn.Module, args: Any) -> None:
     runtime = runtime_ref()
     if runtime is not None:
-        for group in runtime.gathers_by_unit.get(index, ()):
-            group.wait_unshard()
+        runtime.wait_unshard([runtime.units[index]])  # its post-step gathers (the root's: persistent ones too)
         sharded_access.settle()  # the last wait of this forward: the check has nothing more to do

@@ -47,11 +47,14 @@ class ZeroState:
     sharding: ShardingPolicy
     topology: Topology
     precision: PrecisionPolicy
-    # Stage 3's gathered-together modules, in unit order (empty when no parameter is sharded).
-    units: tuple[Unit, ...] = ()
     # The verbs that gather, free and reduce (runtime.py), and the hooks that call them by default.
-    runtime: UnitRuntime | None = None
-    schedule: DefaultSchedule | None = None
+    runtime: UnitRuntime
+    schedule: DefaultSchedule
+
+    @property
+    def units(self) -> tuple[Unit, ...]:
+        """Stage 3's gathered-together modules, in unit order (empty when no parameter is sharded)."""
+        return tuple(self.runtime.units) if self.runtime.shards_parameters else ()
 
     @property
     def inner_optimizer(self) -> torch.optim.Optimizer:
@@ -77,8 +80,7 @@ class ZeroState:
     def logical_state_dict(self) -> dict[str, torch.Tensor]:
         """The part's `state_dict()` with every parameter whole (gathered at stage 3), cloned;
         collective."""
-        if self.runtime is not None:
-            self.runtime.finish_gathers()
+        self.runtime.finish_gathers()
         with GatheredParameters(list(self.module.parameters()), enabled=bool(self.units)):
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
@@ -91,8 +93,7 @@ class ZeroState:
     def load_logical_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a whole `state_dict()` (every rank the same) into the flat buffers, shards and master
         weights; collective."""
-        if self.runtime is not None:
-            self.runtime.finish_gathers(release=True)
+        self.runtime.finish_gathers(release=True)
         with GatheredParameters(list(self.module.parameters()), modifier_rank=0), torch.no_grad():
             self.module.load_state_dict(state)
 
@@ -100,14 +101,13 @@ class ZeroState:
         stage = self.sharding.stage
         lines = [f"ZeRO stage {stage}: {len(self.groups)} flat group(s), {len(self.reducer.order)} bucket(s)"]
         if self.units:
-            lines.append(f"{len(self.units)} unit(s) gathered around their use, {len(self.runtime.kept) if self.runtime else 0} "
+            lines.append(f"{len(self.units)} unit(s) gathered around their use, {len(self.runtime.kept)} "
                          "kept from forward to backward")
         return lines
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()
-        if self.schedule is not None:
-            self.schedule.remove_hooks()
+        self.schedule.remove_hooks()
 
     def param_facts(self) -> dict[str, dict[str, Any]]:
         """Logical name -> {"shape", "placement"} of this rank's trained parameters."""
