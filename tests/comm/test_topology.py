@@ -4,14 +4,16 @@ import pytest
 import torch
 
 import zerodist.comm as comm
-from zerodist.comm.topology import axis_partition, coords_of, rank_of, resolve_degrees
+from zerodist.comm.topology import DENSE, Domain, axis_partition, coords_of, rank_of, resolve_degrees
 from tests.harness import DistributedTestFailure, distributed_test, run_distributed
 
 
 @pytest.mark.unit
 def test_degrees_default_data_takes_the_rest():
-    assert resolve_degrees(8, tensor=2) == {"data": 4, "expert": 1, "tensor": 2}
-    assert resolve_degrees(8, expert=2, tensor=2) == {"data": 2, "expert": 2, "tensor": 2}
+    assert resolve_degrees(8, tensor=2) == {"pipe": 1, "data": 4, "expert": 1, "sequence": 1, "tensor": 2}
+    assert resolve_degrees(8, expert=2, tensor=2) == {"pipe": 1, "data": 2, "expert": 2, "sequence": 1, "tensor": 2}
+    assert resolve_degrees(16, pipe=2, sequence=2, tensor=2) == {"pipe": 2, "data": 2, "expert": 1, "sequence": 2,
+                                                                "tensor": 2}
 
 
 @pytest.mark.unit
@@ -22,6 +24,9 @@ def test_degrees_default_data_takes_the_rest():
         (6, {"tensor": 4}, "world size 6 is not divisible by expert (1) x tensor (4) = 4"),
         (4, {"tensor": 0}, "tensor degree must be a positive integer"),
         (4, {"data": 2, "expert": 2, "tensor": 2}, "= 8, but the world size is 4"),
+        (6, {"pipe": 4}, "world size 6 is not divisible by pipe (4) x expert (1) x tensor (1) = 4"),
+        (8, {"data": 2, "sequence": 2}, "data (2) x expert (1) x sequence (2) x tensor (1) = 4, but the world size is 8"),
+        (4, {"sequence": True}, "sequence degree must be a positive integer"),
     ],
 )
 def test_degrees_that_do_not_fit_list_every_factor(world, kwargs, fragment):
@@ -35,8 +40,8 @@ def test_coordinates_round_trip_and_tensor_is_innermost():
     degrees = {"data": 2, "expert": 3, "tensor": 2}
     for rank in range(12):
         assert rank_of(coords_of(rank, degrees), degrees) == rank
-    assert coords_of(1, degrees) == {"data": 0, "expert": 0, "tensor": 1}
-    assert coords_of(6, degrees) == {"data": 1, "expert": 0, "tensor": 0}
+    assert coords_of(1, degrees) == {"pipe": 0, "data": 0, "expert": 0, "sequence": 0, "tensor": 1}
+    assert coords_of(6, degrees) == {"pipe": 0, "data": 1, "expert": 0, "sequence": 0, "tensor": 0}
 
 
 @pytest.mark.unit
@@ -55,7 +60,7 @@ def test_partitions():
 def test_groups_reduce_over_their_axis_only():
     topo = comm.Topology(data=2, tensor=2)
     rank = comm.get_rank()
-    assert topo.degrees == {"data": 2, "expert": 1, "tensor": 2}
+    assert topo.degrees == {"pipe": 1, "data": 2, "expert": 1, "sequence": 1, "tensor": 2}
     assert topo.ranks("tensor") == [rank - rank % 2, rank - rank % 2 + 1]
     assert topo.ranks("data") == [rank % 2, rank % 2 + 2]
     assert topo.size("data", "tensor") == 4 and topo.size("expert") == 1

@@ -31,7 +31,7 @@ def _expert(rank: int) -> str:
 def _moe_engine(stage: int):
     model = MoEModel(2, comm.get_rank() % 2, k=1, drop_tokens=False)
     engine, _, _, _ = zerodist.initialize(model=model, config=base_config(stage))
-    assert dict(engine.topology.degrees) == {"data": 2, "expert": 2, "tensor": 1}
+    assert dict(engine.topology.degrees) == {"pipe": 1, "data": 2, "expert": 2, "sequence": 1, "tensor": 1}
     return engine
 
 

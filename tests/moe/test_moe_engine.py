@@ -88,7 +88,7 @@ def test_ep2_training_matches_one_process(stage, k, drop_tokens):
 def test_data2_expert2_matches_one_process(stage):
     options = dict(k=2, drop_tokens=True, capacity_factor=0.75, min_capacity=0)
     engine, state = _train(stage, 2, options, steps=3)
-    assert dict(engine.topology.degrees) == {"data": 2, "expert": 2, "tensor": 1}
+    assert dict(engine.topology.degrees) == {"pipe": 1, "data": 2, "expert": 2, "sequence": 1, "tensor": 1}
     assert_close_relative(state, _reference(4, options, steps=3), 1e-6)
 
 

@@ -86,7 +86,7 @@ def _replicated_equal_across_tensor_ranks(engine):
 def test_zero_stages_on_a_data_by_tensor_mesh_match_one_process(stage):
     steps = 10
     engine = _train(_config(stage, tensor=2), steps)
-    assert dict(engine.topology.degrees) == {"data": 2, "expert": 1, "tensor": 2}
+    assert dict(engine.topology.degrees) == {"pipe": 1, "data": 2, "expert": 1, "sequence": 1, "tensor": 2}
     assert isinstance(engine.module.blocks[0].attn, HeadParallelAttention)
     reference, norms = _reference(steps, rows=MICRO * 2)
     state = engine.module_state_dict()  # unsliced: the names and shapes of the plain GPT

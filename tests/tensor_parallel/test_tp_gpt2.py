@@ -135,7 +135,7 @@ def _reference(steps):
 
 def _train_zero_by_tensor(stage, steps, path):
     engine = zerodist.initialize(model=_gpt2(), config=_engine_config(stage))[0]
-    assert dict(engine.topology.degrees) == {"data": 2, "expert": 1, "tensor": 2}
+    assert dict(engine.topology.degrees) == {"pipe": 1, "data": 2, "expert": 1, "sequence": 1, "tensor": 2}
     assert isinstance(engine.module.lm_head, TiedVocabParallelHead)
     shards, shard = engine.topology.num_batch_shards, engine.topology.batch_rank
     rows = slice(shard * ROWS // shards, (shard + 1) * ROWS // shards)

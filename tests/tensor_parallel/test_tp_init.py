@@ -86,7 +86,7 @@ def test_init_built_gpt_gets_the_eager_slices_and_losses_bitwise(world_size, sta
         config = _config(stage, **settings)
     eager, eager_state, eager_local, eager_rng = _engine(lambda: GPT(SHAPE), config)
     lazy, lazy_state, lazy_local, lazy_rng = _engine(_init_built_gpt, config)
-    assert dict(lazy.topology.degrees) == {"data": world_size // 2, "expert": 1, "tensor": 2}
+    assert dict(lazy.topology.degrees) == {"pipe": 1, "data": world_size // 2, "expert": 1, "sequence": 1, "tensor": 2}
 
     # Consolidated: the one-process GPT from the same seed, bitwise (padding rows cut off).
     torch.manual_seed(0)

@@ -160,7 +160,7 @@ def test_expert_parameters_live_on_the_data_group_at_every_stage():
     for stage in (0, 1, 2, 3):
         engine, *_ = zerodist.initialize(model=local_model(comm.get_rank() % 2, 2), config=config(stage))
         topology = engine.topology
-        assert dict(topology.degrees) == {"data": 2, "expert": 2, "tensor": 1}
+        assert dict(topology.degrees) == {"pipe": 1, "data": 2, "expert": 2, "sequence": 1, "tensor": 1}
         domains = {g.domain for g in engine.groups}
         assert domains == {DENSE, EXPERT}
         assert {g.world_size for g in engine.groups if g.domain == EXPERT} == {2}
@@ -224,7 +224,7 @@ def _load_on_two_ranks(save_dir: str, ep_size: int, stage: int) -> dict[str, dic
     every expert and the whole mix); rank r's batches through expert r either way."""
     rank = comm.get_rank()
     engine, *_ = zerodist.initialize(model=local_model(rank if ep_size == 2 else 0, ep_size), config=config(stage))
-    assert dict(engine.topology.degrees) == {"data": 2 // ep_size, "expert": ep_size, "tensor": 1}
+    assert dict(engine.topology.degrees) == {"pipe": 1, "data": 2 // ep_size, "expert": ep_size, "sequence": 1, "tensor": 1}
     engine.load_checkpoint(save_dir, tag="four")
     assert engine.global_steps == STEPS
     loaded = logical_state(engine)
@@ -258,8 +258,8 @@ def test_an_expert_checkpoint_reloads_into_another_mesh(tmp_path):
     saved = run_distributed(_save_on_four_ranks, 4, str(tmp_path), timeout=180)
     manifest = read_manifest(tmp_path / "four")
     assert manifest.params["blocks.0.experts.1.weight"]["shape"] == [HIDDEN, HIDDEN]
-    assert manifest.params["blocks.0.experts.1.weight"]["placement"]["reduce_axes"] == ["data"]
-    assert manifest.params["blocks.0.dense.weight"]["placement"]["reduce_axes"] == ["data", "expert"]
+    assert manifest.params["blocks.0.experts.1.weight"]["placement"]["reduce_axes"] == ["data", "sequence"]
+    assert manifest.params["blocks.0.dense.weight"]["placement"]["reduce_axes"] == ["data", "expert", "sequence"]
     mix = manifest.params["blocks.1.mix"]
     assert mix["shape"] == [HIDDEN, HIDDEN]
     assert (mix["placement"]["slice_dim"], mix["placement"]["slice_axis"], mix["placement"]["num_parts"]) == (

@@ -1,15 +1,22 @@
 """The parallel topology: one validated, immutable object that hands out process groups.
 
-The world is a mesh of three axes, outermost first: `data`, `expert`, `tensor`
-(rank = (data_index * expert + expert_index) * tensor + tensor_index). `tensor` is innermost
-so tensor-parallel peers are neighbouring ranks, normally on one node.
+The world is a mesh of five axes, outermost first: `pipe`, `data`, `expert`, `sequence`,
+`tensor` (rank = (((pipe_index * data + data_index) * expert + expert_index) * sequence +
+sequence_index) * tensor + tensor_index), Megatron's order. `tensor` is innermost so
+tensor-parallel peers are neighbouring ranks, normally on one node, and `sequence` next to it
+(its all-to-alls run in every attention layer); `pipe` is outermost, since a pipeline boundary
+moves the fewest bytes and can cross nodes. An axis of degree 1 changes no rank's number.
 
 Which group reduces what:
 - non-expert parameters are replicated over `("data", "expert")`: their gradients are
   reduced (and ZeRO-sharded) over that group;
 - an expert's parameters exist once per `("expert",)` group: their gradients are reduced over
   `("data",)` only (DeepSpeed's "expert-data-parallel" group);
-- `("tensor",)` carries tensor-parallel all-reduces.
+- `("tensor",)` carries tensor-parallel all-reduces, `("sequence",)` the sequence-parallel
+  all-to-alls, `("pipe",)` the point-to-point traffic between pipeline stages.
+- sequence-parallel ranks hold the same parameters and read slices of the same samples, so
+  gradients are reduced over `sequence` too; pipeline stages hold different parameters, so no
+  parameter is replicated over `pipe` (`PARAMETER_AXES` leaves it out).
 
 All groups are created when the Topology is built (or taken from an earlier Topology of the
 same world), on every rank in the same order, so asking for a group later can never deadlock.
@@ -32,48 +39,60 @@ from zerodist.comm.collectives import Group, all_gather_object
 from zerodist.comm.errors import TopologyError
 from zerodist.comm.init import ensure_initialized
 
-AXES = ("data", "expert", "tensor")
+AXES = ("pipe", "data", "expert", "sequence", "tensor")
 # The axes one batch is dealt over: tensor-parallel peers share a batch, expert-parallel ones do not.
+# Sequence-parallel peers share the batch's samples and read a slice of each one's sequence.
 BATCH_AXES = ("data", "expert")
+# The axes a parameter can be replicated over: every axis but `pipe`, whose stages hold different
+# layers. A domain's axes are drawn from these, so a stage's gradient norm counts its own
+# parameters and the step's world-wide agreement sums the stages.
+PARAMETER_AXES = ("data", "expert", "sequence", "tensor")
 
 
 
 
-def resolve_degrees(world_size: int, *, data: int | None = None, expert: int = 1, tensor: int = 1) -> dict[str, int]:
+def resolve_degrees(world_size: int, *, data: int | None = None, expert: int = 1, tensor: int = 1, pipe: int = 1,
+                    sequence: int = 1) -> dict[str, int]:
     """Degrees of every axis; `data=None` takes what the other axes leave of the world."""
-    given = {"data": data, "expert": expert, "tensor": tensor}
+    given = {"pipe": pipe, "data": data, "expert": expert, "sequence": sequence, "tensor": tensor}
     for axis, degree in given.items():
-        if degree is not None and (not isinstance(degree, int) or degree < 1):
+        if degree is not None and (not isinstance(degree, int) or isinstance(degree, bool) or degree < 1):
             raise TopologyError(f"{axis} degree must be a positive integer, got {degree!r}")
+    # expert and tensor always named (the familiar two), pipe and sequence when asked for
+    others = [(axis, degree) for axis, degree in given.items()
+              if axis in ("expert", "tensor") or (axis != "data" and degree != 1)]
+    others_text = " x ".join(f"{axis} ({degree})" for axis, degree in others)
+    others_product = pipe * expert * sequence * tensor
     if data is None:
-        if world_size % (expert * tensor):
+        if world_size % others_product:
             raise TopologyError(
-                f"world size {world_size} is not divisible by expert ({expert}) x tensor ({tensor}) "
-                f"= {expert * tensor}, so no data degree fits"
+                f"world size {world_size} is not divisible by {others_text} = {others_product}, "
+                "so no data degree fits"
             )
-        data = world_size // (expert * tensor)
-    product = data * expert * tensor
+        data = world_size // others_product
+    product = data * others_product
     if product != world_size:
         raise TopologyError(
-            f"data ({data}) x expert ({expert}) x tensor ({tensor}) = {product}, "
+            f"data ({data}) x {others_text} = {product}, "
             f"but the world size is {world_size}; the degrees must multiply to the world size"
         )
-    return {"data": data, "expert": expert, "tensor": tensor}
+    return {"pipe": pipe, "data": data, "expert": expert, "sequence": sequence, "tensor": tensor}
 
 
 def coords_of(rank: int, degrees: Mapping[str, int]) -> dict[str, int]:
-    """This rank's index along each axis."""
+    """This rank's index along each axis (an axis missing from `degrees` has degree 1)."""
     coords = {}
     for axis in reversed(AXES):
-        coords[axis] = rank % degrees[axis]
-        rank //= degrees[axis]
+        degree = degrees.get(axis, 1)
+        coords[axis] = rank % degree
+        rank //= degree
     return {axis: coords[axis] for axis in AXES}
 
 
 def rank_of(coords: Mapping[str, int], degrees: Mapping[str, int]) -> int:
     rank = 0
     for axis in AXES:
-        rank = rank * degrees[axis] + coords[axis]
+        rank = rank * degrees.get(axis, 1) + coords.get(axis, 0)
     return rank
 
 
@@ -81,10 +100,10 @@ def axis_partition(degrees: Mapping[str, int], axes: tuple[str, ...]) -> list[li
     """The world split into groups whose ranks differ only along `axes`, in rank order."""
     others = [a for a in AXES if a not in axes]
     groups = []
-    for fixed in itertools.product(*(range(degrees[a]) for a in others)):
+    for fixed in itertools.product(*(range(degrees.get(a, 1)) for a in others)):
         base = dict(zip(others, fixed))
         members = []
-        for varying in itertools.product(*(range(degrees[a]) for a in axes)):
+        for varying in itertools.product(*(range(degrees.get(a, 1)) for a in axes)):
             members.append(rank_of({**base, **dict(zip(axes, varying))}, degrees))
         groups.append(sorted(members))
     return sorted(groups)
@@ -141,6 +160,9 @@ class Domain:
 
     def __post_init__(self) -> None:
         reduce_axes, replicated_axes = _canonical(self.reduce_axes), _canonical(self.replicated_axes)
+        if "pipe" in replicated_axes:
+            raise TopologyError("no parameter is replicated over the pipe axis: pipeline stages hold different "
+                                f"layers (a domain's axes are drawn from {', '.join(PARAMETER_AXES)})")
         if not set(reduce_axes) <= set(replicated_axes):
             raise TopologyError(f"a domain reduces over {reduce_axes} but is replicated over {replicated_axes} "
                                 "only; a gradient can be summed only where the parameter is replicated")
@@ -153,19 +175,20 @@ class Domain:
         return tuple(a for a in self.replicated_axes if a not in self.reduce_axes)
 
 
-# A dense parameter (today's only kind): replicated everywhere, reduced over the batch axes.
-DENSE = Domain(BATCH_AXES, AXES)
+# A dense parameter: replicated over every parameter axis, reduced over the batch axes and over
+# `sequence` (whose ranks each saw a slice of every sample).
+DENSE = Domain(BATCH_AXES + ("sequence",), PARAMETER_AXES)
 # An expert's parameters: one copy per expert-parallel group (see zerodist/moe).
-EXPERT = Domain(("data",), ("data", "tensor"))
+EXPERT = Domain(("data", "sequence"), ("data", "sequence", "tensor"))
 # A tensor-parallel slice: each tensor rank holds a different slice (see zerodist/tensor_parallel).
-TENSOR_SLICE = Domain(BATCH_AXES, BATCH_AXES)
+TENSOR_SLICE = Domain(DENSE.reduce_axes, DENSE.reduce_axes)
 
 
 class Topology:
     """Degrees of the parallel axes and their process groups. Build it on every rank.
 
-    `Topology(data=None, expert=1, tensor=1)`: `data=None` means "the rest of the world".
-    Ranks that ask for different degrees get a `TopologyError` naming each rank's request.
+    `Topology(data=None, expert=1, tensor=1, pipe=1, sequence=1)`: `data=None` means "the rest of
+    the world". Ranks that ask for different degrees get a `TopologyError` naming each rank's request.
     """
 
     __slots__ = ("_degrees", "_coords", "_groups", "_gradient_groups", "_partitions", "rank", "world_size")
@@ -177,16 +200,21 @@ class Topology:
     _gradient_groups: dict[tuple[str, ...], Group]
     _partitions: dict[tuple[str, ...], list[list[int]]]
 
-    def __init__(self, *, data: int | None = None, expert: int = 1, tensor: int = 1, group_timeout: Any = None,
-                 gradient_groups: bool = False):
+    def __init__(self, *, data: int | None = None, expert: int = 1, tensor: int = 1, pipe: int = 1, sequence: int = 1,
+                 group_timeout: Any = None, gradient_groups: bool = False):
         info = ensure_initialized()
         rank, world_size = dist.get_rank(), dist.get_world_size()
+        asked = {"pipe": pipe, "data": data, "expert": expert, "sequence": sequence, "tensor": tensor}
         requests: list[Any] = [None] * world_size
-        all_gather_object(requests, (data, expert, tensor))
+        all_gather_object(requests, tuple(asked.values()))
         if len(set(requests)) > 1:
-            listed = "; ".join(f"rank {r}: data={d} expert={e} tensor={t}" for r, (d, e, t) in enumerate(requests))
+            # data, expert and tensor always; pipe and sequence where some rank asked for them
+            shown = [i for i, axis in enumerate(asked)
+                     if axis in ("data", "expert", "tensor") or any(request[i] != 1 for request in requests)]
+            listed = "; ".join(f"rank {r}: " + " ".join(f"{list(asked)[i]}={request[i]}" for i in shown)
+                               for r, request in enumerate(requests))
             raise TopologyError(f"ranks asked for different topologies: {listed}")
-        degrees = resolve_degrees(world_size, data=data, expert=expert, tensor=tensor)
+        degrees = resolve_degrees(world_size, data=data, expert=expert, tensor=tensor, pipe=pipe, sequence=sequence)
         groups: dict[tuple[str, ...], Group] = {}
         partitions: dict[tuple[str, ...], list[list[int]]] = {}
         for count in range(1, len(AXES) + 1):
@@ -282,6 +310,16 @@ class Topology:
     def tensor_axes(self) -> tuple[str, ...]:
         """The axis tensor-parallel slices and their all-reduces run over."""
         return ("tensor",)
+
+    @property
+    def sequence_axes(self) -> tuple[str, ...]:
+        """The axis a sample's sequence is split over (sequence parallelism's all-to-alls)."""
+        return ("sequence",)
+
+    @property
+    def pipe_axes(self) -> tuple[str, ...]:
+        """The axis the model's layers are split over (pipeline stages' sends and receives)."""
+        return ("pipe",)
 
     @property
     def world_group(self) -> Group:

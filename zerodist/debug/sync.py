@@ -42,6 +42,7 @@ import torch
 
 import zerodist.comm as comm
 from zerodist.comm import Group
+from zerodist.comm.topology import PARAMETER_AXES
 from zerodist.debug.sync_report import (GradientSyncError, ParamSync, SyncReport, WeightSyncError,
                                         reference_label)
 from zerodist.debug.engine_view import TrainingEngine, state_of
@@ -352,7 +353,7 @@ def _check_engine_weights(zero: Any, *, raise_on_mismatch: bool, atol: float, bu
         axes = domains[id(param)].replicated_axes if id(param) in domains else topology.batch_axes
         by_axes.setdefault(axes, []).append((name, param.numel(), param.detach()))
     if buffers:
-        by_axes.setdefault(("data", "expert", "tensor"), []).extend(
+        by_axes.setdefault(PARAMETER_AXES, []).extend(
             (n, b.numel(), b) for n, b in zero.module.named_buffers())
     found = []
     for axes in sorted(by_axes):  # the same order on every rank: each comparison is a collective

@@ -35,14 +35,14 @@ from torch import nn
 
 from zerodist.comm.domains import Placement, declare_placement
 from zerodist.comm.slices import SliceSpec, cut_slice, join_slices
-from zerodist.comm.topology import AXES, BATCH_AXES, TENSOR_SLICE, Domain
+from zerodist.comm.topology import DENSE, PARAMETER_AXES, TENSOR_SLICE, Domain
 from zerodist.tensor_parallel import operators as ops
 from zerodist.tensor_parallel import schedule
 from zerodist.tensor_parallel.operators import TensorRegion, check_divisible
 
 # A replicated parameter whose gradient is partial across tensor ranks (a norm or row-parallel
 # bias applied to sequence shards): summed over the tensor axis as well as the batch axes.
-SEQUENCE_PARTIAL = Domain(BATCH_AXES + ("tensor",), AXES)
+SEQUENCE_PARTIAL = Domain(DENSE.reduce_axes + ("tensor",), PARAMETER_AXES)
 
 
 def slice_tensor(full: torch.Tensor, spec: SliceSpec, region: TensorRegion) -> torch.Tensor:
