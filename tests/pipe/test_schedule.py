@@ -306,12 +306,19 @@ def test_a_wait_cycle_is_a_deadlock_error_naming_each_blocked_rank():
 
 # --- the same orders as torch.distributed.pipelining -------------------------------------------
 
-def _torch_order(schedule_class, p: int, m: int, stages_per_rank: int) -> list[list[str]]:
-    """torch's `pipeline_order` (compute actions only), built without processes: its schedules
-    compute every rank's order in the constructor, and a mocked stage is all they read
-    (torch's own `_schedule_visualizer.get_schedule_ops` does the same)."""
+_TORCH_COMPUTE = ("FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")
+_TORCH_MESSAGES = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+def _torch_schedule(schedule_class, p: int, m: int, stages_per_rank: int, *, with_comms: bool = False):
+    """torch's per-rank actions as strings, built without processes: its schedules compute every
+    rank's `pipeline_order` in the constructor and read nothing of a stage but a few attributes,
+    so a mocked stage does (torch's own `_schedule_visualizer.get_schedule_ops` does the same).
+    With comms, torch's `_PipelineScheduleRuntime` inserts the sends and receives, each receive
+    deferred to just before its consumer (`defer_pp_recv=True`, as ours are)."""
     from unittest import mock
 
+    from torch.distributed.pipelining import schedules
     from torch.distributed.pipelining.stage import PipelineStage
 
     stages = []
@@ -320,15 +327,20 @@ def _torch_order(schedule_class, p: int, m: int, stages_per_rank: int) -> list[l
         stage.group_rank, stage.group_size, stage.submod = 0, p, None
         stage.num_stages, stage.stage_index = p * stages_per_rank, 0
         stages.append(stage)
-    from torch.distributed.pipelining import schedules
-
     single = issubclass(schedule_class, schedules.PipelineScheduleSingle)
-    instance = schedule_class(stages[0] if single else stages, m)
-    order = instance.pipeline_order
-    return [[str(a) for a in order[rank]
-             if a is not None and a.computation_type.name in ("FORWARD", "FULL_BACKWARD",
-                                                              "BACKWARD_INPUT", "BACKWARD_WEIGHT")]
-            for rank in range(p)]
+    order = {rank: [a for a in actions if a is not None and a.computation_type.name in _TORCH_COMPUTE]
+             for rank, actions in schedule_class(stages[0] if single else stages, m).pipeline_order.items()}
+    kept = _TORCH_COMPUTE
+    if with_comms:
+        runtime = schedules._PipelineScheduleRuntime(stages, m, defer_pp_recv=True)
+        runtime._prepare_schedule_with_comms(order)
+        order, kept = runtime.pipeline_order_with_comms, _TORCH_COMPUTE + _TORCH_MESSAGES
+    # torch also has UNSHARD / RESHARD / REDUCE_GRAD (FSDP's hooks): the executor's business here.
+    return [[str(a) for a in order[rank] if a.computation_type.name in kept] for rank in range(p)]
+
+
+def _torch_order(schedule_class, p: int, m: int, stages_per_rank: int) -> list[list[str]]:
+    return _torch_schedule(schedule_class, p, m, stages_per_rank)
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 5)])
@@ -365,3 +377,25 @@ def test_zb_is_torchs_interleaved_zero_bubble_at_one_stage_per_rank(p, m):
     from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
 
     assert _compute(_build("zb", p, m)) == _torch_order(ScheduleInterleavedZeroBubble, p, m, 1)
+
+
+@pytest.mark.parametrize("schedule_class,name,p,m,v", [
+    ("ScheduleGPipe", "gpipe", 4, 8, 1), ("ScheduleInterleavedZeroBubble", "zb", 4, 8, 1),
+    ("ScheduleInterleaved1F1B", "interleaved", 2, 4, 2), ("ScheduleInterleaved1F1B", "interleaved", 4, 8, 3),
+])
+def test_sends_and_receives_sit_where_torchs_deferred_receives_do(schedule_class, name, p, m, v):
+    from torch.distributed.pipelining import schedules
+
+    ours = [[str(a) for a in actions] for actions in _build(name, p, m, v)]
+    theirs = _torch_schedule(getattr(schedules, schedule_class), p, m, v, with_comms=True)
+
+    def without(rank_actions: list[str], kind: str) -> list[str]:
+        return [text for text in rank_actions if kind not in text]
+
+    # Every receive sits right before the same compute, and every send after the same compute, in
+    # both. They differ only where torch's rank-parity rule (pytorch#172668: a lower rank posts
+    # its pending receives from a peer before it sends to that peer, so that blocking sends
+    # cannot wait on each other) moves a receive ahead of a send: "0F1 2RECV_F0 0SEND_F1 2F0"
+    # against our "0F1 0SEND_F1 2RECV_F0 2F0". Our sends never block (see the module docstring).
+    assert [without(a, "SEND") for a in ours] == [without(a, "SEND") for a in theirs]
+    assert [without(a, "RECV") for a in ours] == [without(a, "RECV") for a in theirs]
