@@ -150,6 +150,18 @@ def test_zero_bubble_h1_idle_share_is_a_third_of_1f1bs_bubble(p, m):
     assert zb.idle == (p - 1,) * p and one_f_one_b.idle == (3 * (p - 1),) * p
 
 
+@pytest.mark.parametrize("t_f,t_i,t_w", [(1, 1, 1), (1, 1, 0.5), (1, 2, 1), (2, 1, 1), (1, 1, 2)])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_zero_bubble_h1_idles_p_minus_1_times_max_tf_plus_ti_minus_tw_and_ti(t_f, t_i, t_w, p, m):
+    # Beyond the unit model, this fixed order (torch's) idles (p - 1) max(T_F + T_I - T_W, T_I)
+    # per rank when m >= p: the paper's (p - 1)(T_F + T_B - T_W) while T_W <= T_F, never below
+    # one input-gradient step per boundary (the I's chain down the pipe at the end).
+    costs = Costs(forward=t_f, backward_input=t_i, backward_weight=t_w, backward=t_i + t_w)
+    zb, one_f_one_b = simulate(_build("zb", p, m), costs), simulate(_build("1f1b", p, m), costs)
+    assert zb.idle == ((p - 1) * max(t_f + t_i - t_w, t_i),) * p
+    assert one_f_one_b.idle == ((p - 1) * (t_f + t_i + t_w),) * p
+
+
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 2), (3, 1)])
 def test_peak_stashed_activations_min_p_minus_i_m_for_1f1b_and_m_for_gpipe(p, m):
     assert simulate(_build("1f1b", p, m)).peak_activations == {i: min(p - i, m) for i in range(p)}
@@ -191,6 +203,19 @@ def test_latency_lengthens_the_makespan_by_the_messages_on_the_critical_path():
     # p = 2, m = 4, 4 latencies (an executor with slow links sees this first).
     base = simulate(_build("1f1b", 2, 4)).makespan
     assert simulate(_build("1f1b", 2, 4), Costs(latency=0.25)).makespan == base + 4 * 0.25
+
+
+def test_the_schedules_need_sends_that_do_not_block():
+    # The contract: an executor issues each SEND as an isend and does not wait on it before its
+    # later receives. With blocking (rendezvous) sends 1F1B's steady state deadlocks: rank 0
+    # sends micro-batch 1's activation while rank 1 sends micro-batch 0's gradient, and each
+    # waits for the other to receive. GPipe survives: its two directions never overlap.
+    simulate(_build("gpipe", 4, 8), blocking_sends=True)
+    with pytest.raises(DeadlockError, match=r"\(blocking sends\): rank 0 waits at position 3 on "
+                                            "0SEND_F1; rank 1 waits at position 3 on 1SEND_B0"):
+        simulate(_build("1f1b", 2, 4), blocking_sends=True)
+    # Blocking sends that meet their receive cost no time of their own.
+    assert simulate(_build("gpipe", 2, 4), blocking_sends=True).makespan == simulate(_build("gpipe", 2, 4)).makespan
 
 
 def test_simulator_timeline_gives_start_and_end_of_every_action():

@@ -375,41 +375,68 @@ def measure_timeline(timeline: Sequence[Sequence[TimedAction]]) -> SimulationRes
         peak_activations_by_rank=peak_activations_by_rank(order))
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult:
-    """Run `schedule` with blocking receives and buffered sends; raise `DeadlockError` if it stops."""
+def _waits_for(actions: list[Action], cursor: int, key: _MessageKey) -> bool:
+    """Whether a rank whose next action is `actions[cursor]` is waiting to receive `key`."""
+    if cursor >= len(actions) or not actions[cursor].kind.is_recv:
+        return False
+    return _message_key(actions[cursor]) == key
+
+
+def simulate(
+    schedule: Schedule, costs: Costs | None = None, *, blocking_sends: bool = False,
+) -> SimulationResult:
+    """Run `schedule` with blocking receives and raise `DeadlockError` if it stops.
+
+    Sends are buffered (they never wait) unless `blocking_sends`: then a SEND completes only
+    when its receiver has reached the matching RECV (a rendezvous, as a blocking `send` or an
+    `isend` waited on at once behaves once the message is too large for the transport's
+    buffer). The schedules built here assume buffered sends; see the design page for which of
+    them also survive blocking ones.
+    """
     costs = costs or Costs()
     num_ranks = len(schedule)
     clock = [0.0] * num_ranks
     cursor = [0] * num_ranks
     arrival: dict[_MessageKey, float] = {}
     timeline: list[list[TimedAction]] = [[] for _ in range(num_ranks)]
+
+    def record(rank: int, start: float, end: float) -> None:
+        timeline[rank].append(TimedAction(schedule[rank][cursor[rank]], start, end))
+        clock[rank] = end
+        cursor[rank] += 1
+
     progressed = True
     while progressed:
         progressed = False
         for rank in range(num_ranks):
             while cursor[rank] < len(schedule[rank]):
                 action = schedule[rank][cursor[rank]]
-                start = end = clock[rank]
+                start = clock[rank]
                 if action.kind.is_recv:
                     key = _message_key(action)
                     if key not in arrival:
-                        break  # blocked; another rank may send it
-                    # A receive lasts from when the rank reaches it to when the message is
-                    # there: the timeline shows the wait as the RECV, not as a gap.
-                    end = max(start, arrival.pop(key))
-                end += costs.of(action)
-                if action.kind.is_send:
-                    arrival[_message_key(action)] = end + costs.latency
-                timeline[rank].append(TimedAction(action, start, end))
-                clock[rank] = end
-                cursor[rank] += 1
+                        break  # blocked; the sender delivers it (or completes it, rendezvous)
+                    # The RECV spans the wait: the timeline shows it, not a gap.
+                    record(rank, start, max(start, arrival.pop(key)))
+                elif action.kind.is_send and blocking_sends:
+                    peer = _rank_of(_message_key(action)[1], num_ranks)
+                    if not _waits_for(schedule[peer], cursor[peer], _message_key(action)):
+                        break  # blocked until the receiver reaches this message's RECV
+                    met = max(start, clock[peer])
+                    record(rank, start, met)
+                    record(peer, clock[peer], met + costs.latency)
+                else:
+                    record(rank, start, start + costs.of(action))
+                    if action.kind.is_send:
+                        arrival[_message_key(action)] = clock[rank] + costs.latency
                 progressed = True
     blocked = [rank for rank in range(num_ranks) if cursor[rank] < len(schedule[rank])]
     if blocked:
         waits = "; ".join(
             f"rank {rank} waits at position {cursor[rank]} on {schedule[rank][cursor[rank]]}"
             for rank in blocked)
-        raise DeadlockError(f"the schedule deadlocks: {waits}")
+        sends = "blocking" if blocking_sends else "buffered"
+        raise DeadlockError(f"the schedule deadlocks ({sends} sends): {waits}")
     return measure_timeline(timeline)
 
 
