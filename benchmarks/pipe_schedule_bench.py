@@ -1,7 +1,7 @@
 """Pipeline schedules: the simulator's bubble and memory per schedule, a threaded replay of each
 schedule with sleeps, and the cost of building and checking a schedule.
 
-    python benchmarks/pipe_schedule_bench.py                 # the acceptance grid, 20 ms unit
+    python benchmarks/pipe_schedule_bench.py                 # the acceptance grid, 50 ms unit
     python benchmarks/pipe_schedule_bench.py --unit-ms 10 --no-replay
 
 1. Simulator (`zerodist.pipe.simulate`, cost model F = I = W = 1, B = 2, interleaved stages at
@@ -14,6 +14,11 @@ schedule with sleeps, and the cost of building and checking a schedule.
    reference that shares none of its machinery. It reports wall time / simulated makespan and
    the idle share measured from the replay's own trace (`measure_timeline`).
 3. Build + check time of the largest schedules (pure Python; the executor builds once per run).
+4. With DeepSpeed importable (`DS_ACCELERATOR=cpu /work/venv-ds/bin/python benchmarks/...`):
+   whether DeepSpeed's TrainSchedule runs F and B in our 1F1B's order on every stage.
+
+The replay's ratios move with the machine's load (threads wake late): on the shared 2-core
+machine, 1.00-1.03 for most rows and up to 1.17 under a load average of 11.
 
 A benchmark, not a test: it prints and never fails on speed. Writes
 benchmarks/results/pipe-schedules-<date>.json and .md.
@@ -132,6 +137,26 @@ def bench_build(p: int, m: int) -> dict[str, Any]:
     return {"p": p, "m": m, "timings": timings}
 
 
+def compare_deepspeed() -> dict[str, Any] | None:
+    """Whether DeepSpeed's TrainSchedule (its only training schedule, 1F1B in lock-step slots)
+    runs forwards and backwards in our 1F1B's order on every stage; None without DeepSpeed
+    (run this script with /work/venv-ds/bin/python and DS_ACCELERATOR=cpu to include it)."""
+    try:
+        import deepspeed
+        from deepspeed.runtime.pipe import schedule as ds_schedule
+    except Exception:  # noqa: BLE001 - any import failure means "not available here"
+        return None
+    agree = {}
+    for p, m in ((2, 4), (4, 8), (3, 5), (4, 2)):
+        ours = build_schedule("1f1b", num_ranks=p, num_microbatches=m, with_communication=False)
+        for stage in range(p):
+            kinds = [type(command).__name__ for step in ds_schedule.TrainSchedule(micro_batches=m, stages=p, stage_id=stage)
+                     for command in step]
+            theirs = [{"ForwardPass": "F", "BackwardPass": "B"}[k] for k in kinds if k in ("ForwardPass", "BackwardPass")]
+            agree[f"p={p} m={m} stage {stage}"] = theirs == [a.kind.value for a in ours[stage]]
+    return {"deepspeed": deepspeed.__version__, "same_order": agree}
+
+
 def markdown(rows: list[dict[str, Any]], builds: list[dict[str, Any]], unit_ms: float) -> str:
     lines = [f"Cost model F = I = W = 1, B = 2 (interleaved stages x 1/v); replay unit {unit_ms} ms.", "",
              "| schedule | p | m | v | makespan | idle share | formula | vs 1F1B | peak stash by rank |"
@@ -152,17 +177,24 @@ def markdown(rows: list[dict[str, Any]], builds: list[dict[str, Any]], unit_ms: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--unit-ms", type=float, default=20.0, help="replay time of one F (ms)")
+    parser.add_argument("--unit-ms", type=float, default=50.0, help="replay time of one F (ms)")
     parser.add_argument("--no-replay", action="store_true", help="simulator only")
     args = parser.parse_args()
     unit = args.unit_ms / 1e3
     rows = [bench_one(*case, unit=unit, do_replay=not args.no_replay) for case in GRID]
     builds = [bench_build(p, m) for p, m in ((8, 64), (16, 128))]
     report = markdown(rows, builds, args.unit_ms)
+    deepspeed = compare_deepspeed()
+    if deepspeed is not None:
+        same = all(deepspeed["same_order"].values())
+        report += (f"\n\nDeepSpeed {deepspeed['deepspeed']} TrainSchedule: F/B order "
+                   f"{'equals' if same else 'DIFFERS from'} 1f1b's on every stage of "
+                   f"{len(deepspeed['same_order'])} (p, m, stage) cases.")
     print(report)
     RESULTS.mkdir(exist_ok=True)
     stem = RESULTS / f"pipe-schedules-{datetime.date.today().isoformat()}"
-    stem.with_suffix(".json").write_text(json.dumps({"unit_ms": args.unit_ms, "rows": rows, "builds": builds}, indent=1))
+    stem.with_suffix(".json").write_text(json.dumps(
+        {"unit_ms": args.unit_ms, "rows": rows, "builds": builds, "deepspeed": deepspeed}, indent=1))
     stem.with_suffix(".md").write_text(report + "\n")
 
 
