@@ -28,7 +28,9 @@ from zerodist.pipe import (
     build_schedule,
     check_schedule,
     format_schedule,
+    forward_only,
     measure_timeline,
+    message_counts,
     simulate,
     stage_to_rank,
 )
@@ -223,6 +225,31 @@ def test_simulator_timeline_gives_start_and_end_of_every_action():
     first = result.timeline[1][:2]
     assert [(str(t.action), t.start, t.end) for t in first] == [("1RECV_F0", 0, 1.5), ("1F0", 1.5, 2.5)]
     assert result.makespan == max(t.end for events in result.timeline for t in events)
+
+
+# --- evaluation and message counts ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("zb", 2, 3, 1),
+                                        ("interleaved", 4, 8, 2), ("interleaved", 2, 2, 3)])
+def test_forward_only_keeps_each_ranks_forwards_in_order_and_is_deadlock_free(name, p, m, v):
+    schedule = forward_only(_build(name, p, m, v))
+    result = check_schedule(schedule, num_microbatches=m, num_stages=p * v, forward_only=True)
+    assert all(a.kind in (F, Kind.SEND_F, Kind.RECV_F) for actions in schedule for a in actions)
+    assert result.busy == (float(m * v),) * p  # m forwards of each of v stages, 1 unit each
+    with pytest.raises(IncompleteScheduleError, match="has a backward in a forward-only schedule"):
+        check_schedule(_build(name, p, m, v), num_microbatches=m, forward_only=True)
+
+
+def test_message_counts_are_m_each_way_per_boundary_and_v_m_when_interleaved():
+    p, m = 4, 8
+    assert message_counts(_build("1f1b", p, m)) == {
+        **{(r, r + 1): m for r in range(p - 1)}, **{(r + 1, r): m for r in range(p - 1)}}
+    assert message_counts(_build("zb", p, m)) == message_counts(_build("gpipe", p, m))
+    v = 2
+    interleaved = message_counts(_build("interleaved", p, m, v))
+    assert {pair: interleaved[pair] for pair in [(0, 1), (1, 0), (2, 3), (3, 2)]} == dict.fromkeys(
+        [(0, 1), (1, 0), (2, 3), (3, 2)], v * m)
+    assert interleaved[(3, 0)] == interleaved[(0, 3)] == (v - 1) * m
 
 
 # --- bad arguments are named errors ---------------------------------------------------------------

@@ -47,6 +47,7 @@ __all__ = [
     "build_schedule",
     "compute_order",
     "format_schedule",
+    "forward_only",
     "num_stages_of",
     "stage_to_rank",
 ]
@@ -301,6 +302,13 @@ def add_communication(order: Schedule, *, num_ranks: int, stages_per_rank: int =
                 with_messages.append(Action(after, stage, microbatch))
         result.append(with_messages)
     return result
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The forwards of `schedule` and their messages, in the same order: an evaluation pass
+    (DeepSpeed's `eval_batch`), where no backward frees the stashed inputs and none is needed."""
+    keep = (Kind.F, Kind.SEND_F, Kind.RECV_F)
+    return [[action for action in actions if action.kind in keep] for actions in schedule]
 
 
 def format_schedule(schedule: Schedule, *, compute_only: bool = False) -> str:
