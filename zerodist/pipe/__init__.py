@@ -1,0 +1,64 @@
+"""Pipeline parallelism.
+
+Schedules are data (`schedule.py`): `build_schedule(name, num_ranks=..., num_microbatches=...)`
+returns one list of `Action`s per pipe rank, and `schedule_checks.py` proves a schedule complete,
+causal and deadlock-free and measures its bubble and stashed activations, without processes.
+"""
+
+from zerodist.pipe.schedule import (
+    SCHEDULE_NAMES,
+    Action,
+    Kind,
+    Schedule,
+    ScheduleArgumentError,
+    add_communication,
+    build_schedule,
+    compute_order,
+    format_schedule,
+    forward_only,
+    stage_to_rank,
+)
+from zerodist.pipe.schedule_checks import (
+    Costs,
+    DeadlockError,
+    DependencyError,
+    IncompleteScheduleError,
+    MessageOrderError,
+    PlacementError,
+    ScheduleError,
+    SimulationResult,
+    TimedAction,
+    UnmatchedMessageError,
+    check_schedule,
+    measure_timeline,
+    message_counts,
+    simulate,
+)
+
+__all__ = [
+    "SCHEDULE_NAMES",
+    "Action",
+    "Costs",
+    "DeadlockError",
+    "DependencyError",
+    "IncompleteScheduleError",
+    "Kind",
+    "MessageOrderError",
+    "PlacementError",
+    "Schedule",
+    "ScheduleArgumentError",
+    "ScheduleError",
+    "SimulationResult",
+    "TimedAction",
+    "UnmatchedMessageError",
+    "add_communication",
+    "build_schedule",
+    "check_schedule",
+    "compute_order",
+    "format_schedule",
+    "forward_only",
+    "measure_timeline",
+    "message_counts",
+    "simulate",
+    "stage_to_rank",
+]
