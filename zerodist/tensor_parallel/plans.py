@@ -31,7 +31,7 @@ from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelCon
 from zerodist.tensor_parallel.domino import DominoConfig, ResidualBranch, apply_domino
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from zerodist.tensor_parallel.operators import TensorRegion, check_divisible
-from zerodist.tensor_parallel.plan import PlanEntry, PlanError, Replace, TiedHead
+from zerodist.tensor_parallel.plan import PlanEntry, PlanError, Replace, TiedHead, shared_inputs
 from zerodist.tensor_parallel.random import RNGTracker
 
 
@@ -113,7 +113,8 @@ def gpt_domino(model: nn.Module, topology: Topology, config: DominoConfig) -> nn
 def hf_llama_plan(model: nn.Module) -> dict[str, str | PlanEntry]:
     """The plan for a Hugging Face `LlamaForCausalLM`-like model: its config's
     `base_model_tp_plan` under `model.`, the embedding vocab-parallel, the LM head gathered (and
-    kept tied to the embedding when `tie_word_embeddings`)."""
+    kept tied to the embedding when `tie_word_embeddings`); the attention and the MLP prepare their
+    input once (`PrepareInput`), so q, k and v (gate and up) share one input-gradient all-reduce."""
     config = getattr(model, "config", None)
     base = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not base:
@@ -125,7 +126,8 @@ def hf_llama_plan(model: nn.Module) -> dict[str, str | PlanEntry]:
     # tie_word_embeddings: the head keeps sharing the embedding's (vocab-parallel) weight
     plan["lm_head"] = TiedHead(f"{prefix}.embed_tokens") if head is not None and head.weight is embedding.weight \
         else "colwise_rep"
-    return plan
+    # q/k/v and gate/up read one normalised input each: one copy to the region per module.
+    return shared_inputs(model, plan)
 
 
 def _hf_word(word: str) -> str:
