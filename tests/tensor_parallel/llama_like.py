@@ -56,7 +56,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Block(nn.Module):
+class DecoderLayer(nn.Module):
     def __init__(self):
         super().__init__()
         self.input_norm, self.self_attn = RMSNorm(HIDDEN), Attention()
@@ -71,7 +71,7 @@ class LlamaLike(nn.Module):
     def __init__(self, layers: int = LAYERS):
         super().__init__()
         self.embed_tokens = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.blocks = nn.ModuleList(DecoderLayer() for _ in range(layers))
         self.norm = RMSNorm(HIDDEN)
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
