@@ -212,7 +212,7 @@ def _turn_block(block: nn.Module, config: DominoConfig, is_last: bool) -> nn.Mod
     """A new module of class `Domino<type(block)>` holding the block's children, parameters,
     buffers, hooks and attributes (the same `state_dict()` keys); the block itself is untouched."""
     cls = _turn_class(type(block))  # type: ignore[arg-type]
-    new = cls.__new__(cls)
+    new = cls.__new__(cls)  # type: ignore[call-overload]
     new.__dict__.update({key: (type(value)(value) if isinstance(value, (dict, set)) else value)
                          for key, value in vars(block).items()})
     new._domino = _TurnSettings(config, is_last)
