@@ -40,7 +40,7 @@ from zerodist.tensor_parallel import operators as ops
 from zerodist.tensor_parallel import schedule
 from zerodist.tensor_parallel.chunks import chunk_turn
 from zerodist.tensor_parallel.operators import TensorRegion, check_divisible
-from zerodist.tensor_parallel.shared_input import SharedInput
+from zerodist.tensor_parallel.shared_input import SharedGroup, SharedInput
 
 # A replicated parameter whose gradient is partial across tensor ranks (a norm or row-parallel
 # bias applied to sequence shards): summed over the tensor axis as well as the batch axes.
@@ -80,40 +80,59 @@ class _ColumnLinearFunction(torch.autograd.Function):
     """`x @ w.T + b` whose backward issues the input-gradient reduction (all-reduce, or
     reduce-scatter under sequence parallelism) *before* the weight-gradient matmul and waits
     after it, so the collective runs under that matmul (Megatron's async grad all-reduce).
-    With `reduce_input=False` the input was prepared by a `SharedInput` (its copy to the region
-    reduces the gradient of every layer that reads it, once), so the layer reduces nothing."""
+    With a `group` the input is a `SharedInput`'s copy read by several layers: the input gradient
+    goes to the group, and the group's last layer reduces the group's sum instead, under its own
+    weight-gradient matmul (`shared_input.py`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, region: TensorRegion, sequence_dim, reduce_input=True):
+    def forward(ctx, x, weight, bias, region: TensorRegion, sequence_dim, group: SharedGroup | None = None):
         if sequence_dim is not None:
             # Sequence parallelism: the input arrives split along the sequence; the full one is
             # kept for the weight gradient (no re-gather in backward).
             x = ops.all_gather_dim(x, sequence_dim, region)
         ctx.save_for_backward(x, weight)
         ctx.region, ctx.sequence_dim, ctx.has_bias = region, sequence_dim, bias is not None
-        ctx.reduce_input = reduce_input
+        ctx.group = group
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_input = grad_out.matmul(weight)
-        if ctx.region.size == 1 or not ctx.reduce_input:
+        group: SharedGroup | None = ctx.group
+        if group is not None:
+            group.arrived += 1
+            if group.arrived < group.users:  # not the group's last: the last sums and reduces
+                group.partials.append(grad_input)
+                return (None,) + _weight_gradients(ctx, grad_out, x) + (None, None, None)
+            for partial in group.partials:
+                grad_input.add_(partial)
+            group.partials, group.arrived = [], 0
+        if ctx.region.size == 1:
             handle = None
+        elif group is not None and group.sequence_dim is not None:
+            grad_input, handle = ops.reduce_scatter_dim(grad_input, group.sequence_dim, ctx.region, async_op=True)
         elif ctx.sequence_dim is None:
             handle = ops.all_reduce_(grad_input, ctx.region, async_op=True)
         else:
             grad_input, handle = ops.reduce_scatter_dim(grad_input, ctx.sequence_dim, ctx.region, async_op=True)
         # The payload: the full input gradient (x is the gathered input under sequence parallelism).
         logged = schedule.log_issue("backward", x.numel() * x.element_size()) if handle is not None else -1
-        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_weight = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]))
-        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
+        grad_weight, grad_bias = _weight_gradients(ctx, grad_out, x)
         if handle is not None:
             if logged >= 0:
                 schedule.log_compute("backward", "weight gradient")
             schedule.wait(handle, logged, "backward")
+        if group is not None:  # the copy's backward hands it on
+            group.reduced = grad_input
+            return None, grad_weight, grad_bias, None, None, None
         return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def _weight_gradients(ctx, grad_out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+    grad_weight = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]))
+    return grad_weight, (flat_grad.sum(0) if ctx.has_bias else None)
 
 
 def column_linear(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -125,9 +144,9 @@ def column_linear(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias:
     shared: SharedInput | None = layer.shared_input  # type: ignore[assignment]
     prepared = shared.prepare(x) if shared is not None and region.size > 1 else None
     if prepared is not None:
-        return _ColumnLinearFunction.apply(prepared, weight, bias, region, None, False)
+        return _ColumnLinearFunction.apply(prepared[0], weight, bias, region, None, prepared[1])
     sequence_dim = x.dim() - 2 if sequence_parallel and region.size > 1 else None
-    return _ColumnLinearFunction.apply(x, weight, bias, region, sequence_dim, True)
+    return _ColumnLinearFunction.apply(x, weight, bias, region, sequence_dim, None)
 
 
 def row_reduce(partial: torch.Tensor, region: TensorRegion) -> torch.Tensor:
