@@ -94,6 +94,7 @@ __all__ = [
     "ColumnParallelConv1D", "ColumnParallelLinear", "RowParallelConv1D", "RowParallelLinear", "SEQUENCE_PARTIAL",
     "SliceSpec", "TensorRegion", "TiedVocabParallelHead", "UnevenSplitError", "VocabParallelEmbedding",
     "copy_to_tensor_region", "gather_from_sequence_region", "gather_from_tensor_region",
-    "reduce_from_tensor_region", "reduce_from_tensor_region_", "reduce_scatter_to_sequence_region", "scatter_to_sequence_region",
+    "reduce_from_tensor_region", "reduce_from_tensor_region_", "reduce_scatter_to_sequence_region",
+    "scatter_to_sequence_region",
     "scatter_to_tensor_region", "slice_tensor", "unslice_tensor", "vocab_parallel_cross_entropy",
 ]

@@ -122,6 +122,7 @@ class SharedInput:
         found = entries.get(id(x))
         if found is None or found[0] is not x:
             group = SharedGroup(x.dim() - 2 if self.sequence_parallel else None)
-            found = entries[id(x)] = (x, _SharedCopy.apply(x, self.region, group), group)  # x held: its id stays its own
+            # x is held with its copy, so its id stays its own while the scope lives
+            found = entries[id(x)] = (x, _SharedCopy.apply(x, self.region, group), group)
         found[2].users += 1
         return found[1], found[2]
