@@ -74,7 +74,8 @@ def choose_plan(model: nn.Module, settings: TensorParallelSettings, rng: RNGTrac
     if getattr(getattr(model, "config", None), "model_type", None) == "gpt2":  # Hugging Face GPT-2
         return hf_gpt2_plan(model, sequence_parallel=settings.sequence_parallel), "the built-in GPT-2 plan"
     if getattr(getattr(model, "config", None), "base_model_tp_plan", None):
-        return hf_llama_plan(model), f"{type(model).__name__}'s base_model_tp_plan"
+        return (hf_llama_plan(model, sequence_parallel=settings.sequence_parallel),
+                f"{type(model).__name__}'s base_model_tp_plan")
     raise PlanError(f"tensor parallelism of degree {settings.degree} needs a plan for {type(model).__name__}: give "
                     "tensor_parallel.partition_config.layer_specs in the config, or call "
                     "zerodist.tensor_parallel.parallelize(model, plan, topology) before initialize()")
