@@ -175,7 +175,7 @@ def test_zerodist_train_tp_2_with_domino_on_4_ranks(tmp_path):
     assert "Domino 2 chunks: 100% of forward" in text
 
 
-def _llama_through_initialize(pre_parallelized):
+def _llama_through_initialize(pre_parallelized, domino=None):
     import copy
 
     from tests.tensor_parallel.test_tp_parallelize import _tiny_llama
@@ -185,7 +185,7 @@ def _llama_through_initialize(pre_parallelized):
     model = copy.deepcopy(reference)
     if pre_parallelized:  # the Python form: the user parallelizes, initialize keeps it
         model = parallelize(model, hf_llama_plan(model), comm.Topology(tensor=2))
-    config = _config(2, tensor=2)
+    config = _config(2, tensor=2, **({"domino": domino} if domino else {}))
     config["train_micro_batch_size_per_gpu"] = 4
     engine, _, _, _ = zerodist.initialize(model=model, config=config)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
@@ -200,6 +200,8 @@ def _llama_through_initialize(pre_parallelized):
     state = engine.module_state_dict()
     for key, expected in reference.state_dict().items():
         assert _relative_error(state[key], expected) <= 1e-5, f"{key}: {_relative_error(state[key], expected):.2e}"
+    if domino:
+        return type(engine.module.model.layers[0]).__name__
     return type(engine.module.model.layers[0].self_attn.q_proj).__name__
 
 
@@ -208,3 +210,30 @@ def test_hugging_face_llama_through_initialize(pre_parallelized):
     from tests.harness import run_distributed
 
     assert run_distributed(_llama_through_initialize, 2, pre_parallelized, timeout=240) == ["ColumnParallelLinear"] * 2
+
+
+def test_hugging_face_llama_with_domino_from_the_json_config():
+    from tests.harness import run_distributed
+
+    domino = {"chunks": 2, "overlap": "inter"}
+    assert run_distributed(_llama_through_initialize, 2, False, domino, timeout=240) == ["DominoLlamaDecoderLayer"] * 2
+
+
+def _layer_specs_domino(stage):
+    from tests.tensor_parallel import llama_like
+
+    config = _config(stage, tensor=2, domino={"chunks": 2, "overlap": "intra"})
+    config["tensor_parallel"]["partition_config"] = {"layer_specs": llama_like.LAYER_SPECS}
+    torch.manual_seed(0)
+    engine, _, _, _ = zerodist.initialize(model=llama_like.LlamaLike(), config=config)
+    idx, targets = _batch(0, MICRO)
+    engine.backward(engine(idx, targets))
+    engine.step()
+    return type(engine.module.blocks[0]).__name__
+
+
+@distributed_test(world_size=2)
+def test_layer_specs_model_with_domino_from_the_json_config_and_the_stage_3_refusal():
+    assert _layer_specs_domino(1) == "DominoDecoderLayer"  # the model's own block class, run in turns
+    with pytest.raises(ValueError, match="use ZeRO stages 0-2 with Domino on this model"):
+        _layer_specs_domino(3)

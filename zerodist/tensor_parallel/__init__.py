@@ -9,7 +9,10 @@
 - `plan`: `parallelize(model, plan, topology)` for a model the user wrote, DeepSpeed's
   `partition_config` form; `plans`: built-in plans (demo GPT, Hugging Face Llama and GPT-2).
 - `conv1d`: column/row-parallel versions of Hugging Face's `Conv1D` (GPT-2).
-- `domino`: the k-chunk overlapped schedule; `schedule`: the log its overlap is measured from.
+- `shared_input`: one copy to the tensor region for the column layers reading one input (`PrepareInput`).
+- `domino`: the k-chunk overlapped schedule (by residual branches, or, for any block, `chunks`:
+  the chunks taking turns through the block's own forward); `schedule`: the log its overlap is
+  measured from.
 - `random`: the RNG tracker (named streams for replicated and sharded dropout).
 See docs/tensor_parallel.md.
 """
@@ -28,6 +31,7 @@ from zerodist.tensor_parallel.layers import (
 from zerodist.tensor_parallel.plan import (
     Colwise,
     PlanError,
+    PrepareInput,
     Replace,
     Replicate,
     Rowwise,
@@ -38,6 +42,7 @@ from zerodist.tensor_parallel.plan import (
     parallelize,
     plan_from_deepspeed,
     reduce_partial_gradients,
+    shared_inputs,
     sliced_parameters,
     unsliced_gradients,
     unsliced_state_dict,
@@ -47,9 +52,13 @@ from zerodist.tensor_parallel.domino import (
     DominoBlock,
     DominoChunkError,
     DominoConfig,
+    DominoStreamError,
+    DominoTurns,
     ResidualBranch,
     apply_domino,
+    find_blocks,
 )
+from zerodist.tensor_parallel.shared_input import SharedInput
 from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from zerodist.tensor_parallel.plans import (
     HeadParallelAttention,
@@ -68,6 +77,7 @@ from zerodist.tensor_parallel.operators import (
     gather_from_sequence_region,
     gather_from_tensor_region,
     reduce_from_tensor_region,
+    reduce_from_tensor_region_,
     reduce_scatter_to_sequence_region,
     scatter_to_sequence_region,
     scatter_to_tensor_region,
@@ -75,6 +85,7 @@ from zerodist.tensor_parallel.operators import (
 
 __all__ = [
     "ChunkedActivations", "DominoBlock", "DominoChunkError", "DominoConfig", "ResidualBranch", "ScheduleLog",
+    "DominoStreamError", "DominoTurns", "PrepareInput", "SharedInput", "find_blocks", "shared_inputs",
     "apply_domino", "attach_rng_tracker", "gpt_block_branches", "gpt_domino", "rng_tracker_of", "schedule_log",
     "Colwise", "HeadParallelAttention", "PlanError", "RNGTracker", "Replace", "Replicate", "Rowwise", "Sequence",
     "SequenceScatter", "TiedHead", "Vocab", "gpt_plan", "hf_gpt2_plan", "hf_llama_plan", "parallelize",
@@ -83,6 +94,7 @@ __all__ = [
     "ColumnParallelConv1D", "ColumnParallelLinear", "RowParallelConv1D", "RowParallelLinear", "SEQUENCE_PARTIAL",
     "SliceSpec", "TensorRegion", "TiedVocabParallelHead", "UnevenSplitError", "VocabParallelEmbedding",
     "copy_to_tensor_region", "gather_from_sequence_region", "gather_from_tensor_region",
-    "reduce_from_tensor_region", "reduce_scatter_to_sequence_region", "scatter_to_sequence_region",
+    "reduce_from_tensor_region", "reduce_from_tensor_region_", "reduce_scatter_to_sequence_region",
+    "scatter_to_sequence_region",
     "scatter_to_tensor_region", "slice_tensor", "unslice_tensor", "vocab_parallel_cross_entropy",
 ]

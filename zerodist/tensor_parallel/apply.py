@@ -18,9 +18,10 @@ from torch import nn
 
 from zerodist.comm.topology import Topology
 from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelConv1D
-from zerodist.tensor_parallel.domino import DominoConfig
+from zerodist.tensor_parallel.domino import DominoConfig, apply_domino, find_blocks
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zerodist.tensor_parallel.layers import slice_tensor, unslice_tensor
+from zerodist.tensor_parallel.operators import TensorRegion
 from zerodist.tensor_parallel.plan import PlanError, parallelize, plan_from_deepspeed, sliced_parameters
 from zerodist.tensor_parallel.plans import gpt_domino, gpt_plan, hf_gpt2_plan, hf_llama_plan
 from zerodist.tensor_parallel.random import RNGTracker, attach_rng_tracker, tensor_parallel_rng
@@ -73,10 +74,29 @@ def choose_plan(model: nn.Module, settings: TensorParallelSettings, rng: RNGTrac
     if getattr(getattr(model, "config", None), "model_type", None) == "gpt2":  # Hugging Face GPT-2
         return hf_gpt2_plan(model, sequence_parallel=settings.sequence_parallel), "the built-in GPT-2 plan"
     if getattr(getattr(model, "config", None), "base_model_tp_plan", None):
-        return hf_llama_plan(model), f"{type(model).__name__}'s base_model_tp_plan"
+        return (hf_llama_plan(model, sequence_parallel=settings.sequence_parallel),
+                f"{type(model).__name__}'s base_model_tp_plan")
     raise PlanError(f"tensor parallelism of degree {settings.degree} needs a plan for {type(model).__name__}: give "
                     "tensor_parallel.partition_config.layer_specs in the config, or call "
                     "zerodist.tensor_parallel.parallelize(model, plan, topology) before initialize()")
+
+
+def _apply_domino(model: nn.Module, topology: Topology, settings: TensorParallelSettings) -> None:
+    """The demo GPT's blocks by their residual branches; any other model's blocks (found from its
+    structure: `find_blocks`) by their own forward, the chunks taking turns."""
+    assert settings.domino is not None
+    if _is_demo_gpt(model):
+        gpt_domino(model, topology, settings.domino)
+        return
+    if settings.sharded_parameters:
+        raise PlanError("Domino on a model other than the demo GPT runs each block's chunks in turns, inside the "
+                        "block's own forward and its modules' hooks, which ZeRO stage 3 uses to gather and release "
+                        "parameters; use ZeRO stages 0-2 with Domino on this model")
+    try:
+        blocks = find_blocks(model)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
+    apply_domino(blocks, None, TensorRegion.of(topology), settings.domino)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,10 +160,7 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
             raise PlanError("Domino's inter-layer overlap finishes a block's last reductions (bias, dropout) in the "
                             "next block, after ZeRO stage 3 has released the block's parameters; use "
                             '"overlap": "intra" at stage 3, or stages 0-2')
-        if not _is_demo_gpt(model):
-            raise PlanError("Domino's schedule knows the demo GPT's blocks only; for another model, call "
-                            "zerodist.tensor_parallel.apply_domino with its blocks' residual branches")
-        gpt_domino(model, topology, settings.domino)
+        _apply_domino(model, topology, settings)
     log_rank0(logger, "tensor parallel: degree %d from %s%s%s", topology.size("tensor"), source,
               ", sequence parallel" if settings.sequence_parallel else "",
               f", Domino {settings.domino.chunks} chunks ({settings.domino.overlap})" if settings.domino else "")

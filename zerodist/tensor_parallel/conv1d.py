@@ -25,8 +25,8 @@ from torch import nn
 
 from zerodist.comm.domains import Placement, declare_placement
 from zerodist.comm.topology import TENSOR_SLICE
-from zerodist.tensor_parallel import operators as ops
-from zerodist.tensor_parallel.layers import SliceSpec, _check_fused, _ColumnLinearFunction, slice_tensor
+from zerodist.tensor_parallel.layers import SliceSpec, _check_fused, column_linear, row_reduce, slice_tensor
+from zerodist.tensor_parallel.shared_input import SharedInput
 from zerodist.tensor_parallel.operators import TensorRegion
 
 
@@ -51,6 +51,7 @@ class ColumnParallelConv1D(nn.Module):
         fused = tuple(fused)
         _check_fused(out_features, fused, region, f"ColumnParallelConv1D output features ({out_features})")
         self.in_features, self.out_features, self.region, self.fused = in_features, out_features, region, fused
+        self.shared_input: SharedInput | None = None  # set by `parallelize` inside a `PrepareInput` module
         self.weight_spec = SliceSpec(1, out_features, fused)
         self.bias_spec = SliceSpec(0, out_features, fused)
         self.weight = nn.Parameter(slice_tensor(weight, self.weight_spec, region))
@@ -68,7 +69,7 @@ class ColumnParallelConv1D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x @ W is F.linear(x, W.T): the transpose is a view, its gradient flows back to W.
-        return _ColumnLinearFunction.apply(x, self.weight.t(), self.bias, self.region, None)
+        return column_linear(self, x, self.weight.t(), self.bias, False)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local "
@@ -94,7 +95,7 @@ class RowParallelConv1D(nn.Module):
         return {"weight": self.weight_spec}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        reduced = ops.reduce_from_tensor_region(torch.matmul(x, self.weight), self.region)
+        reduced = row_reduce(torch.matmul(x, self.weight), self.region)
         return reduced if self.bias is None else reduced + self.bias
 
     def extra_repr(self) -> str:

@@ -28,15 +28,19 @@ demo GPT) runs the schedule unchanged; between blocks `x` is a `ChunkedActivatio
 from __future__ import annotations
 
 import dataclasses
+import functools
+import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from zerodist.comm import CommHandle
 from zerodist.tensor_parallel import schedule
+from zerodist.tensor_parallel.chunks import ChunkRunner, IssueReduction, PendingReduction, WaitReduction, chunk_turn
+from zerodist.tensor_parallel.conv1d import RowParallelConv1D
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from zerodist.tensor_parallel.operators import TensorRegion, UnevenSplitError, all_reduce_
+from zerodist.tensor_parallel.operators import TensorRegion, UnevenSplitError
 
 OVERLAPS = ("intra", "inter")
 
@@ -64,55 +68,19 @@ class ResidualBranch:
     finish: Callable[[torch.Tensor], torch.Tensor]  # the reduced product -> the branch output
 
 
-class _PendingReduction:
-    __slots__ = ("handle", "collective")
-
-    def __init__(self) -> None:
-        self.handle: CommHandle | None = None
-        self.collective = -1
-
-
-class _IssueReduction(torch.autograd.Function):
-    """Forward: start the all-reduce of (a copy of) `partial`; backward: identity (g's adjoint)."""
-
-    @staticmethod
-    def forward(ctx, partial: torch.Tensor, region: TensorRegion, pending: _PendingReduction):
-        out = partial.contiguous().clone()
-        pending.collective = schedule.log_issue("forward", out.numel() * out.element_size())
-        pending.handle = all_reduce_(out, region, async_op=True)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None, None
-
-
-class _WaitReduction(torch.autograd.Function):
-    """Forward: wait for the reduction started by `_IssueReduction`; backward: identity."""
-
-    @staticmethod
-    def forward(ctx, reduced: torch.Tensor, pending: _PendingReduction):
-        schedule.wait(pending.handle, pending.collective, "forward")
-        return reduced.view_as(reduced)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
 class ChunkedActivations:
     """The residual stream split into k chunks, each with the branch output still being reduced."""
 
     def __init__(self, chunks: list[torch.Tensor]):
         self.chunks = chunks
-        self.pending: list[tuple[torch.Tensor, _PendingReduction, ResidualBranch] | None] = [None] * len(chunks)
+        self.pending: list[tuple[torch.Tensor, PendingReduction, ResidualBranch] | None] = [None] * len(chunks)
 
     def resolve(self, index: int) -> torch.Tensor:
         """Chunk `index` with its pending branch output waited for and added."""
         entry = self.pending[index]
         if entry is not None:
             reduced, pending, branch = entry
-            self.chunks[index] = self.chunks[index] + branch.finish(_WaitReduction.apply(reduced, pending))
+            self.chunks[index] = self.chunks[index] + branch.finish(WaitReduction.apply(reduced, pending))
             schedule.log_compute("forward", "finish")
             self.pending[index] = None
         return self.chunks[index]
@@ -120,9 +88,9 @@ class ChunkedActivations:
     def issue(self, index: int, x: torch.Tensor, branch: ResidualBranch, region: TensorRegion) -> None:
         partial = branch.body(x)
         schedule.log_compute("forward", "body")
-        pending = _PendingReduction()
+        pending = PendingReduction()
         self.chunks[index] = x
-        self.pending[index] = (_IssueReduction.apply(partial, region, pending), pending, branch)
+        self.pending[index] = (IssueReduction.apply(partial, region, pending), pending, branch)
 
     def join(self) -> torch.Tensor:
         return torch.cat([self.resolve(i) for i in range(len(self.chunks))], dim=0)
@@ -157,17 +125,185 @@ class DominoBlock(nn.Module):
         return state
 
 
-def apply_domino(blocks: nn.ModuleList, branches: Callable[[nn.Module], Sequence[ResidualBranch]],
-                 region: TensorRegion, config: DominoConfig) -> nn.ModuleList:
-    """Swap every block of `blocks` for a `DominoBlock` (in place); the blocks must run in
-    list order, each on the previous one's output."""
+def apply_domino(blocks: nn.ModuleList, branches: Callable[[nn.Module], Sequence[ResidualBranch]] | None,
+                 region: TensorRegion | None, config: DominoConfig) -> nn.ModuleList:
+    """Run every block of `blocks` by the Domino schedule (in place); the blocks must run in
+    list order, each on the previous one's output.
+
+    With `branches` (a function giving a block's residual branches) each block becomes a
+    `DominoBlock` running them; with `branches=None` each block runs its own forward with the
+    chunks taking turns (`chunks.py`): any block whose row-parallel layers were made by
+    `parallelize` (a Hugging Face decoder layer, a `layer_specs` model's block)."""
     for index, block in enumerate(list(blocks)):
         sequence_parallel = [n for n, m in block.named_modules()
                              if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.sequence_parallel]
         if sequence_parallel:
             raise ValueError(f"block {index} has sequence-parallel layers ({', '.join(sequence_parallel)}); Domino "
                              "reduces with all-reduces: parallelize without sequence parallelism")
-        if isinstance(block, DominoBlock):
+        if isinstance(block, (DominoBlock, DominoTurns)):
             raise ValueError(f"block {index} already runs the Domino schedule")
-        blocks[index] = DominoBlock(block, branches, region, config, is_last=index == len(blocks) - 1)
+        is_last = index == len(blocks) - 1
+        if branches is None:
+            blocks[index] = _turn_block(block, config, is_last)
+        else:
+            if region is None:
+                raise ValueError("apply_domino with residual branches needs the tensor region")
+            blocks[index] = DominoBlock(block, branches, region, config, is_last=is_last)
     return blocks
+
+
+ROW_LAYERS = (RowParallelLinear, RowParallelConv1D)
+
+
+def find_blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's transformer blocks: the outermost `nn.ModuleList` whose entries are all of one
+    class and each hold a row-parallel layer (Hugging Face's `model.layers` / `transformer.h`, a
+    `layer_specs` model's block list). A ValueError naming the candidates when there is not one."""
+    found: list[tuple[str, nn.ModuleList]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(outer + ".") for outer, _ in found) or not isinstance(module, nn.ModuleList):
+            continue
+        entries = list(module)
+        if entries and all(type(e) is type(entries[0]) and any(isinstance(m, ROW_LAYERS) for m in e.modules())
+                           for e in entries):
+            found.append((name, module))
+    if len(found) != 1:
+        raise ValueError(f"Domino needs the model's blocks: one nn.ModuleList of blocks holding row-parallel layers; "
+                         f"{type(model).__name__} has {len(found)} ({', '.join(n for n, _ in found) or 'none'}); "
+                         "call zerodist.tensor_parallel.apply_domino(blocks, None, region, config) yourself")
+    return found[0][1]
+
+
+# ------------------------------------------------------------------ any block: chunks taking turns
+@dataclasses.dataclass
+class _TurnSettings:
+    config: DominoConfig
+    is_last: bool
+    issues: int | None = None  # reductions per chunk in one call of the block, learned from the first
+
+
+class DominoTurns(nn.Module):
+    """Mixed into a subclass of a block's own class (`Domino<class>`): its forward runs the
+    class's forward once per chunk, the chunks taking turns at the row-parallel reductions."""
+
+    _domino: _TurnSettings
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        forward = super().forward
+        if args:
+            return _run_in_turns(self, forward, args[0], args[1:], kwargs)
+        if "hidden_states" not in kwargs:
+            raise TypeError(f"{type(self).__name__} is called without its hidden states (first argument or "
+                            "hidden_states=)")
+        x = kwargs.pop("hidden_states")
+        return _run_in_turns(self, lambda value, *rest, **named: forward(*rest, hidden_states=value, **named),
+                             x, (), kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _turn_class(base: type) -> type:
+    return type(f"Domino{base.__name__}", (DominoTurns, base), {
+        "__module__": __name__,
+        "__doc__": f"{base.__name__} run by Domino's schedule (built by zerodist.tensor_parallel.apply_domino).",
+    })
+
+
+def _turn_block(block: nn.Module, config: DominoConfig, is_last: bool) -> nn.Module:
+    """A new module of class `Domino<type(block)>` holding the block's children, parameters,
+    buffers, hooks and attributes (the same `state_dict()` keys); the block itself is untouched."""
+    cls = _turn_class(type(block))  # type: ignore[arg-type]
+    new = cls.__new__(cls)  # type: ignore[call-overload]
+    new.__dict__.update({key: (type(value)(value) if isinstance(value, (dict, set)) else value)
+                         for key, value in vars(block).items()})
+    new._domino = _TurnSettings(config, is_last)
+    return new
+
+
+class DominoStreamError(TypeError):
+    """A model read a block's output between Domino blocks under inter-layer overlap."""
+
+
+class ChunkedStream:
+    """What a block returns to the next one under inter-layer overlap: the chunks, some still
+    inside this block (parked at their last reduction). Only the next Domino block reads it."""
+
+    def __init__(self, runner: ChunkRunner, batch: int):
+        self._runner, self._batch = runner, batch
+        self._finalizer = weakref.finalize(self, runner.close)  # a forward abandoned between blocks
+
+    def take(self) -> tuple[ChunkRunner, int]:
+        self._finalizer.detach()
+        return self._runner, self._batch
+
+    def __getattr__(self, name: str) -> Any:
+        raise DominoStreamError(f"the model read .{name} of a block's output between Domino blocks; with "
+                                '"overlap": "inter" the chunks pass from block to block unjoined: use "intra"')
+
+
+def _is_cache(value: Any) -> bool:
+    return any(cls.__name__ == "Cache" for cls in type(value).__mro__)
+
+
+def _split_argument(value: Any, batch: int, chunks: int) -> list[Any]:
+    """One value per chunk: tensors of two or more dims whose dim 0 is the batch are split along it
+    (masks, rotary embeddings, position ids); tuples, lists and dicts element by element; a
+    key/value cache is dropped (None: Domino trains, and chunks must not share one); the rest kept."""
+    if isinstance(value, torch.Tensor):
+        return list(value.chunk(chunks)) if value.dim() >= 2 and value.shape[0] == batch else [value] * chunks
+    if type(value) in (tuple, list):
+        parts = [_split_argument(v, batch, chunks) for v in value]
+        return [type(value)(part[i] for part in parts) for i in range(chunks)]
+    if type(value) is dict:
+        split = {key: _split_argument(v, batch, chunks) for key, v in value.items()}
+        return [{key: part[i] for key, part in split.items()} for i in range(chunks)]
+    if value is not None and _is_cache(value):
+        return [None] * chunks
+    return [value] * chunks
+
+
+def _join(values: list[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(values, dim=0)
+    if type(first) is tuple:
+        return tuple(_join([value[i] for value in values]) for i in range(len(first)))
+    return first
+
+
+def _run_in_turns(block: DominoTurns, forward: Callable[..., Any], x: Any, args: tuple, kwargs: dict) -> Any:
+    settings = block._domino
+    chunks = settings.config.chunks
+    if isinstance(x, ChunkedStream):
+        runner, batch = x.take()
+    else:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"a Domino block's first argument is its hidden states (a tensor), got {type(x).__name__}")
+        batch = x.shape[0]
+        split_batch(x, chunks)  # the named error for a batch k does not divide
+        runner = ChunkRunner(list(x.chunk(chunks, dim=0)))
+    inter = settings.config.overlap == "inter" and not settings.is_last
+    per_chunk_args = _split_argument(args, batch, chunks)
+    per_chunk_kwargs = _split_argument(kwargs, batch, chunks)
+
+    def item(chunk_args: tuple, chunk_kwargs: dict) -> Callable[[Any], Any]:
+        def run(value: Any) -> Any:
+            with runner.thread_state():
+                out = forward(value, *chunk_args, **chunk_kwargs)
+            turn = chunk_turn()
+            settings.issues = turn.issues if turn is not None else settings.issues
+            schedule.log_compute("forward", "finish")
+            if inter and not isinstance(out, torch.Tensor):
+                raise DominoStreamError(f"{type(block).__name__} returns a {type(out).__name__}; inter-layer overlap "
+                                        'passes each chunk\'s tensor to the next block: use "overlap": "intra"')
+            return out
+        return run
+
+    runner.submit([item(a, k) for a, k in zip(per_chunk_args, per_chunk_kwargs)])
+    if inter:
+        # Every chunk may wait at its last reduction of this block, under the next block's chunks.
+        runner.run(lambda chunk: not chunk.queue and settings.issues is not None and chunk.issues >= settings.issues)
+        return ChunkedStream(runner, batch)
+    runner.run()
+    values = runner.values()
+    runner.close()
+    return _join(values)

@@ -38,7 +38,9 @@ from zerodist.comm.slices import SliceSpec, cut_slice, join_slices
 from zerodist.comm.topology import DENSE, PARAMETER_AXES, TENSOR_SLICE, Domain
 from zerodist.tensor_parallel import operators as ops
 from zerodist.tensor_parallel import schedule
+from zerodist.tensor_parallel.chunks import chunk_turn
 from zerodist.tensor_parallel.operators import TensorRegion, check_divisible
+from zerodist.tensor_parallel.shared_input import SharedGroup, SharedInput
 
 # A replicated parameter whose gradient is partial across tensor ranks (a norm or row-parallel
 # bias applied to sequence shards): summed over the tensor axis as well as the batch axes.
@@ -77,38 +79,83 @@ def _linear_init(out_features: int, in_features: int, bias: bool, dtype: torch.d
 class _ColumnLinearFunction(torch.autograd.Function):
     """`x @ w.T + b` whose backward issues the input-gradient reduction (all-reduce, or
     reduce-scatter under sequence parallelism) *before* the weight-gradient matmul and waits
-    after it, so the collective runs under that matmul (Megatron's async grad all-reduce)."""
+    after it, so the collective runs under that matmul (Megatron's async grad all-reduce).
+    With a `group` the input is a `SharedInput`'s copy read by several layers: the input gradient
+    goes to the group, and the group's last layer reduces the group's sum instead, under its own
+    weight-gradient matmul (`shared_input.py`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, region: TensorRegion, sequence_dim):
+    def forward(ctx, x, weight, bias, region: TensorRegion, sequence_dim, group: SharedGroup | None = None):
         if sequence_dim is not None:
             # Sequence parallelism: the input arrives split along the sequence; the full one is
             # kept for the weight gradient (no re-gather in backward).
             x = ops.all_gather_dim(x, sequence_dim, region)
         ctx.save_for_backward(x, weight)
         ctx.region, ctx.sequence_dim, ctx.has_bias = region, sequence_dim, bias is not None
+        ctx.group = group
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_input = grad_out.matmul(weight)
+        group: SharedGroup | None = ctx.group
+        if group is not None:
+            group.arrived += 1
+            if group.arrived < group.users:  # not the group's last: the last sums and reduces
+                group.partials.append(grad_input)
+                return (None,) + _weight_gradients(ctx, grad_out, x) + (None, None, None)
+            for partial in group.partials:
+                grad_input.add_(partial)
+            group.partials, group.arrived = [], 0
         if ctx.region.size == 1:
             handle = None
+        elif group is not None and group.sequence_dim is not None:
+            grad_input, handle = ops.reduce_scatter_dim(grad_input, group.sequence_dim, ctx.region, async_op=True)
         elif ctx.sequence_dim is None:
             handle = ops.all_reduce_(grad_input, ctx.region, async_op=True)
         else:
             grad_input, handle = ops.reduce_scatter_dim(grad_input, ctx.sequence_dim, ctx.region, async_op=True)
         # The payload: the full input gradient (x is the gathered input under sequence parallelism).
         logged = schedule.log_issue("backward", x.numel() * x.element_size()) if handle is not None else -1
-        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_weight = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]))
-        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
+        grad_weight, grad_bias = _weight_gradients(ctx, grad_out, x)
         if handle is not None:
             if logged >= 0:
                 schedule.log_compute("backward", "weight gradient")
             schedule.wait(handle, logged, "backward")
-        return grad_input, grad_weight, grad_bias, None, None
+        if group is not None:  # the copy's backward hands it on
+            group.reduced = grad_input
+            return None, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def _weight_gradients(ctx, grad_out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+    grad_weight = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]))
+    return grad_weight, (flat_grad.sum(0) if ctx.has_bias else None)
+
+
+def column_linear(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  sequence_parallel: bool) -> torch.Tensor:
+    """`x @ weight.T + bias` for a column-parallel layer: through its `SharedInput` when it has one
+    and is inside that scope (the input copied, or gathered, once for every layer reading it),
+    else with its own input-gradient reduction (and, under sequence parallelism, its own gather)."""
+    region: TensorRegion = layer.region  # type: ignore[assignment]
+    shared: SharedInput | None = layer.shared_input  # type: ignore[assignment]
+    prepared = shared.prepare(x) if shared is not None and region.size > 1 else None
+    if prepared is not None:
+        return _ColumnLinearFunction.apply(prepared[0], weight, bias, region, None, prepared[1])
+    sequence_dim = x.dim() - 2 if sequence_parallel and region.size > 1 else None
+    return _ColumnLinearFunction.apply(x, weight, bias, region, sequence_dim, None)
+
+
+def row_reduce(partial: torch.Tensor, region: TensorRegion) -> torch.Tensor:
+    """A row-parallel layer's partial product summed over the tensor axis, in place (the layer
+    made it): inside a Domino chunk, asynchronously, the other chunks computing meanwhile."""
+    turn = chunk_turn()
+    if turn is not None:
+        return turn.reduce(partial, region)
+    return ops.reduce_from_tensor_region_(partial, region)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -142,6 +189,8 @@ class ColumnParallelLinear(nn.Module):
             _check_fused(out_features, fused, region, f"ColumnParallelLinear output features ({out_features})")
         self.in_features, self.out_features = in_features, out_features
         self.region, self.gather_output, self.sequence_parallel = region, gather_output, sequence_parallel
+        # Set by `parallelize` for a layer inside a module the plan prepares (`PrepareInput`).
+        self.shared_input: SharedInput | None = None
         self.weight_spec = SliceSpec(0, out_features, fused, padded_size=padded)
         self.weight = nn.Parameter(slice_tensor(weight, self.weight_spec, region))
         self.bias = None if bias is None else nn.Parameter(slice_tensor(bias, self.weight_spec, region))
@@ -149,8 +198,7 @@ class ColumnParallelLinear(nn.Module):
                                           logical_size=out_features if padded else None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sequence_dim = x.dim() - 2 if self.sequence_parallel and self.region.size > 1 else None
-        y = _ColumnLinearFunction.apply(x, self.weight, self.bias, self.region, sequence_dim)
+        y = column_linear(self, x, self.weight, self.bias, self.sequence_parallel)
         if not self.gather_output:
             return y
         gathered = ops.gather_from_tensor_region(y, self.region)
@@ -207,7 +255,7 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel:
             reduced = ops.reduce_scatter_to_sequence_region(partial, self.region)
         else:
-            reduced = ops.reduce_from_tensor_region(partial, self.region)
+            reduced = row_reduce(partial, self.region)
         return self.add_bias(reduced)
 
     def extra_repr(self) -> str:
@@ -258,7 +306,7 @@ class VocabParallelEmbedding(nn.Module):
         partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return ops.reduce_scatter_to_sequence_region(partial, self.region)
-        return ops.reduce_from_tensor_region(partial, self.region)
+        return ops.reduce_from_tensor_region_(partial, self.region)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, local rows {self.vocab_start}.."
@@ -276,6 +324,7 @@ class TiedVocabParallelHead(ColumnParallelLinear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = embedding.embedding_dim, embedding.num_embeddings
         self.region, self.gather_output, self.sequence_parallel = embedding.region, True, sequence_parallel
+        self.shared_input = None
         self.weight_spec = embedding.weight_spec
         self.weight = embedding.weight
         self.bias = None

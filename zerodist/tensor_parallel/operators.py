@@ -119,14 +119,20 @@ class _CopyToRegion(torch.autograd.Function):
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, region: TensorRegion) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, region: TensorRegion, in_place: bool) -> torch.Tensor:
+        if in_place and x.is_contiguous():
+            # The caller made `x` (a partial product) and reads it nowhere else: reduce it where it
+            # is. mark_dirty makes autograd refuse, loudly, a graph that saved it for backward.
+            all_reduce_(x, region)
+            ctx.mark_dirty(x)
+            return x
         out = x.contiguous().clone()
         all_reduce_(out, region)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        return grad, None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
@@ -184,7 +190,14 @@ def copy_to_tensor_region(x: torch.Tensor, region: TensorRegion) -> torch.Tensor
 
 def reduce_from_tensor_region(x: torch.Tensor, region: TensorRegion) -> torch.Tensor:
     """g: all-reduce forward, identity backward (after a row-parallel layer)."""
-    return x if region.size == 1 else _ReduceFromRegion.apply(x, region)
+    return x if region.size == 1 else _ReduceFromRegion.apply(x, region, False)
+
+
+def reduce_from_tensor_region_(x: torch.Tensor, region: TensorRegion) -> torch.Tensor:
+    """g on a tensor the caller owns (a partial product it just computed and reads nowhere else):
+    all-reduced in place, without the copy `reduce_from_tensor_region` makes to leave its input
+    as it was."""
+    return x if region.size == 1 else _ReduceFromRegion.apply(x, region, True)
 
 
 def gather_from_tensor_region(x: torch.Tensor, region: TensorRegion) -> torch.Tensor:

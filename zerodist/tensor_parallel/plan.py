@@ -12,6 +12,7 @@ A plan maps module-name patterns (`fnmatch` globs over `named_modules()` names, 
 | `sequence`    | `Sequence()`               | any (norms)    | runs on sequence shards: its parameters' gradients are partial, summed over `tensor` too |
 | `sequence_scatter` | `SequenceScatter()`   | any            | its output is split along the sequence (a positional embedding under sequence parallelism) |
 | `replicate`   | `Replicate()`              | any            | unchanged, replicated (the default for unnamed modules) |
+| `prepare_input` | `PrepareInput()`         | any (attention, MLP) | its column-parallel layers that read the same tensor share one copy to the tensor region (one input-gradient all-reduce; under sequence parallelism one all-gather) |
 |               | `Replace(build)`           | any            | `build(module, region)`: a module the plan writes (e.g. head-parallel attention) |
 |               | `TiedHead(embedding)`      | `nn.Linear`    | an LM head tied to `embedding` (made `vocab`): shares its slice, logits gathered |
 
@@ -21,6 +22,9 @@ sequence-parallel mode (inputs/outputs split along dim -2 between them).
 
 The layers keep the names of the modules they replace (`weight`, `bias`), so the model's
 `state_dict()` keys do not change; `unsliced_state_dict(model)` gathers the model as it was.
+`shared_inputs(model, plan)` adds `PrepareInput()` for every module holding two or more of the
+plan's column-parallel layers (a Llama attention's q/k/v, its MLP's gate/up); the built-in Hugging
+Face Llama plan and `plan_from_deepspeed` call it.
 DeepSpeed's `"tensor_parallel": {"autotp_size": t, "partition_config": {"layer_specs": [...]}}`
 becomes a plan through `plan_from_deepspeed(...)`.
 """
@@ -51,6 +55,7 @@ from zerodist.tensor_parallel.layers import (
 )
 from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from zerodist.tensor_parallel.operators import TensorRegion
+from zerodist.tensor_parallel.shared_input import SharedInput
 from zerodist.utils import did_you_mean
 
 
@@ -90,6 +95,12 @@ class Replicate:
 
 
 @dataclasses.dataclass(frozen=True)
+class PrepareInput:
+    """A module whose column-parallel layers share one copy of each input they read to the tensor
+    region (torchtitan's `PrepareModuleInput`; see `shared_input.py`)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class TiedHead:
     """An LM head (`nn.Linear` without bias) whose weight is tied to the embedding module named
     `embedding`, which the plan makes `vocab`: it becomes a `TiedVocabParallelHead` over the same
@@ -103,11 +114,12 @@ class Replace:
     build: Callable[[nn.Module, TensorRegion, bool], nn.Module]  # (module, region, sequence_parallel)
 
 
-PlanEntry = Union[Colwise, Rowwise, Vocab, Sequence, SequenceScatter, Replicate, Replace, TiedHead]
+PlanEntry = Union[Colwise, Rowwise, Vocab, Sequence, SequenceScatter, Replicate, Replace, TiedHead, PrepareInput]
 WORDS: dict[str, PlanEntry] = {
     "colwise": Colwise(), "colwise_rep": Colwise(gather_output=True),
     "colwise_gather_output": Colwise(gather_output=True), "rowwise": Rowwise(), "vocab": Vocab(),
     "sequence": Sequence(), "sequence_scatter": SequenceScatter(), "replicate": Replicate(),
+    "prepare_input": PrepareInput(),
 }
 
 
@@ -207,7 +219,7 @@ def _check_ties(model: nn.Module, matched: list[tuple[str, nn.Module, PlanEntry]
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen and id(param) not in kept and any(
                 name.startswith(n + ".") or seen[id(param)].startswith(n + ".")
-                for n, _, e in matched if not isinstance(e, (Replicate, Sequence))):
+                for n, _, e in matched if not isinstance(e, (Replicate, Sequence, PrepareInput))):
             raise PlanError(f"{name!r} and {seen[id(param)]!r} are one tied parameter; tensor parallelism "
                             "slices each layer on its own, so untie them (e.g. tie_embeddings=False), or, "
                             "for an LM head tied to a vocab-parallel embedding, use TiedHead(embedding)")
@@ -234,7 +246,41 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | PlanEntry], topology:
                 new = _convert(name, module, entry, region, sequence_parallel)
             if new is not None:
                 _set_submodule(model, name, new)
+    _prepare_inputs(model, [name for name, _, entry in matched if isinstance(entry, PrepareInput)], region,
+                    sequence_parallel)
     return model
+
+
+def _prepare_inputs(model: nn.Module, names: list[str], region: TensorRegion, sequence_parallel: bool) -> None:
+    """A `SharedInput` scope on each named module, given to the column-parallel layers inside it
+    (outer modules first, so the innermost scope wins)."""
+    for name in sorted(names, key=lambda n: n.count(".")):
+        module = model.get_submodule(name)
+        scope = SharedInput(region, sequence_parallel)
+        scope.attach(module)
+        for layer in module.modules():
+            if isinstance(layer, (ColumnParallelLinear, ColumnParallelConv1D)) and not isinstance(
+                    layer, TiedVocabParallelHead):
+                layer.shared_input = scope
+
+
+def shared_inputs(model: nn.Module, plan: Mapping[str, str | PlanEntry]) -> dict[str, str | PlanEntry]:
+    """`plan` plus `PrepareInput()` for every module that directly holds two or more of the plan's
+    column-parallel layers and that the plan names otherwise not (one input-gradient all-reduce for
+    a Llama attention's q, k and v instead of three). Sharing is by tensor identity at run time, so
+    layers that read different tensors still reduce on their own."""
+    result = dict(plan)
+    columns: dict[str, int] = {}
+    named = set()
+    for name, _, entry in _match(model, plan):
+        named.add(name)
+        if isinstance(entry, Colwise) and "." in name:
+            parent = name.rpartition(".")[0]
+            columns[parent] = columns.get(parent, 0) + 1
+    for parent, count in columns.items():
+        if count >= 2 and parent not in named:
+            result[parent] = PrepareInput()
+    return result
 
 
 _SLICED_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelConv1D,
@@ -318,7 +364,7 @@ def plan_from_deepspeed(model: nn.Module, partition_config: Mapping[str, Any]) -
             raise PlanError(f"layer_specs[{index}] patterns {spec.get('patterns')} match no parameter name")
         for name in dict.fromkeys(names):
             plan.setdefault(name, entry)
-    return plan
+    return cast(dict[str, PlanEntry], shared_inputs(model, plan))
 
 
 def _deepspeed_entry(index: int, kind: str, spec: Mapping[str, Any]) -> PlanEntry:

@@ -31,7 +31,7 @@ from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelCon
 from zerodist.tensor_parallel.domino import DominoConfig, ResidualBranch, apply_domino
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from zerodist.tensor_parallel.operators import TensorRegion, check_divisible
-from zerodist.tensor_parallel.plan import PlanEntry, PlanError, Replace, TiedHead
+from zerodist.tensor_parallel.plan import PlanEntry, PlanError, Replace, TiedHead, shared_inputs
 from zerodist.tensor_parallel.random import RNGTracker
 
 
@@ -110,11 +110,16 @@ def gpt_domino(model: nn.Module, topology: Topology, config: DominoConfig) -> nn
     return model
 
 
-def hf_llama_plan(model: nn.Module) -> dict[str, str | PlanEntry]:
+def hf_llama_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, str | PlanEntry]:
     """The plan for a Hugging Face `LlamaForCausalLM`-like model: its config's
     `base_model_tp_plan` under `model.`, the embedding vocab-parallel, the LM head gathered (and
-    kept tied to the embedding when `tie_word_embeddings`)."""
+    kept tied to the embedding when `tie_word_embeddings`); the attention and the MLP prepare their
+    input once (`PrepareInput`), so q, k and v (gate and up) share one input-gradient all-reduce."""
     config = getattr(model, "config", None)
+    if sequence_parallel:
+        raise PlanError(f"{type(model).__name__} cannot run sequence-parallel unchanged: it builds position ids, rotary "
+                        "embeddings and the causal mask from the embedding's sequence length; turn "
+                        "zerodist.tensor_parallel.sequence_parallel off")
     base = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not base:
         raise ValueError(f"{type(model).__name__} has no config.base_model_tp_plan; write the plan by hand")
@@ -125,7 +130,8 @@ def hf_llama_plan(model: nn.Module) -> dict[str, str | PlanEntry]:
     # tie_word_embeddings: the head keeps sharing the embedding's (vocab-parallel) weight
     plan["lm_head"] = TiedHead(f"{prefix}.embed_tokens") if head is not None and head.weight is embedding.weight \
         else "colwise_rep"
-    return plan
+    # q/k/v and gate/up read one normalised input each: one copy to the region per module.
+    return shared_inputs(model, plan)
 
 
 def _hf_word(word: str) -> str:
