@@ -17,11 +17,12 @@ STEPS, MICRO, IN, OUT = 5, 4, 256, 16
 SUB_GROUP = 500_000
 
 
-def _config(stage: int, offload: dict | None, sub_group: int) -> dict:
+def _config(stage: int, offload: dict | None, sub_group: int, bf16: bool = False) -> dict:
     section = {"stage": stage, "sub_group_size": sub_group}
     if offload is not None:
         section["offload_optimizer"] = offload
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "bf16": {"enabled": bf16},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
             "zero_optimization": section}
 
@@ -31,16 +32,17 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(MICRO, IN, generator=generator), torch.randn(MICRO, OUT, generator=generator)
 
 
-def _train(stage: int, offload: dict | None, hidden: int, sub_group: int, nvme_path: str | None = None) -> dict:
+def _train(stage: int, offload: dict | None, hidden: int, sub_group: int, nvme_path: str | None = None,
+           bf16: bool = False) -> dict:
     import zerodist
 
     model = make_mlp(IN, hidden, OUT, layers=4, seed=0)
-    engine, *_ = zerodist.initialize(model=model, config=_config(stage, offload, sub_group))
+    engine, *_ = zerodist.initialize(model=model, config=_config(stage, offload, sub_group, bf16))
     rank = engine.global_rank
     files_seen, moved = [], []
     for step in range(STEPS):
         x, y = _batch(step, rank)
-        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.backward(torch.nn.functional.mse_loss(engine(x.to(torch.bfloat16 if bf16 else torch.float32)).float(), y))
         inner = engine.zero_state.inner_optimizer
         before = inner.directory.counters.snapshot() if nvme_path else None
         engine.step()
@@ -59,11 +61,11 @@ def _train(stage: int, offload: dict | None, hidden: int, sub_group: int, nvme_p
     return result
 
 
-def _compare(stage: int, hidden: int, sub_group: int, nvme_path: str, offload_extra: dict) -> dict:
+def _compare(stage: int, hidden: int, sub_group: int, nvme_path: str, offload_extra: dict, bf16: bool = False) -> dict:
     """Both runs on this rank, compared here (only the facts go back to the test)."""
-    reference = _train(stage, None, hidden, sub_group)
+    reference = _train(stage, None, hidden, sub_group, bf16=bf16)
     offload = {"device": "nvme", "nvme_path": nvme_path, **offload_extra}
-    swapped = _train(stage, offload, hidden, sub_group, nvme_path)
+    swapped = _train(stage, offload, hidden, sub_group, nvme_path, bf16=bf16)
     for key, value in reference["params"].items():
         assert torch.equal(swapped["params"][key], value), key
     assert reference["optimizer"].keys() == swapped["optimizer"].keys()
@@ -72,7 +74,7 @@ def _compare(stage: int, hidden: int, sub_group: int, nvme_path: str, offload_ex
         for name, value in state.items():
             assert torch.equal(swapped["optimizer"][key][name], value), (key, name)
     return {k: swapped[k] for k in ("files", "moved", "shard_numel", "swapped", "left", "resident")} | {
-        "reference_resident": reference["resident"]}
+        "reference_resident": reference["resident"], "bf16": bf16}
 
 
 def _check_facts(facts: list[dict]) -> None:
@@ -87,15 +89,16 @@ def _check_facts(facts: list[dict]) -> None:
         for read, written in fact["moved"][1:]:
             assert read == written == fact["swapped"]
             assert state <= read <= state + 2 * 64 * len(fact["files"][0])
-        # Memory accounting: the Adam state left memory for the files.
+        # Memory accounting: the Adam state left memory for the files (the fp32 master stays, under bf16).
         assert fact["reference_resident"] - fact["resident"] == state
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_nvme_offload_is_bitwise_the_in_memory_run(tmp_path, stage):
+def test_nvme_offload_is_bitwise_the_in_memory_run(tmp_path, stage, bf16):
     # 264K parameters, sub-groups of 20K elements: the shard streams through 2 buffers in 7 sub-groups.
     facts = run_distributed(_compare, 2, stage, 300, 20_000, str(tmp_path),
-                            {"pipeline_read": True, "pipeline_write": True, "buffer_count": 2}, timeout=120)
+                            {"pipeline_read": True, "pipeline_write": True, "buffer_count": 2}, bf16, timeout=120)
     _check_facts(facts)
     assert len(facts[0]["files"][0]) == 7
 

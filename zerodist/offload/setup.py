@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import itertools
 import os
 import time
 import weakref
@@ -33,6 +34,7 @@ logger = get_logger(__name__)
 # Bytes of swap file per stepped element the start-up check asks for: Adam's two fp32 states
 # (an optimizer with more state finds out at its first write, with the same named error).
 _CHECKED_BYTES_PER_ELEMENT = 8
+_RUNS = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +92,8 @@ def offloaded_build(build: Callable[[list[dict[str, Any]]], torch.optim.Optimize
 def open_swap_directory(root: str, needed_bytes: int, group: Group) -> SwapDirectory:
     """This rank's swap directory under `root`, after every rank checked its own (a problem on any
     rank is the same named error on every rank)."""
-    candidate = f"zerodist-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    # Time, process and a count: two engines of one process (one resuming while the other ends) never share one.
+    candidate = f"zerodist-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{next(_RUNS)}"
     answers: list[Any] = [None] * comm.get_world_size(group)
     comm.all_gather_object(answers, (candidate, check_swap_root(root, needed_bytes)), group=group)
     failed = [(rank, problem) for rank, (_, problem) in enumerate(answers) if problem is not None]
