@@ -28,6 +28,9 @@ OFFLOADING = {
 }
 ALL = sorted(path.name for path in TEMPLATES.glob("*.json"))
 LOADING = ALL
+# transformers' template also names a WarmupLR scheduler (its first step runs at warmup_min_lr, 0):
+# the one-process reference below has no warm-up, so that template is loaded but not trained here.
+TRAINED = [name for name in ALL if name != "transformers_ds_config_zero2.json"]
 MICRO, GAS, STEPS, LR, CLIP, HIDDEN = 2, 2, 3, 1e-2, 1.0, 32
 
 
@@ -192,7 +195,7 @@ def _train_reference(seed: int, rows: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-@pytest.mark.parametrize("name", LOADING)
+@pytest.mark.parametrize("name", TRAINED)
 def test_template_trains_on_two_ranks_to_the_one_process_parameters(name):
     # The micro-batches of a step, in the order [micro 0 of every data rank, micro 1 ...], make up
     # the reference's global batch; its per-micro-batch means average to the engine's loss.
