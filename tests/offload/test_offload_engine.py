@@ -113,3 +113,36 @@ def test_nvme_offload_29m_parameters_is_bitwise_the_in_memory_run(tmp_path, stag
                             timeout=400)
     _check_facts(facts)
     assert len(facts[0]["files"][0]) >= 29  # 14.6M elements per rank in sub-groups of 5e5
+
+
+def _cpu_offload_changes_nothing(stage: int) -> None:
+    reference = _train(stage, None, 300, 20_000)
+    config = _config(stage, {"device": "cpu", "pin_memory": True}, 20_000)
+    if stage == 3:
+        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    offloaded = _train_config(config, 300)
+    for key, value in reference["params"].items():
+        assert torch.equal(offloaded[key], value), key
+
+
+def _train_config(config: dict, hidden: int) -> dict:
+    import zerodist
+    from tests.debug_helpers import captured_logs
+
+    model = make_mlp(IN, hidden, OUT, layers=4, seed=0)
+    with captured_logs() as messages:
+        engine, *_ = zerodist.initialize(model=model, config=config)
+    lines = [m for m in messages if m.startswith("offload:")]
+    assert len(lines) == (1 if engine.global_rank == 0 else 0), lines
+    for step in range(STEPS):
+        x, y = _batch(step, engine.global_rank)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    params = engine.module_state_dict()
+    engine.destroy()
+    return params
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_cpu_offload_on_cpu_parameters_is_accepted_with_one_info_line_and_changes_nothing(stage):
+    run_distributed(_cpu_offload_changes_nothing, 2, stage, timeout=120)

@@ -75,8 +75,8 @@ def offloaded_build(build: Callable[[list[dict[str, Any]]], torch.optim.Optimize
     cpu = [f"{key}.device=\"cpu\"" for key, value in (("offload_optimizer", settings.optimizer_device),
                                                       ("offload_param", settings.param_device)) if value == "cpu"]
     if cpu:
-        log_rank0(logger, "offload: %s changes nothing here: the parameters are on the CPU, so their state lives on "
-                  "the host already", " and ".join(cpu))
+        log_rank0(logger, "offload: %s %s nothing here: the parameters are on the CPU, so their state lives on "
+                  "the host already", " and ".join(cpu), "changes" if len(cpu) == 1 else "change")
     if not settings.swaps:
         return build
 
