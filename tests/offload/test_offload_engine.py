@@ -146,3 +146,34 @@ def _train_config(config: dict, hidden: int) -> dict:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_cpu_offload_on_cpu_parameters_is_accepted_with_one_info_line_and_changes_nothing(stage):
     run_distributed(_cpu_offload_changes_nothing, 2, stage, timeout=120)
+
+
+def _scheduled_accumulated(nvme_path: str) -> None:
+    """A scheduler's learning rate reaches the swapped optimizer, and accumulation steps it once."""
+    import zerodist
+    from zerodist.models import make_mlp
+
+    results = []
+    for path in (None, nvme_path):
+        zero: dict = {"stage": 1, "sub_group_size": 300}
+        if path:
+            zero["offload_optimizer"] = {"device": "nvme", "nvme_path": path, "pipeline_read": True}
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                  "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 0.01}},
+                  "zero_optimization": zero}
+        engine = zerodist.initialize(model=make_mlp(), config=config)[0]
+        for step in range(8):
+            generator = torch.Generator().manual_seed(step * 2 + engine.global_rank)
+            x, y = torch.randn(2, 16, generator=generator), torch.randn(2, 8, generator=generator)
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+        results.append((engine.module_state_dict(), engine.get_lr()))
+        engine.destroy()
+    assert results[0][1] == results[1][1]
+    for key, value in results[0][0].items():
+        assert torch.equal(results[1][0][key], value), key
+
+
+def test_scheduler_and_accumulation_with_swapped_state(tmp_path):
+    run_distributed(_scheduled_accumulated, 2, str(tmp_path), timeout=90)
