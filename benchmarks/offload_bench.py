@@ -1,6 +1,6 @@
 """Offload benchmark: the optimizer on the host, and training steps with swapped optimizer state.
 
-    python benchmarks/offload_bench.py                       # both parts
+    python benchmarks/offload_bench.py                       # every part
     DS_ACCELERATOR=cpu /work/venv-ds/bin/python benchmarks/offload_bench.py   # with DeepSpeedCPUAdam too
     python benchmarks/offload_bench.py --part optimizer --threads 1 2
 
@@ -8,6 +8,10 @@ Part "optimizer" (one process): one AdamW step over 25M fp32 parameters held as 
 zerodist steps (4 tensors of 6.25M), for-loop, foreach and fused `torch.optim.AdamW`, and
 DeepSpeed's `DeepSpeedCPUAdam` when `deepspeed` imports (its C++ op is built on first use), at
 each `--threads`; median of `--repeats` after one warm-up step.
+
+Part "swap" (one process, one thread): the same 25M parameters stepped by AdamW in memory, then
+by the swapped optimizer (sub-groups of `--sub-group-size`) with serial I/O, read-ahead only, and
+read-ahead plus write-behind: step time and time blocked on I/O.
 
 Part "train" (2 gloo ranks, one thread each): the "bench-25m" GPT (25.5M parameters) at ZeRO
 stage 2, in memory, then with `offload_optimizer: nvme` and sub-groups of `--sub-group-size`
@@ -80,6 +84,37 @@ def optimizer_part(threads: list[int], repeats: int) -> list[dict[str, Any]]:
             baseline = baseline or seconds
             rows.append({"optimizer": name, "threads": count, "step_s": seconds, "vs_for_loop": seconds / baseline})
             print(f"{name:>22}  {count} thread(s): {seconds * 1e3:8.1f} ms  ({seconds / baseline:.2f}x for-loop)")
+    return rows
+
+
+# ---------------------------------------------------------------- the swapped step alone, one process
+
+def swap_part(directory: str, sub_group_size: int, repeats: int) -> list[dict[str, Any]]:
+    """One AdamW step over 25M parameters in memory, then swapped (serial, read-ahead only, both)."""
+    from zerodist.offload import StreamSettings, SwapDirectory, swapped
+
+    torch.set_num_threads(1)
+    options = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.01}
+    settings = [("in memory", None), ("swapped, serial I/O", (False, False)),
+                ("swapped, read-ahead", (True, False)), ("swapped, read-ahead + write-behind", (True, True))]
+    rows: list[dict[str, Any]] = []
+    baseline = None
+    for index, (name, pipeline) in enumerate(settings):
+        def make(tensors: list[torch.Tensor]) -> Any:
+            inner = torch.optim.AdamW(tensors, **options)
+            if pipeline is None:
+                return inner
+            return swapped(inner, SwapDirectory(directory, f"bench{index}", 0),
+                           StreamSettings(sub_group_size, 4, pipeline[0], pipeline[1]))
+        holder: list[Any] = []
+        seconds = _optimizer_time(lambda ts: holder.append(make(ts)) or holder[-1], repeats)
+        io_wait = getattr(holder[-1], "io_wait_s", 0.0) / (repeats + 1)
+        if pipeline is not None:
+            holder[-1].close()
+        baseline = baseline or seconds
+        rows.append({"setting": name, "step_s": seconds, "io_wait_s": io_wait, "vs_in_memory": seconds / baseline})
+        print(f"{name:>36}: {seconds * 1e3:8.1f} ms ({seconds / baseline:.2f}x in memory), blocked on I/O "
+              f"{io_wait * 1e3:6.1f} ms")
     return rows
 
 
@@ -157,6 +192,12 @@ def _markdown(report: dict[str, Any]) -> str:
         lines += [f"| {r['optimizer']} | {r['threads']} | {r['step_s'] * 1e3:.1f} ms | {r['vs_for_loop']:.2f}x |"
                   for r in report["optimizer"]]
         lines.append("")
+    if report.get("swap"):
+        lines += [f"## One AdamW step over 25M parameters, 1 thread, sub_group_size {report['sub_group_size']:,}", "",
+                  "| setting | step | vs in memory | blocked on I/O |", "| --- | --- | --- | --- |"]
+        lines += [f"| {r['setting']} | {r['step_s'] * 1e3:.1f} ms | {r['vs_in_memory']:.2f}x | "
+                  f"{r['io_wait_s'] * 1e3:.1f} ms |" for r in report["swap"]]
+        lines.append("")
     if report.get("train"):
         lines += [f"## bench-25m GPT, stage 2, 2 ranks, sub_group_size {report['sub_group_size']:,}", "",
                   "| setting | step | vs in memory | optimizer step | blocked on I/O |",
@@ -168,7 +209,7 @@ def _markdown(report: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("optimizer", "train", "both"), default="both")
+    parser.add_argument("--part", choices=("optimizer", "swap", "train", "all"), default="all")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sub-group-size", type=float, default=1e6)
@@ -178,9 +219,12 @@ def main() -> None:
     args = parser.parse_args()
     report: dict[str, Any] = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
                               "cores": os.cpu_count(), "sub_group_size": int(args.sub_group_size)}
-    if args.part in ("optimizer", "both"):
+    if args.part in ("optimizer", "all"):
         report["optimizer"] = optimizer_part(args.threads, args.repeats)
-    if args.part in ("train", "both"):
+    if args.part in ("swap", "all"):
+        with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+            report["swap"] = swap_part(directory, int(args.sub_group_size), args.repeats)
+    if args.part in ("train", "all"):
         with tempfile.TemporaryDirectory(dir=args.dir) as directory:
             report["train"] = train_part(directory, int(args.sub_group_size), args.steps, args.warmup)
     RESULTS.mkdir(exist_ok=True)

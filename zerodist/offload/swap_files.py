@@ -82,11 +82,15 @@ class SwapDirectory:
         view = _bytes_of(data)
         name = self.file(index)
         try:
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            # Overwritten in place, not truncated first: the file's pages stay allocated (in the page
+            # cache and on disk) from one step to the next instead of being freed and made again.
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT, 0o600)
             try:
                 written = 0
                 while written < len(view):
                     written += os.pwrite(fd, view[written:], written)
+                if os.fstat(fd).st_size > len(view):
+                    os.ftruncate(fd, len(view))
             finally:
                 os.close(fd)
         except OSError as error:
