@@ -32,6 +32,11 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(MICRO, IN, generator=generator), torch.randn(MICRO, OUT, generator=generator)
 
 
+def _proc_io() -> dict[str, int]:
+    with open("/proc/self/io", encoding="utf-8") as file:
+        return {key: int(value) for key, value in (line.split(": ") for line in file)}
+
+
 def _train(stage: int, offload: dict | None, hidden: int, sub_group: int, nvme_path: str | None = None,
            bf16: bool = False) -> dict:
     import zerodist
@@ -45,11 +50,16 @@ def _train(stage: int, offload: dict | None, hidden: int, sub_group: int, nvme_p
         engine.backward(torch.nn.functional.mse_loss(engine(x.to(torch.bfloat16 if bf16 else torch.float32)).float(), y))
         inner = engine.zero_state.inner_optimizer
         before = inner.directory.counters.snapshot() if nvme_path else None
+        io_before = _proc_io()
         engine.step()
+        io_after = _proc_io()
         if nvme_path:
             files_seen.append(sorted(p.name for p in Path(nvme_path).glob(f"*/rank{rank}/*.swp")))
             after = inner.directory.counters
             moved.append((after.bytes_read - before.bytes_read, after.bytes_written - before.bytes_written))
+            # The kernel's count of this process's read and write calls covers the swapper's (and more).
+            assert io_after["rchar"] - io_before["rchar"] >= moved[-1][0]
+            assert io_after["wchar"] - io_before["wchar"] >= moved[-1][1]
     zero = engine.zero_state
     optimizer = {f"{g}.{i}": {k: v.clone() for k, v in zero.inner_optimizer.state[t].items()}
                  for g, group in enumerate(zero.groups) for i, t in enumerate(group.optimizer_tensors)}
