@@ -17,7 +17,7 @@ state (4Ψ) instead of Adam's two.
 [Note: offloaded state] With `offload_optimizer: nvme` the per-element optimizer state (Adam's
 8Ψ, sharded from stage 1) is on disk, in swap files, and leaves memory; the fp32 master (mixed
 precision) stays. What streams it costs `buffer_count` host buffers of one sub-group each:
-buffer_count x min(sub_group_size, Ψ/N) x 8 bytes (Adam). Each step reads and writes the state
+min(buffer_count, sub-groups) x min(sub_group_size, Ψ/N) x 8 bytes (Adam). Each step reads and writes the state
 once: 8Ψ/N bytes per rank (each state's region of a sub-group file rounded up to 64 bytes).
 `cpu` changes nothing when the parameters are on the CPU: device and host are one memory.
 
@@ -140,7 +140,8 @@ def estimate_memory(
         disk = stepped * 4 * OPTIMIZER_STATES[optimizer]
         optimizer_per_param = master
         sub_group = stepped if sub_group_size <= 0 else min(int(sub_group_size), stepped)
-        swap_buffers = max(1, buffer_count) * sub_group * 4 * OPTIMIZER_STATES[optimizer]
+        buffers = max(1, min(buffer_count, -(-stepped // max(1, sub_group))))  # never more than sub-groups
+        swap_buffers = buffers * sub_group * 4 * OPTIMIZER_STATES[optimizer]
     return MemoryEstimate(
         num_params, world_size, stage, dtype, optimizer,
         parameters=(shard if policy.shard_parameters else full) * element,

@@ -343,7 +343,8 @@ class SwappedOptimizer(torch.optim.Optimizer):
     def _allocate_buffers(self) -> None:
         if self.kinds:
             size = max(self._file_bytes(sg) for sg in self._plan)
-            self._buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(max(1, self.settings.buffer_count))]
+            count = max(1, min(self.settings.buffer_count, len(self._plan)))  # never more buffers than sub-groups
+            self._buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(count)]
 
     def _check_plan(self) -> None:
         """Plan the sub-groups over the tensors the inner optimizer steps (once: they never change)."""
