@@ -59,8 +59,9 @@ BAD_CONFIGS = [
     ),
     (
         "deepspeed-zero",
-        {"zero_optimization": {"offload_param": {"device": "cpu"}}},
-        "'zero_optimization.offload_param' is a DeepSpeed setting that zerodist does not implement yet; remove it",
+        {"zero_optimization": {"zero_quantized_weights": True}},
+        "'zero_optimization.zero_quantized_weights' is a DeepSpeed setting that zerodist does not implement yet; "
+        "remove it",
     ),
     (
         "deepspeed-zero-old-name",
@@ -206,7 +207,7 @@ def test_every_problem_is_reported_together():
         "gradient_clipping": "auto",
         "fp16": {"enabled": True, "loss_scale": -1},
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 4, "offload_optimizer": {"device": "cpu"}},
+        "zero_optimization": {"stage": 4, "zero_quantized_weights": True},
     }
     with pytest.raises(ConfigError) as caught:
         Config.load(config)
@@ -220,7 +221,7 @@ def test_every_problem_is_reported_together():
         f"'gradient_clipping': {AUTO_TRAINER}",
         "'fp16.loss_scale': got -1",
         "'zero_optimization.stage': got 4",
-        "'zero_optimization.offload_optimizer' is a DeepSpeed setting",
+        "'zero_optimization.zero_quantized_weights' is a DeepSpeed setting",
         "'fp16.enabled' and 'bf16.enabled' are both true",
     ):
         assert fragment in message
@@ -577,7 +578,7 @@ def test_docs_cover_every_key():
     for section in ("`zero_optimization`", "`zerodist.debug`", "`checkpoint`", "`optimizer`"):
         assert f"## {section}" in generated
     assert "| `stage` | an integer from 0 to 3 | `0` |" in generated
-    assert "`offload_param`" in generated
+    assert "## `zero_optimization.offload_param`" in generated
 
 
 def test_config_layer_imports_neither_torch_nor_higher_layers():

@@ -17,7 +17,8 @@ from zerodist.config import Config, ConfigError, TrainerValues, resolve_auto
 pytest.importorskip("transformers")
 
 TEMPLATES = Path(__file__).parent / "templates"
-# Each asks for CPU offload of optimizer state or parameters, which zerodist does not implement.
+# Each asks for CPU offload of optimizer state or parameters: with parameters on the CPU that
+# changes nothing (one info line, docs/offload.md), so they load and train as the others do.
 OFFLOADING = {
     "axolotl_zero2.json": ["offload_optimizer"],
     "llamafactory_ds_z2_offload_config.json": ["offload_optimizer"],
@@ -26,7 +27,10 @@ OFFLOADING = {
     "transformers_ds_config_zero2.json": ["offload_optimizer"],
 }
 ALL = sorted(path.name for path in TEMPLATES.glob("*.json"))
-LOADING = [name for name in ALL if name not in OFFLOADING]
+LOADING = ALL
+# transformers' template also names a WarmupLR scheduler (its first step runs at warmup_min_lr, 0):
+# the one-process reference below has no warm-up, so that template is loaded but not trained here.
+TRAINED = [name for name in ALL if name != "transformers_ds_config_zero2.json"]
 MICRO, GAS, STEPS, LR, CLIP, HIDDEN = 2, 2, 3, 1e-2, 1.0, 32
 
 
@@ -58,7 +62,8 @@ def test_template_loads_with_auto_filled_as_the_trainer_fills_it(name):
     config = Config.load(TEMPLATES / name, auto=trainer_values(name, data_parallel_size(name)))
     assert config.gradient_clipping == CLIP
     assert (config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) == (MICRO, GAS)
-    assert config.train_batch_size == data_parallel_size(name) * MICRO * GAS
+    if "train_batch_size" in raw_template(name):  # else derived from the other two at initialize()
+        assert config.train_batch_size == data_parallel_size(name) * MICRO * GAS
     assert config.bf16.enabled is (name == "axolotl_zero3_bf16.json") and config.fp16.enabled is False
     zero = config.zero_optimization
     if raw_template(name)["zero_optimization"].get("reduce_bucket_size") == "auto":
@@ -71,15 +76,14 @@ def test_template_loads_with_auto_filled_as_the_trainer_fills_it(name):
 
 
 @pytest.mark.parametrize("name", sorted(OFFLOADING))
-def test_offloading_template_is_refused_for_offload_alone_and_loads_without_it(name):
-    with pytest.raises(ConfigError) as caught:
-        Config.load(TEMPLATES / name, auto=trainer_values(name))
-    assert [problem.split("'")[1] for problem in caught.value.problems] == [
-        f"zero_optimization.{key}" for key in OFFLOADING[name]]
-    raw = raw_template(name)
+def test_offloading_template_loads_with_deepspeeds_meanings(name):
+    zero = Config.load(TEMPLATES / name, auto=trainer_values(name)).zero_optimization
+    raw = raw_template(name)["zero_optimization"]
     for key in OFFLOADING[name]:
-        del raw["zero_optimization"][key]
-    assert Config.load(raw, auto=trainer_values(name)).zero_optimization.stage == raw["zero_optimization"]["stage"]
+        section = getattr(zero, key)
+        assert section.device == "cpu" and section.pin_memory is raw[key].get("pin_memory", False)
+        assert section.nvme_path is None and section.buffer_count == (4 if key == "offload_optimizer" else 5)
+    assert zero.sub_group_size == int(raw.get("sub_group_size", 1e9))
 
 
 def test_optimizer_and_scheduler_auto_filled_from_the_trainer_values():
@@ -145,7 +149,7 @@ def test_deepspeed_spellings_accelerate_and_templates_send():
         Config.load({"zero_optimization": {"max_live_parameters": 7, "stage3_max_live_parameters": 7}})
     with pytest.raises(ConfigError, match=r"unknown key 'comms_confg' \(did you mean 'comms_logger'\?\)"):
         Config.load({"comms_confg": {}})  # a typo of a real key stays an error
-    with pytest.raises(ConfigError, match=r"'zero_optimization.sub_group_size' is a DeepSpeed setting .* any count"):
+    with pytest.raises(ConfigError, match=r"'zero_optimization.sub_group_size': got true; expected an integer >= 0"):
         Config.load({"zero_optimization": {"sub_group_size": True}})
 
 
@@ -191,7 +195,7 @@ def _train_reference(seed: int, rows: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-@pytest.mark.parametrize("name", LOADING)
+@pytest.mark.parametrize("name", TRAINED)
 def test_template_trains_on_two_ranks_to_the_one_process_parameters(name):
     # The micro-batches of a step, in the order [micro 0 of every data rank, micro 1 ...], make up
     # the reference's global batch; its per-micro-batch means average to the engine's loss.

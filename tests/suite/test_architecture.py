@@ -53,8 +53,8 @@ LAYERS = {
 # parameters through their declared placements (comm/domains.py) and the typed ZeRO state, never
 # through the technique that declared them, so a new technique needs no change there.
 FORBIDDEN = {
-    "checkpoint": {"moe", "tensor_parallel", "sequence", "pipe"},
-    "debug": {"moe", "tensor_parallel", "sequence", "pipe"},
+    "checkpoint": {"moe", "tensor_parallel", "sequence", "pipe", "offload"},
+    "debug": {"moe", "tensor_parallel", "sequence", "pipe", "offload"},
 }
 
 # (importing module, imported module) -> (the name of its Note, why the rule is bent). The

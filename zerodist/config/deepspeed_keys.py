@@ -1,10 +1,10 @@
 """DeepSpeed config keys that zerodist knows about but does not implement.
 
 A DeepSpeed config that sets one of these would train differently under zerodist if the key
-were silently dropped (no offload, no activation checkpointing, ...), so each one is an error
+were silently dropped (no activation checkpointing, no quantization, ...), so each one is an error
 that says so. The tables are keyed by section: ``""`` is the top level.
 
-Some values of those keys ask for nothing zerodist lacks: a disabled offload
+Some values of those keys ask for nothing zerodist lacks: a disabled legacy offload
 (``"cpu_offload": false``), a default (``"allgather_partitions": true``), a feature section with
 ``"enabled": false``. DeepSpeed's own tutorials write them, so ``NO_OP_VALUES`` lists them;
 ``drop_no_op_keys`` removes them before validation and names them in one info line. Any other
@@ -42,12 +42,12 @@ NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
         cpu_offload_use_pin_memory elastic_checkpoint enable_sanity_checks ignore_unused_parameters
         leaf_module legacy_stage1 load_from_fp32_weights log_trace_cache_warnings
         memory_efficient_linear mics_hierarchical_params_gather mics_shard_size
-        offload_optimizer offload_param override_module_apply parameter_alignment
+        override_module_apply parameter_alignment
         pipeline_loading_checkpoint round_robin_gradients
         stage3_allgather_sequential stage3_gather_fp16_weights_on_model_save
         stage3_model_persistence_threshold stage3_module_granularity_threshold
         stage3_use_all_reduce_for_fetch_params
-        sub_group_size use_multi_rank_bucket_allreduce zenflow zero_hpz_partition_size
+        use_multi_rank_bucket_allreduce zenflow zero_hpz_partition_size
         zero_quantized_gradients zero_quantized_nontrainable_weights
         zero_quantized_weights zeropp_loco_param
         """),
@@ -121,16 +121,6 @@ def _all_off(value: Any) -> bool:
     return isinstance(value, Mapping) and all(v is False or v is None for v in value.values())
 
 
-def _any_count(value: Any) -> bool:
-    """A non-negative element count as DeepSpeed reads one (`0`, `4`, `1e9`; not `true`)."""
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
-            and float(value).is_integer())
-
-
-def _no_offload(value: Any) -> bool:
-    return value is None or (isinstance(value, Mapping) and value.get("device") in ("none", None))
-
-
 _OFF_SECTION = (_disabled_section, 'a section with "enabled": false')
 
 # (section, key) -> (the values that change nothing here, those values in words).
@@ -143,7 +133,7 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("", "communication_data_type"): (_same(None), "null"),
     # Any torch.optim optimizer runs under every ZeRO stage, and the CPU optimizer only matters with offload.
     ("", "zero_allow_untested_optimizer"): (_any_bool, "true or false"),
-    ("", "zero_force_ds_cpu_optimizer"): (_any_bool, "true or false (there is no offload)"),
+    ("", "zero_force_ds_cpu_optimizer"): (_any_bool, "true or false (the torch optimizer steps offloaded state)"),
     ("", "activation_checkpointing"): (_all_off, "every setting false or null"),
     **{("", name): _OFF_SECTION for name in (
         "amp", "flops_profiler", "wandb", "comet", "nebula", "elasticity", "autotuning", "curriculum_learning",
@@ -153,8 +143,6 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("zero_optimization", "cpu_offload"): (_same(False), "false"),
     ("zero_optimization", "cpu_offload_param"): (_same(False), "false"),
     ("zero_optimization", "cpu_offload_use_pin_memory"): (_same(False), "false"),
-    ("zero_optimization", "offload_optimizer"): (_no_offload, 'null or {"device": "none"}'),
-    ("zero_optimization", "offload_param"): (_no_offload, 'null or {"device": "none"}'),
     # zerodist checkpoints load at any world size and stage, which is what this asks for.
     ("zero_optimization", "elastic_checkpoint"): (_any_bool, "true or false (checkpoints always reshard)"),
     ("zero_optimization", "ignore_unused_parameters"): (_same(True), "true"),
@@ -165,11 +153,9 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("zero_optimization", "override_module_apply"): (_same(True), "true"),
     ("zero_optimization", "pipeline_loading_checkpoint"): (_same(False), "false"),
     # An offload copy schedule (which rank copies which gradient to the host): the gradients are the same.
-    ("zero_optimization", "round_robin_gradients"): (_any_bool, "true or false (there is no offload)"),
+    ("zero_optimization", "round_robin_gradients"): (_any_bool, "true or false (gradients are the same either way)"),
     ("zero_optimization", "stage3_gather_fp16_weights_on_model_save"): (_same(False), "false"),
     ("zero_optimization", "stage3_module_granularity_threshold"): (_same(0), "0"),
-    # How many elements the optimizer steps at a time; Adam is elementwise, so any tiling gives the same result.
-    ("zero_optimization", "sub_group_size"): (_any_count, "any count (each shard is stepped whole)"),
     ("zero_optimization", "use_multi_rank_bucket_allreduce"): (_same(True), "true"),
     ("zero_optimization", "zero_hpz_partition_size"): (_same(1), "1"),
     ("zero_optimization", "zero_quantized_gradients"): (_same(False), "false"),

@@ -14,6 +14,13 @@ which gives 16Ψ at stage 0 and 16Ψ/N at stage 3 in both cases; stage 1: 4Ψ + 
 8Ψ + 8Ψ/N (fp32); stage 2: 2Ψ + 14Ψ/N (mixed), 4Ψ + 12Ψ/N (fp32). SGD with momentum keeps one
 state (4Ψ) instead of Adam's two.
 
+[Note: offloaded state] With `offload_optimizer: nvme` the per-element optimizer state (Adam's
+8Ψ, sharded from stage 1) is on disk, in swap files, and leaves memory; the fp32 master (mixed
+precision) stays. What streams it costs `buffer_count` host buffers of one sub-group each:
+min(buffer_count, sub-groups) x min(sub_group_size, Ψ/N) x 8 bytes (Adam). Each step reads and writes the state
+once: 8Ψ/N bytes per rank (each state's region of a sub-group file rounded up to 64 bytes).
+`cpu` changes nothing when the parameters are on the CPU: device and host are one memory.
+
 Communication buckets (transient, an upper bound): one gradient bucket of
 min(reduce_bucket_size, Ψ) elements at every stage, plus at stages 1-3 one parameter bucket of
 min(allgather_bucket_size, Ψ) elements for the all-gather. Bucket sizes are element counts,
@@ -62,15 +69,20 @@ class MemoryEstimate:
     optimizer_states: int
     buckets: int
     activations: int | None
+    offload: str = "none"  # offload_optimizer.device
+    disk: int = 0  # nvme: per-element optimizer state in swap files (not in memory)
+    swap_buffers: int = 0  # nvme: the host buffers sub-groups stream through (transient, an upper bound)
 
     @property
     def model_states(self) -> int:
-        """Parameters + gradients + optimizer state: docs/design/zero.md's table."""
+        """Parameters + gradients + optimizer state in memory: docs/design/zero.md's table (with nvme
+        offload the optimizer's per-element state is on disk, `disk`, and only the master stays)."""
         return self.parameters + self.gradients + self.optimizer_states
 
     @property
     def total(self) -> int:
-        return self.model_states + self.buckets + (self.activations or 0)
+        """Memory (device and host: one on a CPU machine); disk not included."""
+        return self.model_states + self.buckets + self.swap_buffers + (self.activations or 0)
 
 
 def shard_numel(num_params: int, world_size: int) -> int:
@@ -94,12 +106,17 @@ def estimate_memory(
     flash_attention: bool = False,
     reduce_bucket_size: float = 5e8,
     allgather_bucket_size: float = 5e8,
+    offload_optimizer: str = "none",
+    sub_group_size: float = 1e9,
+    buffer_count: int = 4,
 ) -> MemoryEstimate:
     """Per-rank bytes of `num_params` parameters on `world_size` ranks at ZeRO `stage`.
 
-    See [Note: memory model] for every formula.
+    See [Note: memory model] for every formula, and [Note: offloaded state] for `offload_optimizer`.
     """
     _check(num_params, world_size, stage, dtype, optimizer)
+    if offload_optimizer not in ("none", "cpu", "nvme"):
+        raise ValueError(f"offload_optimizer must be none, cpu or nvme, got {offload_optimizer!r}")
     full, shard = num_params, shard_numel(num_params, world_size)
     element = PARAM_BYTES[dtype]
     master = 4 if element != 4 else 0  # fp32 training updates the parameters themselves
@@ -115,13 +132,24 @@ def estimate_memory(
             hidden=hidden, layers=layers, seq_len=seq_len, micro_batch=micro_batch, heads=heads,
             dtype=dtype, checkpointing=activation_checkpointing, flash_attention=flash_attention,
         )
+    stepped = shard if policy.shard_optimizer_state else full
+    disk = swap_buffers = 0
+    if offload_optimizer == "nvme" and stage == 0:
+        offload_optimizer = "none"  # offload needs ZeRO stage 1-3 (the config refuses it at stage 0)
+    if offload_optimizer == "nvme":
+        disk = stepped * 4 * OPTIMIZER_STATES[optimizer]
+        optimizer_per_param = master
+        sub_group = stepped if sub_group_size <= 0 else min(int(sub_group_size), stepped)
+        buffers = max(1, min(buffer_count, -(-stepped // max(1, sub_group))))  # never more than sub-groups
+        swap_buffers = buffers * sub_group * 4 * OPTIMIZER_STATES[optimizer]
     return MemoryEstimate(
         num_params, world_size, stage, dtype, optimizer,
         parameters=(shard if policy.shard_parameters else full) * element,
         gradients=(shard if policy.shard_gradients else full) * element,
-        optimizer_states=(shard if policy.shard_optimizer_state else full) * optimizer_per_param,
+        optimizer_states=stepped * optimizer_per_param,
         buckets=buckets,
         activations=activations,
+        offload=offload_optimizer, disk=disk, swap_buffers=swap_buffers,
     )
 
 
@@ -173,10 +201,12 @@ def parse_count(text: str | int | float) -> int:
     return int(value)
 
 
-def formula(stage: int, dtype: str, optimizer: str = "adam") -> str:
-    """The per-rank model-state formula, e.g. '4Ψ + 12Ψ/N' (stage 1, mixed precision, Adam)."""
+def formula(stage: int, dtype: str, optimizer: str = "adam", offload: str = "none") -> str:
+    """The per-rank model-state formula in memory, e.g. '4Ψ + 12Ψ/N' (stage 1, mixed precision, Adam);
+    with nvme offload, what is on disk after it: '4Ψ + 4Ψ/N (+ 8Ψ/N on disk)' (stage 2, fp32)."""
     element = PARAM_BYTES[dtype]
-    optimizer_per_param = (4 if element != 4 else 0) + 4 * OPTIMIZER_STATES[optimizer]
+    states = 4 * OPTIMIZER_STATES[optimizer]
+    optimizer_per_param = (4 if element != 4 else 0) + (0 if offload == "nvme" else states)
     policy = ShardingPolicy.from_stage(stage)
     replicated = sharded = 0
     for per_param, is_sharded in ((element, policy.shard_parameters), (element, policy.shard_gradients),
@@ -186,20 +216,27 @@ def formula(stage: int, dtype: str, optimizer: str = "adam") -> str:
         else:
             replicated += per_param
     parts = ([f"{replicated}Ψ"] if replicated else []) + ([f"{sharded}Ψ/N"] if sharded else [])
-    return " + ".join(parts)
+    text = " + ".join(parts) or "0"
+    if offload == "nvme":
+        text += f" (+ {states}Ψ{'/N' if policy.shard_optimizer_state else ''} on disk)"
+    return text
 
 
 def format_table(estimates: list[MemoryEstimate]) -> str:
     """A table of per-rank bytes in binary units, one row per estimate."""
+    swapping = any(e.offload == "nvme" for e in estimates)
+    extra = f"  {'swap bufs':>10}  {'disk':>10}" if swapping else ""
     header = (f"{'stage':>5}  {'params':>10}  {'grads':>10}  {'optimizer':>10}  {'buckets':>10}  "
-              f"{'activations':>11}  {'total':>10}  model states")
+              f"{'activations':>11}{extra}  {'total':>10}  model states")
     lines = [header]
     for e in estimates:
         activations = "-" if e.activations is None else format_bytes(e.activations)
+        columns = f"  {format_bytes(e.swap_buffers):>10}  {format_bytes(e.disk):>10}" if swapping else ""
         lines.append(
             f"{e.stage:>5}  {format_bytes(e.parameters):>10}  {format_bytes(e.gradients):>10}  "
-            f"{format_bytes(e.optimizer_states):>10}  {format_bytes(e.buckets):>10}  {activations:>11}  "
-            f"{format_bytes(e.total):>10}  {formula(e.stage, e.dtype, e.optimizer)} = {format_bytes(e.model_states)}"
+            f"{format_bytes(e.optimizer_states):>10}  {format_bytes(e.buckets):>10}  {activations:>11}{columns}  "
+            f"{format_bytes(e.total):>10}  {formula(e.stage, e.dtype, e.optimizer, e.offload)} = "
+            f"{format_bytes(e.model_states)}"
         )
     return "\n".join(lines)
 

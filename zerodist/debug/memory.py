@@ -106,6 +106,7 @@ class MemoryReport:
     cuda_peak_allocated: int | None = None
     model_states: dict[str, int] | None = None  # engine.model_state_bytes(): params, grads, optimizer, total
     estimate: MemoryEstimate | None = None
+    on_disk: int = 0  # optimizer state in swap files (offload_optimizer: nvme)
 
     def format(self) -> str:
         parts = [f"rank {self.rank} memory:"]
@@ -118,11 +119,13 @@ class MemoryReport:
             m = self.model_states
             parts.append(f"; model states {format_bytes(m['total'])} = params {format_bytes(m['params'])} + grads "
                          f"{format_bytes(m['grads'])} + optimizer {format_bytes(m['optimizer'])}")
+            if self.on_disk:
+                parts.append(f"in memory, optimizer state {format_bytes(self.on_disk)} on disk (swap files)")
         if self.estimate is not None and self.model_states is not None:
             e = self.estimate
             verdict = "exact" if e.model_states == self.model_states["total"] else \
                 f"measured {self.model_states['total'] - e.model_states:+,} bytes from it"
-            parts.append(f"; ZeRO formula {formula(e.stage, e.dtype, e.optimizer)} with Ψ={e.num_params:,} (padded), "
+            parts.append(f"; ZeRO formula {formula(e.stage, e.dtype, e.optimizer, e.offload)} with Ψ={e.num_params:,} (padded), "
                          f"N={e.world_size}: {format_bytes(e.model_states)} ({verdict})")
         return " ".join(parts).replace(" ;", ";")
 
@@ -134,7 +137,9 @@ def padded_num_params(engine: TrainingEngine) -> int:
 
 def optimizer_kind(optimizer: Any) -> str | None:
     """The estimator's name for a torch optimizer, None when it has no formula for it."""
-    inner = getattr(optimizer, "inner", optimizer)
+    inner = optimizer
+    while hasattr(inner, "inner"):  # ZeroOptimizer, and an offloading wrapper inside it (zerodist.offload)
+        inner = inner.inner
     if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
         return None if any(g.get("amsgrad") for g in inner.param_groups) else "adam"
     if isinstance(inner, torch.optim.SGD) and all(g.get("momentum", 0) for g in inner.param_groups):
@@ -157,6 +162,10 @@ def estimate_for_engine(engine: TrainingEngine, **kwargs: Any) -> MemoryEstimate
     zero = engine.config.zero_optimization
     kwargs.setdefault("reduce_bucket_size", zero.reduce_bucket_size)
     kwargs.setdefault("allgather_bucket_size", zero.allgather_bucket_size)
+    if zero.offload_optimizer is not None:
+        kwargs.setdefault("offload_optimizer", zero.offload_optimizer.device)
+        kwargs.setdefault("buffer_count", zero.offload_optimizer.buffer_count)
+    kwargs.setdefault("sub_group_size", zero.sub_group_size)
     return estimate_memory(state.padded_num_params(), world_size=sizes.pop(), stage=state.sharding.stage,
                            dtype=state.precision.name, optimizer=kind, **kwargs)
 
@@ -173,6 +182,7 @@ def memory_report(engine: TrainingEngine | None = None, *, all_ranks: bool = Fal
         cuda_peak_allocated=None if cuda is None else torch.cuda.max_memory_allocated(cuda),
         model_states=None if engine is None else state_of(engine).model_state_bytes(),
         estimate=None if engine is None else estimate_for_engine(engine),
+        on_disk=0 if engine is None else state_of(engine).optimizer.swapped_state_bytes(),
     )
     if not all_ranks:
         return report

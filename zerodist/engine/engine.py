@@ -31,6 +31,7 @@ from zerodist.engine import training_state
 from zerodist.engine.deepspeed_surface import DeepSpeedEngineAPI
 from zerodist.engine.monitor import Monitors
 from zerodist.moe.layer import routing_lines
+from zerodist.offload import close_offload
 from zerodist.precision import PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import StepResult, UnitRuntime, ZeroState, sharded_access
@@ -324,6 +325,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.monitors.close()
         for group in self.groups:
             group.release_pooled_buffers()  # stage 3's idle gathered/staging buffers ([Note: buffer pool])
+        close_offload(self.zero_state.inner_optimizer)  # swap files are scratch: removed here
         if self._trace is not None:
             self._trace.__exit__(None, None, None)
             self._trace = None

@@ -31,6 +31,7 @@ from zerodist.engine.engine import Engine
 from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
 from zerodist.engine.schedulers import build_scheduler
 from zerodist.moe.parallel import ExpertParallelState, apply_expert_parallel_part
+from zerodist.offload import OffloadSettings, offloaded_build
 from zerodist.tensor_parallel.apply import (TENSOR_PARALLEL_LAYERS, TensorParallelSettings, TensorParallelState,
                                             apply_tensor_parallel)
 from zerodist.tensor_parallel.plan import PlanError
@@ -179,6 +180,9 @@ def _apply_zero(part: Part, model_parameters: Iterable[Any] | None, optimizer: A
     cover the part; then ZeRO's front door."""
     specs, build_optimizer = resolve_optimizer(part.module, model_parameters, optimizer, config)
     check_groups_cover_model(part.module, specs)
+    # Offload wraps the optimizer zero steps its shards with (zerodist/offload): zero never knows.
+    build_optimizer = offloaded_build(build_optimizer, OffloadSettings.from_config(config), topology.world_group,
+                                      comm.device_for_rank())
     return apply_zero(part, topology, ZeroSettings.from_config(config), OptimizerRecipe(specs, build_optimizer))
 
 

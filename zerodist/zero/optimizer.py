@@ -179,13 +179,23 @@ class ZeroOptimizer:
                 tensor.grad = None
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state tensors (scalar step counters excluded) plus master copies."""
+        """Bytes of optimizer state tensors in memory (scalar step counters excluded) plus master copies.
+        An inner optimizer that keeps its state elsewhere (zerodist.offload's swap files) says what it
+        holds in memory itself, `resident_state_bytes()`: its `state` reads the files."""
         total = sum(g.state_bytes()["master"] for g in self.groups)
+        resident = getattr(self.inner, "resident_state_bytes", None)
+        if resident is not None:
+            return total + int(resident())
         for state in self.inner.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     total += value.numel() * value.element_size()
         return total
+
+    def swapped_state_bytes(self) -> int:
+        """Bytes of optimizer state in swap files, on disk (0 without offload to nvme)."""
+        swapped = getattr(self.inner, "swapped_state_bytes", None)
+        return 0 if swapped is None else int(swapped())
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(), "loss_scaler": self.scaler.state_dict()}

@@ -1,0 +1,238 @@
+"""Offload benchmark: the optimizer on the host, and training steps with swapped optimizer state.
+
+    python benchmarks/offload_bench.py                       # every part
+    DS_ACCELERATOR=cpu /work/venv-ds/bin/python benchmarks/offload_bench.py   # with DeepSpeedCPUAdam too
+    python benchmarks/offload_bench.py --part optimizer --threads 1 2
+
+Part "optimizer" (one process): one AdamW step over 25M fp32 parameters held as the flat shards
+zerodist steps (4 tensors of 6.25M), for-loop, foreach and fused `torch.optim.AdamW`, and
+DeepSpeed's `DeepSpeedCPUAdam` when `deepspeed` imports (its C++ op is built on first use), at
+each `--threads`; median of `--repeats` after one warm-up step.
+
+Part "swap" (one process, one thread): the same 25M parameters stepped by AdamW in memory, then
+by the swapped optimizer (sub-groups of `--sub-group-size`) with serial I/O, read-ahead only, and
+read-ahead plus write-behind: step time and time blocked on I/O.
+
+Part "train" (2 gloo ranks, one thread each): the "bench-25m" GPT (25.5M parameters) at ZeRO
+stage 2, in memory, then with `offload_optimizer: nvme` and sub-groups of `--sub-group-size`
+elements, pipelined (`pipeline_read` and `pipeline_write`) and serial; step time (forward,
+backward, step) median over the timed steps, the slowest rank counts, and the time the swapped
+step spent blocked on I/O. The swap files live under `--dir` (default: a temporary directory);
+they are written through the page cache, so what is measured is this machine's buffered file
+I/O, which is what a run here would see. Writes benchmarks/results/offload-<date>.json and .md.
+A benchmark, not a test: it never fails on speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ranks import free_port, run_ranks  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PARAMS, PIECES = 25_000_000, 4
+
+
+# ---------------------------------------------------------------- the optimizer on the host
+
+def _optimizer_time(make: Any, repeats: int) -> float:
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(PARAMS // PIECES, generator=generator) for _ in range(PIECES)]
+    for tensor in tensors:
+        tensor.grad = torch.randn(tensor.numel(), generator=generator)
+    optimizer = make(tensors)
+    optimizer.step()  # warm-up: the state is created here
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def optimizer_part(threads: list[int], repeats: int) -> list[dict[str, Any]]:
+    options = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.01}
+    kinds: dict[str, Any] = {
+        "torch AdamW for-loop": lambda ts: torch.optim.AdamW(ts, foreach=False, **options),
+        "torch AdamW foreach": lambda ts: torch.optim.AdamW(ts, foreach=True, **options),
+        "torch AdamW fused": lambda ts: torch.optim.AdamW(ts, fused=True, **options),
+    }
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        kinds["DeepSpeedCPUAdam"] = lambda ts: DeepSpeedCPUAdam(ts, adamw_mode=True, **options)
+    except Exception as error:  # not installed, or its op does not build here
+        print(f"DeepSpeedCPUAdam skipped: {type(error).__name__}: {str(error)[:200]}")
+    rows = []
+    for count in threads:
+        torch.set_num_threads(count)
+        baseline = None
+        for name, make in kinds.items():
+            seconds = _optimizer_time(make, repeats)
+            baseline = baseline or seconds
+            rows.append({"optimizer": name, "threads": count, "step_s": seconds, "vs_for_loop": seconds / baseline})
+            print(f"{name:>22}  {count} thread(s): {seconds * 1e3:8.1f} ms  ({seconds / baseline:.2f}x for-loop)")
+    return rows
+
+
+# ---------------------------------------------------------------- the swapped step alone, one process
+
+def swap_part(directory: str, sub_group_size: int, repeats: int) -> list[dict[str, Any]]:
+    """One AdamW step over 25M parameters in memory, then swapped (serial, read-ahead only, both)."""
+    from zerodist.offload import StreamSettings, SwapDirectory, swapped
+
+    torch.set_num_threads(1)
+    options = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.01}
+    settings = [("in memory", None), ("swapped, serial I/O", (False, False)),
+                ("swapped, read-ahead", (True, False)), ("swapped, read-ahead + write-behind", (True, True))]
+    rows: list[dict[str, Any]] = []
+    baseline = None
+    for index, (name, pipeline) in enumerate(settings):
+        def make(tensors: list[torch.Tensor]) -> Any:
+            inner = torch.optim.AdamW(tensors, **options)
+            if pipeline is None:
+                return inner
+            return swapped(inner, SwapDirectory(directory, f"bench{index}", 0),
+                           StreamSettings(sub_group_size, 4, pipeline[0], pipeline[1]))
+        holder: list[Any] = []
+        seconds = _optimizer_time(lambda ts: holder.append(make(ts)) or holder[-1], repeats)
+        io_wait = getattr(holder[-1], "io_wait_s", 0.0) / (repeats + 1)
+        if pipeline is not None:
+            holder[-1].close()
+        baseline = baseline or seconds
+        rows.append({"setting": name, "step_s": seconds, "io_wait_s": io_wait, "vs_in_memory": seconds / baseline})
+        print(f"{name:>36}: {seconds * 1e3:8.1f} ms ({seconds / baseline:.2f}x in memory), blocked on I/O "
+              f"{io_wait * 1e3:6.1f} ms")
+    return rows
+
+
+# ---------------------------------------------------------------- training steps, 2 ranks
+
+def _train_worker(rank: int, port: int, setting: dict[str, Any], steps: int, warmup: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import zerodist
+    import zerodist.comm as comm
+    from zerodist.models import GPT, gpt_config
+
+    torch.manual_seed(0)
+    model = GPT(gpt_config("bench-25m"))
+    zero: dict[str, Any] = {"stage": 2, "sub_group_size": setting["sub_group_size"]}
+    if setting["offload"]:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": setting["dir"], "buffer_count": 4,
+                                     "pipeline_read": setting["pipelined"], "pipeline_write": setting["pipelined"]}
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}},
+              "zero_optimization": zero}
+    engine = zerodist.initialize(model=model, config=config)[0]
+    tokens = torch.randint(0, 256, (4, model.config.seq_len + 1), generator=torch.Generator().manual_seed(rank))
+    times, step_times, io_before = [], [], 0.0
+    for index in range(warmup + steps):
+        comm.barrier()
+        started = time.perf_counter()
+        engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+        stepped = time.perf_counter()
+        engine.step()
+        ended = time.perf_counter()
+        if index >= warmup:
+            times.append(ended - started)
+            step_times.append(ended - stepped)
+        if index == warmup - 1 and setting["offload"]:
+            io_before = engine.zero_state.inner_optimizer.io_wait_s
+    io_wait = engine.zero_state.inner_optimizer.io_wait_s - io_before if setting["offload"] else 0.0
+    everyone: list[Any] = [None, None]
+    comm.all_gather_object(everyone, (times, step_times, io_wait / steps))
+    if rank == 0:
+        slowest = [max(a, b) for a, b in zip(everyone[0][0], everyone[1][0])]
+        slowest_step = [max(a, b) for a, b in zip(everyone[0][1], everyone[1][1])]
+        Path(out).write_text(json.dumps({"step_s": statistics.median(slowest),
+                                         "optimizer_step_s": statistics.median(slowest_step),
+                                         "io_wait_s": max(everyone[0][2], everyone[1][2])}))
+    engine.destroy()
+
+
+def train_part(directory: str, sub_group_size: int, steps: int, warmup: int) -> list[dict[str, Any]]:
+    settings = [("in memory", False, False), ("nvme, pipelined I/O", True, True), ("nvme, serial I/O", True, False)]
+    rows: list[dict[str, Any]] = []
+    baseline = None
+    for name, offload, pipelined in settings:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            setting = {"offload": offload, "pipelined": pipelined, "dir": directory, "sub_group_size": sub_group_size}
+            error = run_ranks(_train_worker, (free_port(), setting, steps, warmup, out.name), nprocs=2, timeout_s=900)
+            if error:
+                print(f"{name}: {error}")
+                continue
+            result = json.loads(Path(out.name).read_text())
+        baseline = baseline or result["step_s"]
+        rows.append({"setting": name, **result, "vs_in_memory": result["step_s"] / baseline})
+        print(f"{name:>20}: step {result['step_s'] * 1e3:7.1f} ms ({result['step_s'] / baseline:.2f}x in memory), "
+              f"optimizer step {result['optimizer_step_s'] * 1e3:7.1f} ms, blocked on I/O "
+              f"{result['io_wait_s'] * 1e3:6.1f} ms")
+    return rows
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    lines = [f"# Offload benchmark, {report['date']}", "", f"torch {report['torch']}, {report['cores']} cores.", ""]
+    if report.get("optimizer"):
+        lines += ["## One AdamW step over 25M fp32 parameters on the host", "",
+                  "| optimizer | threads | step | vs for-loop |", "| --- | --- | --- | --- |"]
+        lines += [f"| {r['optimizer']} | {r['threads']} | {r['step_s'] * 1e3:.1f} ms | {r['vs_for_loop']:.2f}x |"
+                  for r in report["optimizer"]]
+        lines.append("")
+    if report.get("swap"):
+        lines += [f"## One AdamW step over 25M parameters, 1 thread, sub_group_size {report['sub_group_size']:,}", "",
+                  "| setting | step | vs in memory | blocked on I/O |", "| --- | --- | --- | --- |"]
+        lines += [f"| {r['setting']} | {r['step_s'] * 1e3:.1f} ms | {r['vs_in_memory']:.2f}x | "
+                  f"{r['io_wait_s'] * 1e3:.1f} ms |" for r in report["swap"]]
+        lines.append("")
+    if report.get("train"):
+        lines += [f"## bench-25m GPT, stage 2, 2 ranks, sub_group_size {report['sub_group_size']:,}", "",
+                  "| setting | step | vs in memory | optimizer step | blocked on I/O |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['setting']} | {r['step_s'] * 1e3:.1f} ms | {r['vs_in_memory']:.2f}x | "
+                  f"{r['optimizer_step_s'] * 1e3:.1f} ms | {r['io_wait_s'] * 1e3:.1f} ms |" for r in report["train"]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("optimizer", "swap", "train", "all"), default="all")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sub-group-size", type=float, default=1e6)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--dir", default=None, help="where the swap files go (default: a temporary directory)")
+    args = parser.parse_args()
+    report: dict[str, Any] = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+                              "cores": os.cpu_count(), "sub_group_size": int(args.sub_group_size)}
+    if args.part in ("optimizer", "all"):
+        report["optimizer"] = optimizer_part(args.threads, args.repeats)
+    if args.part in ("swap", "all"):
+        with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+            report["swap"] = swap_part(directory, int(args.sub_group_size), args.repeats)
+    if args.part in ("train", "all"):
+        with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+            report["train"] = train_part(directory, int(args.sub_group_size), args.steps, args.warmup)
+    RESULTS.mkdir(exist_ok=True)
+    stem = RESULTS / f"offload-{report['date']}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    stem.with_suffix(".md").write_text(_markdown(report))
+    print(f"wrote {stem}.json and .md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Peak memory of one training run, in-memory or with `offload_optimizer: nvme`, optionally under a
+cap on each rank's address space (RLIMIT_AS) set right after `initialize()`.
+
+    python -m zerodist run --nproc 2 tests/offload/offload_memory_script.py MODE NVME_PATH OUT CAP_BYTES
+
+MODE is "memory" or "nvme"; CAP_BYTES 0 sets no cap. The model is the 29M-parameter MLP of the
+parity test (256 -> 3750 -> 3750 -> 3751 -> 16), stage 2, sub_group_size 5e5. Each rank writes
+OUT.rank<r>.json: its peak RSS (VmHWM), its address space when the cap was set and at its peak
+(VmPeak), the trained steps, and the error if an allocation failed under the cap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+
+import torch
+import torch.nn.functional as F
+
+STEPS, MICRO = 3, 4
+
+
+def status() -> dict[str, int]:
+    with open("/proc/self/status", encoding="utf-8") as file:
+        fields = dict(line.split(":", 1) for line in file if line.startswith("Vm"))
+    return {key: int(value.split()[0]) * 1024 for key, value in fields.items()}
+
+
+def main() -> None:
+    import zerodist
+    from zerodist.models import make_mlp
+
+    mode, nvme_path, out, cap = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    torch.set_num_threads(1)
+    zero: dict = {"stage": 2, "sub_group_size": 500_000}
+    if mode == "nvme":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "pipeline_read": True,
+                                     "pipeline_write": True, "buffer_count": 4}
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}
+    engine = zerodist.initialize(model=make_mlp(256, 3750, 16, layers=4, seed=0), config=config)[0]
+    rank = engine.global_rank
+    report: dict = {"at_cap": status()["VmSize"], "steps": 0, "error": None}
+    if cap:
+        resource.setrlimit(resource.RLIMIT_AS, (report["at_cap"] + cap, resource.RLIM_INFINITY))
+    try:
+        for step in range(STEPS):
+            generator = torch.Generator().manual_seed(step * 10 + rank)
+            x, y = torch.randn(MICRO, 256, generator=generator), torch.randn(MICRO, 16, generator=generator)
+            engine.backward(F.mse_loss(engine(x), y))
+            engine.step()
+            report["steps"] += 1
+    except (RuntimeError, MemoryError) as error:  # torch: "DefaultCPUAllocator: can't allocate memory"
+        report["error"] = str(error)[:300]
+    report.update(peak_rss=status()["VmHWM"], peak_vm=status()["VmPeak"])
+    with open(f"{out}.rank{rank}.json", "w", encoding="utf-8") as file:
+        json.dump(report, file)
+    if report["error"]:
+        os._exit(1)  # the other rank waits in a collective: the launcher stops the group
+    engine.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""With `offload_optimizer: nvme` and sub-groups of 5e5 elements, a rank's peak RSS drops by at
+least half of the Adam state (8Ψ/N bytes per rank in fp32), and a run whose in-memory state does
+not fit a cap on each rank's address space trains under that cap with offload."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.offload import offload_memory_script as script
+from tests.processes import run_group
+
+PARAMS = 256 * 3750 + 3750 + 3750 * 3750 + 3750 + 3750 * 3751 + 3751 + 3751 * 16 + 16  # 29.2M
+ADAM_PER_RANK = 8 * PARAMS // 2
+
+
+def _run(tmp_path: Path, mode: str, cap: int) -> list[dict]:
+    out = tmp_path / f"{mode}-{cap}"
+    nvme = tmp_path / "nvme"
+    nvme.mkdir(exist_ok=True)
+    command = [sys.executable, "-m", "zerodist", "run", "--nproc", "2", script.__file__, mode, str(nvme), str(out),
+               str(cap)]
+    done = run_group(command, timeout=240, env={**_env(), "MALLOC_ARENA_MAX": "2"})
+    reports = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)
+               if Path(f"{out}.rank{r}.json").exists()]
+    if cap == 0:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return reports
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
+
+
+@pytest.mark.slow
+def test_nvme_offload_lowers_peak_rss_and_trains_under_a_cap_the_in_memory_run_exceeds(tmp_path):
+    memory, nvme = _run(tmp_path, "memory", 0), _run(tmp_path, "nvme", 0)
+    for in_memory, offloaded in zip(memory, nvme):
+        assert in_memory["peak_rss"] - offloaded["peak_rss"] >= ADAM_PER_RANK // 2, (in_memory, offloaded)
+    # The cap: halfway between the two runs' growth of the address space after initialize().
+    grown = [max(r["peak_vm"] - r["at_cap"] for r in reports) for reports in (memory, nvme)]
+    assert grown[0] - grown[1] >= ADAM_PER_RANK // 2, grown
+    cap = (grown[0] + grown[1]) // 2
+    capped_memory = _run(tmp_path, "memory", cap)
+    assert any(r["error"] and "allocate" in r["error"] for r in capped_memory), capped_memory
+    capped_nvme = _run(tmp_path, "nvme", cap)
+    assert [r["steps"] for r in capped_nvme] == [script.STEPS] * 2 and not any(r["error"] for r in capped_nvme)

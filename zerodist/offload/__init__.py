@@ -1,0 +1,18 @@
+"""Offload: optimizer state on the host or in swap files (DeepSpeed's ZeRO-Offload / ZeRO-Infinity keys).
+
+A technique of layer 5 beside `zero/`, unaware of it: it wraps the torch optimizer the engine
+builds over ZeRO's flat shards, whatever the stage. See docs/offload.md and
+docs/design/offload.md.
+"""
+
+from zerodist.offload.errors import OffloadError, SwapFileError, SwapPathError, SwapSpaceError
+from zerodist.offload.optimizer import StreamSettings, SwappedOptimizer, swapped
+from zerodist.offload.setup import OffloadSettings, close_offload, offloaded_build, open_swap_directory
+from zerodist.offload.subgroups import ALIGN, Piece, SubGroup, plan_subgroups
+from zerodist.offload.swap_files import SwapCounters, SwapDirectory
+
+__all__ = [
+    "ALIGN", "OffloadError", "OffloadSettings", "Piece", "StreamSettings", "SubGroup", "SwapCounters",
+    "SwapDirectory", "SwapFileError", "SwapPathError", "SwapSpaceError", "SwappedOptimizer", "close_offload",
+    "offloaded_build", "open_swap_directory", "plan_subgroups", "swapped",
+]

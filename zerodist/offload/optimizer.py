@@ -1,0 +1,452 @@
+"""`SwappedOptimizer`: a torch optimizer whose per-element state lives in swap files.
+
+    step():  for each sub-group i ([Note: sub-groups] in subgroups.py)
+                 read sub-group i's state from its file into a host buffer   (read-ahead: i+1
+                 step the inner optimizer on views of the sub-group's pieces   is read, and i-1
+                 write the buffer back to the file                             written, meanwhile)
+
+It wraps the torch optimizer zerodist builds over the flat shards (any elementwise one: Adam,
+AdamW, SGD with momentum, Adagrad, ...), so the arithmetic is torch's own, on CPU tensors, and
+the result is bitwise the in-memory step's: the same kernel runs on the same elements with the
+same operands ([Note: sub-groups] says why the cuts do not change a bit). Between steps host
+memory holds no per-element state at all, only the scalars (Adam's `step`).
+
+[Note: swapped state is real state] Everything that reads an optimizer's state reads the real
+values: `state[tensor]` reads that tensor's state back from the swap files (the checkpoint's
+shards are collected that way), `state_dict()` returns the inner optimizer's with the state read
+back, and `load_state_dict()` writes what it is given to the swap files. So a checkpoint saved
+with offload is a plain checkpoint (it loads with or without offload, at any world size), and a
+resume rebuilds the swap files from it. The class is named after the inner optimizer's (an
+offloaded AdamW is an `AdamW` to a checkpoint), for the same reason.
+
+[Note: failures agreed] A read or write that fails (a full disk, a truncated or missing file) is
+an `OffloadError` on the rank where it happened; the step then compares one flag over the group
+(one small all-reduce per step) and every rank raises the same named error, instead of the
+others hanging in the next collective. The last committed checkpoint is untouched: checkpoints
+are never written to or through the swap files.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+import zerodist.comm as comm
+from zerodist.comm.collectives import Group
+from zerodist.offload import errors
+from zerodist.offload.subgroups import SubGroup, plan_subgroups
+from zerodist.offload.swap_files import SwapDirectory
+
+_REGION_ALIGN = 64  # bytes: each state kind's region of a sub-group file starts on a cache line
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSettings:
+    """How sub-groups are streamed through host buffers (`offload_optimizer` and `sub_group_size`)."""
+
+    sub_group_size: int
+    buffer_count: int = 4
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """One per-element state tensor of the optimizer (Adam: `exp_avg`, `exp_avg_sq`)."""
+
+    key: str
+    dtype: torch.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+class SwappedState(Mapping[torch.Tensor, dict[str, Any]]):
+    """The optimizer's `state`, read back from the swap files on access ([Note: swapped state is real state])."""
+
+    def __init__(self, owner: SwappedOptimizer):
+        self._owner = owner
+
+    def __getitem__(self, tensor: torch.Tensor) -> dict[str, Any]:
+        return self._owner.read_state(tensor)
+
+    def __contains__(self, tensor: object) -> bool:
+        return tensor in self._owner.scalars
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(list(self._owner.scalars))
+
+    def __len__(self) -> int:
+        return len(self._owner.scalars)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def swapped(inner: torch.optim.Optimizer, directory: SwapDirectory, settings: StreamSettings,
+            group: Group = None) -> SwappedOptimizer:
+    """`inner` with its per-element state in `directory`'s swap files."""
+    cls = type(inner)
+    if cls not in _CLASSES:  # named after the inner class ([Note: swapped state is real state])
+        _CLASSES[cls] = type(cls.__name__, (SwappedOptimizer,), {"__module__": __name__,
+                                                                 "__qualname__": f"SwappedOptimizer[{cls.__name__}]"})
+    optimizer: SwappedOptimizer = _CLASSES[cls](inner, directory, settings, group)
+    return optimizer
+
+
+class SwappedOptimizer(torch.optim.Optimizer):
+    """Steps `inner` one sub-group at a time on state read from swap files. `param_groups` are the
+    inner optimizer's own (a scheduler's learning rate reaches it)."""
+
+    def __init__(self, inner: torch.optim.Optimizer, directory: SwapDirectory, settings: StreamSettings,
+                 group: Group = None):
+        # torch.optim.Optimizer.__init__ would build param groups of its own: set what its methods use instead.
+        self.inner, self.directory, self.settings, self.group = inner, directory, settings, group
+        self.defaults = inner.defaults
+        for name in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
+                     "load_state_dict_post"):
+            setattr(self, f"_optimizer_{name}_hooks", collections.OrderedDict())
+        self._warned_capturable_if_run_uncaptured = True
+        self._patch_step_function()
+        self.scalars: dict[torch.Tensor, dict[str, Any]] = {}  # per tensor with state: its non-elementwise state
+        self.kinds: tuple[Kind, ...] | None = None  # known after the first step (torch initialises state lazily)
+        self._plan: list[SubGroup] = []
+        self._plan_key: tuple[int, ...] = ()
+        self._on_disk = False  # every sub-group's file holds its state
+        self._buffers: list[torch.Tensor] = []
+        self._readers = ThreadPoolExecutor(1, thread_name_prefix="zerodist-swap-read")
+        self._writers = ThreadPoolExecutor(1, thread_name_prefix="zerodist-swap-write")
+        self.io_wait_s = 0.0  # time step() spent blocked on reads and writes, all steps
+
+    # ------------------------------------------------------------------ torch.optim.Optimizer's surface
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> SwappedState:
+        return SwappedState(self)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        raise AttributeError("a swapped optimizer's state is set with load_state_dict()")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict, with the state read back from the swap files."""
+        self._check_plan()
+        full = {tensor: self.read_state(tensor) for tensor in self.scalars}
+        self.inner.state.update(full)
+        try:
+            return self.inner.state_dict()
+        finally:
+            for tensor in full:
+                self.inner.state.pop(tensor, None)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load through the inner optimizer (its casts and checks), then move the state to the swap files."""
+        self.inner.load_state_dict(state_dict)
+        self._check_plan()
+        loaded = dict(self.inner.state)
+        self.inner.state.clear()
+        self._absorb(loaded)
+
+    def close(self) -> None:
+        """Stop the I/O threads and remove the swap files (the engine's `destroy()`)."""
+        self._readers.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
+        self.directory.close()
+        self._buffers = []
+
+    def resident_state_bytes(self) -> int:
+        """Bytes of per-element optimizer state held in memory between steps (none: it is in the files;
+        the scalars, such as Adam's step, are not counted, as `ZeroOptimizer.state_bytes` counts none)."""
+        return sum(v.numel() * v.element_size() for s in self.scalars.values() for v in s.values()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+    def swapped_state_bytes(self) -> int:
+        """Bytes of per-element state in the swap files (what one step reads and writes)."""
+        return sum(self._file_bytes(sg) for sg in self._plan) if self.kinds else 0
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("a swapped optimizer takes no closure (zerodist's engine never passes one)")
+        failure: errors.OffloadError | None = None
+        try:
+            self._check_plan()
+            new_scalars: dict[torch.Tensor, dict[str, Any]] = {}
+            if self._on_disk and self.kinds:
+                self._step_streamed(new_scalars)
+            else:
+                self._step_first(new_scalars)
+            self.scalars.update(new_scalars)
+        except errors.OffloadError as error:
+            failure = error
+        self._agree(failure)
+
+    def _step_first(self, new_scalars: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """No state on disk yet: the inner optimizer initialises it; each sub-group is written as stepped."""
+        for sub_group in self._plan:
+            states = self._step_sub_group(sub_group, None, new_scalars)
+            if self.kinds is None:
+                self.kinds = _kinds_of(states)
+                self._allocate_buffers()
+            if not self.kinds:
+                continue  # no per-element state (plain SGD): nothing to swap
+            buffer = self._buffers[0]
+            self._pack(sub_group, buffer, states)
+            self.directory.write(sub_group.index, buffer[: self._file_bytes(sub_group)])
+        self._on_disk = bool(self.kinds)
+
+    def _step_streamed(self, new_scalars: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Read, step, write each sub-group, with read-ahead and write-behind as configured."""
+        read_ahead = self.settings.pipeline_read and len(self._buffers) >= 2
+        free = list(range(len(self._buffers)))
+        writes: collections.deque[tuple[Future[None], int]] = collections.deque()
+        reads: dict[int, tuple[Future[None] | None, int]] = {}
+
+        def acquire() -> int:
+            while not free:
+                future, index = writes.popleft()
+                self._wait(future)
+                free.append(index)
+            return free.pop()
+
+        def start_read(sub_group: SubGroup) -> None:
+            index = acquire()
+            target = self._buffers[index][: self._file_bytes(sub_group)]
+            if read_ahead:
+                reads[sub_group.index] = (self._readers.submit(self.directory.read, sub_group.index, target), index)
+            else:
+                self._timed(self.directory.read, sub_group.index, target)
+                reads[sub_group.index] = (None, index)
+
+        try:
+            start_read(self._plan[0])
+            for position, sub_group in enumerate(self._plan):
+                future, index = reads.pop(sub_group.index)
+                if future is not None:
+                    self._wait(future)
+                following = self._plan[position + 1] if position + 1 < len(self._plan) else None
+                if read_ahead and following is not None:
+                    start_read(following)
+                buffer = self._buffers[index]
+                self._pack(sub_group, buffer, self._step_sub_group(sub_group, buffer, new_scalars))
+                data = buffer[: self._file_bytes(sub_group)]
+                if self.settings.pipeline_write:
+                    writes.append((self._writers.submit(self.directory.write, sub_group.index, data), index))
+                else:
+                    self._timed(self.directory.write, sub_group.index, data)
+                    free.append(index)
+                if not read_ahead and following is not None:
+                    start_read(following)
+            while writes:
+                self._wait(writes.popleft()[0])
+        finally:  # on an error: no I/O thread may still be touching a buffer
+            for future, _ in [*writes, *reads.values()]:
+                if future is not None:
+                    with contextlib.suppress(Exception):
+                        future.result()
+
+    def _step_sub_group(self, sub_group: SubGroup, buffer: torch.Tensor | None,
+                        new_scalars: dict[torch.Tensor, dict[str, Any]]) -> list[dict[str, Any] | None]:
+        """Step the inner optimizer on this sub-group's pieces only (views of the real tensors and
+        their gradients), with state on views of `buffer`; returns each piece's state after it."""
+        params = [group["params"] for group in self.inner.param_groups]
+        pieces: list[torch.Tensor | None] = []
+        group_params: list[list[torch.Tensor]] = [[] for _ in params]
+        for position, piece in enumerate(sub_group.pieces):
+            tensor = params[piece.group][piece.position]
+            if tensor.grad is None:  # torch skips a tensor without a gradient; so does every piece of it
+                pieces.append(None)
+                continue
+            view = tensor.detach()[piece.start: piece.start + piece.length]
+            view.grad = tensor.grad.detach()[piece.start: piece.start + piece.length]
+            if tensor in self.scalars:  # else the optimizer initialises the piece's state (the first step)
+                state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self.scalars[tensor].items()}
+                if buffer is not None and self.kinds:
+                    state.update(self._views(sub_group, buffer, position))
+                self.inner.state[view] = state
+            group_params[piece.group].append(view)
+            pieces.append(view)
+        saved = [group["params"] for group in self.inner.param_groups]
+        try:
+            for group, chosen in zip(self.inner.param_groups, group_params):
+                group["params"] = chosen
+            self.inner.step()
+        finally:
+            for group, original in zip(self.inner.param_groups, saved):
+                group["params"] = original
+        states: list[dict[str, Any] | None] = []
+        for piece, view in zip(sub_group.pieces, pieces):
+            if view is None:
+                states.append(None)
+                continue
+            view.grad = None
+            state = self.inner.state.pop(view, {})
+            new_scalars[params[piece.group][piece.position]] = {
+                k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
+            states.append(state)
+        return states
+
+    def _pack(self, sub_group: SubGroup, buffer: torch.Tensor, states: list[dict[str, Any] | None]) -> None:
+        """Copy each piece's per-element state into its place in `buffer` (a no-op where the
+        optimizer updated the buffer's own views in place)."""
+        assert self.kinds is not None
+        for position, state in enumerate(states):
+            if state is None:
+                continue
+            for kind, target in zip(self.kinds, self._views(sub_group, buffer, position).values()):
+                value = state.get(kind.key)
+                if not isinstance(value, torch.Tensor) or value.numel() != target.numel():
+                    raise errors.OffloadError(f"optimizer state {kind.key!r} is not per-element here: only "
+                                              "elementwise optimizer state can be swapped")
+                if value.data_ptr() != target.data_ptr():
+                    target.copy_(value.reshape(-1))
+
+    # ------------------------------------------------------------------ layout of a sub-group file
+    def _region_offsets(self, sub_group: SubGroup) -> list[int]:
+        assert self.kinds is not None
+        offsets, at = [], 0
+        for kind in self.kinds:
+            offsets.append(at)
+            at += -(-sub_group.numel * kind.itemsize // _REGION_ALIGN) * _REGION_ALIGN
+        return offsets + [at]
+
+    def _file_bytes(self, sub_group: SubGroup) -> int:
+        return self._region_offsets(sub_group)[-1]
+
+    def _views(self, sub_group: SubGroup, buffer: torch.Tensor, position: int) -> dict[str, torch.Tensor]:
+        """Piece `position`'s state tensors, as views of a sub-group buffer."""
+        assert self.kinds is not None
+        start = sum(piece.length for piece in sub_group.pieces[:position])
+        length = sub_group.pieces[position].length
+        views = {}
+        for kind, region in zip(self.kinds, self._region_offsets(sub_group)):
+            low = region + start * kind.itemsize
+            views[kind.key] = buffer[low: low + length * kind.itemsize].view(kind.dtype)
+        return views
+
+    def _allocate_buffers(self) -> None:
+        if self.kinds:
+            size = max(self._file_bytes(sg) for sg in self._plan)
+            count = max(1, min(self.settings.buffer_count, len(self._plan)))  # never more buffers than sub-groups
+            self._buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(count)]
+
+    def _check_plan(self) -> None:
+        """Plan the sub-groups over the tensors the inner optimizer steps (once: they never change)."""
+        key = tuple(id(t) for group in self.inner.param_groups for t in group["params"])
+        if key == self._plan_key:
+            return
+        assert not self._plan_key, "a swapped optimizer's tensors cannot change"
+        for group in self.inner.param_groups:
+            for tensor in group["params"]:
+                if tensor.device.type != "cpu" or tensor.dim() != 1:
+                    raise errors.OffloadError("swap files hold the state of flat CPU tensors only (zerodist's "
+                                              f"shards); got a {tensor.dim()}-d tensor on {tensor.device}")
+        self._plan_key = key
+        self._plan = plan_subgroups([[t.numel() for t in g["params"]] for g in self.inner.param_groups],
+                                    self.settings.sub_group_size)
+
+    # ------------------------------------------------------------------ state read back, state written
+    def read_state(self, tensor: torch.Tensor) -> dict[str, Any]:
+        """`tensor`'s whole state: its scalars and its per-element state read from the swap files."""
+        if tensor not in self.scalars:
+            raise KeyError("this tensor has no optimizer state yet")
+        state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self.scalars[tensor].items()}
+        if not self.kinds or not self._on_disk:
+            return state
+        values = {kind.key: torch.empty(tensor.numel(), dtype=kind.dtype) for kind in self.kinds}
+        for sub_group, position in self._pieces_of(tensor):
+            piece = sub_group.pieces[position]
+            start = sum(p.length for p in sub_group.pieces[:position])
+            for kind, region in zip(self.kinds, self._region_offsets(sub_group)):
+                out = values[kind.key][piece.start: piece.start + piece.length]
+                self.directory.read(sub_group.index, out, offset=region + start * kind.itemsize, whole=False)
+        state.update(values)
+        return state
+
+    def _pieces_of(self, tensor: torch.Tensor) -> Iterator[tuple[SubGroup, int]]:
+        params = [group["params"] for group in self.inner.param_groups]
+        for sub_group in self._plan:
+            for position, piece in enumerate(sub_group.pieces):
+                if params[piece.group][piece.position] is tensor:
+                    yield sub_group, position
+
+    def _absorb(self, loaded: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Write a loaded state to the swap files (a resume rebuilds them) and keep its scalars."""
+        self.scalars = {t: {k: v for k, v in s.items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
+                        for t, s in loaded.items() if s}
+        self.kinds = _kinds_of(list(loaded.values())) if loaded else None
+        self._allocate_buffers()
+        self._on_disk = False
+        if not self.kinds:
+            return
+        if len(self.scalars) != len(self._plan_key):
+            raise errors.OffloadError("a swapped optimizer loads a state that covers every tensor or none")
+        params = [group["params"] for group in self.inner.param_groups]
+        buffer = self._buffers[0]
+        for sub_group in self._plan:
+            states: list[dict[str, Any] | None] = []
+            for piece in sub_group.pieces:
+                full = loaded[params[piece.group][piece.position]]
+                states.append({k: v.reshape(-1)[piece.start: piece.start + piece.length] for k, v in full.items()
+                               if isinstance(v, torch.Tensor) and v.dim() > 0})
+            self._pack(sub_group, buffer, states)
+            self.directory.write(sub_group.index, buffer[: self._file_bytes(sub_group)])
+        self._on_disk = True
+
+    # ------------------------------------------------------------------ waiting and agreeing
+    def _wait(self, future: Future[None]) -> None:
+        started = time.perf_counter()
+        try:
+            future.result()
+        finally:
+            self.io_wait_s += time.perf_counter() - started
+
+    def _timed(self, function: Callable[..., None], *args: Any) -> None:
+        started = time.perf_counter()
+        try:
+            function(*args)
+        finally:
+            self.io_wait_s += time.perf_counter() - started
+
+    def _agree(self, failure: errors.OffloadError | None) -> None:
+        """Every rank raises when any rank's swap I/O failed ([Note: failures agreed])."""
+        if not comm.is_initialized():  # one process without a process group (unit tests, tools)
+            if failure is not None:
+                raise failure
+            return
+        flag = torch.tensor([0.0 if failure is None else 1.0])
+        comm.all_reduce(flag, group=self.group)
+        if flag.item() == 0:
+            return
+        reports: list[Any] = [None] * comm.get_world_size(self.group)
+        here = None if failure is None else (type(failure).__name__, str(failure))
+        comm.all_gather_object(reports, here, group=self.group)
+        if failure is not None:
+            raise failure
+        rank, (name, message) = next((r, report) for r, report in enumerate(reports) if report is not None)
+        raise getattr(errors, name, errors.OffloadError)(f"on rank {rank}: {message}")
+
+
+def _kinds_of(states: list[dict[str, Any] | None]) -> tuple[Kind, ...]:
+    """The per-element state kinds, from the first state that has any (tensors of one or more dims)."""
+    for state in states:
+        if state:
+            return tuple(Kind(k, v.dtype) for k, v in sorted(state.items())
+                         if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return ()

@@ -1,0 +1,120 @@
+"""From the config to a swapped optimizer: the settings, the checks every rank agrees on, the run's directory.
+
+    offload_optimizer.device   none  the optimizer as built
+                               cpu   the optimizer as built, and one info line: with parameters on the
+                                     CPU the state lives on the host already (DeepSpeed's `cpu` moves it
+                                     there from an accelerator, which zerodist does not do yet)
+                               nvme  `SwappedOptimizer` over it, its files under
+                                     <nvme_path>/<run>/rank<r>/, <run> chosen by rank 0
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import itertools
+import os
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import zerodist.comm as comm
+from zerodist.comm.collectives import Group
+from zerodist.config import Config
+from zerodist.offload import errors
+from zerodist.offload.optimizer import StreamSettings, SwappedOptimizer, swapped
+from zerodist.offload.swap_files import SwapDirectory, check_swap_root, problem_error
+from zerodist.utils import get_logger, log_rank0
+
+logger = get_logger(__name__)
+
+# Bytes of swap file per stepped element the start-up check asks for: Adam's two fp32 states
+# (an optimizer with more state finds out at its first write, with the same named error).
+_CHECKED_BYTES_PER_ELEMENT = 8
+_RUNS = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadSettings:
+    """`zero_optimization.offload_optimizer`, `offload_param` and `sub_group_size`, sliced from the config."""
+
+    optimizer_device: str = "none"
+    param_device: str = "none"
+    nvme_path: str | None = None
+    stream: StreamSettings = StreamSettings(sub_group_size=1_000_000_000)
+
+    @classmethod
+    def from_config(cls, config: Config) -> OffloadSettings:
+        zero = config.zero_optimization
+        optimizer, param = zero.offload_optimizer, zero.offload_param
+        if optimizer is None:
+            stream = StreamSettings(sub_group_size=zero.sub_group_size)
+            return cls(param_device=param.device if param is not None else "none", stream=stream)
+        return cls(optimizer.device, param.device if param is not None else "none", optimizer.nvme_path,
+                   StreamSettings(zero.sub_group_size, optimizer.buffer_count, optimizer.pipeline_read,
+                                  optimizer.pipeline_write))
+
+    @property
+    def swaps(self) -> bool:
+        return self.optimizer_device == "nvme"
+
+
+def offloaded_build(build: Callable[[list[dict[str, Any]]], torch.optim.Optimizer], settings: OffloadSettings,
+                    group: Group, device: torch.device) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
+    """`build` (the engine's optimizer factory over the flat shards), offloaded as `settings` say."""
+    if settings.optimizer_device == "none" and settings.param_device == "none":
+        return build
+    if device.type != "cpu":
+        raise errors.OffloadError(
+            f"offload_optimizer.device={settings.optimizer_device!r}, offload_param.device="
+            f"{settings.param_device!r} with parameters on {device.type}: offload from an accelerator is not "
+            "implemented yet; set the devices to \"none\"")
+    cpu = [f"{key}.device=\"cpu\"" for key, value in (("offload_optimizer", settings.optimizer_device),
+                                                      ("offload_param", settings.param_device)) if value == "cpu"]
+    if cpu:
+        log_rank0(logger, "offload: %s %s nothing here: the parameters are on the CPU, so their state lives on "
+                  "the host already", " and ".join(cpu), "changes" if len(cpu) == 1 else "change")
+    if not settings.swaps:
+        return build
+
+    def build_swapped(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        inner = build(groups)
+        numel = sum(t.numel() for g in groups for t in g["params"])
+        directory = open_swap_directory(settings.nvme_path or "", numel * _CHECKED_BYTES_PER_ELEMENT, group)
+        return swapped(inner, directory, settings.stream, group)
+
+    return build_swapped
+
+
+def open_swap_directory(root: str, needed_bytes: int, group: Group) -> SwapDirectory:
+    """This rank's swap directory under `root`, after every rank checked its own (a problem on any
+    rank is the same named error on every rank)."""
+    # Time, process and a count: two engines of one process (one resuming while the other ends) never share one.
+    candidate = f"zerodist-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{next(_RUNS)}"
+    answers: list[Any] = [None] * comm.get_world_size(group)
+    comm.all_gather_object(answers, (candidate, check_swap_root(root, needed_bytes)), group=group)
+    failed = [(rank, problem) for rank, (_, problem) in enumerate(answers) if problem is not None]
+    if failed:
+        rank, problem = failed[0]
+        raise problem_error(problem if len(failed) == len(answers) else f"on rank {rank}: {problem}")
+    directory = SwapDirectory(root, answers[0][0], comm.get_rank())
+    log_rank0(logger, "offload: optimizer state in swap files under %s (removed by destroy(); a process that "
+              "dies leaves them there)", directory.path.parent)
+    atexit.register(_report_left, weakref.ref(directory))
+    return directory
+
+
+def _report_left(reference: weakref.ref[SwapDirectory]) -> None:
+    directory = reference()
+    if directory is not None and not directory.closed and directory.path.exists():
+        logger.warning("offload: swap files left under %s (the engine was not destroyed); remove them when done",
+                       directory.path)
+
+
+def close_offload(optimizer: Any) -> None:
+    """Remove an offloaded optimizer's swap files (nothing for any other optimizer)."""
+    if isinstance(optimizer, SwappedOptimizer):
+        optimizer.close()
