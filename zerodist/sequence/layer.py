@@ -103,6 +103,19 @@ def replicate_kv_heads(tensor: torch.Tensor, heads_dim: int, degree: int) -> tor
     return tensor.repeat_interleave(degree // heads, dim=heads_dim)
 
 
+def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Group, scatter_idx: int,
+                      gather_idx: int, local_attention: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """All-to-all q, k, v from sequence slices to head slices, the local attention over the whole
+    sequence, and back."""
+    degree = comm.get_world_size(group)
+    check_heads(query.shape[scatter_idx], key.shape[scatter_idx], degree)
+    key = replicate_kv_heads(key, scatter_idx, degree)
+    value = replicate_kv_heads(value, scatter_idx, degree)
+    q, k, v = (all_to_all(t, group, scatter_idx, gather_idx) for t in (query, key, value))
+    context = local_attention(q, k, v, *args, **kwargs)
+    return all_to_all(context, group, gather_idx, scatter_idx)
+
+
 class DistributedAttention(torch.nn.Module):
     """DeepSpeed-Ulysses attention around `local_attention(q, k, v, *args, **kwargs)`."""
 
@@ -139,13 +152,8 @@ class DistributedAttention(torch.nn.Module):
             return self.local_attn(query, key, value, *args, **kwargs)
         if settings.method == "ring":
             return self._ring(query, key, value, settings)
-        group, degree = settings.group, settings.layout.size
-        check_heads(query.shape[self.scatter_idx], key.shape[self.scatter_idx], degree)
-        key = replicate_kv_heads(key, self.scatter_idx, degree)
-        value = replicate_kv_heads(value, self.scatter_idx, degree)
-        q, k, v = (all_to_all(t, group, self.scatter_idx, self.gather_idx) for t in (query, key, value))
-        context = self.local_attn(q, k, v, *args, **kwargs)
-        return all_to_all(context, group, self.gather_idx, self.scatter_idx)
+        return ulysses_attention(query, key, value, settings.group, self.scatter_idx, self.gather_idx,
+                                 self.local_attn, *args, **kwargs)
 
     def _ring(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               settings: EngineSequence) -> torch.Tensor:
