@@ -111,3 +111,10 @@ def test_gpt_sequence_parallel_matches_one_process(stage, world_size):
 @distributed_test(world_size=[2, 4], timeout=120)
 def test_hf_llama_sequence_parallel_matches_one_process(stage, world_size):
     _train("llama", stage, world_size)
+
+
+@pytest.mark.parametrize("kind,stage", [("gpt", 0), ("llama", 3)])
+@distributed_test(world_size=2, timeout=120)
+def test_ring_engine_matches_one_process(kind, stage, world_size):
+    """The ring (head-tail chunks: rank 0 holds tokens 0-3 and 12-15, rank 1 tokens 4-11)."""
+    _train(kind, stage, world_size, method="ring")

@@ -124,7 +124,7 @@ def _check_model_heads(model: torch.nn.Module, settings: SequenceSettings) -> No
 
 
 def _wire_attention(model: torch.nn.Module, engine: EngineSequence, state: SequenceParallelState) -> None:
-    own = [m for m in model.modules() if isinstance(m, DistributedAttention) and m.spg is None]
+    own: list[torch.nn.Module] = [m for m in model.modules() if isinstance(m, DistributedAttention) and m.spg is None]
     if own:
         for module in own:
             register_engine_sequence(module, engine)
@@ -136,9 +136,9 @@ def _wire_attention(model: torch.nn.Module, engine: EngineSequence, state: Seque
             "zerodist.sequence.DistributedAttention(local_attention, None, ...) (as zerodist.models.gpt does), or use "
             "a Hugging Face model whose attention goes through transformers' AttentionInterface")
     hf.register_attention()
-    previous = model.config._attn_implementation
+    previous: Any = getattr(model, "config")._attn_implementation
     model.set_attn_implementation(hf.ATTENTION_NAME)  # type: ignore[operator]
-    state.hf_previous = previous
+    state.hf_previous = str(previous)
     state.attention_modules = list(model.modules())  # the function finds its settings by the attention module
     for module in state.attention_modules:
         register_engine_sequence(module, engine)
