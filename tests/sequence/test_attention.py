@@ -18,11 +18,11 @@ from tests.harness import distributed_test
 BATCH, SEQ, HEAD_DIM = 2, 16, 8
 
 
-def local_causal(q, k, v):
+def local_causal(q, k, v, causal=True):
     """One-process causal attention over [batch, seq, heads, d], grouped k/v heads repeated."""
     repeat = q.shape[2] // k.shape[2]
     k, v = (t.repeat_interleave(repeat, dim=2) for t in (k, v))
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
     return out.transpose(1, 2)
 
 
@@ -34,10 +34,10 @@ def _full(heads, kv_heads, dtype):
     return q, k, v, weights
 
 
-def _check(attention, layout, heads, kv_heads, formula, dtype=torch.float32):
+def _check(attention, layout, heads, kv_heads, formula, dtype=torch.float32, causal=True):
     q, k, v, weights = _full(heads, kv_heads, dtype)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    reference = local_causal(*full)
+    reference = local_causal(*full, causal=causal)
     (reference * weights).sum().backward()
     rows = layout.token_indices(SEQ)
     mine = [t[:, rows].clone().requires_grad_() for t in (q, k, v)]
@@ -74,6 +74,15 @@ def test_ring_matches_one_process(heads, kv_heads):
     # in float32 the two differ by up to ~1.3e-6 on values of order 1 (a few ulps), in float64 by ~1e-15
     formula = ring_bytes(batch=BATCH, seq=SEQ, kv_heads=kv_heads, head_dim=HEAD_DIM, degree=size, element_size=8)
     _check(attention, attention.layout, heads, kv_heads, formula, torch.float64)
+
+
+@distributed_test(world_size=2, timeout=60)
+def test_ring_without_a_mask_matches_one_process():
+    """Not causal: contiguous slices, every block whole."""
+    attention = RingAttention(comm.get_world_group(), causal=False)
+    assert not attention.layout.head_tail
+    formula = ring_bytes(batch=BATCH, seq=SEQ, kv_heads=2, head_dim=HEAD_DIM, degree=2, element_size=8)
+    _check(attention, attention.layout, 4, 2, formula, torch.float64, causal=False)
 
 
 @distributed_test(world_size=4, timeout=60)

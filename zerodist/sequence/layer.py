@@ -120,7 +120,9 @@ class DistributedAttention(torch.nn.Module):
     """DeepSpeed-Ulysses attention around `local_attention(q, k, v, *args, **kwargs)`."""
 
     def __init__(self, local_attention: Any, sequence_process_group: Group | None, scatter_idx: int = 2,
-                 gather_idx: int = 0) -> None:
+                 gather_idx: int = 0, sp_stream: Any = None) -> None:
+        """`sp_stream` is DeepSpeed's CUDA stream for overlapping the k/v all-to-alls; accepted for its
+        signature, unused (the all-to-alls run in order on the current stream)."""
         super().__init__()
         if scatter_idx == gather_idx:
             raise SequenceParallelError(f"scatter_idx and gather_idx are both {scatter_idx}: scatter_idx is the heads "
