@@ -32,7 +32,7 @@ from zerodist.tensor_parallel import schedule_log
 from zerodist.train.metrics import MetricsLog, StepRecord, plot_loss, read_csv, write_csv
 from zerodist.train.options import TrainPlan
 from zerodist.train.report import RankMemory, RunSummary, expected_bus_bytes, format_summary
-from zerodist.train.seq_report import SavedActivations, SequenceReport, ulysses_formula
+from zerodist.train.seq_report import SavedActivations, SequenceReport, ring_formula, ulysses_formula
 from zerodist.train.seq_report import report_lines as sequence_report_lines
 from zerodist.train.tp_report import measure_from_log, report_lines
 
@@ -249,7 +249,8 @@ def _sequence_report(engine: Engine, everything: Any, activations: SavedActivati
     method = engine.config.zerodist.sequence_parallel.method
     micro_steps_run = max(1, steps * engine.batch.gradient_accumulation_steps)
     return SequenceReport(engine.topology.size("sequence"), method, everything.bus_bytes("all_to_all") / micro_steps_run,
-                          ulysses_formula(engine, seq_len) if method == "ulysses" else None, everyone)
+                          ulysses_formula(engine, seq_len) if method == "ulysses" else None, everyone,
+                          ring_formula(engine, seq_len) if method == "ring" else None)
 
 
 def train(plan: TrainPlan) -> int:

@@ -134,7 +134,7 @@ def comm_lines(summary: RunSummary) -> list[str]:
                  f"training; docs/design/zero.md expects {expected} bus bytes for "
                  "gradients and parameters (plus a few bytes of norm/overflow all_reduce)"
                  + ("; the rest is tensor-parallel traffic (below)" if summary.tensor_degree > 1 else "")
-                 + ("; the rest is sequence-parallel all-to-all (below) and the loss's token counts"
+                 + ("; the rest is sequence-parallel traffic (below) and the loss's token counts"
                     if summary.sequence_degree > 1 else ""))
     lines.append(f"  loss averaging for the progress bar adds {format_bytes(summary.logging_bytes / steps)} per step "
                  "(included in the table)")
