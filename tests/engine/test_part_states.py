@@ -11,6 +11,7 @@ import zerodist
 from tests.harness import run_distributed
 from zerodist.models.gpt import GPT, GPTConfig
 from zerodist.moe.parallel import ExpertParallelState
+from zerodist.sequence.apply import SequenceParallelState
 from zerodist.tensor_parallel.apply import TensorParallelState
 from zerodist.zero import GatheredParameters, ZeroState
 
@@ -25,8 +26,9 @@ def body() -> list[str]:
         "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 3}, "tensor_parallel": {"autotp_size": 2}})
-    tensor, experts, zero = engine.part_states
+    tensor, sequence, experts, zero = engine.part_states
     assert isinstance(tensor, TensorParallelState) and isinstance(experts, ExpertParallelState)
+    assert isinstance(sequence, SequenceParallelState) and sequence.report() == []  # sequence degree 1
     assert isinstance(zero, ZeroState) and zero.runtime is engine.units
     logical = engine.module_state_dict()
     assert logical.keys() == plain.keys()
@@ -34,7 +36,7 @@ def body() -> list[str]:
         assert torch.equal(logical[key], value), key  # the same init, the same values
     with GatheredParameters(list(engine.module.parameters())):
         held = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    back = tensor.from_logical(experts.from_logical(logical))
+    back = tensor.from_logical(sequence.from_logical(experts.from_logical(logical)))
     assert back.keys() == held.keys()
     for key in held:
         assert torch.equal(back[key], held[key]), key

@@ -46,6 +46,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="continue from the newest checkpoint in OUT/checkpoints (give the earlier run's --out)")
     p.add_argument("--tp", type=_positive_int, default=None, metavar="T",
                    help="tensor-parallel degree (ranks per tensor group); the data degree is nproc / T")
+    p.add_argument("--sp", type=_positive_int, default=None, metavar="P",
+                   help="sequence-parallel degree (ranks that split each sequence); the data degree is nproc / (T x P)")
+    p.add_argument("--sp-method", choices=("ulysses", "ring"), default=None,
+                   help="sequence-parallel attention: ulysses (default; P must divide the heads) or ring (any P)")
+    p.add_argument("--seq-len", type=_positive_int, default=None, metavar="N",
+                   help="the GPT's sequence length (default: the preset's)")
     p.add_argument("--domino", type=_positive_int, default=None, metavar="K",
                    help="Domino: split each block's batch into K >= 2 chunks to overlap tensor-parallel all-reduces")
     p.set_defaults(handler=run)
@@ -80,6 +86,8 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     if args.moe is not None and (args.tp or 1) > 1:
         raise ValueError("--moe with --tp: the demo does not combine expert and tensor parallelism yet; "
                          "use one of them")
+    if args.moe is not None and (args.sp or 1) > 1:
+        raise ValueError("--moe with --sp: the demo does not combine expert and sequence parallelism yet; use one")
     if args.moe is not None and args.moe % world_size:
         raise ValueError(f"--moe {args.moe}: the experts are spread over the {world_size} rank(s), so their number "
                          f"must be a multiple of {world_size}")
@@ -89,15 +97,19 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     overrides = Overrides(stage=args.stage, micro_batch=args.micro_batch, lr=args.lr, steps=args.steps,
                           bf16=args.bf16, fp16=args.fp16, save_interval=args.save_interval, resume=args.resume,
                           keep_last=getattr(args, "keep_last", None),  # absent from hand-made Namespaces
-                          save_dir=str(out / "checkpoints"), tensor_parallel=args.tp, domino_chunks=args.domino)
+                          save_dir=str(out / "checkpoints"), tensor_parallel=args.tp, domino_chunks=args.domino,
+                          sequence_parallel=getattr(args, "sp", None), sequence_method=getattr(args, "sp_method", None))
     config = merge_config(file_config, overrides, steps)
     source = f"{args.config} with the command-line flags" if args.config else None
     try:
         checked = Config.load(config)
-        tensor = checked.tensor_degree
-        if world_size % tensor:
-            raise ValueError(f"--nproc {world_size} is not divisible by the tensor-parallel degree {tensor} (--tp)")
-        checked.batch_sizes(world_size // tensor, world_size_source=f"{world_size} rank(s) / tensor {tensor}")
+        tensor, sequence = checked.tensor_degree, checked.sequence_parallel_size
+        if world_size % (tensor * sequence):
+            raise ValueError(f"--nproc {world_size} is not divisible by the tensor-parallel degree {tensor} (--tp) x "
+                             f"the sequence-parallel degree {sequence} (--sp)")
+        _check_sequence(checked, model, getattr(args, "seq_len", None))
+        checked.batch_sizes(world_size // (tensor * sequence),
+                            world_size_source=f"{world_size} rank(s) / tensor {tensor} / sequence {sequence}")
         if checked.optimizer is not None:
             optimizer_from_config(checked)
         if checked.scheduler is not None:
@@ -105,7 +117,21 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     except ConfigError as err:
         raise ConfigError(err.problems, source=source) from None
     return TrainPlan(model=model, steps=steps, seed=DEFAULT_SEED if args.seed is None else args.seed, out=out,
-                     config=config, moe_experts=args.moe or 0)
+                     config=config, moe_experts=args.moe or 0, seq_len=getattr(args, "seq_len", None))
+
+
+def _check_sequence(config: Any, model: str, seq_len: int | None) -> None:
+    """Heads and sequence length against the sequence-parallel degree, before any rank starts."""
+    from zerodist.models import gpt_config
+    from zerodist.sequence.layout import SequenceLayout, check_heads
+
+    gpt = gpt_config(model, **({"seq_len": seq_len} if seq_len else {}))
+    degree, method = config.sequence_parallel_size, config.zerodist.sequence_parallel.method
+    if degree == 1:
+        return
+    if method == "ulysses":
+        check_heads(gpt.n_heads, gpt.n_heads, degree)
+    SequenceLayout(0, degree, head_tail=method == "ring").check_length(gpt.seq_len)
 
 
 def default_out() -> str:
@@ -118,7 +144,8 @@ def worker_args(args: argparse.Namespace, out: Path) -> list[str]:
     flags = {"--config": args.config, "--stage": args.stage, "--steps": args.steps, "--model": args.model,
              "--micro-batch": args.micro_batch, "--lr": args.lr, "--seed": args.seed,
              "--save-interval": args.save_interval, "--keep-last": getattr(args, "keep_last", None), "--moe": args.moe,
-             "--tp": args.tp, "--domino": args.domino}
+             "--tp": args.tp, "--domino": args.domino, "--sp": getattr(args, "sp", None),
+             "--sp-method": getattr(args, "sp_method", None), "--seq-len": getattr(args, "seq_len", None)}
     for flag, value in flags.items():
         if value is not None:
             argv += [flag, str(value)]
@@ -142,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         plan = build_plan(args, nproc)
-    except (ConfigError, ValueError) as err:
+    except (ConfigError, ValueError) as err:  # SequenceParallelError is a ValueError
         if os.environ.get("RANK", "0") == "0":
             print(f"zerodist train: {err}", file=sys.stderr)
         return 2

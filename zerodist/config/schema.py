@@ -379,6 +379,13 @@ class ZerodistTensorParallelConfig(Section):
     )
 
 
+class ZerodistSequenceParallelConfig(Section):
+    method: Literal["ulysses", "ring"] = Field(
+        "ulysses", description="Sequence-parallel attention: ulysses (all-to-all sequence <-> heads; the degree must "
+        "divide the heads) or ring (blockwise, merged by log-sum-exp; any degree, causal head-tail balance)."
+    )
+
+
 class ZerodistConfig(Section):
     timeout: Annotated[float, Field(gt=0)] | None = Field(
         None,
@@ -401,6 +408,10 @@ class ZerodistConfig(Section):
     tensor_parallel: ZerodistTensorParallelConfig = Field(
         default_factory=ZerodistTensorParallelConfig,
         description="Tensor parallelism settings DeepSpeed has no key for (sequence parallelism, Domino).",
+    )
+    sequence_parallel: ZerodistSequenceParallelConfig = Field(
+        default_factory=ZerodistSequenceParallelConfig,
+        description="Sequence parallelism settings DeepSpeed has no key for (the attention method).",
     )
     stage3_unit_classes: list[str] = Field(
         default_factory=list,
@@ -493,6 +504,10 @@ class Config(Section):
     )
     tensor_parallel: TensorParallelConfig = Field(
         default_factory=TensorParallelConfig, description="Tensor parallelism (DeepSpeed AutoTP's keys)."
+    )
+    sequence_parallel_size: int = Field(
+        1, ge=1, description="Sequence-parallel degree (DeepSpeed-Ulysses' key): ranks that split each sample's "
+        "sequence; ZeRO shards and reduces over data x sequence. 1 turns it off."
     )
     zerodist: ZerodistConfig = Field(
         default_factory=ZerodistConfig, description="zerodist settings DeepSpeed has no key for."

@@ -32,6 +32,8 @@ from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimiz
 from zerodist.engine.schedulers import build_scheduler
 from zerodist.moe.parallel import ExpertParallelState, apply_expert_parallel_part
 from zerodist.offload import OffloadSettings, offloaded_build
+from zerodist.sequence.apply import SequenceParallelState, SequenceSettings, apply_sequence_parallel
+from zerodist.sequence.data import SequenceShardLoader
 from zerodist.tensor_parallel.apply import (TENSOR_PARALLEL_LAYERS, TensorParallelSettings, TensorParallelState,
                                             apply_tensor_parallel)
 from zerodist.tensor_parallel.plan import PlanError
@@ -98,6 +100,7 @@ def _initialize(model: torch.nn.Module | None, model_parameters: Iterable[Any] |
     (part,) = split_parts(model)  # one part until pipeline parallelism splits the model
     tensor = _apply_tensor_parallel(part, topology, validated.config)
     part = dataclasses.replace(part, module=tensor.module)
+    sequence = apply_sequence_parallel(part, topology, SequenceSettings.from_config(validated.config))
     world = validated.world
     batch = validated.config.batch_sizes(topology.num_batch_shards,
                                          world_size_source=f"{world.source}, WORLD_SIZE={world.world_size}")
@@ -105,7 +108,7 @@ def _initialize(model: torch.nn.Module | None, model_parameters: Iterable[Any] |
     experts = apply_expert_parallel_part(part.module, topology, batch.gradient_accumulation_steps)
     zero = _apply_zero(part, model_parameters, optimizer, topology, validated.config)
     scheduler = build_scheduler(validated.config, zero.optimizer.inner, lr_scheduler)
-    engine, loader = _build_engine(part.module, (tensor, experts, zero), batch, scheduler, validated, training_data,
+    engine, loader = _build_engine(part.module, (tensor, sequence, experts, zero), batch, scheduler, validated, training_data,
                                    collate_fn)
     return engine, zero.optimizer, loader, scheduler
 
@@ -139,7 +142,7 @@ def _build_topology(validated: Validated, model: torch.nn.Module) -> comm.Topolo
     # ([Note: gradient groups] in zerodist/comm/topology.py).
     sharding = ShardingPolicy.from_stage(validated.config.zero_optimization.stage)
     return comm.Topology(expert=expert_parallel_degree(model), tensor=validated.config.tensor_degree,
-                         gradient_groups=sharding.shard_parameters)
+                         sequence=validated.config.sequence_parallel_size, gradient_groups=sharding.shard_parameters)
 
 
 def _apply_tensor_parallel(part: Part, topology: comm.Topology, config: Config) -> TensorParallelState:
@@ -186,16 +189,19 @@ def _apply_zero(part: Part, model_parameters: Iterable[Any] | None, optimizer: A
     return apply_zero(part, topology, ZeroSettings.from_config(config), OptimizerRecipe(specs, build_optimizer))
 
 
-def _build_engine(model: torch.nn.Module, states: tuple[TensorParallelState, ExpertParallelState, ZeroState],
+def _build_engine(model: torch.nn.Module,
+                  states: tuple[TensorParallelState, SequenceParallelState, ExpertParallelState, ZeroState],
                   batch: BatchSizes, scheduler: Any, validated: Validated, training_data: torch.utils.data.Dataset | None,
                   collate_fn: Callable[..., Any] | None) -> tuple[Engine, EngineDataLoader | None]:
     config, world, zero = validated.config, validated.world, states[-1]
     topology = zero.topology
-    loader = None
-    if training_data is not None:  # dealt by batch shard: tensor-parallel peers read the same samples
+    loader: Any = None  # an EngineDataLoader, wrapped in a SequenceShardLoader with a sequence axis
+    if training_data is not None:  # dealt by batch shard: tensor- and sequence-parallel peers read the same samples
         loader = EngineDataLoader(training_data, batch_size=batch.micro_batch_size,
                                   num_replicas=topology.num_batch_shards, rank=topology.batch_rank,
                                   collate_fn=collate_fn)
+        if states[1].layout.size > 1:  # each sequence rank keeps its slice of every sample
+            loader = SequenceShardLoader(loader, states[1].layout)
     engine = Engine(model, config=config, batch=batch, part_states=states, lr_scheduler=scheduler,
                     training_dataloader=loader)
     _INITIALIZED.add(model)

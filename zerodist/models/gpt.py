@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerodist.models.toy import count_parameters
+from zerodist.sequence.layer import DistributedAttention
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,18 @@ def _residual_std(config: GPTConfig) -> float:
     return 0.02 / math.sqrt(2 * config.n_layers)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal scaled-dot-product attention over (batch, heads, seq, head_dim)."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention over (batch, seq, d_model)."""
+    """Multi-head causal self-attention over (batch, seq, d_model).
+
+    The attention itself runs in `core`, a `zerodist.sequence.DistributedAttention` with no group:
+    plain causal attention on one process, and sequence-parallel (Ulysses or ring) once
+    `zerodist.initialize()` runs with `sequence_parallel_size` > 1 (it has no parameters, so the
+    state dict is unchanged)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -111,13 +122,15 @@ class CausalSelfAttention(nn.Module):
         self.qkv = InitLinear(config.d_model, 3 * config.d_model)
         self.proj = InitLinear(config.d_model, config.d_model, std=_residual_std(config))
         self.resid_dropout = nn.Dropout(config.dropout)
+        # (batch, heads, seq, head_dim): heads are dimension 1, the sequence dimension 2
+        self.core = DistributedAttention(causal_attention, None, scatter_idx=1, gather_idx=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d_model = x.shape
         # (B, T, 3C) -> three (B, heads, T, C/heads)
         q, k, v = self.qkv(x).view(batch, seq, 3, self.n_heads, d_model // self.n_heads).permute(2, 0, 3, 1, 4)
         dropout_p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        y = self.core(q, k, v, None, dropout_p)
         y = y.transpose(1, 2).reshape(batch, seq, d_model)
         return self.resid_dropout(self.proj(y))
 
@@ -154,7 +167,9 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """Decoder-only transformer. ``forward(idx)`` -> logits (B, T, vocab);
-    ``forward(idx, targets)`` -> mean cross-entropy loss (a scalar), as a training loop wants."""
+    ``forward(idx, targets)`` -> mean cross-entropy loss (a scalar, targets -100 ignored), as a
+    training loop wants. ``position_ids`` (B, T) number the tokens (default 0..T-1): a
+    sequence-parallel rank holds a slice of the sequence and passes the slice's positions."""
 
     def __init__(self, config: GPTConfig | None = None) -> None:
         super().__init__()
@@ -176,14 +191,15 @@ class GPT(nn.Module):
             if module is not self and hasattr(module, "reset_parameters"):
                 module.reset_parameters()  # type: ignore[operator]  # nn.Module.__getattr__ is typed Tensor | Module
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if idx.dim() != 2:
             raise ValueError(f"GPT expects token ids of shape (batch, seq), got {tuple(idx.shape)}")
         seq = idx.shape[1]
         if seq > self.config.seq_len:
             raise ValueError(f"sequence length {seq} exceeds the model's seq_len={self.config.seq_len}")
         idx = idx.long()
-        positions = torch.arange(seq, device=idx.device)
+        positions = torch.arange(seq, device=idx.device) if position_ids is None else position_ids.long()
         x = self.emb_dropout(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
             x = block(x)

@@ -32,6 +32,8 @@ from zerodist.tensor_parallel import schedule_log
 from zerodist.train.metrics import MetricsLog, StepRecord, plot_loss, read_csv, write_csv
 from zerodist.train.options import TrainPlan
 from zerodist.train.report import RankMemory, RunSummary, expected_bus_bytes, format_summary
+from zerodist.train.seq_report import SavedActivations, SequenceReport, ring_formula, ulysses_formula
+from zerodist.train.seq_report import report_lines as sequence_report_lines
 from zerodist.train.tp_report import measure_from_log, report_lines
 
 if TYPE_CHECKING:
@@ -57,12 +59,16 @@ def endless(loader: Any) -> Iterator[Any]:
         yield from loader
 
 
-def micro_steps(engine: Engine, batches: Iterator[Any], device: torch.device) -> torch.Tensor:
-    """One optimizer step (all its micro-steps); returns this rank's mean loss over them."""
+def micro_steps(engine: Engine, batches: Iterator[Any], device: torch.device,
+                activations: SavedActivations | None = None) -> torch.Tensor:
+    """One optimizer step (all its micro-steps); returns this rank's mean loss over them.
+    `activations` measures the first micro-step's forward."""
     losses = []
-    for _ in range(engine.gradient_accumulation_steps()):
-        inputs, targets = next(batches)
-        loss = engine(inputs.to(device), targets.to(device))
+    for micro in range(engine.gradient_accumulation_steps()):
+        # (inputs, targets), or with a sequence axis this rank's slices and their position ids
+        batch = next(batches)
+        with activations.measure() if activations is not None and micro == 0 else contextlib.nullcontext():
+            loss = engine(*(t.to(device) for t in batch))
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach().float())
@@ -94,8 +100,8 @@ class ProgressBar:
             self.bar.close()
 
 
-def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int,
-              metrics: MetricsLog | None = None) -> tuple[list[StepRecord], float, Any, Any]:
+def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int, metrics: MetricsLog | None = None,
+              activations: SavedActivations | None = None) -> tuple[list[StepRecord], float, Any, Any]:
     """Train `steps` optimizer steps; returns (records, seconds, tracer of everything, bytes and
     bus bytes of the loss averaging alone). The loss averaging runs in a nested trace so the summary can
     tell the engine's traffic from the progress bar's. Each step's row goes to `metrics` as it ends."""
@@ -112,7 +118,7 @@ def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int,
         for step in range(first, steps + 1):
             step_started = time.perf_counter()
             lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves it on in engine.step()
-            local_loss = micro_steps(engine, batches, device)
+            local_loss = micro_steps(engine, batches, device, activations if step == first else None)
             with comm.trace(keep_records=False) as logging_trace:
                 loss = float(reduce_loss(local_loss))
             logging_traffic[0] += logging_trace.total_bytes()
@@ -147,7 +153,8 @@ def gather_memory(engine: Engine) -> list[RankMemory]:
 def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everything: Any, logging_traffic: tuple,
               memory: list[RankMemory], seq_len: int) -> RunSummary:
     zero = engine.config.zero_optimization
-    world = engine.topology.num_batch_shards
+    # the ranks dense parameters are sharded over: the batch shards, times the sequence degree
+    world = engine.topology.size(*engine.topology.dense_axes)
     psi = sum(g.layout.total_numel for g in engine.groups)
     psi_by_stage: dict[int, int] = {}
     narrow: list[tuple[int, int, int]] = []  # MoE experts: sharded over their data group only
@@ -169,6 +176,7 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
             reduce_scatter=zero.reduce_scatter, element_bytes=engine.policy.param_dtype.itemsize),
         narrow_groups=tuple(narrow),
         tensor_degree=engine.topology.size("tensor"),
+        sequence_degree=engine.topology.size("sequence"),
     )
 
 
@@ -231,6 +239,20 @@ def _moe_lines(plan: TrainPlan, engine: Engine, model: Any, load: Any, everythin
     return lines
 
 
+def _sequence_report(engine: Engine, everything: Any, activations: SavedActivations | None, steps: int,
+                     seq_len: int) -> SequenceReport | None:
+    """The sequence-parallel section (a collective: every rank's activation bytes are gathered)."""
+    if activations is None:
+        return None
+    everyone: list[Any] = [None] * comm.get_world_size()
+    comm.all_gather_object(everyone, activations.bytes)
+    method = engine.config.zerodist.sequence_parallel.method
+    micro_steps_run = max(1, steps * engine.batch.gradient_accumulation_steps)
+    return SequenceReport(engine.topology.size("sequence"), method, everything.bus_bytes("all_to_all") / micro_steps_run,
+                          ulysses_formula(engine, seq_len) if method == "ulysses" else None, everyone,
+                          ring_formula(engine, seq_len) if method == "ring" else None)
+
+
 def train(plan: TrainPlan) -> int:
     """Train on this rank; 0 when the run finished with a finite loss, 1 otherwise."""
     torch.manual_seed(plan.seed)  # every rank builds the same weights (rank 0's are broadcast anyway)
@@ -240,7 +262,7 @@ def train(plan: TrainPlan) -> int:
         model: GPT | MoEGPT = moe_report.build_moe_model(plan.model, plan.moe_experts, comm.get_world_size())
         tracker = moe_report.LoadTracker(model)
     else:
-        model = GPT(gpt_config(plan.model))
+        model = GPT(gpt_config(plan.model, **({"seq_len": plan.seq_len} if plan.seq_len else {})))
     seq_len = model.config.seq_len
     dataset = build_dataset(plan, seq_len)
     engine, _, loader, _ = zerodist.initialize(model=model, config=plan.config, training_data=dataset)
@@ -253,10 +275,13 @@ def train(plan: TrainPlan) -> int:
         print_header(plan, engine, model)
     history = read_csv(plan.out / "metrics.csv", resumed) if resumed else []
     metrics = MetricsLog(plan.out / "metrics.csv", history) if rank0 else None
+    activations = SavedActivations(engine.module) if engine.topology.size("sequence") > 1 else None
     try:
         with schedule_log() as tensor_parallel_log:  # tensor-parallel bytes and Domino's schedule
-            records, elapsed, everything, logging_traffic = run_steps(engine, loader, plan.steps, seq_len, metrics)
+            records, elapsed, everything, logging_traffic = run_steps(engine, loader, plan.steps, seq_len, metrics,
+                                                                      activations)
         memory = gather_memory(engine)
+        sequence = _sequence_report(engine, everything, activations, len(records), seq_len)
         load = tracker.gather() if plan.moe_experts else None
     finally:
         engine.destroy()
@@ -271,6 +296,8 @@ def train(plan: TrainPlan) -> int:
         if engine.topology.size("tensor") > 1:
             report = measure_from_log(engine, tensor_parallel_log, len(records) * engine.batch.gradient_accumulation_steps)
             print("\n".join("  " + line for line in report_lines(report)), flush=True)
+        if sequence is not None:
+            print("\n".join("  " + line for line in sequence_report_lines(sequence)), flush=True)
         for line in write_outputs(plan, history + records, summary):
             print(line, flush=True)
     if engine.interval_saves.last_error is not None:  # the same on every rank: a save's outcome is agreed

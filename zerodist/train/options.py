@@ -8,7 +8,8 @@ Precedence, lowest first:
 2. the `--config` file: each top-level section it names replaces the default section whole
    (a file's `optimizer` never inherits AdamW's betas), and naming any batch key drops the
    default batch keys;
-3. the flags (`--stage`, `--micro-batch`, `--lr`, `--bf16`/`--fp16`, `--steps`, `--tp`, `--domino`), one
+3. the flags (`--stage`, `--micro-batch`, `--lr`, `--bf16`/`--fp16`, `--steps`, `--tp`, `--domino`, `--sp`,
+   `--sp-method`), one
    value each.
 """
 
@@ -47,6 +48,8 @@ class Overrides:
     save_dir: str | None = None  # set by the CLI from --out; a file's checkpoint.save_dir wins
     tensor_parallel: int | None = None  # --tp: tensor_parallel.autotp_size
     domino_chunks: int | None = None  # --domino: zerodist.tensor_parallel.domino.chunks (inter-layer overlap)
+    sequence_parallel: int | None = None  # --sp: sequence_parallel_size
+    sequence_method: str | None = None  # --sp-method: zerodist.sequence_parallel.method
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +63,7 @@ class TrainPlan:
     config: dict[str, Any]
     corpus_bytes: int = CORPUS_BYTES
     moe_experts: int = 0  # > 0: every block's MLP is an MoE layer of this many experts, expert parallel
+    seq_len: int | None = None  # --seq-len: the GPT's sequence length (None: the preset's)
 
 
 def default_config(steps: int) -> dict[str, Any]:
@@ -123,6 +127,10 @@ def apply_overrides(config: dict[str, Any], overrides: Overrides) -> None:
     if overrides.domino_chunks is not None:
         zerodist_tp = _section(_section(config, "zerodist", {}), "tensor_parallel", {})
         zerodist_tp["domino"] = {"chunks": overrides.domino_chunks, "overlap": "inter"}
+    if overrides.sequence_parallel is not None:
+        config["sequence_parallel_size"] = overrides.sequence_parallel
+    if overrides.sequence_method is not None:
+        _section(_section(config, "zerodist", {}), "sequence_parallel", {})["method"] = overrides.sequence_method
     if overrides.bf16 or overrides.fp16:
         _section(config, "bf16", {})["enabled"] = overrides.bf16
         _section(config, "fp16", {})["enabled"] = overrides.fp16

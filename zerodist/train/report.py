@@ -84,6 +84,7 @@ class RunSummary:
     # MoE experts, sharded over ("data",) only (see docs/moe.md)
     narrow_groups: tuple[tuple[int, int, int], ...] = ()
     tensor_degree: int = 1  # world_size counts batch shards (the N of the formulas); ranks = N x tensor
+    sequence_degree: int = 1  # > 1: world_size is data x sequence, the ranks dense parameters are sharded over
 
 
 def loss_line(losses: list[float]) -> str:
@@ -132,7 +133,9 @@ def comm_lines(summary: RunSummary) -> list[str]:
     lines.append(f"  per step: {format_bytes(training_bytes)} issued, {format_bytes(training_bus)} bus bytes for "
                  f"training; docs/design/zero.md expects {expected} bus bytes for "
                  "gradients and parameters (plus a few bytes of norm/overflow all_reduce)"
-                 + ("; the rest is tensor-parallel traffic (below)" if summary.tensor_degree > 1 else ""))
+                 + ("; the rest is tensor-parallel traffic (below)" if summary.tensor_degree > 1 else "")
+                 + ("; the rest is sequence-parallel traffic (below) and the loss's token counts"
+                    if summary.sequence_degree > 1 else ""))
     lines.append(f"  loss averaging for the progress bar adds {format_bytes(summary.logging_bytes / steps)} per step "
                  "(included in the table)")
     return lines

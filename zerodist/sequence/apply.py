@@ -1,0 +1,191 @@
+"""`apply_sequence_parallel`: the engine's front door to sequence parallelism, one part at a time.
+
+With `sequence_parallel_size` = P > 1 the engine's topology has a `sequence` axis of degree P, and
+for each part this:
+1. gives the sequence group (and method, layout) to the model's attention: every
+   `DistributedAttention` built with `sequence_process_group=None` (the demo GPT's), or, for a
+   Hugging Face model, the function registered in transformers' attention registry, selected with
+   the model's own `set_attn_implementation` (undone by `remove_hooks`);
+2. checks at configuration time what would otherwise fail later: heads the degree does not divide
+   (Ulysses; the ring is the hint), tensor parallelism at the same time (not composed yet);
+3. registers two hooks on the part's root module (torch's API; nothing written on the module):
+   before forward, the call must carry `position_ids` and, where it has `labels`, the
+   `shift_labels` made before the split (zerodist/sequence/data.py); after forward, the loss the
+   model returned (a scalar, or `.loss`) becomes the token-weighted mean over the whole sequence
+   (zerodist/sequence/loss.py).
+ZeRO then shards and reduces dense parameters over data x sequence (`DENSE` in
+comm/topology.py), and the gradient divisor stays data x expert ([Note: sequence gradients]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+
+from zerodist.comm import Group
+from zerodist.comm.parts import Part
+from zerodist.comm.topology import Topology
+from zerodist.sequence import hf
+from zerodist.sequence.errors import SequenceParallelError
+from zerodist.sequence.layer import DistributedAttention, EngineSequence, register_engine_sequence
+from zerodist.sequence.layout import METHODS, SequenceLayout, check_heads
+from zerodist.sequence.loss import token_weighted_mean
+
+LABEL_ARGUMENTS = ("shift_labels", "targets", "labels")  # the first present is the slice's labels
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSettings:
+    """The config's `sequence_parallel_size` and `zerodist.sequence_parallel.method`."""
+
+    degree: int = 1
+    method: str = "ulysses"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise SequenceParallelError(f"unknown sequence-parallel method {self.method!r}; choose one of {METHODS}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> SequenceSettings:
+        return cls(config.sequence_parallel_size, config.zerodist.sequence_parallel.method)
+
+
+class SequenceParallelState:
+    """What `apply_sequence_parallel` did to one part (the part-state surface of comm/parts.py).
+    Names and shapes are the model's own, so `to_logical` / `from_logical` change nothing."""
+
+    def __init__(self, module: torch.nn.Module, settings: SequenceSettings, layout: SequenceLayout) -> None:
+        self.module, self.settings, self.layout = module, settings, layout
+        self.attention_modules: list[torch.nn.Module] = []
+        self.hf_previous: str | None = None  # the attention implementation to restore
+        self.handles: list[Any] = []
+
+    def to_logical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return state
+
+    def from_logical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return state
+
+    def report(self) -> list[str]:
+        if self.settings.degree == 1:
+            return []
+        where = (f"Hugging Face attention '{hf.ATTENTION_NAME}'" if self.hf_previous is not None
+                 else f"{len(self.attention_modules)} DistributedAttention module(s)")
+        layout = "head-tail chunks" if self.layout.head_tail else "contiguous slices"
+        return [f"sequence parallel: {self.settings.method} over {self.settings.degree} ranks, {where}, {layout}"]
+
+    def remove_hooks(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        for module in self.attention_modules:
+            register_engine_sequence(module, None)
+        if self.hf_previous is not None:
+            self.module.set_attn_implementation(self.hf_previous)  # type: ignore[operator]
+            self.hf_previous = None
+
+
+def apply_sequence_parallel(part: Part, topology: Topology, settings: SequenceSettings) -> SequenceParallelState:
+    """Make `part` sequence-parallel over the topology's sequence axis (nothing at degree 1)."""
+    degree = topology.size(*topology.sequence_axes)
+    if degree != settings.degree:
+        raise SequenceParallelError(f"the topology's sequence degree is {degree} but the settings ask for "
+                                    f"{settings.degree}")
+    layout = SequenceLayout(topology.axis_rank(*topology.sequence_axes), degree, head_tail=settings.method == "ring")
+    state = SequenceParallelState(part.module, settings, layout)
+    if degree == 1:
+        return state
+    if topology.size(*topology.tensor_axes) > 1:
+        raise SequenceParallelError("sequence_parallel_size > 1 together with tensor parallelism is not composed yet; "
+                                    "use one of them (zerodist.tensor_parallel.sequence_parallel splits activations "
+                                    "between tensor-parallel layers instead)")
+    model = part.module
+    _check_model_heads(model, settings)
+    engine = EngineSequence(topology.group(*topology.sequence_axes), settings.method, layout)
+    _wire_attention(model, engine, state)
+    state.handles.append(model.register_forward_pre_hook(_check_call, with_kwargs=True))
+    state.handles.append(model.register_forward_hook(_weighted_loss(engine.group), with_kwargs=True))
+    return state
+
+
+def _check_model_heads(model: torch.nn.Module, settings: SequenceSettings) -> None:
+    if settings.method != "ulysses":
+        return
+    heads = hf.hf_heads(model)
+    if heads is None:
+        config = getattr(model, "config", None)
+        n_heads = getattr(config, "n_heads", None)  # the demo GPT's config
+        heads = (n_heads, n_heads) if isinstance(n_heads, int) else None
+    if heads is not None:
+        check_heads(heads[0], heads[1], settings.degree)
+
+
+def _wire_attention(model: torch.nn.Module, engine: EngineSequence, state: SequenceParallelState) -> None:
+    own: list[torch.nn.Module] = [m for m in model.modules() if isinstance(m, DistributedAttention) and m.spg is None]
+    if own:
+        for module in own:
+            register_engine_sequence(module, engine)
+        state.attention_modules = own
+        return
+    if not hf.is_hf_model(model):
+        raise SequenceParallelError(
+            f"{type(model).__name__} has no attention zerodist can make sequence-parallel: build its attention with "
+            "zerodist.sequence.DistributedAttention(local_attention, None, ...) (as zerodist.models.gpt does), or use "
+            "a Hugging Face model whose attention goes through transformers' AttentionInterface")
+    hf.register_attention()
+    previous: Any = getattr(model, "config")._attn_implementation
+    model.set_attn_implementation(hf.ATTENTION_NAME)  # type: ignore[operator]
+    state.hf_previous = str(previous)
+    state.attention_modules = list(model.modules())  # the function finds its settings by the attention module
+    for module in state.attention_modules:
+        register_engine_sequence(module, engine)
+
+
+def _call_arguments(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The forward's arguments by name, `**kwargs` spread out."""
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+    except TypeError:
+        return dict(kwargs)
+    named = dict(bound.arguments)
+    for name, parameter in inspect.signature(module.forward).parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD and isinstance(named.get(name), dict):
+            named.update(named.pop(name))
+    return named
+
+
+def _check_call(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    named = _call_arguments(module, args, kwargs)
+    if named.get("position_ids") is None:
+        raise SequenceParallelError(
+            f"{type(module).__name__} was called without position_ids under sequence parallelism: each rank holds a "
+            "slice of the sequence, so the model cannot number its tokens itself. Feed batches through the engine's "
+            "data loader (or zerodist.sequence.data.shard_batch), which slices them and adds position_ids")
+    if named.get("labels") is not None and named.get("shift_labels") is None:
+        raise SequenceParallelError(
+            "the model was given labels but no shift_labels under sequence parallelism: a slice cannot shift its own "
+            "labels (its last token's label is on the next rank). Shift them before the split: "
+            "zerodist.sequence.data.shard_batch adds shift_labels")
+    mask = named.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and not bool(mask.bool().all()):
+        raise SequenceParallelError("an attention_mask with padding cannot be split over the sequence: label the "
+                                    "padding -100 instead (it then counts in no loss)")
+
+
+def _weighted_loss(group: Group) -> Any:
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        named = _call_arguments(module, args, kwargs)
+        labels = next((named[name] for name in LABEL_ARGUMENTS if isinstance(named.get(name), torch.Tensor)), None)
+        if labels is None:
+            return None  # no labels: no loss to weight (logits only)
+        if isinstance(output, torch.Tensor) and output.dim() == 0:
+            return token_weighted_mean(output, labels, group)
+        loss = getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+            output.loss = token_weighted_mean(loss, labels, group)
+            return output
+        return None
+    return hook

@@ -1,0 +1,166 @@
+"""DeepSpeed-Ulysses: `DistributedAttention(local_attention, sequence_process_group, scatter_idx=2,
+gather_idx=0)`, DeepSpeed's class and meaning.
+
+Each rank holds a slice of the sequence for every head. Before attention one all-to-all per
+tensor (q, k, v) trades sequence for heads, so each rank holds the whole sequence for H/P heads
+and runs any local attention on it, unchanged; a last all-to-all trades back. `scatter_idx` is
+the heads dimension of the inputs (scattered over the ranks), `gather_idx` the sequence dimension
+(gathered): DeepSpeed's defaults 2 and 0 are for [seq, batch, heads, head_dim], and
+[batch, seq, heads, head_dim] takes `scatter_idx=2, gather_idx=1`.
+
+`sequence_process_group` is a process group, as DeepSpeed takes it, or None: the engine's
+`sequence` axis once `zerodist.initialize()` ran with `sequence_parallel_size` > 1 (registered in
+a side table, nothing written on the module), and plain local attention before that or at degree
+1, so a model written with it runs unchanged on one process.
+
+Grouped key/value heads travel as they are when the degree divides them, and are replicated up to
+the degree when there are fewer ([Note: replicated kv heads]). An engine configured with
+`zerodist.sequence_parallel.method: ring` runs the ring instead (zerodist/sequence/ring.py), for
+any degree; the local attention is then not called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+
+import zerodist.comm as comm
+from zerodist.comm import Group
+from zerodist.sequence.errors import SequenceParallelError
+from zerodist.sequence.layout import SequenceLayout, check_heads
+from zerodist.sequence.ring import ring_attention
+
+
+class _SeqAllToAll(torch.autograd.Function):
+    """Split `input` into P pieces along `scatter_idx`, send piece i to rank i, and concatenate what
+    arrives along `gather_idx`, in rank order. Its backward is the same exchange the other way."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Group, input: torch.Tensor, scatter_idx: int, gather_idx: int) -> torch.Tensor:
+        ctx.group, ctx.scatter_idx, ctx.gather_idx = group, scatter_idx, gather_idx
+        return seq_all_to_all(input, group, scatter_idx, gather_idx)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        return None, seq_all_to_all(grads[0], ctx.group, ctx.gather_idx, ctx.scatter_idx), None, None
+
+
+def seq_all_to_all(input: torch.Tensor, group: Group, scatter_idx: int, gather_idx: int) -> torch.Tensor:
+    """The exchange itself (no autograd): one `all_to_all_single` of the whole tensor."""
+    size = comm.get_world_size(group)
+    if input.shape[scatter_idx] % size:
+        raise SequenceParallelError(f"dimension {scatter_idx} of a {tuple(input.shape)} tensor is not divisible by "
+                                    f"the {size} sequence-parallel ranks it is split over")
+    pieces = torch.stack(input.chunk(size, dim=scatter_idx)).contiguous()  # piece i goes to rank i
+    received = torch.empty_like(pieces)
+    comm.all_to_all_single(received, pieces, group=group)
+    return torch.cat(received.unbind(0), dim=gather_idx)
+
+
+def all_to_all(input: torch.Tensor, group: Group, scatter_idx: int, gather_idx: int) -> torch.Tensor:
+    """Differentiable sequence <-> heads all-to-all (DeepSpeed's `_SeqAllToAll.apply`)."""
+    return _SeqAllToAll.apply(group, input, scatter_idx, gather_idx)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSequence:
+    """What `initialize()` registers for a `DistributedAttention` built with no group: the engine's
+    sequence group, the method, and (for the ring) this rank's layout and the mask."""
+
+    group: Group
+    method: str  # "ulysses" or "ring"
+    layout: SequenceLayout
+    causal: bool = True
+
+
+# DistributedAttention -> the engine's settings for it (weak: nothing is written on the module)
+_ENGINE: weakref.WeakKeyDictionary[torch.nn.Module, EngineSequence] = weakref.WeakKeyDictionary()
+
+
+def register_engine_sequence(module: torch.nn.Module, settings: EngineSequence | None) -> None:
+    """Give (or with None, take back) the engine's sequence settings to a module."""
+    if settings is None:
+        _ENGINE.pop(module, None)
+    else:
+        _ENGINE[module] = settings
+
+
+def engine_sequence(module: torch.nn.Module) -> EngineSequence | None:
+    return _ENGINE.get(module)
+
+
+def replicate_kv_heads(tensor: torch.Tensor, heads_dim: int, degree: int) -> torch.Tensor:
+    """[Note: replicated kv heads] With fewer key/value heads than ranks, each head is repeated
+    degree / heads times (adjacent copies), so rank r receives head r * heads / degree: the one
+    its query heads r H/P ... (r+1) H/P - 1 are grouped with. The repeat's backward sums the copies'
+    gradients back into the one head."""
+    heads = tensor.shape[heads_dim]
+    if heads >= degree:
+        return tensor
+    return tensor.repeat_interleave(degree // heads, dim=heads_dim)
+
+
+def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Group, scatter_idx: int,
+                      gather_idx: int, local_attention: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """All-to-all q, k, v from sequence slices to head slices, the local attention over the whole
+    sequence, and back."""
+    degree = comm.get_world_size(group)
+    check_heads(query.shape[scatter_idx], key.shape[scatter_idx], degree)
+    key = replicate_kv_heads(key, scatter_idx, degree)
+    value = replicate_kv_heads(value, scatter_idx, degree)
+    q, k, v = (all_to_all(t, group, scatter_idx, gather_idx) for t in (query, key, value))
+    context = local_attention(q, k, v, *args, **kwargs)
+    return all_to_all(context, group, gather_idx, scatter_idx)
+
+
+class DistributedAttention(torch.nn.Module):
+    """DeepSpeed-Ulysses attention around `local_attention(q, k, v, *args, **kwargs)`."""
+
+    def __init__(self, local_attention: Any, sequence_process_group: Group | None, scatter_idx: int = 2,
+                 gather_idx: int = 0, sp_stream: Any = None) -> None:
+        """`sp_stream` is DeepSpeed's CUDA stream for overlapping the k/v all-to-alls; accepted for its
+        signature, unused (the all-to-alls run in order on the current stream)."""
+        super().__init__()
+        if scatter_idx == gather_idx:
+            raise SequenceParallelError(f"scatter_idx and gather_idx are both {scatter_idx}: scatter_idx is the heads "
+                                        "dimension and gather_idx the sequence dimension of q, k and v")
+        self.local_attn = local_attention
+        self.spg = sequence_process_group
+        self.scatter_idx = scatter_idx
+        self.gather_idx = gather_idx
+
+    def _settings(self) -> EngineSequence | None:
+        """The group and method to use, None to run the local attention alone."""
+        if self.spg is not None:
+            return EngineSequence(self.spg, "ulysses", SequenceLayout(comm.get_rank(self.spg),
+                                                                      comm.get_world_size(self.spg)))
+        settings = _ENGINE.get(self)
+        return settings if settings is not None and settings.layout.size > 1 else None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch_dim_idx: int | None = None,
+                *args: Any, **kwargs: Any) -> torch.Tensor:
+        """q, k, v hold this rank's slice of the sequence for every head; the result too.
+        `batch_dim_idx` is DeepSpeed's argument, accepted for its signature (the exchange here does
+        not need it); further arguments go to the local attention."""
+        if batch_dim_idx is not None and not isinstance(batch_dim_idx, int):
+            raise TypeError(f"DistributedAttention.forward(q, k, v, batch_dim_idx, ...): batch_dim_idx is an int or "
+                            f"None, got {type(batch_dim_idx).__name__}; pass the local attention's own arguments "
+                            "after it or by keyword")
+        settings = self._settings()
+        if settings is None:
+            return self.local_attn(query, key, value, *args, **kwargs)
+        if settings.method == "ring":
+            return self._ring(query, key, value, settings)
+        return ulysses_attention(query, key, value, settings.group, self.scatter_idx, self.gather_idx,
+                                 self.local_attn, *args, **kwargs)
+
+    def _ring(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              settings: EngineSequence) -> torch.Tensor:
+        # the ring works on [..., seq, heads, head_dim]: move this layout's dimensions there and back
+        dims = (self.gather_idx % query.dim(), self.scatter_idx % query.dim())
+        q, k, v = (t.movedim(dims, (-3, -2)) for t in (query, key, value))
+        out = ring_attention(q, k, v, settings.group, settings.layout, causal=settings.causal)
+        return out.movedim((-3, -2), dims)
