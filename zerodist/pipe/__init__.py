@@ -1,0 +1,56 @@
+"""Pipeline parallelism.
+
+Schedules are data (`schedule.py`): `build_schedule(name, num_ranks=..., num_microbatches=...)`
+returns one list of `Action`s per pipe rank, and `schedule_checks.py` proves a schedule complete,
+causal and deadlock-free and measures its bubble and stashed activations, without processes.
+"""
+
+from zerodist.pipe.schedule import (
+    SCHEDULE_NAMES,
+    Action,
+    Kind,
+    Schedule,
+    ScheduleArgumentError,
+    add_communication,
+    build_schedule,
+    compute_order,
+    format_schedule,
+    stage_to_rank,
+)
+from zerodist.pipe.schedule_checks import (
+    Costs,
+    DeadlockError,
+    DependencyError,
+    IncompleteScheduleError,
+    MessageOrderError,
+    PlacementError,
+    ScheduleError,
+    SimulationResult,
+    UnmatchedMessageError,
+    check_schedule,
+    simulate,
+)
+
+__all__ = [
+    "SCHEDULE_NAMES",
+    "Action",
+    "Costs",
+    "DeadlockError",
+    "DependencyError",
+    "IncompleteScheduleError",
+    "Kind",
+    "MessageOrderError",
+    "PlacementError",
+    "Schedule",
+    "ScheduleArgumentError",
+    "ScheduleError",
+    "SimulationResult",
+    "UnmatchedMessageError",
+    "add_communication",
+    "build_schedule",
+    "check_schedule",
+    "compute_order",
+    "format_schedule",
+    "simulate",
+    "stage_to_rank",
+]

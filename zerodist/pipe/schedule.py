@@ -1,0 +1,306 @@
+"""Pipeline schedules as data: one list of actions per pipe rank, built without processes.
+
+A schedule says, for every rank of the pipe axis, in which order it runs the forward and backward
+of each (stage, micro-batch) and where it sends and receives activations and gradients. It is a
+plain value: the executor walks a rank's list, and `schedule_checks` proves a schedule complete,
+causal and deadlock-free and measures its bubble and activation memory, both without processes.
+
+Conventions (the executor relies on them):
+- Stages are global, `0 .. num_stages - 1` with `num_stages = num_ranks * stages_per_rank`;
+  stage `s` lives on rank `stage_to_rank(s, num_ranks)` (`s % num_ranks`, the "loop" placement
+  of Megatron's interleaved schedule and of torch's looped schedules).
+- The first stage reads the micro-batch, the last stage computes the loss: its F is followed by
+  its own backward on the same rank, so there is no send or receive for the first stage's input
+  or the last stage's output.
+- `SEND_F(s, j)` sends the output of F(s, j) to stage s + 1 and matches `RECV_F(s + 1, j)`;
+  `SEND_B(s, j)` sends the input gradient of stage s to stage s - 1 and matches `RECV_B(s - 1, j)`.
+  The action names the stage that owns the action's rank-local data, as torch's `_Action` does.
+- Communication actions appear only between stages on different ranks. Two consecutive stages on
+  one rank (every stage when `num_ranks == 1`) hand the tensor over in memory.
+- A SEND comes right after the compute that produces it; a RECV right before the compute that
+  consumes it. Sends are non-blocking. An executor may post a RECV earlier (an async receive
+  posted ahead) because, between any two ranks, messages are received in the order they are sent
+  (`schedule_checks.check_message_order` proves it for every built schedule), so a receiver that
+  posts its receives in list order never matches the wrong message, with or without tags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Iterable
+
+__all__ = [
+    "Action",
+    "Kind",
+    "Schedule",
+    "ScheduleArgumentError",
+    "SCHEDULE_NAMES",
+    "add_communication",
+    "build_schedule",
+    "compute_order",
+    "format_schedule",
+    "num_stages_of",
+    "stage_to_rank",
+]
+
+
+class Kind(enum.Enum):
+    F = "F"            # forward of (stage, microbatch)
+    B = "B"            # full backward (input and weight gradients)
+    I = "I"            # input-gradient half of a split backward (zero-bubble)  # noqa: E741
+    W = "W"            # weight-gradient half of a split backward
+    SEND_F = "SEND_F"  # send the forward output of (stage, microbatch) to stage+1
+    RECV_F = "RECV_F"  # receive the forward input of (stage, microbatch) from stage-1
+    SEND_B = "SEND_B"  # send the input gradient of (stage, microbatch) to stage-1
+    RECV_B = "RECV_B"  # receive the output gradient of (stage, microbatch) from stage+1
+
+    @property
+    def is_compute(self) -> bool:
+        return self in _COMPUTE
+
+    @property
+    def is_send(self) -> bool:
+        return self in (Kind.SEND_F, Kind.SEND_B)
+
+    @property
+    def is_recv(self) -> bool:
+        return self in (Kind.RECV_F, Kind.RECV_B)
+
+
+_COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    kind: Kind
+    stage: int        # global stage index 0..num_stages-1
+    microbatch: int
+
+    def __str__(self) -> str:
+        # torch's `_Action` spelling ("2F0", "1SEND_B3"), so the two print the same.
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+
+Schedule = list[list[Action]]   # one list per pipe rank, in execution order
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
+
+
+class ScheduleArgumentError(ValueError):
+    """The arguments of `build_schedule` do not describe a schedule that can be built."""
+
+
+def num_stages_of(num_ranks: int, stages_per_rank: int = 1) -> int:
+    return num_ranks * stages_per_rank
+
+
+def stage_to_rank(stage: int, num_ranks: int, style: str = "loop") -> int:
+    """The pipe rank that holds global `stage`.
+
+    "loop" (every schedule built here): stage s on rank s % num_ranks, so rank r holds stages
+    r, r + p, r + 2p, ... "v" (torch's ZBV / DualPipeV placement, for comparison only): the
+    stages go down the ranks and come back up, so rank r holds r and 2p - 1 - r, and each
+    rank holds the first and the last stage of one "V".
+    """
+    if num_ranks < 1:
+        raise ScheduleArgumentError(f"num_ranks must be >= 1, got {num_ranks}")
+    if stage < 0:
+        raise ScheduleArgumentError(f"stage must be >= 0, got {stage}")
+    position, chunk = stage % num_ranks, stage // num_ranks
+    if style == "loop":
+        return position
+    if style == "v":
+        return position if chunk % 2 == 0 else num_ranks - 1 - position
+    raise ScheduleArgumentError(f"unknown stage placement style {style!r}; use 'loop' or 'v'")
+
+
+def build_schedule(
+    name: str,
+    *,
+    num_ranks: int,
+    num_microbatches: int,
+    stages_per_rank: int = 1,
+    with_communication: bool = True,
+) -> Schedule:
+    """The per-rank action lists of schedule `name`.
+
+    name: "gpipe" (all forwards, then all backwards), "1f1b" (PipeDream-Flush, DeepSpeed's
+    TrainSchedule and Megatron's default), "interleaved" (Megatron's interleaved 1F1B with
+    `stages_per_rank` >= 2 stages per rank, placed round-robin) or "zb" (zero-bubble ZB-H1: the
+    backward split into an input-gradient I and a weight-gradient W, the W's deferred into what
+    would be 1F1B's bubble). With `with_communication=False` only the compute actions come back.
+    """
+    _validate(name, num_ranks, num_microbatches, stages_per_rank)
+    order = compute_order(
+        name, num_ranks=num_ranks, num_microbatches=num_microbatches,
+        stages_per_rank=stages_per_rank)
+    if not with_communication:
+        return order
+    return add_communication(order, num_ranks=num_ranks, stages_per_rank=stages_per_rank)
+
+
+def _validate(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int) -> None:
+    if name not in SCHEDULE_NAMES:
+        raise ScheduleArgumentError(
+            f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    for label, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches),
+                         ("stages_per_rank", stages_per_rank)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleArgumentError(f"{label} must be a positive int, got {value!r}")
+    if name == "interleaved":
+        if stages_per_rank < 2:
+            raise ScheduleArgumentError(
+                f"the interleaved schedule needs stages_per_rank >= 2 (got {stages_per_rank}); "
+                "with one stage per rank use '1f1b', which is the same schedule")
+        if num_microbatches % num_ranks != 0:
+            raise ScheduleArgumentError(
+                f"the interleaved schedule needs num_microbatches to be a multiple of the pipe "
+                f"size: {num_microbatches} micro-batches over {num_ranks} ranks; use "
+                f"{_next_multiple(num_microbatches, num_ranks)} micro-batches (Megatron's rule; "
+                "each round sends num_ranks micro-batches through every stage of a rank)")
+    elif stages_per_rank != 1:
+        raise ScheduleArgumentError(
+            f"schedule {name!r} places one stage per rank (got stages_per_rank="
+            f"{stages_per_rank}); use 'interleaved' for several stages per rank")
+
+
+def _next_multiple(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def compute_order(
+    name: str, *, num_ranks: int, num_microbatches: int, stages_per_rank: int = 1,
+) -> Schedule:
+    """The compute actions (F, B, I, W) of each rank, in order, without communication."""
+    _validate(name, num_ranks, num_microbatches, stages_per_rank)
+    builder: Callable[[int, int, int], list[Action]]
+    if name == "gpipe":
+        builder = _gpipe_rank
+    elif name == "1f1b":
+        builder = _one_f_one_b_rank
+    elif name == "zb":
+        builder = _zero_bubble_h1_rank
+    else:
+        return [_interleaved_rank(rank, num_ranks, num_microbatches, stages_per_rank)
+                for rank in range(num_ranks)]
+    return [builder(rank, num_ranks, num_microbatches) for rank in range(num_ranks)]
+
+
+def _gpipe_rank(rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
+    # Every forward, then every backward in micro-batch order (torch's ScheduleGPipe order; the
+    # last stage could run its backwards in any order, this one keeps all ranks alike).
+    forwards = [Action(Kind.F, rank, j) for j in range(num_microbatches)]
+    return forwards + [Action(Kind.B, rank, j) for j in range(num_microbatches)]
+
+
+def _one_f_one_b_rank(rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
+    # Warm up with the forwards that fill the pipe below this stage (p - 1 - rank of them), then
+    # alternate one forward and one backward, then drain the remaining backwards. Stage i thus
+    # holds at most min(p - i, m) stashed activations (DeepSpeed's `num_pipe_buffers`).
+    warmup = min(num_ranks - 1 - rank, num_microbatches)
+    actions = [Action(Kind.F, rank, j) for j in range(warmup)]
+    for backward in range(num_microbatches - warmup):
+        actions.append(Action(Kind.F, rank, warmup + backward))
+        actions.append(Action(Kind.B, rank, backward))
+    actions.extend(Action(Kind.B, rank, j) for j in range(num_microbatches - warmup, num_microbatches))
+    return actions
+
+
+def _zero_bubble_h1_rank(rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
+    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 3.1).
+
+    1F1B's order with each B replaced by I (the input gradient, on the critical path between
+    stages), and the W's (weight gradients, needed by nobody downstream) deferred: rank r runs
+    its first `r` I's without their W and then one W after each I, and the W's it still owes
+    after the last I. The deferred W's fill the cool-down, where 1F1B's rank r waits for
+    gradients, so with T_F = T_I = T_W the bubble is (p - 1) T instead of 1F1B's 3 (p - 1) T.
+    This is torch's interleaved zero-bubble rule (`_get_1f1b_rank_ops` with
+    `enable_zero_bubble`, `num_1f1b_microbatches = rank`) taken at one stage per rank.
+    """
+    warmup = min(num_ranks - 1 - rank, num_microbatches)
+    actions = [Action(Kind.F, rank, j) for j in range(warmup)]
+    weights_done = 0
+    for backward in range(num_microbatches):
+        if warmup + backward < num_microbatches:
+            actions.append(Action(Kind.F, rank, warmup + backward))
+        actions.append(Action(Kind.I, rank, backward))
+        if backward >= rank:
+            actions.append(Action(Kind.W, rank, weights_done))
+            weights_done += 1
+    actions.extend(Action(Kind.W, rank, j) for j in range(weights_done, num_microbatches))
+    return actions
+
+
+def _interleaved_rank(
+    rank: int, num_ranks: int, num_microbatches: int, stages_per_rank: int,
+) -> list[Action]:
+    """Megatron's interleaved 1F1B (Narayanan et al. 2021, section 2.2) for one rank.
+
+    The rank's k-th forward unit is (local chunk, micro-batch) = ((k // p) % v, p * (k // (p v))
+    + k % p): rounds of p micro-batches go through chunk 0, then chunk 1, ... The backward units
+    run the chunks in reverse. Warm-up: (v - 1) p + 2 (p - 1 - rank) forwards, capped at v m,
+    then one forward and one backward alternate, then the backwards drain. Unlike Megatron there
+    is no special case for m == p (Megatron then runs every forward first); torch has none either.
+    """
+    units = num_microbatches * stages_per_rank
+    warmup = min((stages_per_rank - 1) * num_ranks + 2 * (num_ranks - 1 - rank), units)
+
+    def unit(kind: Kind, index: int) -> Action:
+        chunk = (index // num_ranks) % stages_per_rank
+        if kind is Kind.B:
+            chunk = stages_per_rank - 1 - chunk
+        microbatch = (index // (num_ranks * stages_per_rank)) * num_ranks + index % num_ranks
+        return Action(kind, chunk * num_ranks + rank, microbatch)
+
+    actions = [unit(Kind.F, k) for k in range(warmup)]
+    for backward in range(units - warmup):
+        actions.append(unit(Kind.F, warmup + backward))
+        actions.append(unit(Kind.B, backward))
+    actions.extend(unit(Kind.B, k) for k in range(units - warmup, units))
+    return actions
+
+
+def add_communication(order: Schedule, *, num_ranks: int, stages_per_rank: int = 1) -> Schedule:
+    """Insert the sends and receives that `order`'s compute actions need.
+
+    A forward of stage s > 0 receives its input right before it runs, and a forward of stage
+    s < last sends its output right after; a backward (B or I) of stage s < last receives its
+    output gradient right before, and one of stage s > 0 sends its input gradient right after.
+    W needs no message. Stages on the same rank exchange nothing.
+    """
+    num_stages = num_stages_of(num_ranks, stages_per_rank)
+
+    def remote(stage: int, neighbour: int) -> bool:
+        return stage_to_rank(stage, num_ranks) != stage_to_rank(neighbour, num_ranks)
+
+    result: Schedule = []
+    for actions in order:
+        with_messages: list[Action] = []
+        for action in actions:
+            stage, microbatch = action.stage, action.microbatch
+            before: Kind | None = None
+            after: Kind | None = None
+            if action.kind is Kind.F:
+                before = Kind.RECV_F if stage > 0 and remote(stage, stage - 1) else None
+                after = Kind.SEND_F if stage < num_stages - 1 and remote(stage, stage + 1) else None
+            elif action.kind in (Kind.B, Kind.I):
+                before = Kind.RECV_B if stage < num_stages - 1 and remote(stage, stage + 1) else None
+                after = Kind.SEND_B if stage > 0 and remote(stage, stage - 1) else None
+            if before is not None:
+                with_messages.append(Action(before, stage, microbatch))
+            with_messages.append(action)
+            if after is not None:
+                with_messages.append(Action(after, stage, microbatch))
+        result.append(with_messages)
+    return result
+
+
+def format_schedule(schedule: Schedule, *, compute_only: bool = False) -> str:
+    """One line per rank, actions in torch's spelling: `rank 0: 0F0 0SEND_F0 0F1 ...`."""
+    lines = []
+    for rank, actions in enumerate(schedule):
+        shown: Iterable[Action] = (
+            (a for a in actions if a.kind.is_compute) if compute_only else actions)
+        lines.append(f"rank {rank}: " + " ".join(str(a) for a in shown))
+    return "\n".join(lines)

@@ -1,0 +1,393 @@
+"""Checks and a simulator for pipeline schedules, without processes.
+
+`check_schedule` runs every check and the simulator, and raises a named `ScheduleError` saying
+what is wrong and where:
+- `IncompleteScheduleError`: a (stage, micro-batch) lacks its F, or its backward (one B, or one
+  I and one W), or has one twice, or mixes B with I/W;
+- `PlacementError`: an action on a rank that does not hold its stage, or a message between
+  stages that are not neighbours on different ranks;
+- `DependencyError`: a compute runs before its input exists on its rank (F of s before F of
+  s + 1, F before the last stage's backward, backward of s + 1 before the backward of s, I before
+  W, each either earlier on the same rank or through a RECV placed before it whose SEND follows
+  the producer on the peer rank);
+- `UnmatchedMessageError`: a SEND without its RECV on the peer rank, or the other way round;
+- `MessageOrderError`: two ranks' messages received in another order than sent;
+- `DeadlockError`: the simulator finds every unfinished rank blocked on a receive.
+
+Timing model of `simulate` (the executor's benchmark compares wall time against it): every rank
+starts at time 0 and runs its list in order; a compute action takes `costs.of(action)` (by kind,
+scaled per stage), a SEND takes no time and its message arrives `costs.latency` later, a RECV
+blocks until its message has arrived. Idle time of a rank is the makespan minus its busy time,
+so the idle share is the bubble share of the formulas: (p - 1)/(m + p - 1) for GPipe and 1F1B.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from zerodist.pipe.schedule import Action, Kind, Schedule, stage_to_rank
+
+__all__ = [
+    "Costs",
+    "DeadlockError",
+    "DependencyError",
+    "IncompleteScheduleError",
+    "MessageOrderError",
+    "PlacementError",
+    "ScheduleError",
+    "SimulationResult",
+    "TimedAction",
+    "UnmatchedMessageError",
+    "check_completeness",
+    "check_dependencies",
+    "check_message_order",
+    "check_messages",
+    "check_placement",
+    "check_schedule",
+    "peak_activations",
+    "simulate",
+]
+
+
+class ScheduleError(ValueError):
+    """A pipeline schedule is wrong; the subclass says how."""
+
+
+class IncompleteScheduleError(ScheduleError):
+    pass
+
+
+class PlacementError(ScheduleError):
+    pass
+
+
+class DependencyError(ScheduleError):
+    pass
+
+
+class UnmatchedMessageError(ScheduleError):
+    pass
+
+
+class MessageOrderError(ScheduleError):
+    pass
+
+
+class DeadlockError(ScheduleError):
+    pass
+
+
+def _num_stages(schedule: Schedule) -> int:
+    stages = [action.stage for actions in schedule for action in actions]
+    return max(stages) + 1 if stages else 0
+
+
+def _rank_of(stage: int, num_ranks: int) -> int:
+    return stage_to_rank(stage, num_ranks)
+
+
+def check_completeness(schedule: Schedule, num_stages: int, num_microbatches: int) -> None:
+    """Every (stage, micro-batch) has one F and either one B or one I and one W, nothing else."""
+    counts: collections.Counter[tuple[Kind, int, int]] = collections.Counter(
+        (a.kind, a.stage, a.microbatch) for actions in schedule for a in actions if a.kind.is_compute)
+    for kind, stage, microbatch in counts:
+        if not (0 <= stage < num_stages and 0 <= microbatch < num_microbatches):
+            raise IncompleteScheduleError(
+                f"action {stage}{kind.value}{microbatch} is outside the {num_stages} stages x "
+                f"{num_microbatches} micro-batches the schedule was checked for")
+    for stage in range(num_stages):
+        for microbatch in range(num_microbatches):
+            label = f"(stage {stage}, micro-batch {microbatch})"
+            seen = {kind: counts[(kind, stage, microbatch)] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)}
+            for kind, count in seen.items():
+                if count > 1:
+                    raise IncompleteScheduleError(f"{label} has {count} {kind.value} actions, not one")
+            if seen[Kind.F] != 1:
+                raise IncompleteScheduleError(f"{label} has no forward F")
+            split = seen[Kind.I] + seen[Kind.W]
+            if seen[Kind.B] and split:
+                raise IncompleteScheduleError(f"{label} has a full backward B and a split one (I/W)")
+            if not seen[Kind.B] and (seen[Kind.I], seen[Kind.W]) != (1, 1):
+                missing = "no backward (a B, or an I and a W)" if not split else (
+                    "an I but no W (weight gradient)" if seen[Kind.I]
+                    else "a W but no I (input gradient)")
+                raise IncompleteScheduleError(f"{label} has {missing}")
+
+
+def check_placement(schedule: Schedule, num_stages: int) -> None:
+    """Each action sits on its stage's rank; messages only cross between neighbouring ranks."""
+    num_ranks = len(schedule)
+    for rank, actions in enumerate(schedule):
+        for index, action in enumerate(actions):
+            where = f"rank {rank}, position {index}: {action}"
+            if _rank_of(action.stage, num_ranks) != rank:
+                raise PlacementError(
+                    f"{where} is for stage {action.stage}, which lives on rank "
+                    f"{_rank_of(action.stage, num_ranks)}")
+            peer = _peer_stage(action)
+            if peer is None:
+                continue
+            if not 0 <= peer < num_stages:
+                raise PlacementError(f"{where} exchanges with stage {peer}, which does not exist")
+            if _rank_of(peer, num_ranks) == rank:
+                raise PlacementError(
+                    f"{where} exchanges with stage {peer} on the same rank; stages on one rank "
+                    "hand tensors over in memory")
+
+
+def _peer_stage(action: Action) -> int | None:
+    """The stage on the other end of a message action."""
+    if action.kind in (Kind.SEND_F, Kind.RECV_B):
+        return action.stage + 1
+    if action.kind in (Kind.RECV_F, Kind.SEND_B):
+        return action.stage - 1
+    return None
+
+
+# A message is named by what it carries: ("F", receiving stage, micro-batch) for an activation,
+# ("B", receiving stage, micro-batch) for a gradient.
+_MessageKey = tuple[str, int, int]
+
+
+def _message_key(action: Action) -> _MessageKey:
+    if action.kind is Kind.SEND_F:
+        return ("F", action.stage + 1, action.microbatch)
+    if action.kind is Kind.RECV_F:
+        return ("F", action.stage, action.microbatch)
+    if action.kind is Kind.SEND_B:
+        return ("B", action.stage - 1, action.microbatch)
+    if action.kind is Kind.RECV_B:
+        return ("B", action.stage, action.microbatch)
+    raise ValueError(f"{action} is not a message")
+
+
+def _describe(key: _MessageKey) -> str:
+    carried = "activation" if key[0] == "F" else "gradient"
+    return f"the {carried} for stage {key[1]}, micro-batch {key[2]}"
+
+
+def check_messages(schedule: Schedule) -> None:
+    """Every SEND has exactly one RECV on the peer's rank, and every RECV one SEND."""
+    num_ranks = len(schedule)
+    sends: collections.Counter[_MessageKey] = collections.Counter()
+    receives: collections.Counter[_MessageKey] = collections.Counter()
+    for actions in schedule:
+        for action in actions:
+            if action.kind.is_send:
+                sends[_message_key(action)] += 1
+            elif action.kind.is_recv:
+                receives[_message_key(action)] += 1
+    for key in sorted(set(sends) | set(receives)):
+        peer = _rank_of(key[1], num_ranks)
+        if sends[key] > 1 or receives[key] > 1:
+            raise UnmatchedMessageError(
+                f"{_describe(key)} is sent {sends[key]} and received {receives[key]} times")
+        if not receives[key]:
+            raise UnmatchedMessageError(f"{_describe(key)} is sent but rank {peer} never receives it")
+        if not sends[key]:
+            raise UnmatchedMessageError(f"rank {peer} receives {_describe(key)}, which nobody sends")
+
+
+def check_message_order(schedule: Schedule) -> None:
+    """Between any two ranks, messages are received in the order they are sent (so an executor
+    that posts its receives in list order, even ahead of time and without tags, never pairs a
+    receive with the wrong message)."""
+    num_ranks = len(schedule)
+    sent: dict[tuple[int, int], list[_MessageKey]] = collections.defaultdict(list)
+    received: dict[tuple[int, int], list[_MessageKey]] = collections.defaultdict(list)
+    for rank, actions in enumerate(schedule):
+        for action in actions:
+            if action.kind.is_compute:
+                continue
+            key = _message_key(action)
+            peer_stage = _peer_stage(action)
+            assert peer_stage is not None
+            peer = _rank_of(peer_stage, num_ranks)
+            if action.kind.is_send:
+                sent[(rank, peer)].append(key)
+            else:
+                received[(peer, rank)].append(key)
+    for (source, target), keys in sorted(sent.items()):
+        for position, (out, inbound) in enumerate(zip(keys, received[(source, target)])):
+            if out != inbound:
+                raise MessageOrderError(
+                    f"rank {source} sends {_describe(out)} as its message {position} to rank "
+                    f"{target}, which expects {_describe(inbound)} there")
+
+
+def check_dependencies(schedule: Schedule, num_stages: int) -> None:
+    """Each compute's input is on its rank before it runs (see the module docstring)."""
+    num_ranks = len(schedule)
+    position: dict[Action, tuple[int, int]] = {}
+    for rank, actions in enumerate(schedule):
+        for index, action in enumerate(actions):
+            position[action] = (rank, index)
+    for rank, actions in enumerate(schedule):
+        for index, action in enumerate(actions):
+            for producer, message in _inputs(action, num_stages):
+                _check_input(action, (rank, index), producer, message, position, num_ranks)
+
+
+def _inputs(action: Action, num_stages: int) -> list[tuple[Action, Kind | None]]:
+    """(producer compute, the RECV kind that brings its result) for each input of `action`."""
+    stage, microbatch = action.stage, action.microbatch
+    if action.kind is Kind.F:
+        return [(Action(Kind.F, stage - 1, microbatch), Kind.RECV_F)] if stage > 0 else []
+    if action.kind is Kind.W:
+        return [(Action(Kind.I, stage, microbatch), None)]
+    if action.kind not in (Kind.B, Kind.I):
+        return []
+    inputs: list[tuple[Action, Kind | None]] = [(Action(Kind.F, stage, microbatch), None)]
+    if stage < num_stages - 1:
+        # The downstream stage's backward is a B or an I, whichever the schedule has.
+        inputs.append((Action(action.kind, stage + 1, microbatch), Kind.RECV_B))
+    return inputs
+
+
+def _check_input(
+    consumer: Action, where: tuple[int, int], producer: Action, message: Kind | None,
+    position: dict[Action, tuple[int, int]], num_ranks: int,
+) -> None:
+    rank, index = where
+    if producer not in position and producer.kind in (Kind.B, Kind.I):
+        other = Kind.I if producer.kind is Kind.B else Kind.B
+        producer = Action(other, producer.stage, producer.microbatch)
+    if producer not in position:
+        raise DependencyError(f"rank {rank}: {consumer} needs {producer}, which the schedule lacks")
+    producer_rank, producer_index = position[producer]
+    if producer_rank == rank:
+        if producer_index > index:
+            raise DependencyError(
+                f"rank {rank}: {consumer} at position {index} runs before {producer} "
+                f"(position {producer_index}) that produces its input")
+        return
+    assert message is not None
+    receive = Action(message, consumer.stage, consumer.microbatch)
+    if receive not in position or position[receive][0] != rank or position[receive][1] > index:
+        raise DependencyError(
+            f"rank {rank}: {consumer} at position {index} needs {producer} from rank "
+            f"{producer_rank} but no {receive} comes before it")
+    send_kind = Kind.SEND_F if message is Kind.RECV_F else Kind.SEND_B
+    send = Action(send_kind, producer.stage, producer.microbatch)
+    if send not in position or position[send] < (producer_rank, producer_index):
+        raise DependencyError(
+            f"rank {producer_rank}: {send} must come after {producer} (position {producer_index}), "
+            "which produces what it sends")
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Time of each compute action: `by_kind[kind] * stage_scale`. The default is the zero-bubble
+    paper's unit model: F = I = W = 1 and a full backward B = I + W = 2. `stage_scale` = 1/v makes
+    a schedule with v stages per rank compare with one whose stage holds all v (interleaving cuts
+    each rank's model into v chunks, each 1/v of the work)."""
+
+    forward: float = 1.0
+    backward: float = 2.0
+    backward_input: float = 1.0
+    backward_weight: float = 1.0
+    stage_scale: float = 1.0
+    latency: float = 0.0  # time from a SEND to its message being receivable
+
+    def of(self, action: Action) -> float:
+        by_kind = {Kind.F: self.forward, Kind.B: self.backward,
+                   Kind.I: self.backward_input, Kind.W: self.backward_weight}
+        return by_kind.get(action.kind, 0.0) * self.stage_scale
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedAction:
+    action: Action
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulationResult:
+    makespan: float
+    busy: tuple[float, ...]           # compute time of each rank
+    timeline: tuple[tuple[TimedAction, ...], ...]  # every action of each rank with its times
+    peak_activations: dict[int, int]  # stage -> most stashed forward outputs at once
+
+    @property
+    def idle(self) -> tuple[float, ...]:
+        """Per rank: the makespan minus its compute time (the bubble, start and end included)."""
+        return tuple(self.makespan - busy for busy in self.busy)
+
+    @property
+    def idle_share(self) -> float:
+        """Idle time over all ranks' time: the "bubble share of wall time" of the formulas."""
+        total = self.makespan * len(self.busy)
+        return sum(self.idle) / total if total else 0.0
+
+
+def peak_activations(schedule: Schedule) -> dict[int, int]:
+    """Per stage, the most forward outputs stashed at once: an F stashes one, and the backward
+    that frees it (B, or W for a split backward, which still needs the layer input) releases it."""
+    peaks: dict[int, int] = {}
+    for actions in schedule:
+        live: collections.Counter[int] = collections.Counter()
+        for action in actions:
+            if action.kind is Kind.F:
+                live[action.stage] += 1
+                peaks[action.stage] = max(peaks.get(action.stage, 0), live[action.stage])
+            elif action.kind in (Kind.B, Kind.W):
+                live[action.stage] -= 1
+    return dict(sorted(peaks.items()))
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult:
+    """Run `schedule` with blocking receives and buffered sends; raise `DeadlockError` if it stops."""
+    costs = costs or Costs()
+    num_ranks = len(schedule)
+    clock = [0.0] * num_ranks
+    busy = [0.0] * num_ranks
+    cursor = [0] * num_ranks
+    arrival: dict[_MessageKey, float] = {}
+    timeline: list[list[TimedAction]] = [[] for _ in range(num_ranks)]
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank in range(num_ranks):
+            while cursor[rank] < len(schedule[rank]):
+                action = schedule[rank][cursor[rank]]
+                start = clock[rank]
+                if action.kind.is_recv:
+                    key = _message_key(action)
+                    if key not in arrival:
+                        break  # blocked; another rank may send it
+                    start = max(start, arrival.pop(key))
+                end = start + costs.of(action)
+                if action.kind.is_send:
+                    arrival[_message_key(action)] = end + costs.latency
+                if action.kind.is_compute:
+                    busy[rank] += end - start
+                timeline[rank].append(TimedAction(action, start, end))
+                clock[rank] = end
+                cursor[rank] += 1
+                progressed = True
+    blocked = [rank for rank in range(num_ranks) if cursor[rank] < len(schedule[rank])]
+    if blocked:
+        waits = "; ".join(
+            f"rank {rank} waits at position {cursor[rank]} on {schedule[rank][cursor[rank]]}"
+            for rank in blocked)
+        raise DeadlockError(f"the schedule deadlocks: {waits}")
+    return SimulationResult(
+        makespan=max(clock, default=0.0), busy=tuple(busy),
+        timeline=tuple(tuple(events) for events in timeline),
+        peak_activations=peak_activations(schedule))
+
+
+def check_schedule(
+    schedule: Schedule, *, num_microbatches: int, num_stages: int | None = None,
+    costs: Costs | None = None,
+) -> SimulationResult:
+    """Run every check, then the simulator; return its result (bubble, makespan, memory)."""
+    stages = _num_stages(schedule) if num_stages is None else num_stages
+    check_placement(schedule, stages)
+    check_completeness(schedule, stages, num_microbatches)
+    check_messages(schedule)
+    check_dependencies(schedule, stages)
+    check_message_order(schedule)
+    return simulate(schedule, costs)
