@@ -23,10 +23,12 @@ from zerodist.pipe import (
     MessageOrderError,
     PlacementError,
     ScheduleArgumentError,
+    TimedAction,
     UnmatchedMessageError,
     build_schedule,
     check_schedule,
     format_schedule,
+    measure_timeline,
     simulate,
     stage_to_rank,
 )
@@ -80,6 +82,11 @@ def test_sends_follow_their_producer_and_receives_precede_their_consumer():
         "1RECV_F0", "1F0", "1B0", "1SEND_B0", "1RECV_F1", "1F1", "1B1", "1SEND_B1"]
     # One rank: every stage local, no message at all.
     assert all(a.kind.is_compute for a in _build("interleaved", 1, 3, 2)[0])
+
+
+def test_names_are_case_insensitive():
+    assert _build("1F1B", 2, 4) == _build("1f1b", 2, 4)
+    assert _build("GPipe", 2, 4) == _build("gpipe", 2, 4)
 
 
 def test_format_schedule_prints_one_line_per_rank():
@@ -152,10 +159,44 @@ def test_peak_stashed_activations_min_p_minus_i_m_for_1f1b_and_m_for_gpipe(p, m)
     assert simulate(_build("zb", p, m)).peak_activations == {i: min(p, m) for i in range(p)}
 
 
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (4, 4, 2)])
+def test_interleaved_stashes_warmup_plus_one_chunks_per_rank(p, m, v):
+    # Rank r runs (v - 1) p + 2 (p - 1 - r) warm-up forwards and one more before its first
+    # backward; each is one chunk's activations (1/v of the rank's layers). At v = 2, p = 4 rank
+    # 0 thus holds 11 half-stages = 5.5 stages' worth against 1F1B's 4: interleaving trades
+    # memory (and v times the messages) for its smaller bubble.
+    result = simulate(_build("interleaved", p, m, v))
+    assert result.peak_activations_by_rank == tuple(
+        min((v - 1) * p + 2 * (p - 1 - r) + 1, v * m) for r in range(p))
+    assert simulate(_build("1f1b", p, m)).peak_activations_by_rank == tuple(
+        min(p - r, m) for r in range(p))
+
+
+def test_measure_timeline_summarises_an_executor_trace_like_the_simulator():
+    simulated = simulate(_build("1f1b", 2, 4))
+    # A trace as an executor would record it: wall-clock times with an arbitrary origin.
+    trace = [[TimedAction(t.action, 1000 + t.start, 1000 + t.end) for t in events]
+             for events in simulated.timeline]
+    measured = measure_timeline(trace)
+    assert (measured.makespan, measured.busy, measured.idle_share) == (
+        simulated.makespan, simulated.busy, simulated.idle_share)
+    assert measured.peak_activations == simulated.peak_activations
+
+
+def test_latency_lengthens_the_makespan_by_the_messages_on_the_critical_path():
+    # GPipe at p = 2: the critical path crosses the boundary once down and once up.
+    base = simulate(_build("gpipe", 2, 4)).makespan
+    assert simulate(_build("gpipe", 2, 4), Costs(latency=0.25)).makespan == base + 2 * 0.25
+    # 1F1B's steady state waits on a round trip per micro-batch, so latency costs it more: at
+    # p = 2, m = 4, 4 latencies (an executor with slow links sees this first).
+    base = simulate(_build("1f1b", 2, 4)).makespan
+    assert simulate(_build("1f1b", 2, 4), Costs(latency=0.25)).makespan == base + 4 * 0.25
+
+
 def test_simulator_timeline_gives_start_and_end_of_every_action():
     result = simulate(_build("1f1b", 2, 2), Costs(forward=1, backward=2, latency=0.5))
     first = result.timeline[1][:2]
-    assert [(str(t.action), t.start, t.end) for t in first] == [("1RECV_F0", 1.5, 1.5), ("1F0", 1.5, 2.5)]
+    assert [(str(t.action), t.start, t.end) for t in first] == [("1RECV_F0", 0, 1.5), ("1F0", 1.5, 2.5)]
     assert result.makespan == max(t.end for events in result.timeline for t in events)
 
 

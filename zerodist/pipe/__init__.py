@@ -26,8 +26,10 @@ from zerodist.pipe.schedule_checks import (
     PlacementError,
     ScheduleError,
     SimulationResult,
+    TimedAction,
     UnmatchedMessageError,
     check_schedule,
+    measure_timeline,
     simulate,
 )
 
@@ -45,12 +47,14 @@ __all__ = [
     "ScheduleArgumentError",
     "ScheduleError",
     "SimulationResult",
+    "TimedAction",
     "UnmatchedMessageError",
     "add_communication",
     "build_schedule",
     "check_schedule",
     "compute_order",
     "format_schedule",
+    "measure_timeline",
     "simulate",
     "stage_to_rank",
 ]

@@ -131,7 +131,6 @@ def build_schedule(
     backward split into an input-gradient I and a weight-gradient W, the W's deferred into what
     would be 1F1B's bubble). With `with_communication=False` only the compute actions come back.
     """
-    _validate(name, num_ranks, num_microbatches, stages_per_rank)
     order = compute_order(
         name, num_ranks=num_ranks, num_microbatches=num_microbatches,
         stages_per_rank=stages_per_rank)
@@ -141,14 +140,14 @@ def build_schedule(
 
 
 def _validate(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int) -> None:
-    if name not in SCHEDULE_NAMES:
+    if not isinstance(name, str) or name.lower() not in SCHEDULE_NAMES:
         raise ScheduleArgumentError(
             f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
     for label, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches),
                          ("stages_per_rank", stages_per_rank)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleArgumentError(f"{label} must be a positive int, got {value!r}")
-    if name == "interleaved":
+    if name.lower() == "interleaved":
         if stages_per_rank < 2:
             raise ScheduleArgumentError(
                 f"the interleaved schedule needs stages_per_rank >= 2 (got {stages_per_rank}); "
@@ -174,6 +173,7 @@ def compute_order(
 ) -> Schedule:
     """The compute actions (F, B, I, W) of each rank, in order, without communication."""
     _validate(name, num_ranks, num_microbatches, stages_per_rank)
+    name = name.lower()  # "1F1B", "GPipe" and "ZB" as torch and the papers spell them
     builder: Callable[[int, int, int], list[Action]]
     if name == "gpipe":
         builder = _gpipe_rank

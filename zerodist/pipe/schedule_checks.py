@@ -17,7 +17,9 @@ what is wrong and where:
 Timing model of `simulate` (the executor's benchmark compares wall time against it): every rank
 starts at time 0 and runs its list in order; a compute action takes `costs.of(action)` (by kind,
 scaled per stage), a SEND takes no time and its message arrives `costs.latency` later, a RECV
-blocks until its message has arrived. Idle time of a rank is the makespan minus its busy time,
+blocks until its message has arrived (its TimedAction spans the wait). `measure_timeline` turns
+an executor's trace of TimedActions into the same `SimulationResult`, so the two compare field by
+field. Idle time of a rank is the makespan minus its busy time,
 so the idle share is the bubble share of the formulas: (p - 1)/(m + p - 1) for GPipe and 1F1B.
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Sequence
 
 from zerodist.pipe.schedule import Action, Kind, Schedule, stage_to_rank
 
@@ -45,7 +48,9 @@ __all__ = [
     "check_messages",
     "check_placement",
     "check_schedule",
+    "measure_timeline",
     "peak_activations",
+    "peak_activations_by_rank",
     "simulate",
 ]
 
@@ -305,10 +310,16 @@ class TimedAction:
 
 @dataclasses.dataclass(frozen=True)
 class SimulationResult:
+    """What a run of a schedule looked like: from `simulate`, or from an executor's trace through
+    `measure_timeline` (so a real run and the simulator are summarised by one piece of code)."""
+
     makespan: float
     busy: tuple[float, ...]           # compute time of each rank
     timeline: tuple[tuple[TimedAction, ...], ...]  # every action of each rank with its times
     peak_activations: dict[int, int]  # stage -> most stashed forward outputs at once
+    # rank -> most stashed forward outputs at once over all its stages (interleaving: each is
+    # one chunk's activations, 1/v of a full stage's)
+    peak_activations_by_rank: tuple[int, ...] = ()
 
     @property
     def idle(self) -> tuple[float, ...]:
@@ -337,12 +348,38 @@ def peak_activations(schedule: Schedule) -> dict[int, int]:
     return dict(sorted(peaks.items()))
 
 
+def peak_activations_by_rank(schedule: Schedule) -> tuple[int, ...]:
+    """Per rank, the most forward outputs stashed at once over all of its stages."""
+    peaks = []
+    for actions in schedule:
+        live = peak = 0
+        for action in actions:
+            live += 1 if action.kind is Kind.F else -1 if action.kind in (Kind.B, Kind.W) else 0
+            peak = max(peak, live)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def measure_timeline(timeline: Sequence[Sequence[TimedAction]]) -> SimulationResult:
+    """Summarise per-rank timed actions (an executor's trace, or the simulator's): time runs from
+    the earliest start on any rank to the latest end, and a rank is busy while it computes."""
+    events = [event for rank_events in timeline for event in rank_events]
+    origin = min((event.start for event in events), default=0.0)
+    makespan = max((event.end for event in events), default=origin) - origin
+    busy = tuple(sum(event.end - event.start for event in rank_events if event.action.kind.is_compute)
+                 for rank_events in timeline)
+    order = [[event.action for event in rank_events] for rank_events in timeline]
+    return SimulationResult(
+        makespan=makespan, busy=busy, timeline=tuple(tuple(events) for events in timeline),
+        peak_activations=peak_activations(order),
+        peak_activations_by_rank=peak_activations_by_rank(order))
+
+
 def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult:
     """Run `schedule` with blocking receives and buffered sends; raise `DeadlockError` if it stops."""
     costs = costs or Costs()
     num_ranks = len(schedule)
     clock = [0.0] * num_ranks
-    busy = [0.0] * num_ranks
     cursor = [0] * num_ranks
     arrival: dict[_MessageKey, float] = {}
     timeline: list[list[TimedAction]] = [[] for _ in range(num_ranks)]
@@ -352,17 +389,17 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
         for rank in range(num_ranks):
             while cursor[rank] < len(schedule[rank]):
                 action = schedule[rank][cursor[rank]]
-                start = clock[rank]
+                start = end = clock[rank]
                 if action.kind.is_recv:
                     key = _message_key(action)
                     if key not in arrival:
                         break  # blocked; another rank may send it
-                    start = max(start, arrival.pop(key))
-                end = start + costs.of(action)
+                    # A receive lasts from when the rank reaches it to when the message is
+                    # there: the timeline shows the wait as the RECV, not as a gap.
+                    end = max(start, arrival.pop(key))
+                end += costs.of(action)
                 if action.kind.is_send:
                     arrival[_message_key(action)] = end + costs.latency
-                if action.kind.is_compute:
-                    busy[rank] += end - start
                 timeline[rank].append(TimedAction(action, start, end))
                 clock[rank] = end
                 cursor[rank] += 1
@@ -373,10 +410,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
             f"rank {rank} waits at position {cursor[rank]} on {schedule[rank][cursor[rank]]}"
             for rank in blocked)
         raise DeadlockError(f"the schedule deadlocks: {waits}")
-    return SimulationResult(
-        makespan=max(clock, default=0.0), busy=tuple(busy),
-        timeline=tuple(tuple(events) for events in timeline),
-        peak_activations=peak_activations(schedule))
+    return measure_timeline(timeline)
 
 
 def check_schedule(
