@@ -97,7 +97,7 @@ def check_against_reference(results, data: int, dtype_name: str) -> None:
     assert keys == set(ref_states[0]), "the stages' state-dict keys together are nn.Sequential's"
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_pipe2_equals_gradient_accumulation(stage):
     results = run_distributed(pipeline_body, 2, 2, stage, "1f1b", "float32")
     check_against_reference(results, 1, "float32")
@@ -109,7 +109,7 @@ def test_pipe2_equals_gradient_accumulation(stage):
         assert sum(r[2][step] for r in results) == 2 * GAS * activation_bytes
 
 
-@pytest.mark.parametrize("stage", [2])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_pipe2_data2(stage):
     results = run_distributed(pipeline_body, 4, 2, stage, "1f1b", "float32")
     check_against_reference(results, 2, "float32")
@@ -121,3 +121,43 @@ def test_other_schedules_equal_gradient_accumulation(schedule):
     check_against_reference(results, 1, "float32")
     if schedule == "gpipe":
         assert [r[3] for r in results] == [GAS, GAS]
+
+
+def test_pipe4_equals_gradient_accumulation():
+    results = run_distributed(pipeline_body, 4, 4, 1, "1f1b", "float32")
+    check_against_reference(results, 1, "float32")
+    assert [r[3] for r in results] == [4, 3, 2, 1]  # min(p - i, m) under 1F1B
+
+
+def test_interleaved_two_stages_per_rank():
+    results = run_distributed(pipeline_body, 2, 2, 2, "interleaved", "float32", 2)
+    check_against_reference(results, 1, "float32")
+
+
+def reduction_body(stage: int) -> dict[str, int]:
+    """What one train_batch reduces over the data-parallel group, against this stage's parameters."""
+    module = PipelineModule(mlp_layers(), num_stages=2, loss_fn=torch.nn.functional.mse_loss,
+                            partition_method="uniform")
+    engine, _, _, _ = zerodist.initialize(model=module, config=config(stage))
+    data_rank = engine.topology.axis_rank("data")
+    batches = iter([micro_batch(0, micro, data_rank, torch.float32) for micro in range(GAS)])
+    with comm.trace() as trace:
+        engine.train_batch(batches)
+    reduced = trace.total_numel("reduce_scatter")
+    counts = {"reduced": reduced, "reductions": trace.count("reduce_scatter"),
+              "buckets": len(engine.reducer.order),
+              "own": sum(p.numel() for p in engine.module.parameters()),
+              "flat": sum(p.numel() for g in engine.groups for p in g.params),
+              "padded": sum(g.layout.total_numel for g in engine.groups)}
+    engine.destroy()
+    return counts
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_data_parallel_reduction_covers_the_stage_only_once_per_batch(stage):
+    for counts in run_distributed(reduction_body, 4, stage):
+        # one reduce-scatter per gradient bucket per batch (not per micro-batch), of this stage's
+        # parameters only (the world's would be twice as many)
+        assert counts["reductions"] == counts["buckets"], counts
+        assert counts["flat"] == counts["own"] == 4 * (WIDTH * WIDTH + WIDTH), counts  # the stage's 4 layers
+        assert counts["reduced"] == counts["padded"], counts  # its flat groups (bucket padding included)

@@ -74,9 +74,7 @@ class PipelineEngine(Engine):
                                        num_microbatches=self.micro_batches, stages_per_rank=module.stages_per_rank)
         self.simulated = check_schedule(self.schedule, num_microbatches=self.micro_batches,
                                         num_stages=module.total_stages)  # bubble, for reports
-        self.eval_schedule = _forward_only(build_schedule("gpipe", num_ranks=module.num_stages,
-                                                          num_microbatches=self.micro_batches,
-                                                          stages_per_rank=module.stages_per_rank))
+        self.eval_schedule = _forward_only(self.schedule)
         timeout = settings.timeout or self.config.zerodist.timeout
         self.executor = PipelineExecutor(module, self.pipe_ranks, timeout_s=timeout)
         self.last_run: RunResult | None = None
@@ -134,7 +132,7 @@ class PipelineEngine(Engine):
         the mean loss on every rank (and the last stage's outputs with `return_logits`)."""
         count = num_micro_batches or self.micro_batches
         schedule = self.eval_schedule if count == self.micro_batches else _forward_only(build_schedule(
-            "gpipe", num_ranks=self.pipeline_module.num_stages, num_microbatches=count,
+            self.schedule_name, num_ranks=self.pipeline_module.num_stages, num_microbatches=count,
             stages_per_rank=self.pipeline_module.stages_per_rank))
         comm.barrier()  # DeepSpeed's: no rank starts an eval while another still trains
         inputs, labels = self._pull(data_iter, count)
@@ -199,5 +197,7 @@ class PipelineEngine(Engine):
 
 
 def _forward_only(schedule: list[list[Action]]) -> list[list[Action]]:
+    """The forwards and their messages, in the training schedule's order: without the backwards
+    each rank still runs its forwards in an order the others' sends satisfy (sends never block)."""
     keep = (Kind.F, Kind.SEND_F, Kind.RECV_F)
     return [[a for a in actions if a.kind in keep] for actions in schedule]
