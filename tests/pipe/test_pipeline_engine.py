@@ -63,11 +63,20 @@ def reference(data: int, dtype: torch.dtype) -> tuple[list[float], list[dict[str
     return losses, states
 
 
-def pipeline_body(pipe: int, stage: int, schedule: str, dtype_name: str, stages_per_rank: int = 1):
+# Megatron's MLP pairs for pipe x tensor: even layers split their outputs, odd ones their inputs
+TENSOR_SPECS = {"layer_specs": [
+    {"patterns": [rf"^{i}\.0\.(weight|bias)$" for i in range(0, LAYERS, 2)], "partition_type": "column"},
+    {"patterns": [rf"^{i}(\.0)?\.weight$" for i in range(1, LAYERS, 2)], "partition_type": "row"}]}
+
+
+def pipeline_body(pipe: int, stage: int, schedule: str, dtype_name: str, stages_per_rank: int = 1, tensor: int = 1):
     dtype = getattr(torch, dtype_name)
     module = PipelineModule(mlp_layers(dtype), num_stages=pipe, loss_fn=torch.nn.functional.mse_loss,
                             partition_method="uniform", stages_per_rank=stages_per_rank)
-    engine, _, _, _ = zerodist.initialize(model=module, config=config(stage, schedule))
+    settings = config(stage, schedule)
+    if tensor > 1:
+        settings["tensor_parallel"] = {"autotp_size": tensor, "partition_config": TENSOR_SPECS}
+    engine, _, _, _ = zerodist.initialize(model=module, config=settings)
     data_rank = engine.topology.axis_rank("data")
     losses, states, sent = [], [], []
     for step in range(STEPS):
@@ -161,3 +170,9 @@ def test_data_parallel_reduction_covers_the_stage_only_once_per_batch(stage):
         assert counts["reductions"] == counts["buckets"], counts
         assert counts["flat"] == counts["own"] == 4 * (WIDTH * WIDTH + WIDTH), counts  # the stage's 4 layers
         assert counts["reduced"] == counts["padded"], counts  # its flat groups (bucket padding included)
+
+
+@pytest.mark.parametrize("stage", [1])
+def test_pipe2_tensor2(stage):
+    results = run_distributed(pipeline_body, 4, 2, stage, "1f1b", "float32", 1, 2)
+    check_against_reference(results, 1, "float32")

@@ -29,7 +29,7 @@ from zerodist.engine.dataloader import EngineDataLoader
 from zerodist.engine.deepspeed_args import DEFAULT_PORT, resolve_initialize_arguments, update_args_local_rank
 from zerodist.engine.engine import Engine
 from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
-from zerodist.engine.pipeline import PipelineEngine, pipeline_fingerprint, pipeline_split
+from zerodist.engine.pipeline import PipelineEngine, pipeline_fingerprint, pipeline_split, prepare_pipeline
 from zerodist.engine.schedulers import build_scheduler
 from zerodist.pipe.module import PipelineModule
 from zerodist.moe.parallel import ExpertParallelState, apply_expert_parallel_part
@@ -95,6 +95,7 @@ def _initialize(model: torch.nn.Module | None, model_parameters: Iterable[Any] |
     validated = _validate(model, config)
     assert isinstance(model, torch.nn.Module)  # _validate refused anything else, by name
     topology = _build_topology(validated, model)
+    prepare_pipeline(model, topology.world_size)  # a PipelineModule's tie groups, before ZeRO flattens
     (part,) = split_parts(model, *pipeline_split(model))  # a PipelineModule: the stages this rank built
     tensor = _apply_tensor_parallel(part, topology, validated.config)
     part = dataclasses.replace(part, module=tensor.module)

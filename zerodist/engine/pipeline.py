@@ -23,6 +23,7 @@ gradients summed over the tie group before the step (`TiedGradients`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,9 +35,23 @@ from zerodist.pipe.executor import PipelineError, PipelineExecutor, RunResult
 from zerodist.pipe.module import PipelineModule
 from zerodist.pipe.schedule import Action, Kind, build_schedule
 from zerodist.pipe.schedule_checks import check_schedule
+from zerodist.pipe.tied import TiedGradients
 from zerodist.zero import sharded_access
 
-__all__ = ["PipelineEngine", "PipelineError", "pipeline_fingerprint", "pipeline_split"]
+__all__ = ["PipelineEngine", "PipelineError", "pipeline_fingerprint", "pipeline_split", "prepare_pipeline"]
+
+
+# The tie groups made by `prepare_pipeline` (before ZeRO), for the engine built after it.
+_TIED: weakref.WeakKeyDictionary[torch.nn.Module, TiedGradients] = weakref.WeakKeyDictionary()
+
+
+def prepare_pipeline(model: torch.nn.Module, world_size: int) -> None:
+    """Before ZeRO flattens the parameters: make the tie groups of a PipelineModule's tied layers
+    and give every copy the lowest stage's values ([Note: tied gradients] in zerodist/pipe/tied.py)."""
+    if isinstance(model, PipelineModule):
+        tied = TiedGradients(model, world_size)
+        tied.sync_weights()
+        _TIED[model] = tied
 
 
 def pipeline_split(model: torch.nn.Module) -> tuple[int, int]:
@@ -78,7 +93,13 @@ class PipelineEngine(Engine):
         timeout = settings.timeout or self.config.zerodist.timeout
         self.executor = PipelineExecutor(module, self.pipe_ranks, timeout_s=timeout)
         self.last_run: RunResult | None = None
+        self.tied = _TIED.pop(module, None)
         self.agg_train_loss: torch.Tensor | None = None
+
+    def destroy(self) -> None:
+        super().destroy()
+        if self.tied is not None:
+            self.tied.remove_hooks()
 
     # ------------------------------------------------------------------ what pipeline mode refuses
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -110,6 +131,9 @@ class PipelineEngine(Engine):
             self.last_run = self.executor.run(
                 self.schedule[self.pipe_rank], inputs=inputs, labels=labels, loss_scale=scale,
                 after_backward=self.zero_state.schedule.end_backward)
+            if self.tied is not None and self.tied.active:
+                self.tied.reduce()  # the tie sum, before the data-parallel reduction averages it
+                self.zero_state.schedule.end_backward()
             runtime.reduce_gradients()
             runtime.reshard()
         loss = self._agreed_loss(self.last_run)

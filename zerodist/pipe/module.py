@@ -220,20 +220,18 @@ class PipelineModule(torch.nn.Module):
                 continue
             if seed_layers:
                 seed_fn(base_seed + index)
+            # Modules are looked up by name when run (`_run`), so a technique that swaps a layer for its
+            # parallel form (tensor parallelism) is what runs.
             if isinstance(layer, TiedLayerSpec):
                 if layer.key not in self._tied_modules:
                     self._tied_modules[layer.key] = layer.build()
-                module = self._tied_modules[layer.key]
-                self.add_module(str(index), module)
-                self._forward_funcs[index] = (module if layer.forward_fn is None
-                                              else functools.partial(layer.forward_fn, module))
+                self.add_module(str(index), self._tied_modules[layer.key])
+                if layer.forward_fn is not None:
+                    self._forward_funcs[index] = layer.forward_fn
             elif isinstance(layer, LayerSpec):
-                module = layer.build()
-                self.add_module(str(index), module)
-                self._forward_funcs[index] = module
+                self.add_module(str(index), layer.build())
             elif isinstance(layer, torch.nn.Module):
                 self.add_module(str(index), layer)
-                self._forward_funcs[index] = layer
             elif callable(layer):
                 self._forward_funcs[index] = layer
             else:
@@ -264,7 +262,14 @@ class PipelineModule(torch.nn.Module):
 
     def _run(self, indices: Sequence[int], inputs: Any) -> Any:
         for index in indices:
-            inputs = self._forward_funcs[index](inputs)
+            module = self._modules.get(str(index))
+            function = self._forward_funcs.get(index)
+            if module is None:
+                inputs = function(inputs)  # type: ignore[misc]  # a plain callable layer
+            elif function is not None:
+                inputs = function(module, inputs)  # a tied layer's forward_fn
+            else:
+                inputs = module(inputs)
         return inputs
 
     def _run_unpacked(self, indices: Sequence[int], was_tuple: bool, *inputs: Any) -> Any:
@@ -273,21 +278,27 @@ class PipelineModule(torch.nn.Module):
     def _checkpoints(self, indices: Sequence[int]) -> bool:
         if self._checkpointable is None:
             return True
-        modules = [self._forward_funcs[i] for i in indices]
-        return any(type(m).__name__ in self._checkpointable for m in modules)
+        modules = [self._modules.get(str(i)) for i in indices]
+        return any(type(m).__name__ in self._checkpointable for m in modules if m is not None)
 
     # ------------------------------------------------------------------ tied layers
     def tied_parameters(self) -> dict[str, list[torch.nn.Parameter]]:
-        """The tied parameters this rank holds, by key (the attributes each key's spec names)."""
+        """The tied parameters this rank holds, by key: every trained parameter of the key's module.
+
+        The layers of one key share one module (as `nn.Sequential` given the same module twice
+        would), so every copy of all its parameters is kept equal, not only `tied_weight_attr`'s
+        (DeepSpeed reduces only those, and lets the copies' other parameters drift apart).
+        `tied_weight_attr` is checked to name parameters of the module."""
         result: dict[str, list[torch.nn.Parameter]] = {}
         for key, module in self._tied_modules.items():
-            params = []
             for attr in self._tied_attrs[key]:
                 value: Any = module
                 for part in attr.split("."):
-                    value = getattr(value, part)
-                params.append(value)
-            result[key] = params
+                    value = getattr(value, part, None)
+                if not isinstance(value, torch.nn.Parameter):
+                    raise AttributeError(f"TiedLayerSpec({key!r}): tied_weight_attr {attr!r} is not a parameter "
+                                         f"of {type(module).__name__}")
+            result[key] = [p for p in module.parameters() if p.requires_grad]
         return result
 
     def is_first_stage(self, stage: int) -> bool:
