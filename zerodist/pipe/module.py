@@ -78,23 +78,25 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
 
 
 def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
-    """Boundaries of `num_parts` non-empty contiguous parts whose largest weight sum is smallest
-    (ties: the earliest boundaries). Exact, by dynamic programming over (parts, prefix)."""
+    """Boundaries of `num_parts` non-empty contiguous parts whose largest weight sum is smallest,
+    then whose sum of squared part weights is smallest (the evenest split), then the earliest
+    boundaries; by dynamic programming over (parts, prefix)."""
     n = len(weights)
     if n < num_parts:
         raise PartitionError(f"{n} layers cannot fill {num_parts} stages; use fewer stages")
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + float(w))
-    inf = float("inf")
-    # best[k][i]: the smallest bottleneck of the first i items in k parts; cut[k][i]: where part k starts
+    inf = (float("inf"), float("inf"))
+    # best[k][i]: (bottleneck, sum of squares) of the first i items in k parts; cut[k][i]: where part k starts
     best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
     cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
-    best[0][0] = 0.0
+    best[0][0] = (0.0, 0.0)
     for k in range(1, num_parts + 1):
         for i in range(k, n - (num_parts - k) + 1):
             for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                part = prefix[i] - prefix[j]
+                value = (max(best[k - 1][j][0], part), best[k - 1][j][1] + part * part)
                 if value < best[k][i]:
                     best[k][i], cut[k][i] = value, j
     bounds, i = [n], n
@@ -185,10 +187,12 @@ class PipelineModule(torch.nn.Module):
         self.num_layers = len(layers)
         self.layer_classes = [_class_name(layer) for layer in layers]  # every rank's, for agreement checks
         self.parts = partition_layers(layers, self.total_stages, partition_method)
-        world = comm.get_world_size()
+        # One stage needs no world (a module built in a plain script or test); more need the ranks.
+        world = 1 if self.num_stages == 1 and not comm.is_initialized() else comm.get_world_size()
         if world % self.num_stages:
             raise ValueError(f"PipelineModule(num_stages={self.num_stages}) does not divide the world size {world}")
-        self.stage_id = comm.get_rank() // (world // self.num_stages)  # the pipe axis is outermost
+        rank = comm.get_rank() if world > 1 else 0
+        self.stage_id = rank // (world // self.num_stages)  # the pipe axis is outermost
         self.local_stages = [self.stage_id + k * self.num_stages for k in range(stages_per_rank)]
         self.tied_keys: dict[str, list[int]] = {}  # key -> global stages that hold it
         self._tied_attrs: dict[str, list[str]] = {}
