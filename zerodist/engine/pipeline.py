@@ -36,6 +36,7 @@ from zerodist.pipe.module import PipelineModule
 from zerodist.pipe.schedule import Action, Kind, build_schedule
 from zerodist.pipe.schedule_checks import check_schedule
 from zerodist.pipe.tied import TiedGradients
+from zerodist.utils import RepeatingLoader
 from zerodist.zero import sharded_access
 
 __all__ = ["PipelineEngine", "PipelineError", "pipeline_fingerprint", "pipeline_split", "prepare_pipeline"]
@@ -94,6 +95,7 @@ class PipelineEngine(Engine):
         self.executor = PipelineExecutor(module, self.pipe_ranks, timeout_s=timeout)
         self.last_run: RunResult | None = None
         self.tied = _TIED.pop(module, None)
+        self._own_data_iter: Iterator[Any] | None = None
         self.agg_train_loss: torch.Tensor | None = None
 
     def destroy(self) -> None:
@@ -120,7 +122,8 @@ class PipelineEngine(Engine):
     # ------------------------------------------------------------------ training
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """Pull `gradient_accumulation_steps` micro-batches `(inputs, labels)` (first and last stage
-        only), run the schedule, reduce once, step; the batch's mean loss on every rank."""
+        only; from the loader of `initialize(training_data=...)` when `data_iter` is None), run the
+        schedule, reduce once, step; the batch's mean loss on every rank."""
         inputs, labels = self._pull(data_iter, self.micro_batches)
         self.finish_param_gathers()
         runtime = self.units
@@ -181,6 +184,11 @@ class PipelineEngine(Engine):
         """The first and last stages read the micro-batches (DeepSpeed's way); the others read nothing."""
         if not (self.is_first_stage() or self.is_last_stage()):
             return None, None
+        if data_iter is None and self.training_dataloader is not None:
+            # DeepSpeed's train_batch(): the loader initialize() made from training_data, repeated
+            if self._own_data_iter is None:
+                self._own_data_iter = iter(RepeatingLoader(self.training_dataloader))
+            data_iter = self._own_data_iter
         if data_iter is None:
             raise ValueError("train_batch(data_iter) / eval_batch(data_iter): the first and last pipeline stages "
                              "need an iterator of (inputs, labels) micro-batches, e.g. "

@@ -190,8 +190,11 @@ class _Run:
         leaves = []
         for index, tensor in enumerate(tensors):
             if tensor.is_floating_point() and self.train:
-                tensors[index] = tensor.detach().requires_grad_(True)
-                leaves.append(tensors[index])
+                leaf = tensor.detach().requires_grad_(True)
+                leaves.append(leaf)
+                # The layers get a copy, so a first layer that works in place (ReLU(inplace=True))
+                # does not write into the leaf its gradient is taken of (DeepSpeed clones too).
+                tensors[index] = leaf.clone()
         return _pack(tensors, was_tuple), leaves
 
     def _forward(self, stage: int, mb: int) -> None:
