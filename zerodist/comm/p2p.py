@@ -163,7 +163,7 @@ def recv_message(src: int, *, label: Label, describe: str, expect: Sequence[Meta
     status, sent_label, metas = _decode(header, src, describe)
     if status == _ABORT:
         raise PipePeerFailedError(
-            f"rank {dist.get_rank()}: waiting for {describe} from rank {src}, which failed (its log has the "
+            f"rank {dist.get_rank()}: waiting for {describe} (rank {src}), which failed (its log has the "
             "error); this stage stops too")
     if sent_label != tuple(label):
         raise PipeMessageError(
