@@ -60,6 +60,8 @@ class TrainPlan:
     config: dict[str, Any]
     corpus_bytes: int = CORPUS_BYTES
     moe_experts: int = 0  # > 0: every block's MLP is an MoE layer of this many experts, expert parallel
+    pipe: int = 1  # > 1: the GPT in this many pipeline stages (zerodist/train/pipeline.py)
+    pipe_schedule: str = "1f1b"
 
 
 def default_config(steps: int) -> dict[str, Any]:
