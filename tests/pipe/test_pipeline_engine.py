@@ -42,7 +42,7 @@ def config(stage: int, schedule: str = "1f1b", **zerodist_section) -> dict:
     }
 
 
-def reference(data: int, dtype: torch.dtype) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+def reference(data: int, dtype: torch.dtype, clip: float = 0.0) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """One process: the same layers as nn.Sequential, gradient accumulation over the micro-batches
     of every data rank (each micro-step's batch is the data ranks' micro-batches together)."""
     model = torch.nn.Sequential(*mlp_layers(dtype))
@@ -56,6 +56,8 @@ def reference(data: int, dtype: torch.dtype) -> tuple[list[float], list[dict[str
             loss = torch.nn.functional.mse_loss(model(x), y)
             (loss / GAS).backward()
             total += loss.item()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total / GAS)
@@ -69,13 +71,16 @@ TENSOR_SPECS = {"layer_specs": [
     {"patterns": [rf"^{i}(\.0)?\.weight$" for i in range(1, LAYERS, 2)], "partition_type": "row"}]}
 
 
-def pipeline_body(pipe: int, stage: int, schedule: str, dtype_name: str, stages_per_rank: int = 1, tensor: int = 1):
+def pipeline_body(pipe: int, stage: int, schedule: str, dtype_name: str, stages_per_rank: int = 1, tensor: int = 1,
+                  clip: float = 0.0):
     dtype = getattr(torch, dtype_name)
     module = PipelineModule(mlp_layers(dtype), num_stages=pipe, loss_fn=torch.nn.functional.mse_loss,
                             partition_method="uniform", stages_per_rank=stages_per_rank)
     settings = config(stage, schedule)
     if tensor > 1:
         settings["tensor_parallel"] = {"autotp_size": tensor, "partition_config": TENSOR_SPECS}
+    if clip:
+        settings["gradient_clipping"] = clip
     engine, _, _, _ = zerodist.initialize(model=module, config=settings)
     data_rank = engine.topology.axis_rank("data")
     losses, states, sent = [], [], []
@@ -91,10 +96,10 @@ def pipeline_body(pipe: int, stage: int, schedule: str, dtype_name: str, stages_
     return losses, states, sent, peak
 
 
-def check_against_reference(results, data: int, dtype_name: str) -> None:
+def check_against_reference(results, data: int, dtype_name: str, clip: float = 0.0) -> None:
     dtype = getattr(torch, dtype_name)
     tolerance = 1e-12 if dtype == torch.float64 else 1e-6
-    ref_losses, ref_states = reference(data, dtype)
+    ref_losses, ref_states = reference(data, dtype, clip)
     keys = set()
     for losses, states, _, _ in results:
         assert losses == results[0][0], "train_batch returns the same loss on every rank"
@@ -176,3 +181,9 @@ def test_data_parallel_reduction_covers_the_stage_only_once_per_batch(stage):
 def test_pipe2_tensor2(stage):
     results = run_distributed(pipeline_body, 4, 2, stage, "1f1b", "float32", 1, 2)
     check_against_reference(results, 1, "float32")
+
+
+def test_gradient_clipping_uses_the_norm_over_every_stage():
+    # the norm is agreed over the world (both stages' parameters): clipping equals one process's
+    results = run_distributed(pipeline_body, 4, 2, 2, "1f1b", "float32", 1, 1, 0.05)
+    check_against_reference(results, 2, "float32", clip=0.05)
