@@ -28,7 +28,9 @@ from zerodist.pipe import (
     build_schedule,
     check_schedule,
     format_schedule,
+    forward_only,
     measure_timeline,
+    message_counts,
     simulate,
     stage_to_rank,
 )
@@ -150,6 +152,18 @@ def test_zero_bubble_h1_idle_share_is_a_third_of_1f1bs_bubble(p, m):
     assert zb.idle == (p - 1,) * p and one_f_one_b.idle == (3 * (p - 1),) * p
 
 
+@pytest.mark.parametrize("t_f,t_i,t_w", [(1, 1, 1), (1, 1, 0.5), (1, 2, 1), (2, 1, 1), (1, 1, 2)])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_zero_bubble_h1_idles_p_minus_1_times_max_tf_plus_ti_minus_tw_and_ti(t_f, t_i, t_w, p, m):
+    # Beyond the unit model, this fixed order (torch's) idles (p - 1) max(T_F + T_I - T_W, T_I)
+    # per rank when m >= p: the paper's (p - 1)(T_F + T_B - T_W) while T_W <= T_F, never below
+    # one input-gradient step per boundary (the I's chain down the pipe at the end).
+    costs = Costs(forward=t_f, backward_input=t_i, backward_weight=t_w, backward=t_i + t_w)
+    zb, one_f_one_b = simulate(_build("zb", p, m), costs), simulate(_build("1f1b", p, m), costs)
+    assert zb.idle == ((p - 1) * max(t_f + t_i - t_w, t_i),) * p
+    assert one_f_one_b.idle == ((p - 1) * (t_f + t_i + t_w),) * p
+
+
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 2), (3, 1)])
 def test_peak_stashed_activations_min_p_minus_i_m_for_1f1b_and_m_for_gpipe(p, m):
     assert simulate(_build("1f1b", p, m)).peak_activations == {i: min(p - i, m) for i in range(p)}
@@ -193,11 +207,49 @@ def test_latency_lengthens_the_makespan_by_the_messages_on_the_critical_path():
     assert simulate(_build("1f1b", 2, 4), Costs(latency=0.25)).makespan == base + 4 * 0.25
 
 
+def test_the_schedules_need_sends_that_do_not_block():
+    # The contract: an executor issues each SEND as an isend and does not wait on it before its
+    # later receives. With blocking (rendezvous) sends 1F1B's steady state deadlocks: rank 0
+    # sends micro-batch 1's activation while rank 1 sends micro-batch 0's gradient, and each
+    # waits for the other to receive. GPipe survives: its two directions never overlap.
+    simulate(_build("gpipe", 4, 8), blocking_sends=True)
+    with pytest.raises(DeadlockError, match=r"\(blocking sends\): rank 0 waits at position 3 on "
+                                            "0SEND_F1; rank 1 waits at position 3 on 1SEND_B0"):
+        simulate(_build("1f1b", 2, 4), blocking_sends=True)
+    # Blocking sends that meet their receive cost no time of their own.
+    assert simulate(_build("gpipe", 2, 4), blocking_sends=True).makespan == simulate(_build("gpipe", 2, 4)).makespan
+
+
 def test_simulator_timeline_gives_start_and_end_of_every_action():
     result = simulate(_build("1f1b", 2, 2), Costs(forward=1, backward=2, latency=0.5))
     first = result.timeline[1][:2]
     assert [(str(t.action), t.start, t.end) for t in first] == [("1RECV_F0", 0, 1.5), ("1F0", 1.5, 2.5)]
     assert result.makespan == max(t.end for events in result.timeline for t in events)
+
+
+# --- evaluation and message counts ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("zb", 2, 3, 1),
+                                        ("interleaved", 4, 8, 2), ("interleaved", 2, 2, 3)])
+def test_forward_only_keeps_each_ranks_forwards_in_order_and_is_deadlock_free(name, p, m, v):
+    schedule = forward_only(_build(name, p, m, v))
+    result = check_schedule(schedule, num_microbatches=m, num_stages=p * v, forward_only=True)
+    assert all(a.kind in (F, Kind.SEND_F, Kind.RECV_F) for actions in schedule for a in actions)
+    assert result.busy == (float(m * v),) * p  # m forwards of each of v stages, 1 unit each
+    with pytest.raises(IncompleteScheduleError, match="has a backward in a forward-only schedule"):
+        check_schedule(_build(name, p, m, v), num_microbatches=m, forward_only=True)
+
+
+def test_message_counts_are_m_each_way_per_boundary_and_v_m_when_interleaved():
+    p, m = 4, 8
+    assert message_counts(_build("1f1b", p, m)) == {
+        **{(r, r + 1): m for r in range(p - 1)}, **{(r + 1, r): m for r in range(p - 1)}}
+    assert message_counts(_build("zb", p, m)) == message_counts(_build("gpipe", p, m))
+    v = 2
+    interleaved = message_counts(_build("interleaved", p, m, v))
+    assert {pair: interleaved[pair] for pair in [(0, 1), (1, 0), (2, 3), (3, 2)]} == dict.fromkeys(
+        [(0, 1), (1, 0), (2, 3), (3, 2)], v * m)
+    assert interleaved[(3, 0)] == interleaved[(0, 3)] == (v - 1) * m
 
 
 # --- bad arguments are named errors ---------------------------------------------------------------
@@ -306,12 +358,19 @@ def test_a_wait_cycle_is_a_deadlock_error_naming_each_blocked_rank():
 
 # --- the same orders as torch.distributed.pipelining -------------------------------------------
 
-def _torch_order(schedule_class, p: int, m: int, stages_per_rank: int) -> list[list[str]]:
-    """torch's `pipeline_order` (compute actions only), built without processes: its schedules
-    compute every rank's order in the constructor, and a mocked stage is all they read
-    (torch's own `_schedule_visualizer.get_schedule_ops` does the same)."""
+_TORCH_COMPUTE = ("FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")
+_TORCH_MESSAGES = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+def _torch_schedule(schedule_class, p: int, m: int, stages_per_rank: int, *, with_comms: bool = False):
+    """torch's per-rank actions as strings, built without processes: its schedules compute every
+    rank's `pipeline_order` in the constructor and read nothing of a stage but a few attributes,
+    so a mocked stage does (torch's own `_schedule_visualizer.get_schedule_ops` does the same).
+    With comms, torch's `_PipelineScheduleRuntime` inserts the sends and receives, each receive
+    deferred to just before its consumer (`defer_pp_recv=True`, as ours are)."""
     from unittest import mock
 
+    from torch.distributed.pipelining import schedules
     from torch.distributed.pipelining.stage import PipelineStage
 
     stages = []
@@ -320,15 +379,20 @@ def _torch_order(schedule_class, p: int, m: int, stages_per_rank: int) -> list[l
         stage.group_rank, stage.group_size, stage.submod = 0, p, None
         stage.num_stages, stage.stage_index = p * stages_per_rank, 0
         stages.append(stage)
-    from torch.distributed.pipelining import schedules
-
     single = issubclass(schedule_class, schedules.PipelineScheduleSingle)
-    instance = schedule_class(stages[0] if single else stages, m)
-    order = instance.pipeline_order
-    return [[str(a) for a in order[rank]
-             if a is not None and a.computation_type.name in ("FORWARD", "FULL_BACKWARD",
-                                                              "BACKWARD_INPUT", "BACKWARD_WEIGHT")]
-            for rank in range(p)]
+    order = {rank: [a for a in actions if a is not None and a.computation_type.name in _TORCH_COMPUTE]
+             for rank, actions in schedule_class(stages[0] if single else stages, m).pipeline_order.items()}
+    kept = _TORCH_COMPUTE
+    if with_comms:
+        runtime = schedules._PipelineScheduleRuntime(stages, m, defer_pp_recv=True)
+        runtime._prepare_schedule_with_comms(order)
+        order, kept = runtime.pipeline_order_with_comms, _TORCH_COMPUTE + _TORCH_MESSAGES
+    # torch also has UNSHARD / RESHARD / REDUCE_GRAD (FSDP's hooks): the executor's business here.
+    return [[str(a) for a in order[rank] if a.computation_type.name in kept] for rank in range(p)]
+
+
+def _torch_order(schedule_class, p: int, m: int, stages_per_rank: int) -> list[list[str]]:
+    return _torch_schedule(schedule_class, p, m, stages_per_rank)
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 5)])
@@ -365,3 +429,25 @@ def test_zb_is_torchs_interleaved_zero_bubble_at_one_stage_per_rank(p, m):
     from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
 
     assert _compute(_build("zb", p, m)) == _torch_order(ScheduleInterleavedZeroBubble, p, m, 1)
+
+
+@pytest.mark.parametrize("schedule_class,name,p,m,v", [
+    ("ScheduleGPipe", "gpipe", 4, 8, 1), ("ScheduleInterleavedZeroBubble", "zb", 4, 8, 1),
+    ("ScheduleInterleaved1F1B", "interleaved", 2, 4, 2), ("ScheduleInterleaved1F1B", "interleaved", 4, 8, 3),
+])
+def test_sends_and_receives_sit_where_torchs_deferred_receives_do(schedule_class, name, p, m, v):
+    from torch.distributed.pipelining import schedules
+
+    ours = [[str(a) for a in actions] for actions in _build(name, p, m, v)]
+    theirs = _torch_schedule(getattr(schedules, schedule_class), p, m, v, with_comms=True)
+
+    def without(rank_actions: list[str], kind: str) -> list[str]:
+        return [text for text in rank_actions if kind not in text]
+
+    # Every receive sits right before the same compute, and every send after the same compute, in
+    # both. They differ only where torch's rank-parity rule (pytorch#172668: a lower rank posts
+    # its pending receives from a peer before it sends to that peer, so that blocking sends
+    # cannot wait on each other) moves a receive ahead of a send: "0F1 2RECV_F0 0SEND_F1 2F0"
+    # against our "0F1 0SEND_F1 2RECV_F0 2F0". Our sends never block (see the module docstring).
+    assert [without(a, "SEND") for a in ours] == [without(a, "SEND") for a in theirs]
+    assert [without(a, "RECV") for a in ours] == [without(a, "RECV") for a in theirs]

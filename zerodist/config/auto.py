@@ -131,6 +131,29 @@ def resolve_auto(raw: Mapping[str, Any], values: TrainerValues, *, source: str |
     return config
 
 
+def resolve_model_auto(raw: Mapping[str, Any], hidden_size: int | None) -> dict[str, Any]:
+    """A copy of ``raw`` whose ``"auto"`` bucket sizes are filled from the model's hidden size by
+    the Trainer's formulas (``reduce_bucket_size`` = hidden², and at stage 3 the prefetch bucket
+    0.9·hidden² and the persistence threshold 10·hidden), for a config handed to
+    ``zerodist.initialize`` without the Trainer. The model decides these, so no Trainer is needed;
+    every other ``"auto"`` is left for validation, which names what fills it. With no hidden size
+    (a model without a ``config.hidden_size``) the bucket sizes keep their defaults."""
+    config = copy.deepcopy(dict(raw))
+    if hidden_size is None:
+        return config
+    zero = config.get("zero_optimization")
+    stage = zero.get("stage") if isinstance(zero, Mapping) else None
+    values = TrainerValues(world_size=1, per_device_train_batch_size=1, gradient_accumulation_steps=1,
+                           max_grad_norm=0.0, learning_rate=0.0, hidden_size=hidden_size)
+    for rule in _rules(values, stage):
+        if not rule.key.startswith("zero_optimization.") or "hidden_size" not in rule.source:
+            continue
+        node, name = _node(config, rule.key)
+        if node is not None and node.get(name) == "auto":
+            node[name] = rule.value
+    return config
+
+
 def _node(config: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None, str]:
     """The dict holding the last part of ``dotted`` and that part; None when a section is absent."""
     *sections, name = dotted.split(".")

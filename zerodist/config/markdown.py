@@ -24,8 +24,12 @@ zerodist reads DeepSpeed's JSON config: the keys, nesting and defaults below are
 except the `zerodist` section. Every key is optional unless its default says *required*.
 An unknown key is an error (with a "did you mean"), at every level, and all problems in a
 config are reported together. `"auto"` is accepted only by the batch sizes (derived from the
-other two and the world size) and by the element counts in `zero_optimization` (their
-default); anywhere else it is an error. `zerodist config show FILE --world-size N` prints a
+other two and the world size) and by the element counts in `zero_optimization`: the bucket
+sizes Hugging Face's Trainer derives from the model's hidden size take the same values when the
+model has a `config.hidden_size` (`reduce_bucket_size` = hidden², and at stage 3
+`stage3_prefetch_bucket_size` = 0.9·hidden², `stage3_param_persistence_threshold` = 10·hidden),
+the others their default. Anywhere else it is an error that names what fills it (or, through
+`zerodist.integrations.transformers.ZerodistTrainer`, is filled from the Trainer's arguments). `zerodist config show FILE --world-size N` prints a
 config with every default filled in and the batch sizes resolved.
 """
 

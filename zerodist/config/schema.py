@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from zerodist.config.auto import TrainerValues, resolve_auto
+from zerodist.config.auto import TrainerValues, resolve_auto, resolve_model_auto
 from zerodist.config.batch import BatchSizes, resolve_batch_sizes
 from zerodist.config.deepspeed_keys import drop_no_op_keys, unalias_zero_keys
 from zerodist.config.errors import ConfigError
@@ -478,11 +478,14 @@ class Config(Section):
 
     @classmethod
     def load(cls, source: Config | Mapping[str, Any] | str | os.PathLike[str], *,
-             auto: TrainerValues | None = None) -> Config:
+             auto: TrainerValues | None = None, hidden_size: int | None = None) -> Config:
         """Validate a dict, or a JSON file at a path; a Config is returned as is.
 
         ``auto``: fill each ``"auto"`` from these values first, as Hugging Face's Trainer does
-        (auto.py). Without it, ``"auto"`` is accepted only where the batch or a default decides it.
+        (auto.py). Without it, ``"auto"`` is accepted only where the model, the batch or a default
+        decides it: ``hidden_size`` (the model's, when it has one) fills the bucket sizes by the
+        Trainer's formulas, the batch triple derives its missing member, and the other bucket
+        sizes take their defaults.
         Raises ConfigError listing every problem, one line each; never pydantic's raw error.
         """
         if isinstance(source, Config):
@@ -490,6 +493,8 @@ class Config(Section):
         raw, source_name = read_source(source)
         if auto is not None:
             raw = resolve_auto(raw, auto, source=source_name)
+        else:
+            raw = resolve_model_auto(raw, hidden_size)
         raw, alias_problems = unalias_zero_keys(raw)  # DeepSpeed's un-prefixed ZeRO-3 names
         raw = drop_no_op_keys(raw)  # DeepSpeed keys set to values that change nothing here
         try:

@@ -39,6 +39,7 @@ from zerodist.tensor_parallel.plan import PlanError
 from zerodist.tensor_parallel.domino import DominoConfig
 from zerodist.utils import get_logger, log_rank0
 from zerodist.utils.differences import differing_entries, flatten
+from zerodist.utils.helpers import model_hidden_size
 from zerodist.zero import OptimizerRecipe, ZeroOptimizer, ZeroSettings, ZeroState, apply_zero, sharded_access
 from zerodist.zero.partition import continue_recording, is_recorded
 from zerodist.zero.plan import bucket_capacity
@@ -119,7 +120,8 @@ def _validate(model: torch.nn.Module | None, config: Config | dict[str, Any] | s
     if model in _INITIALIZED:
         raise RuntimeError(f"initialize() was already called on this {type(model).__name__}; build a new model, "
                            "or keep using the engine returned the first time")
-    config = Config.load(config if config is not None else {})
+    # "auto" bucket sizes come from the model's hidden size, as the Trainer would fill them
+    config = Config.load(config if config is not None else {}, hidden_size=model_hidden_size(model))
     world = comm.init_distributed(timeout=config.zerodist.timeout)
     if config.zerodist.hang_warning is not None:
         comm.set_hang_warning(config.zerodist.hang_warning)

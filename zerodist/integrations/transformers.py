@@ -45,6 +45,7 @@ import zerodist
 from zerodist.checkpoint import save_pretrained
 from zerodist.config import Config, TrainerValues
 from zerodist.config.source import read_source
+from zerodist.utils.helpers import model_hidden_size
 
 _BATCH_AND_CLIP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                         "gradient_clipping")
@@ -65,15 +66,7 @@ def trainer_values(args: Any, model: torch.nn.Module, num_training_steps: int | 
 def hidden_size(model: torch.nn.Module) -> int | None:
     """The model's hidden size as transformers reads it for "auto" bucket sizes (the largest of
     ``hidden_sizes``; a multimodal model's ``text_config``); None when it has none."""
-    config = getattr(model, "config", None)
-    for owner in (config, getattr(config, "text_config", None)):
-        if owner is None:
-            continue
-        if getattr(owner, "hidden_size", None) is not None:
-            return owner.hidden_size
-        if getattr(owner, "hidden_sizes", None):
-            return max(owner.hidden_sizes)
-    return None
+    return model_hidden_size(model)
 
 
 def load_trainer_config(source: Any, args: Any, model: torch.nn.Module, num_training_steps: int | None) -> Config:

@@ -15,6 +15,7 @@ from zerodist.pipe.schedule import (
     build_schedule,
     compute_order,
     format_schedule,
+    forward_only,
     stage_to_rank,
 )
 from zerodist.pipe.schedule_checks import (
@@ -30,6 +31,7 @@ from zerodist.pipe.schedule_checks import (
     UnmatchedMessageError,
     check_schedule,
     measure_timeline,
+    message_counts,
     simulate,
 )
 
@@ -60,7 +62,9 @@ __all__ = [
     "check_schedule",
     "compute_order",
     "format_schedule",
+    "forward_only",
     "measure_timeline",
+    "message_counts",
     "simulate",
     "stage_to_rank",
 ]

@@ -18,10 +18,17 @@ Conventions (the executor relies on them):
 - Communication actions appear only between stages on different ranks. Two consecutive stages on
   one rank (every stage when `num_ranks == 1`) hand the tensor over in memory.
 - A SEND comes right after the compute that produces it; a RECV right before the compute that
-  consumes it. Sends are non-blocking. An executor may post a RECV earlier (an async receive
-  posted ahead) because, between any two ranks, messages are received in the order they are sent
-  (`schedule_checks.check_message_order` proves it for every built schedule), so a receiver that
-  posts its receives in list order never matches the wrong message, with or without tags.
+  consumes it.
+- Sends must not block: issue each as an asynchronous send and do not wait on it before later
+  receives (waiting on a step's sends at its end is fine). With blocking sends 1F1B's steady
+  state deadlocks (`simulate(schedule, blocking_sends=True)` shows where).
+- An executor may post a RECV earlier (an async receive posted ahead) because, between any two
+  ranks, messages are received in the order they are sent (`schedule_checks.check_message_order`
+  proves it for every built schedule), so a receiver that posts its receives in list order never
+  matches the wrong message, with or without tags.
+
+docs/design/pipeline_schedules.md has the schedules' sources, formulas and the comparison with
+torch.distributed.pipelining and DeepSpeed.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ __all__ = [
     "build_schedule",
     "compute_order",
     "format_schedule",
+    "forward_only",
     "num_stages_of",
     "stage_to_rank",
 ]
@@ -294,6 +302,13 @@ def add_communication(order: Schedule, *, num_ranks: int, stages_per_rank: int =
                 with_messages.append(Action(after, stage, microbatch))
         result.append(with_messages)
     return result
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The forwards of `schedule` and their messages, in the same order: an evaluation pass
+    (DeepSpeed's `eval_batch`), where no backward frees the stashed inputs and none is needed."""
+    keep = (Kind.F, Kind.SEND_F, Kind.RECV_F)
+    return [[action for action in actions if action.kind in keep] for actions in schedule]
 
 
 def format_schedule(schedule: Schedule, *, compute_only: bool = False) -> str:

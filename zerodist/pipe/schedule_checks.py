@@ -49,6 +49,7 @@ __all__ = [
     "check_placement",
     "check_schedule",
     "measure_timeline",
+    "message_counts",
     "peak_activations",
     "peak_activations_by_rank",
     "simulate",
@@ -92,8 +93,11 @@ def _rank_of(stage: int, num_ranks: int) -> int:
     return stage_to_rank(stage, num_ranks)
 
 
-def check_completeness(schedule: Schedule, num_stages: int, num_microbatches: int) -> None:
-    """Every (stage, micro-batch) has one F and either one B or one I and one W, nothing else."""
+def check_completeness(
+    schedule: Schedule, num_stages: int, num_microbatches: int, *, forward_only: bool = False,
+) -> None:
+    """Every (stage, micro-batch) has one F and either one B or one I and one W, nothing else
+    (with `forward_only`, one F and no backward)."""
     counts: collections.Counter[tuple[Kind, int, int]] = collections.Counter(
         (a.kind, a.stage, a.microbatch) for actions in schedule for a in actions if a.kind.is_compute)
     for kind, stage, microbatch in counts:
@@ -110,6 +114,10 @@ def check_completeness(schedule: Schedule, num_stages: int, num_microbatches: in
                     raise IncompleteScheduleError(f"{label} has {count} {kind.value} actions, not one")
             if seen[Kind.F] != 1:
                 raise IncompleteScheduleError(f"{label} has no forward F")
+            if forward_only:
+                if seen[Kind.B] or seen[Kind.I] or seen[Kind.W]:
+                    raise IncompleteScheduleError(f"{label} has a backward in a forward-only schedule")
+                continue
             split = seen[Kind.I] + seen[Kind.W]
             if seen[Kind.B] and split:
                 raise IncompleteScheduleError(f"{label} has a full backward B and a split one (I/W)")
@@ -219,6 +227,21 @@ def check_message_order(schedule: Schedule) -> None:
                 raise MessageOrderError(
                     f"rank {source} sends {_describe(out)} as its message {position} to rank "
                     f"{target}, which expects {_describe(inbound)} there")
+
+
+def message_counts(schedule: Schedule) -> dict[tuple[int, int], int]:
+    """(sending rank, receiving rank) -> messages per run of the schedule. Each is one
+    micro-batch's activation (or its gradient), so the p2p bytes a tracer sees on a link are
+    this count times that size: 2 m per stage boundary (m each way) for one stage per rank; an
+    interleaved rank pair carries every chunk's boundary, v m each way (v - 1 on the wrap from
+    the last rank to the first)."""
+    num_ranks = len(schedule)
+    counts: collections.Counter[tuple[int, int]] = collections.Counter()
+    for rank, actions in enumerate(schedule):
+        for action in actions:
+            if action.kind.is_send:
+                counts[(rank, _rank_of(_message_key(action)[1], num_ranks))] += 1
+    return dict(sorted(counts.items()))
 
 
 def check_dependencies(schedule: Schedule, num_stages: int) -> None:
@@ -375,52 +398,82 @@ def measure_timeline(timeline: Sequence[Sequence[TimedAction]]) -> SimulationRes
         peak_activations_by_rank=peak_activations_by_rank(order))
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult:
-    """Run `schedule` with blocking receives and buffered sends; raise `DeadlockError` if it stops."""
+def _waits_for(actions: list[Action], cursor: int, key: _MessageKey) -> bool:
+    """Whether a rank whose next action is `actions[cursor]` is waiting to receive `key`."""
+    if cursor >= len(actions) or not actions[cursor].kind.is_recv:
+        return False
+    return _message_key(actions[cursor]) == key
+
+
+def simulate(
+    schedule: Schedule, costs: Costs | None = None, *, blocking_sends: bool = False,
+) -> SimulationResult:
+    """Run `schedule` with blocking receives and raise `DeadlockError` if it stops.
+
+    Sends are buffered (they never wait) unless `blocking_sends`: then a SEND completes only
+    when its receiver has reached the matching RECV (a rendezvous, as a blocking `send` or an
+    `isend` waited on at once behaves once the message is too large for the transport's
+    buffer). The schedules built here assume buffered sends; see the design page for which of
+    them also survive blocking ones.
+    """
     costs = costs or Costs()
     num_ranks = len(schedule)
     clock = [0.0] * num_ranks
     cursor = [0] * num_ranks
     arrival: dict[_MessageKey, float] = {}
     timeline: list[list[TimedAction]] = [[] for _ in range(num_ranks)]
+
+    def record(rank: int, start: float, end: float) -> None:
+        timeline[rank].append(TimedAction(schedule[rank][cursor[rank]], start, end))
+        clock[rank] = end
+        cursor[rank] += 1
+
     progressed = True
     while progressed:
         progressed = False
         for rank in range(num_ranks):
             while cursor[rank] < len(schedule[rank]):
                 action = schedule[rank][cursor[rank]]
-                start = end = clock[rank]
+                start = clock[rank]
                 if action.kind.is_recv:
                     key = _message_key(action)
                     if key not in arrival:
-                        break  # blocked; another rank may send it
-                    # A receive lasts from when the rank reaches it to when the message is
-                    # there: the timeline shows the wait as the RECV, not as a gap.
-                    end = max(start, arrival.pop(key))
-                end += costs.of(action)
-                if action.kind.is_send:
-                    arrival[_message_key(action)] = end + costs.latency
-                timeline[rank].append(TimedAction(action, start, end))
-                clock[rank] = end
-                cursor[rank] += 1
+                        break  # blocked; the sender delivers it (or completes it, rendezvous)
+                    # The RECV spans the wait: the timeline shows it, not a gap.
+                    record(rank, start, max(start, arrival.pop(key)))
+                elif action.kind.is_send and blocking_sends:
+                    peer = _rank_of(_message_key(action)[1], num_ranks)
+                    if not _waits_for(schedule[peer], cursor[peer], _message_key(action)):
+                        break  # blocked until the receiver reaches this message's RECV
+                    met = max(start, clock[peer])
+                    record(rank, start, met)
+                    record(peer, clock[peer], met + costs.latency)
+                else:
+                    record(rank, start, start + costs.of(action))
+                    if action.kind.is_send:
+                        arrival[_message_key(action)] = clock[rank] + costs.latency
                 progressed = True
     blocked = [rank for rank in range(num_ranks) if cursor[rank] < len(schedule[rank])]
     if blocked:
         waits = "; ".join(
             f"rank {rank} waits at position {cursor[rank]} on {schedule[rank][cursor[rank]]}"
             for rank in blocked)
-        raise DeadlockError(f"the schedule deadlocks: {waits}")
+        sends = "blocking" if blocking_sends else "buffered"
+        raise DeadlockError(f"the schedule deadlocks ({sends} sends): {waits}")
     return measure_timeline(timeline)
 
 
 def check_schedule(
     schedule: Schedule, *, num_microbatches: int, num_stages: int | None = None,
-    costs: Costs | None = None,
+    costs: Costs | None = None, forward_only: bool = False,
 ) -> SimulationResult:
-    """Run every check, then the simulator; return its result (bubble, makespan, memory)."""
+    """Run every check, then the simulator; return its result (bubble, makespan, memory).
+
+    `num_stages` defaults to the highest stage in the schedule plus one: pass it, so that a
+    schedule missing its last stage altogether is caught."""
     stages = _num_stages(schedule) if num_stages is None else num_stages
     check_placement(schedule, stages)
-    check_completeness(schedule, stages, num_microbatches)
+    check_completeness(schedule, stages, num_microbatches, forward_only=forward_only)
     check_messages(schedule)
     check_dependencies(schedule, stages)
     check_message_order(schedule)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import Any
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
@@ -31,3 +32,20 @@ def parse_int_env(environ: dict[str, str], name: str) -> int | None:
         return int(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def model_hidden_size(model: Any) -> int | None:
+    """A model's hidden size as transformers reads it for "auto" bucket sizes: its ``config``'s
+    ``hidden_size`` (the largest of ``hidden_sizes``; a multimodal model's ``text_config``'s); None
+    when it has none (a plain ``nn.Module``)."""
+    config = getattr(model, "config", None)
+    for owner in (config, getattr(config, "text_config", None)):
+        if owner is None:
+            continue
+        size = getattr(owner, "hidden_size", None)
+        if isinstance(size, int) and not isinstance(size, bool):
+            return size
+        sizes = getattr(owner, "hidden_sizes", None)
+        if sizes and all(isinstance(s, int) for s in sizes):
+            return max(sizes)
+    return None
