@@ -54,6 +54,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the GPT's sequence length (default: the preset's)")
     p.add_argument("--domino", type=_positive_int, default=None, metavar="K",
                    help="Domino: split each block's batch into K >= 2 chunks to overlap tensor-parallel all-reduces")
+    p.add_argument("--pp", type=_positive_int, default=None, metavar="P",
+                   help="pipeline parallelism: the GPT in P stages (its embedding tied to the head)")
+    p.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved", "zb"),
+                   help="pipeline schedule with --pp (default 1f1b; interleaved puts 2 stages on each rank)")
     p.set_defaults(handler=run)
 
 
@@ -91,6 +95,12 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     if args.moe is not None and args.moe % world_size:
         raise ValueError(f"--moe {args.moe}: the experts are spread over the {world_size} rank(s), so their number "
                          f"must be a multiple of {world_size}")
+    pipe = getattr(args, "pp", None) or 1  # absent from hand-made Namespaces
+    schedule = getattr(args, "schedule", None) or "1f1b"
+    if pipe > 1 and (args.moe is not None or args.resume or args.save_interval or getattr(args, "sp", None)):
+        raise ValueError("--pp: the pipeline demo does not combine with --moe, --sp, --resume or --save-interval yet")
+    if pipe > 1 and world_size % pipe:
+        raise ValueError(f"--nproc {world_size} is not divisible by the pipeline degree {pipe} (--pp)")
     steps = args.steps or DEFAULT_STEPS
     file_config = read_json_file(Path(args.config)) if args.config else None
     out = Path(args.out or default_out()).resolve()
@@ -100,16 +110,21 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
                           save_dir=str(out / "checkpoints"), tensor_parallel=args.tp, domino_chunks=args.domino,
                           sequence_parallel=getattr(args, "sp", None), sequence_method=getattr(args, "sp_method", None))
     config = merge_config(file_config, overrides, steps)
+    if pipe > 1:  # micro-batches to fill the pipe (2 per stage), and the schedule
+        config["gradient_accumulation_steps"] = max(config.get("gradient_accumulation_steps") or 1, 2 * pipe)
+        config.setdefault("zerodist", {})["pipeline"] = {"schedule": schedule,
+                                                         "stages_per_rank": 2 if schedule == "interleaved" else 1}
     source = f"{args.config} with the command-line flags" if args.config else None
     try:
         checked = Config.load(config)
         tensor, sequence = checked.tensor_degree, checked.sequence_parallel_size
-        if world_size % (tensor * sequence):
+        if world_size % (tensor * sequence * pipe):
             raise ValueError(f"--nproc {world_size} is not divisible by the tensor-parallel degree {tensor} (--tp) x "
-                             f"the sequence-parallel degree {sequence} (--sp)")
+                             f"the sequence-parallel degree {sequence} (--sp) x the pipeline degree {pipe} (--pp)")
         _check_sequence(checked, model, getattr(args, "seq_len", None))
-        checked.batch_sizes(world_size // (tensor * sequence),
-                            world_size_source=f"{world_size} rank(s) / tensor {tensor} / sequence {sequence}")
+        checked.batch_sizes(world_size // (tensor * sequence * pipe),
+                            world_size_source=f"{world_size} rank(s) / tensor {tensor} / sequence {sequence} "
+                                              f"/ pipe {pipe}")
         if checked.optimizer is not None:
             optimizer_from_config(checked)
         if checked.scheduler is not None:
@@ -117,7 +132,8 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     except ConfigError as err:
         raise ConfigError(err.problems, source=source) from None
     return TrainPlan(model=model, steps=steps, seed=DEFAULT_SEED if args.seed is None else args.seed, out=out,
-                     config=config, moe_experts=args.moe or 0, seq_len=getattr(args, "seq_len", None))
+                     config=config, moe_experts=args.moe or 0, seq_len=getattr(args, "seq_len", None),
+                     pipe=pipe, pipe_schedule=schedule)
 
 
 def _check_sequence(config: Any, model: str, seq_len: int | None) -> None:
@@ -145,7 +161,8 @@ def worker_args(args: argparse.Namespace, out: Path) -> list[str]:
              "--micro-batch": args.micro_batch, "--lr": args.lr, "--seed": args.seed,
              "--save-interval": args.save_interval, "--keep-last": getattr(args, "keep_last", None), "--moe": args.moe,
              "--tp": args.tp, "--domino": args.domino, "--sp": getattr(args, "sp", None),
-             "--sp-method": getattr(args, "sp_method", None), "--seq-len": getattr(args, "seq_len", None)}
+             "--sp-method": getattr(args, "sp_method", None), "--seq-len": getattr(args, "seq_len", None),
+             "--pp": getattr(args, "pp", None), "--schedule": getattr(args, "schedule", None)}
     for flag, value in flags.items():
         if value is not None:
             argv += [flag, str(value)]

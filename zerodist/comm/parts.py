@@ -59,9 +59,10 @@ class PartState(Protocol):
         ...
 
 
-def split_parts(model: torch.nn.Module, pipe_degree: int = 1) -> list[Part]:
-    """The parts this rank holds. One part, the whole model, until pipeline parallelism splits it."""
-    if pipe_degree != 1:
-        raise NotImplementedError(f"pipeline parallelism (pipe degree {pipe_degree}) is not available yet; "
-                                  "leave the pipe degree at 1")
-    return [Part(0, model, 1)]
+def split_parts(model: torch.nn.Module, pipe_degree: int = 1, pipe_rank: int = 0) -> list[Part]:
+    """The parts this rank holds: one. Without a pipeline it is the whole model; a pipeline's model
+    (`zerodist.pipe.PipelineModule`) arrives already split, each rank having built only the layers of
+    its own stages (several stages per rank still make one part: one flat layout, one optimizer)."""
+    if not 0 <= pipe_rank < pipe_degree:
+        raise ValueError(f"pipe rank {pipe_rank} is outside the pipe degree {pipe_degree}")
+    return [Part(pipe_rank, model, pipe_degree)]

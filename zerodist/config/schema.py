@@ -379,6 +379,20 @@ class ZerodistTensorParallelConfig(Section):
     )
 
 
+class ZerodistPipelineConfig(Section):
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb"] = Field(
+        "1f1b", description="Pipeline schedule (a PipelineModule's model): gpipe, 1f1b (DeepSpeed's), interleaved "
+        "(needs stages_per_rank >= 2) or zb (zero-bubble ZB-H1)."
+    )
+    stages_per_rank: int | None = Field(
+        None, ge=1, description="Pipeline stages on each pipe rank (interleaved); null takes the PipelineModule's."
+    )
+    timeout: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="Seconds a pipeline stage waits for a neighbour's message before a named error; null "
+        "means zerodist.timeout, else 600 s."
+    )
+
+
 class ZerodistSequenceParallelConfig(Section):
     method: Literal["ulysses", "ring"] = Field(
         "ulysses", description="Sequence-parallel attention: ulysses (all-to-all sequence <-> heads; the degree must "
@@ -412,6 +426,10 @@ class ZerodistConfig(Section):
     sequence_parallel: ZerodistSequenceParallelConfig = Field(
         default_factory=ZerodistSequenceParallelConfig,
         description="Sequence parallelism settings DeepSpeed has no key for (the attention method).",
+    )
+    pipeline: ZerodistPipelineConfig = Field(
+        default_factory=ZerodistPipelineConfig,
+        description="Pipeline parallelism settings for a zerodist.pipe.PipelineModule (its num_stages is the degree).",
     )
     stage3_unit_classes: list[str] = Field(
         default_factory=list,

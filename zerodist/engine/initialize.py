@@ -29,7 +29,9 @@ from zerodist.engine.dataloader import EngineDataLoader
 from zerodist.engine.deepspeed_args import DEFAULT_PORT, resolve_initialize_arguments, update_args_local_rank
 from zerodist.engine.engine import Engine
 from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
+from zerodist.engine.pipeline import PipelineEngine, pipeline_fingerprint, pipeline_split, prepare_pipeline
 from zerodist.engine.schedulers import build_scheduler
+from zerodist.pipe.module import PipelineModule
 from zerodist.moe.parallel import ExpertParallelState, apply_expert_parallel_part
 from zerodist.offload import OffloadSettings, offloaded_build
 from zerodist.sequence.apply import SequenceParallelState, SequenceSettings, apply_sequence_parallel
@@ -97,7 +99,8 @@ def _initialize(model: torch.nn.Module | None, model_parameters: Iterable[Any] |
     validated = _validate(model, config)
     assert isinstance(model, torch.nn.Module)  # _validate refused anything else, by name
     topology = _build_topology(validated, model)
-    (part,) = split_parts(model)  # one part until pipeline parallelism splits the model
+    prepare_pipeline(model, topology.world_size)  # a PipelineModule's tie groups, before ZeRO flattens
+    (part,) = split_parts(model, *pipeline_split(model))  # a PipelineModule: the stages this rank built
     tensor = _apply_tensor_parallel(part, topology, validated.config)
     part = dataclasses.replace(part, module=tensor.module)
     sequence = apply_sequence_parallel(part, topology, SequenceSettings.from_config(validated.config))
@@ -142,7 +145,8 @@ def _build_topology(validated: Validated, model: torch.nn.Module) -> comm.Topolo
     # ([Note: gradient groups] in zerodist/comm/topology.py).
     sharding = ShardingPolicy.from_stage(validated.config.zero_optimization.stage)
     return comm.Topology(expert=expert_parallel_degree(model), tensor=validated.config.tensor_degree,
-                         sequence=validated.config.sequence_parallel_size, gradient_groups=sharding.shard_parameters)
+                         sequence=validated.config.sequence_parallel_size, pipe=pipeline_split(model)[0],
+                         gradient_groups=sharding.shard_parameters)
 
 
 def _apply_tensor_parallel(part: Part, topology: comm.Topology, config: Config) -> TensorParallelState:
@@ -202,7 +206,8 @@ def _build_engine(model: torch.nn.Module,
                                   collate_fn=collate_fn)
         if states[1].layout.size > 1:  # each sequence rank keeps its slice of every sample
             loader = SequenceShardLoader(loader, states[1].layout)
-    engine = Engine(model, config=config, batch=batch, part_states=states, lr_scheduler=scheduler,
+    engine_class = PipelineEngine if isinstance(model, PipelineModule) else Engine
+    engine = engine_class(model, config=config, batch=batch, part_states=states, lr_scheduler=scheduler,
                     training_dataloader=loader)
     _INITIALIZED.add(model)
     _log_summary(engine, world)
@@ -213,7 +218,8 @@ def _build_engine(model: torch.nn.Module,
 
 
 def _fingerprint(model: torch.nn.Module, config: Config) -> tuple[str, str]:
-    shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    # A PipelineModule's ranks hold different layers: they agree on the whole pipeline's plan instead.
+    shapes = pipeline_fingerprint(model) or [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
     digest = lambda obj: hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return digest(config.to_dict()), digest(shapes)
 

@@ -35,7 +35,13 @@ from zerodist.pipe.schedule_checks import (
     simulate,
 )
 
+# The pipeline's module and executor (DeepSpeed's PipelineModule API); the engine is
+# zerodist.engine.pipeline's, made by zerodist.initialize(model=PipelineModule(...)).
+from zerodist.pipe.module import LayerSpec, PartitionError, PipelineModule, TiedLayerSpec
+from zerodist.pipe.executor import PipelineError, PipelineExecutor
+
 __all__ = [
+    "LayerSpec", "PartitionError", "PipelineError", "PipelineExecutor", "PipelineModule", "TiedLayerSpec",
     "SCHEDULE_NAMES",
     "Action",
     "Costs",

@@ -11,6 +11,10 @@ __all__ = ["Overrides", "TrainPlan", "default_config", "merge_config", "train"]
 
 def train(plan: TrainPlan) -> int:
     """Run `plan` on this rank (imports torch and the engine only when called)."""
+    if plan.pipe > 1:
+        from zerodist.train.pipeline import train_pipeline
+
+        return train_pipeline(plan)
     from zerodist.train.loop import train as run
 
     return run(plan)

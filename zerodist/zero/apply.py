@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 import zerodist.comm as comm
+from zerodist.comm.topology import PARAMETER_AXES
 from zerodist.comm.domains import buffer_placements, parameter_placements
 from zerodist.comm.parts import Part
 from zerodist.config import Config
@@ -102,13 +103,17 @@ def apply_zero(part: Part, topology: comm.Topology, settings: ZeroSettings, opti
     units = [Unit(index, name, module, [groups[i] for i in plan.unit_groups(index)])
              for index, (name, module) in enumerate((("", model), *plan.unit_modules))]
     persistent = [g for g, planned in zip(groups, plan.groups) if planned.persistent]
-    # The run-order check compares every rank that runs the model (the world), whatever the domains.
+    # The run-order check compares every rank that runs the same units, whatever the domains: the
+    # world, or with a pipeline one stage's ranks (every axis but pipe), whose units differ from the others'.
+    same_units = topology.world_group if topology.size("pipe") == 1 else topology.group(*PARAMETER_AXES)
     runtime = UnitRuntime(units, persistent, reducer, shard_parameters=sharding.shard_parameters,
-                          settings=settings.units, group=topology.world_group, device=device)
+                          settings=settings.units, group=same_units, device=device)
     by_spec = plan.by_spec(len(specs), groups)
     inner = optimizer.build([{"params": [t for g in spec_groups for t in g.optimizer_tensors], **s.options}
                              for spec_groups, s in zip(by_spec, specs)])
-    checks = [runtime.runs] if runtime.shards_parameters and settings.units.order_check else []
+    # The step's digest check sums over the world, where a pipeline's stages legitimately differ.
+    checks = ([runtime.runs] if runtime.shards_parameters and settings.units.order_check
+              and topology.size("pipe") == 1 else [])
     sharded = ZeroOptimizer(groups, reducer, inner, scaler=settings.loss_scaler(),
                             gradient_clipping=settings.gradient_clipping, check_overflow=precision.loss_scaling,
                             world_group=topology.world_group, step_checks=checks)

@@ -1,0 +1,123 @@
+"""No hangs: a message other than the expected one, a stage that dies and one that is stuck are
+named errors on every rank, well within the test's deadline. Each failing body raises, so the
+harness tears its pool down (no stray message survives into another test)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import zerodist
+import zerodist.comm as comm
+from tests.harness import DistributedTestFailure, run_distributed
+from zerodist.comm import p2p
+from zerodist.pipe import PipelineError, PipelineModule
+from tests.pipe.test_pipeline_engine import GAS, config, micro_batch, mlp_layers
+
+
+def wrong_label_body() -> None:
+    if comm.get_rank() == 0:
+        p2p.send_message([torch.ones(4, 8)], 1, label=(1, 1, 0)).wait(10)
+    else:
+        p2p.recv_message(0, label=(1, 1, 1), describe="the activation of micro-batch 1", timeout_s=10)
+
+
+def wrong_shape_body() -> None:
+    if comm.get_rank() == 0:
+        p2p.send_message([torch.ones(4, 8, dtype=torch.float64)], 1, label=(2, 0, 0)).wait(10)
+    else:
+        p2p.recv_message(0, label=(2, 0, 0), describe="the output gradient of micro-batch 0",
+                         expect=[((4, 8), torch.float32)], timeout_s=10)
+
+
+def roundtrip_body() -> list[float]:
+    with comm.trace() as trace:
+        if comm.get_rank() == 0:
+            p2p.send_message([torch.arange(6.0).view(2, 3), torch.tensor([1, 2])], 1, label=(1, 1, 3)).wait(10)
+            return [float(trace.total_bytes("send"))]
+        a, b = p2p.recv_message(0, label=(1, 1, 3), describe="x", timeout_s=10)
+        return [float(trace.total_bytes("recv")), a.sum().item(), float(b.dtype == torch.int64)]
+
+
+def test_messages_carry_shapes_and_dtypes():
+    sender, receiver = run_distributed(roundtrip_body, 2)
+    assert sender == [6 * 4 + 2 * 8]
+    assert receiver == [6 * 4 + 2 * 8, 15.0, 1.0]
+
+
+def test_a_message_for_another_micro_batch_is_named():
+    with pytest.raises(DistributedTestFailure, match="PipeMessageError.*expected the activation of micro-batch 1"):
+        run_distributed(wrong_label_body, 2, timeout=40)
+
+
+def test_a_gradient_of_another_dtype_is_named():
+    with pytest.raises(DistributedTestFailure, match=r"PipeMessageError.*float64\[4, 8\].*needs \[float32\[4, 8\]\]"):
+        run_distributed(wrong_shape_body, 2, timeout=40)
+
+
+def failing_stage_body(mode: str) -> None:
+    module = PipelineModule(mlp_layers(), num_stages=2, loss_fn=torch.nn.functional.mse_loss,
+                            partition_method="uniform")
+    engine, _, _, _ = zerodist.initialize(model=module, config=config(1, timeout=3))
+    batches = iter([micro_batch(0, micro, 0, torch.float32) for micro in range(GAS)])
+    if comm.get_rank() == 1:
+        if mode == "dies":
+            os._exit(3)
+        if mode == "stuck":
+            time.sleep(8)
+        if mode == "wrong shape":  # the second stage gets an input its layers cannot take
+            batches = iter([(x, y[:, :3]) for x, y in batches])
+    engine.train_batch(batches)
+
+
+@pytest.mark.slow  # a fresh pool of ranks after the failure
+def test_a_stage_that_raises_stops_every_stage_by_name():
+    with pytest.raises(DistributedTestFailure) as failure:
+        run_distributed(failing_stage_body, 2, "wrong shape", timeout=40)
+    text = str(failure.value)
+    assert "must match the size of tensor" in text  # the failing stage's own error
+    assert "PipePeerFailedError" in text and "rank 0: waiting for the output gradient" in text
+
+
+@pytest.mark.slow  # a fresh pool of ranks after the failure
+def test_a_dead_stage_is_named():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestFailure, match="PipePeerFailedError|PipeTimeoutError"):
+        run_distributed(failing_stage_body, 2, "dies", timeout=40)
+    assert time.monotonic() - start < 40
+
+
+@pytest.mark.slow  # a fresh pool of ranks after the failure
+def test_a_stuck_stage_times_out_by_name():
+    with pytest.raises(DistributedTestFailure, match="PipeTimeoutError.*did not arrive from rank 1 within 3"):
+        run_distributed(failing_stage_body, 2, "stuck", timeout=40)
+
+
+def surface_body() -> list[str]:
+    module = PipelineModule(mlp_layers(), num_stages=2, loss_fn=torch.nn.functional.mse_loss)
+    engine, _, _, _ = zerodist.initialize(model=module, config=config(1))
+    refused = []
+    for call in (lambda: engine(torch.zeros(1)), lambda: engine.backward(torch.zeros(())), engine.step):
+        try:
+            call()
+        except PipelineError as error:
+            refused.append(str(error))
+    batches = iter([micro_batch(0, micro, 0, torch.float32) for micro in range(GAS)])
+    loss = engine.eval_batch(batches)
+    engine.destroy()
+    return refused + [f"{loss.item():.9f}"]
+
+
+def test_forward_backward_step_refused_and_eval_batch_agrees():
+    results = run_distributed(surface_body, 2)
+    model = torch.nn.Sequential(*mlp_layers())
+    with torch.no_grad():
+        expected = sum(torch.nn.functional.mse_loss(model(x), y).item()
+                       for x, y in (micro_batch(0, micro, 0, torch.float32) for micro in range(GAS))) / GAS
+    for result in results:
+        assert result[:3] == ["Only train_batch() is accessible in pipeline mode."] * 3
+        assert float(result[3]) == pytest.approx(expected, rel=1e-6)
+    assert results[0][3] == results[1][3]

@@ -1,0 +1,251 @@
+"""Point-to-point messages between pipeline stages: tensors sent with a header that names them.
+
+    handle = send_message(tensors, dst, label=(kind, stage, microbatch))     # non-blocking
+    tensors = recv_message(src, label=(kind, stage, microbatch), timeout_s=...)
+    send(t, dst) / recv(t, src) / isend / irecv                               # the plain forms
+
+[Note: p2p headers] gloo matches a receive by (source, tag) only, and a receive must be posted
+with the right number of bytes. A receiver that guesses a shape from its own side (the first
+micro-batch's, or the model's) turns a stage that sends another shape or dtype into garbage or
+a hang. So every message is a fixed-size header (a magic number, a status, the sender's label
+for the message, and the dtype and shape of each tensor) on `HEADER_TAG`, then the tensors on
+`PAYLOAD_TAG`. The receiver waits for the header, checks the label against the one its schedule
+expects and the dtype/shape against what it expects (when it knows: an output gradient must
+match the output it sent), allocates, and receives the payload: a mismatch is a
+`PipeMessageError` naming both sides, on the receiving rank, before any byte of payload is read.
+Headers and payloads each keep their order between two ranks (gloo's pairs are FIFO per tag).
+
+A rank whose pipeline work fails sends an abort header to its neighbours (`send_abort`): a
+neighbour waiting for a message from it raises `PipePeerFailedError` at once instead of waiting
+for the timeout, and passes the abort on, so every stage fails by name. A neighbour that died
+closes its connection, which gloo reports at once (`CollectiveError`, named by the watchdog);
+one that is alive but stuck is a `PipeTimeoutError` after `timeout_s`.
+
+The payload is counted by the tracer as `send` (sender) and `recv` (receiver); headers as
+`p2p_header`, so `trace.total_bytes("send")` is the activations and gradients moved. The
+collective guard does not apply: the two sides of a message issue different calls by design,
+and the header does the guard's job for messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerodist.comm import tracer
+from zerodist.comm.init import ensure_initialized
+from zerodist.comm.watchdog import CollectiveError, CollectiveTimeoutError, Ticket, watchdog
+
+__all__ = [
+    "HEADER_TAG", "MAX_TENSORS", "PAYLOAD_TAG", "PipeMessageError", "PipePeerFailedError", "PipeTimeoutError",
+    "SendHandle", "irecv", "isend", "recv", "recv_message", "send", "send_abort", "send_message",
+]
+
+HEADER_TAG = 7301
+PAYLOAD_TAG = 7302
+MAX_TENSORS = 8  # tensors per message (a stage's output tuple)
+MAX_DIMS = 8
+_MAGIC = 0x5A_44_50_50  # "ZDPP"
+_OK, _ABORT = 0, 1
+_FIXED = 6  # magic, status, label (3), number of tensors
+_PER_TENSOR = 2 + MAX_DIMS  # dtype code, ndim, dims
+HEADER_LENGTH = _FIXED + MAX_TENSORS * _PER_TENSOR
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+Label = tuple[int, int, int]  # what the message is, by the schedule: (kind, stage, microbatch)
+Meta = tuple[tuple[int, ...], torch.dtype]
+
+
+class PipeMessageError(RuntimeError):
+    """A stage received a message other than the one its schedule expects: another micro-batch,
+    another kind, or tensors of another dtype or shape than it can use."""
+
+
+class PipePeerFailedError(CollectiveError):
+    """The pipeline stage this rank waits for failed (and said so) or left."""
+
+
+class PipeTimeoutError(CollectiveTimeoutError):
+    """The pipeline stage this rank waits for sent nothing within the timeout."""
+
+
+@dataclasses.dataclass
+class SendHandle:
+    """The pending works of one message; keeps its tensors alive until `wait()`."""
+
+    works: list[Any]
+    tensors: list[torch.Tensor]
+    peer: int
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        for work in self.works:
+            _wait(work, Ticket("send", "pipe", _pair(self.peer), 0), timeout_s)
+        self.works, self.tensors = [], []
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
+# ---------------------------------------------------------------------------------------- the plain forms
+
+def isend(tensor: torch.Tensor, dst: int, tag: int = 0) -> SendHandle:
+    """Send `tensor` to global rank `dst` without blocking; `.wait()` before changing it."""
+    ensure_initialized()
+    _record("send", tensor)
+    return SendHandle([dist.isend(tensor.contiguous(), dst=dst, tag=tag)], [tensor], dst)
+
+
+def send(tensor: torch.Tensor, dst: int, tag: int = 0, timeout_s: float | None = None) -> None:
+    isend(tensor, dst, tag).wait(timeout_s)
+
+
+def irecv(tensor: torch.Tensor, src: int, tag: int = 0) -> Any:
+    """Post a receive into `tensor` from global rank `src`; returns the work (`wait()` it)."""
+    ensure_initialized()
+    _record("recv", tensor)
+    return dist.irecv(tensor, src=src, tag=tag)
+
+
+def recv(tensor: torch.Tensor, src: int, tag: int = 0, timeout_s: float | None = None) -> torch.Tensor:
+    _wait(irecv(tensor, src, tag), Ticket("recv", "pipe", _pair(src), 0), timeout_s)
+    return tensor
+
+
+# ---------------------------------------------------------------------------------------- messages
+
+def send_message(tensors: Sequence[torch.Tensor], dst: int, *, label: Label) -> SendHandle:
+    """Send `tensors` (at most MAX_TENSORS) to global rank `dst` with a header naming them
+    ([Note: p2p headers]); non-blocking."""
+    ensure_initialized()
+    if not 1 <= len(tensors) <= MAX_TENSORS:
+        raise PipeMessageError(f"a pipeline message carries 1 to {MAX_TENSORS} tensors, got {len(tensors)}; "
+                               "return fewer tensors from a stage's last layer (pack them in one)")
+    payload = [t.detach().contiguous() for t in tensors]
+    header = _encode(_OK, label, payload)
+    works = [dist.isend(header, dst=dst, tag=HEADER_TAG)]
+    _record("p2p_header", header)
+    for tensor in payload:
+        works.append(dist.isend(tensor, dst=dst, tag=PAYLOAD_TAG))
+        _record("send", tensor)
+    return SendHandle(works, [header, *payload], dst)
+
+
+def send_abort(dst: int, label: Label = (0, 0, 0)) -> None:
+    """Tell global rank `dst` that this stage failed (best effort: never waits, never raises)."""
+    try:
+        header = _encode(_ABORT, label, [])
+        _ABORTS.append(dist.isend(header, dst=dst, tag=HEADER_TAG))
+        _ABORTS.append(header)  # kept alive: the process is failing anyway
+    except Exception:  # the peer may be gone already  # noqa: BLE001
+        pass
+
+
+_ABORTS: list[Any] = []
+
+
+def recv_message(src: int, *, label: Label, describe: str, expect: Sequence[Meta] | None = None,
+                 timeout_s: float | None = None, device: torch.device | None = None) -> list[torch.Tensor]:
+    """Receive the message `label` from global rank `src`: the header first, checked against
+    `label` and `expect` (dtype and shape of each tensor, when known), then the tensors.
+    `describe` names the message in errors ("the activation of micro-batch 2 from stage 0")."""
+    ensure_initialized()
+    header = torch.empty(HEADER_LENGTH, dtype=torch.int64)
+    _wait(dist.irecv(header, src=src, tag=HEADER_TAG), Ticket(f"recv {describe}", "pipe", _pair(src), 0),
+          timeout_s, describe)
+    status, sent_label, metas = _decode(header, src, describe)
+    if status == _ABORT:
+        raise PipePeerFailedError(
+            f"rank {dist.get_rank()}: waiting for {describe} (rank {src}), which failed (its log has the "
+            "error); this stage stops too")
+    if sent_label != tuple(label):
+        raise PipeMessageError(
+            f"rank {dist.get_rank()} expected {describe} (label {tuple(label)}) from rank {src}, which sent "
+            f"label {sent_label}: the two stages run different schedules or micro-batch counts; every rank "
+            "must use the same pipeline config and gradient_accumulation_steps")
+    if expect is not None:
+        _check_expected(metas, expect, src, describe)
+    tensors = [torch.empty(shape, dtype=dtype, device=device or torch.device("cpu")) for shape, dtype in metas]
+    works = [dist.irecv(t, src=src, tag=PAYLOAD_TAG) for t in tensors]
+    for work, tensor in zip(works, tensors):
+        _record("recv", tensor)
+        _wait(work, Ticket(f"recv {describe}", "pipe", _pair(src), 0), timeout_s, describe)
+    return tensors
+
+
+def _check_expected(metas: list[Meta], expect: Sequence[Meta], src: int, describe: str) -> None:
+    got = [(tuple(s), d) for s, d in metas]
+    wanted = [(tuple(s), d) for s, d in expect]
+    if got != wanted:
+        show = lambda ms: ", ".join(f"{str(d).replace('torch.', '')}{list(s)}" for s, d in ms)
+        raise PipeMessageError(
+            f"rank {dist.get_rank()}: {describe} from rank {src} has tensors [{show(got)}], but this stage "
+            f"needs [{show(wanted)}]; a gradient must match the output it is the gradient of: the stage "
+            "after this one changed the shape or dtype of its input (cast or reshape inside the layer instead)")
+
+
+# ---------------------------------------------------------------------------------------- plumbing
+
+def _pair(peer: int) -> tuple[int, ...]:
+    return (dist.get_rank(), peer)
+
+
+def _wait(work: Any, ticket: Ticket, timeout_s: float | None, describe: str | None = None) -> None:
+    try:
+        with watchdog.blocked(ticket):
+            if timeout_s is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=timeout_s))
+    except CollectiveTimeoutError as error:
+        what = describe or ticket.op
+        raise PipeTimeoutError(
+            f"rank {dist.get_rank()}: {what} did not arrive from rank {ticket.ranks[-1]} within {timeout_s} s; "
+            "that stage is stuck or runs another schedule (zerodist.pipeline.timeout sets the wait).\n"
+            f"{error}") from error
+    except CollectiveError as error:
+        raise PipePeerFailedError(
+            f"rank {dist.get_rank()}: the connection to rank {ticket.ranks[-1]} failed while waiting for "
+            f"{describe or ticket.op}: that stage exited or crashed; its log says why.\n{error}") from error
+
+
+def _encode(status: int, label: Label, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    header = torch.zeros(HEADER_LENGTH, dtype=torch.int64)
+    header[:_FIXED] = torch.tensor([_MAGIC, status, *label, len(tensors)])
+    for index, tensor in enumerate(tensors):
+        if tensor.dtype not in _DTYPE_CODES:
+            raise PipeMessageError(f"pipeline messages cannot carry {tensor.dtype} tensors")
+        if tensor.dim() > MAX_DIMS:
+            raise PipeMessageError(f"pipeline messages carry tensors of at most {MAX_DIMS} dimensions, "
+                                   f"got {tuple(tensor.shape)}")
+        start = _FIXED + index * _PER_TENSOR
+        header[start] = _DTYPE_CODES[tensor.dtype]
+        header[start + 1] = tensor.dim()
+        header[start + 2: start + 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    return header
+
+
+def _decode(header: torch.Tensor, src: int, describe: str) -> tuple[int, Label, list[Meta]]:
+    values = header.tolist()
+    if values[0] != _MAGIC:
+        raise PipeMessageError(f"rank {dist.get_rank()}: the header of {describe} from rank {src} is not a "
+                               "zerodist pipeline header: something else sends to this rank on the pipeline's tags")
+    status, label, count = values[1], (values[2], values[3], values[4]), values[5]
+    metas: list[Meta] = []
+    for index in range(count):
+        start = _FIXED + index * _PER_TENSOR
+        ndim = values[start + 1]
+        metas.append((tuple(values[start + 2: start + 2 + ndim]), _DTYPES[values[start]]))
+    return status, label, metas
+
+
+def _record(op: str, tensor: torch.Tensor) -> None:
+    if tracer.active_traces:
+        tracer.record(op, tensor, tensor.numel(), 2, None)

@@ -1,0 +1,285 @@
+"""The executor: runs one pipe rank's actions of a `Schedule` on a `PipelineModule`.
+
+    executor = PipelineExecutor(module, pipe_ranks=[0, 2], timeout_s=60)
+    result = executor.run(schedule[pipe_rank], inputs=[...], labels=[...], loss_scale=1 / m,
+                          after_backward=reducer_end_backward)
+
+Each action is done as the schedule says, in its order ([Note: p2p headers] in
+zerodist/comm/p2p.py for the messages):
+- F(s, j): the stage's layers on micro-batch j's input (the data for stage 0, else what RECV_F or
+  the previous stage on this rank handed over); the input's floating tensors become leaves that
+  require grad, so the backward yields their gradients. The outputs (the loss, on the last stage)
+  are stashed until the backward of (s, j).
+- B(s, j): backward from the stashed outputs with the received output gradients (from the loss
+  times `loss_scale` on the last stage); the input gradients are kept for SEND_B. Zero-bubble
+  splits it: I(s, j) computes only the input gradients (graph retained), W(s, j) only the weight
+  gradients.
+- SEND_*: non-blocking; every send is waited for at the end of the run. RECV_*: blocking, with
+  `timeout_s`.
+
+`after_backward()` is called after every backward that wrote weight gradients (B, W): the engine
+hands them to ZeRO's reducer, which defers them until the batch's one reduction. The executor
+knows nothing of ZeRO, optimizers or data parallelism. Any failure sends an abort to both pipe
+neighbours, so every stage stops by name instead of waiting for a message that never comes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from zerodist.comm import p2p
+from zerodist.pipe.module import PipelineModule
+from zerodist.pipe.schedule import Action, Kind, stage_to_rank
+
+__all__ = ["ExecutedAction", "PipelineError", "PipelineExecutor", "RunResult"]
+
+
+class PipelineError(RuntimeError):
+    """An engine call that pipeline mode does not offer (DeepSpeed's name and message)."""
+
+_ACTIVATION, _GRADIENT = 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutedAction:
+    action: Action
+    start: float
+    end: float
+
+
+@dataclasses.dataclass
+class RunResult:
+    losses: dict[int, torch.Tensor]        # micro-batch -> loss (last stage only), detached
+    outputs: dict[int, Any]                # micro-batch -> last stage's output (eval with return_outputs)
+    peak_stashed: int                      # most micro-batches whose activations were held at once
+    trace: list[ExecutedAction]            # compute actions with their times (perf_counter)
+
+
+@dataclasses.dataclass
+class _Stashed:
+    inputs: list[torch.Tensor]             # the leaves the input gradients are taken of
+    outputs: list[torch.Tensor]            # what backward starts from (the scaled loss on the last stage)
+    output_grads: list[torch.Tensor] | None = None
+
+
+def _as_list(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value)
+    raise TypeError(f"a pipeline stage must return a tensor or a tuple of tensors, got {type(value).__name__}; "
+                    "return the tensors the next stage needs (pack other values into tensors)")
+
+
+def _pack(tensors: list[torch.Tensor], was_tuple: bool) -> Any:
+    return tuple(tensors) if was_tuple or len(tensors) != 1 else tensors[0]
+
+
+class PipelineExecutor:
+    """Runs a rank's actions; `pipe_ranks[r]` is the global rank of pipe rank r in this rank's pipe."""
+
+    def __init__(self, module: PipelineModule, pipe_ranks: Sequence[int], *, timeout_s: float | None = None,
+                 clock: Callable[[], float] | None = None):
+        import time
+
+        self.module, self.pipe_ranks, self.timeout_s = module, list(pipe_ranks), timeout_s
+        self.num_ranks = len(self.pipe_ranks)
+        self.last_stage = module.total_stages - 1
+        self.clock = clock or time.perf_counter
+        self._stage_params: dict[int, list[torch.nn.Parameter]] = {}
+
+    def _global_rank(self, stage: int) -> int:
+        return self.pipe_ranks[stage_to_rank(stage, self.num_ranks)]
+
+    def stage_parameters(self, stage: int) -> list[torch.nn.Parameter]:
+        if stage not in self._stage_params:
+            seen: dict[int, torch.nn.Parameter] = {}
+            for index in self.module.stage_layers(stage):
+                child = getattr(self.module, str(index), None)
+                if isinstance(child, torch.nn.Module):
+                    for p in child.parameters():
+                        if p.requires_grad:
+                            seen.setdefault(id(p), p)
+            self._stage_params[stage] = list(seen.values())
+        return self._stage_params[stage]
+
+    def run(self, actions: Sequence[Action], *, inputs: Sequence[Any] | None, labels: Sequence[Any] | None,
+            loss_scale: float = 1.0, train: bool = True, after_backward: Callable[[], None] | None = None,
+            keep_outputs: bool = False) -> RunResult:
+        run = _Run(self, inputs, labels, loss_scale, train, after_backward or (lambda: None), keep_outputs)
+        try:
+            for action in actions:
+                run.do(action)
+            for handle in run.sends:
+                handle.wait(self.timeout_s)
+        except BaseException:
+            me = self.module.stage_id
+            for neighbour in (me - 1, me + 1):
+                if 0 <= neighbour < self.num_ranks:
+                    p2p.send_abort(self.pipe_ranks[neighbour])
+            raise
+        return RunResult(run.losses, run.outputs, run.peak_stashed, run.trace)
+
+
+class _Run:
+    """One run's state: received tensors, stashed activations, pending sends."""
+
+    def __init__(self, executor: PipelineExecutor, inputs: Sequence[Any] | None, labels: Sequence[Any] | None,
+                 loss_scale: float, train: bool, after_backward: Callable[[], None], keep_outputs: bool):
+        self.x, self.data, self.labels = executor, inputs, labels
+        self.loss_scale, self.train, self.after_backward, self.keep_outputs = (loss_scale, train, after_backward,
+                                                                              keep_outputs)
+        self.received: dict[tuple[int, int], tuple[list[torch.Tensor], bool]] = {}  # (stage, mb) -> input
+        self.grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}               # output gradients
+        self.grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}              # input gradients
+        self.stash: dict[tuple[int, int], _Stashed] = {}
+        self.sent_outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, Any] = {}
+        self.sends: list[p2p.SendHandle] = []
+        self.peak_stashed = 0
+        self.trace: list[ExecutedAction] = []
+
+    def do(self, action: Action) -> None:
+        kind, stage, mb = action.kind, action.stage, action.microbatch
+        key = (stage, mb)
+        if kind is Kind.RECV_F:
+            self._recv_activation(stage, mb)
+        elif kind is Kind.RECV_B:
+            self._recv_gradient(stage, mb)
+        elif kind is Kind.SEND_F:
+            tensors = self.sent_outputs.pop(key)
+            self.sends.append(p2p.send_message(tensors, self.x._global_rank(stage + 1),
+                                               label=(_ACTIVATION, stage + 1, mb)))
+        elif kind is Kind.SEND_B:
+            self.sends.append(p2p.send_message(self.grads_out.pop(key), self.x._global_rank(stage - 1),
+                                               label=(_GRADIENT, stage - 1, mb)))
+        else:
+            start = self.x.clock()
+            {Kind.F: self._forward, Kind.B: self._backward, Kind.I: self._input_grad,
+             Kind.W: self._weight_grad}[kind](stage, mb)
+            self.trace.append(ExecutedAction(action, start, self.x.clock()))
+
+    # ------------------------------------------------------------------ messages
+    def _recv_activation(self, stage: int, mb: int) -> None:
+        tensors = p2p.recv_message(self.x._global_rank(stage - 1), label=(_ACTIVATION, stage, mb),
+                                   describe=f"the activation of micro-batch {mb} for stage {stage} from stage "
+                                   f"{stage - 1}", timeout_s=self.x.timeout_s)
+        self.received[(stage, mb)] = (tensors, len(tensors) > 1)
+
+    def _recv_gradient(self, stage: int, mb: int) -> None:
+        stashed = self.stash[(stage, mb)]
+        expect = [(tuple(t.shape), t.dtype) for t in stashed.outputs if t.is_floating_point()]
+        stashed.output_grads = p2p.recv_message(
+            self.x._global_rank(stage + 1), label=(_GRADIENT, stage, mb), expect=expect,
+            describe=f"the output gradient of micro-batch {mb} for stage {stage} from stage {stage + 1}",
+            timeout_s=self.x.timeout_s)
+
+    # ------------------------------------------------------------------ compute
+    def _stage_input(self, stage: int, mb: int) -> tuple[Any, list[torch.Tensor]]:
+        if stage == 0:
+            if self.data is None:
+                raise RuntimeError("the first pipeline stage needs the micro-batches' inputs")
+            value = self.data[mb]
+            return value, [t for t in _leaves(value) if t.is_floating_point() and t.requires_grad]
+        tensors, was_tuple = self.received.pop((stage, mb))
+        leaves = []
+        for index, tensor in enumerate(tensors):
+            if tensor.is_floating_point() and self.train:
+                leaf = tensor.detach().requires_grad_(True)
+                leaves.append(leaf)
+                # The layers get a copy, so a first layer that works in place (ReLU(inplace=True))
+                # does not write into the leaf its gradient is taken of (DeepSpeed clones too).
+                tensors[index] = leaf.clone()
+        return _pack(tensors, was_tuple), leaves
+
+    def _forward(self, stage: int, mb: int) -> None:
+        value, leaves = self._stage_input(stage, mb)
+        with torch.set_grad_enabled(self.train):
+            output = self.x.module(value, stage=stage)
+            if stage == self.x.last_stage:
+                self._finish_last_stage(stage, mb, output, leaves)
+                return
+        tensors = _as_list(output)
+        if self.train:
+            self.stash[(stage, mb)] = _Stashed(leaves, tensors)
+            self.peak_stashed = max(self.peak_stashed, len(self.stash))
+        if stage_to_rank(stage + 1, self.x.num_ranks) == stage_to_rank(stage, self.x.num_ranks):
+            # the next stage is on this rank: hand over in memory, as a message would
+            self.received[(stage + 1, mb)] = ([t.detach() for t in tensors], isinstance(output, tuple))
+        else:
+            self.sent_outputs[(stage, mb)] = tensors
+
+    def _finish_last_stage(self, stage: int, mb: int, output: Any, leaves: list[torch.Tensor]) -> None:
+        loss_fn = self.x.module.loss_fn
+        if self.keep_outputs:
+            self.outputs[mb] = output.detach() if isinstance(output, torch.Tensor) else output
+        if loss_fn is None:
+            loss = output
+        elif self.labels is None:
+            raise RuntimeError("the last pipeline stage needs the micro-batches' labels")
+        else:
+            loss = loss_fn(output, self.labels[mb])
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("the last pipeline stage must produce a scalar loss: give PipelineModule a loss_fn, "
+                             f"or make the last layer return one (got {type(loss).__name__} "
+                             f"{tuple(getattr(loss, 'shape', ()))})")
+        self.losses[mb] = loss.detach()
+        if self.train:
+            self.stash[(stage, mb)] = _Stashed(leaves, [loss.float() * self.loss_scale])
+            self.peak_stashed = max(self.peak_stashed, len(self.stash))
+
+    def _backward_roots(self, stashed: _Stashed) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        if stashed.output_grads is None:  # the last stage: the scaled loss
+            return stashed.outputs, None
+        floating = [t for t in stashed.outputs if t.is_floating_point()]
+        pairs = [(t, g) for t, g in zip(floating, stashed.output_grads) if t.requires_grad]
+        return [t for t, _ in pairs], [g for _, g in pairs]
+
+    def _input_grads(self, stashed: _Stashed) -> list[torch.Tensor]:
+        return [t.grad if t.grad is not None else torch.zeros_like(t) for t in stashed.inputs]
+
+    def _backward(self, stage: int, mb: int) -> None:
+        stashed = self.stash.pop((stage, mb))
+        roots, grads = self._backward_roots(stashed)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        self.after_backward()
+        self._hand_input_grads(stage, mb, self._input_grads(stashed))
+
+    def _input_grad(self, stage: int, mb: int) -> None:
+        stashed = self.stash[(stage, mb)]
+        if not stashed.inputs:
+            return  # the first stage: no input gradient to compute; W does the whole backward
+        roots, grads = self._backward_roots(stashed)
+        computed = torch.autograd.grad(roots, stashed.inputs, grads, retain_graph=True, allow_unused=True)
+        self._hand_input_grads(stage, mb, [g if g is not None else torch.zeros_like(t)
+                                           for g, t in zip(computed, stashed.inputs)])
+
+    def _weight_grad(self, stage: int, mb: int) -> None:
+        stashed = self.stash.pop((stage, mb))
+        roots, grads = self._backward_roots(stashed)
+        params = self.x.stage_parameters(stage)
+        if roots and params:
+            torch.autograd.backward(roots, grads, inputs=params)
+        self.after_backward()
+
+    def _hand_input_grads(self, stage: int, mb: int, grads: list[torch.Tensor]) -> None:
+        if stage == 0:
+            return
+        if stage_to_rank(stage - 1, self.x.num_ranks) == stage_to_rank(stage, self.x.num_ranks):
+            self.stash[(stage - 1, mb)].output_grads = grads
+        else:
+            self.grads_out[(stage, mb)] = grads
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _leaves(v)]
+    return []
