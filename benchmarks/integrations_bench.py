@@ -24,7 +24,7 @@ Time per optimizer step: the median over the steps after the first 5 (the Traine
 on_step_end, the loop's at the end of each accumulation window), then the median over rounds; wall
 time, and rank 0's CPU time (`time.process_time`, all its threads). On a machine shared with other
 work, where each rank gets a fraction of a core, wall time measures the scheduler as much as the arm
-(the same arm's median moved by +-40% between rounds at load average 10-17); CPU time measures the
+(the same arm's median moved up to 2.6x between rounds at load average 8-18); CPU time measures the
 work each arm does, and moved by +-4%. `--report-only` prints the last run's summary again. Loss
 per step: rank 0's loss of its accumulation window (the same data on rank 0 in every arm), compared
 between arms. Needs transformers and accelerate; the DeepSpeed arm needs deepspeed.
