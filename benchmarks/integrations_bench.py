@@ -170,7 +170,7 @@ def run_loop(stage: int, steps: int, out: str) -> dict[str, Any]:
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
-            micro_losses.append(float(loss) / GAS)
+            micro_losses.append(float(loss.detach()) / GAS)
         step_ends.append((time.perf_counter(), time.process_time()))
     return result(step_ends, micro_losses)
 
