@@ -108,20 +108,16 @@ class SwappedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, inner: torch.optim.Optimizer, directory: SwapDirectory, settings: StreamSettings,
                  group: Group = None):
-        # torch.optim.Optimizer.__init__ would build param groups of its own: set what its methods use instead.
+        # The base class sets up its hooks over a placeholder parameter, whose group is discarded: until
+        # `inner` is set, `param_groups` and `state` are scratch (see their setters).
+        super().__init__([torch.zeros(1)], inner.defaults)
         self.inner, self.directory, self.settings, self.group = inner, directory, settings, group
-        self.defaults = inner.defaults
-        for name in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
-                     "load_state_dict_post"):
-            setattr(self, f"_optimizer_{name}_hooks", collections.OrderedDict())
-        self._warned_capturable_if_run_uncaptured = True
-        self._patch_step_function()
         self.scalars: dict[torch.Tensor, dict[str, Any]] = {}  # per tensor with state: its non-elementwise state
         self.kinds: tuple[Kind, ...] | None = None  # known after the first step (torch initialises state lazily)
         self._plan: list[SubGroup] = []
         self._plan_key: tuple[int, ...] = ()
         self._on_disk = False  # every sub-group's file holds its state
-        self._buffers: list[torch.Tensor] = []
+        self._host_buffers: list[torch.Tensor] = []
         self._readers = ThreadPoolExecutor(1, thread_name_prefix="zerodist-swap-read")
         self._writers = ThreadPoolExecutor(1, thread_name_prefix="zerodist-swap-write")
         self.io_wait_s = 0.0  # time step() spent blocked on reads and writes, all steps
@@ -129,11 +125,14 @@ class SwappedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ torch.optim.Optimizer's surface
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
+        if "inner" not in self.__dict__:  # inside the base class's __init__
+            return self.__dict__.setdefault("_placeholder_groups", [])
         return self.inner.param_groups
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.inner.param_groups = value
+        if "inner" in self.__dict__:
+            self.inner.param_groups = value
 
     @property  # type: ignore[override]
     def state(self) -> SwappedState:
@@ -141,7 +140,8 @@ class SwappedOptimizer(torch.optim.Optimizer):
 
     @state.setter
     def state(self, value: Any) -> None:
-        raise AttributeError("a swapped optimizer's state is set with load_state_dict()")
+        if "inner" in self.__dict__:
+            raise AttributeError("a swapped optimizer's state is set with load_state_dict()")
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict, with the state read back from the swap files."""
@@ -167,7 +167,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self._readers.shutdown(wait=True)
         self._writers.shutdown(wait=True)
         self.directory.close()
-        self._buffers = []
+        self._host_buffers = []
 
     def resident_state_bytes(self) -> int:
         """Bytes of per-element optimizer state held in memory between steps (none: it is in the files;
@@ -206,15 +206,15 @@ class SwappedOptimizer(torch.optim.Optimizer):
                 self._allocate_buffers()
             if not self.kinds:
                 continue  # no per-element state (plain SGD): nothing to swap
-            buffer = self._buffers[0]
+            buffer = self._host_buffers[0]
             self._pack(sub_group, buffer, states)
             self.directory.write(sub_group.index, buffer[: self._file_bytes(sub_group)])
         self._on_disk = bool(self.kinds)
 
     def _step_streamed(self, new_scalars: dict[torch.Tensor, dict[str, Any]]) -> None:
         """Read, step, write each sub-group, with read-ahead and write-behind as configured."""
-        read_ahead = self.settings.pipeline_read and len(self._buffers) >= 2
-        free = list(range(len(self._buffers)))
+        read_ahead = self.settings.pipeline_read and len(self._host_buffers) >= 2
+        free = list(range(len(self._host_buffers)))
         writes: collections.deque[tuple[Future[None], int]] = collections.deque()
         reads: dict[int, tuple[Future[None] | None, int]] = {}
 
@@ -227,7 +227,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
 
         def start_read(sub_group: SubGroup) -> None:
             index = acquire()
-            target = self._buffers[index][: self._file_bytes(sub_group)]
+            target = self._host_buffers[index][: self._file_bytes(sub_group)]
             if read_ahead:
                 reads[sub_group.index] = (self._readers.submit(self.directory.read, sub_group.index, target), index)
             else:
@@ -243,7 +243,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
                 following = self._plan[position + 1] if position + 1 < len(self._plan) else None
                 if read_ahead and following is not None:
                     start_read(following)
-                buffer = self._buffers[index]
+                buffer = self._host_buffers[index]
                 self._pack(sub_group, buffer, self._step_sub_group(sub_group, buffer, new_scalars))
                 data = buffer[: self._file_bytes(sub_group)]
                 if self.settings.pipeline_write:
@@ -344,7 +344,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         if self.kinds:
             size = max(self._file_bytes(sg) for sg in self._plan)
             count = max(1, min(self.settings.buffer_count, len(self._plan)))  # never more buffers than sub-groups
-            self._buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(count)]
+            self._host_buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(count)]
 
     def _check_plan(self) -> None:
         """Plan the sub-groups over the tensors the inner optimizer steps (once: they never change)."""
@@ -398,7 +398,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         if len(self.scalars) != len(self._plan_key):
             raise errors.OffloadError("a swapped optimizer loads a state that covers every tensor or none")
         params = [group["params"] for group in self.inner.param_groups]
-        buffer = self._buffers[0]
+        buffer = self._host_buffers[0]
         for sub_group in self._plan:
             states: list[dict[str, Any] | None] = []
             for piece in sub_group.pieces:
