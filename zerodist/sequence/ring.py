@@ -16,9 +16,10 @@ their gradients come back in backward. A rotation sends it one hop per step over
 zerodist.comm has no point-to-point send, so the slices travel by one all-gather in forward and
 one reduce-scatter of dK, dV in backward (the pattern of Megatron's context parallel and of
 torch's `context_parallel` "allgather" rotation). The bytes each rank sends are the rotation's:
-2 e B N H_kv d (P-1)/P in forward and the same in backward (`layout.ring_bytes`); the autograd
-graph keeps the blocks, so the backward rotates nothing again. The price is holding all P
-slices of K and V at once (B N H_kv d elements each), which a rotation would hold two at a time.
+2 e B N H_kv d (P-1)/P in forward and the same in backward (`layout.ring_bytes`); the backward
+recomputes each block from the gathered K/V it kept ([Note: ring memory]), so it rotates nothing
+again. The price is holding all P slices of K and V at once (B N H_kv d elements each), which a
+rotation would hold two at a time.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     return out, merged
 
 
-def _chunks(gathered: torch.Tensor, layout: SequenceLayout, chunk: int) -> dict[int, tuple[int, int]]:
+def _chunks(layout: SequenceLayout) -> dict[int, tuple[int, int]]:
     """chunk id -> (rank holding it, its index on that rank)."""
     return {chunk_id: (rank, index) for rank in range(layout.size)
             for index, chunk_id in enumerate(layout.chunk_ids(rank))}
@@ -93,7 +94,7 @@ class _RingCore(torch.autograd.Function):
                 scale: float) -> torch.Tensor:
         chunk = query.shape[-3] // layout.chunks_per_rank
         groups = query.shape[-2] // gathered.shape[-2]
-        where = _chunks(gathered, layout, chunk)
+        where = _chunks(layout)
         outputs, sums = [], []
         for index, query_id in enumerate(layout.chunk_ids()):
             q = query.narrow(-3, index * chunk, chunk)
@@ -118,7 +119,7 @@ class _RingCore(torch.autograd.Function):
         grad_out = grads[0]
         grad_query = torch.zeros_like(query)
         grad_gathered = torch.zeros_like(gathered)
-        where = _chunks(gathered, layout, chunk)
+        where = _chunks(layout)
         for index, query_id in enumerate(layout.chunk_ids()):
             rows = slice(index * chunk, (index + 1) * chunk)
             q, d_out = query[..., rows, :, :], grad_out[..., rows, :, :]

@@ -38,14 +38,14 @@ class SavedActivations:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key not in self._seen and key not in self._parameters:
+        if key not in self._seen and key not in self._parameter_storages:
             self._seen.add(key)
             self.bytes += storage.nbytes()
         return tensor
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
-        self._parameters = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._parameter_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
             yield
 
