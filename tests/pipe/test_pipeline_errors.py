@@ -61,7 +61,8 @@ def test_a_gradient_of_another_dtype_is_named():
 def failing_stage_body(mode: str) -> None:
     module = PipelineModule(mlp_layers(), num_stages=2, loss_fn=torch.nn.functional.mse_loss,
                             partition_method="uniform")
-    engine, _, _, _ = zerodist.initialize(model=module, config=config(1, timeout=3))
+    # a dead peer: the survivor must fail by name within the harness's grace after the death (3 s)
+    engine, _, _, _ = zerodist.initialize(model=module, config=config(1, timeout=1 if mode == "dies" else 3))
     batches = iter([micro_batch(0, micro, 0, torch.float32) for micro in range(GAS)])
     if comm.get_rank() == 1:
         if mode == "dies":

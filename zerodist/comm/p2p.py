@@ -130,11 +130,16 @@ def send_message(tensors: Sequence[torch.Tensor], dst: int, *, label: Label) -> 
                                "return fewer tensors from a stage's last layer (pack them in one)")
     payload = [t.detach().contiguous() for t in tensors]
     header = _encode(_OK, label, payload)
-    works = [dist.isend(header, dst=dst, tag=HEADER_TAG)]
-    _record("p2p_header", header)
-    for tensor in payload:
-        works.append(dist.isend(tensor, dst=dst, tag=PAYLOAD_TAG))
-        _record("send", tensor)
+    try:  # gloo raises here at once when the peer's connection is closed
+        works = [dist.isend(header, dst=dst, tag=HEADER_TAG)]
+        _record("p2p_header", header)
+        for tensor in payload:
+            works.append(dist.isend(tensor, dst=dst, tag=PAYLOAD_TAG))
+            _record("send", tensor)
+    except RuntimeError as error:
+        raise PipePeerFailedError(
+            f"rank {dist.get_rank()}: sending message {tuple(label)} to rank {dst} failed: that stage exited or "
+            f"crashed; its log says why.\n{error}") from error
     return SendHandle(works, [header, *payload], dst)
 
 
@@ -158,8 +163,12 @@ def recv_message(src: int, *, label: Label, describe: str, expect: Sequence[Meta
     `describe` names the message in errors ("the activation of micro-batch 2 from stage 0")."""
     ensure_initialized()
     header = torch.empty(HEADER_LENGTH, dtype=torch.int64)
-    _wait(dist.irecv(header, src=src, tag=HEADER_TAG), Ticket(f"recv {describe}", "pipe", _pair(src), 0),
-          timeout_s, describe)
+    try:
+        posted = dist.irecv(header, src=src, tag=HEADER_TAG)
+    except RuntimeError as error:  # the peer's connection is already closed
+        raise PipePeerFailedError(f"rank {dist.get_rank()}: waiting for {describe} (rank {src}) failed: that stage "
+                                  f"exited or crashed; its log says why.\n{error}") from error
+    _wait(posted, Ticket(f"recv {describe}", "pipe", _pair(src), 0), timeout_s, describe)
     status, sent_label, metas = _decode(header, src, describe)
     if status == _ABORT:
         raise PipePeerFailedError(
