@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
+from zerodist import compat
 from zerodist.utils import get_logger
 
 __all__ = ["LayerSpec", "PartitionError", "PipelineModule", "TiedLayerSpec", "partition_balanced",
@@ -266,7 +267,7 @@ class PipelineModule(torch.nn.Module):
 
     def _run(self, indices: Sequence[int], inputs: Any) -> Any:
         for index in indices:
-            module = self._modules.get(str(index))
+            module = compat.registered_child(self, str(index))
             function = self._forward_funcs.get(index)
             if module is None:
                 inputs = function(inputs)  # type: ignore[misc]  # a plain callable layer
@@ -282,7 +283,7 @@ class PipelineModule(torch.nn.Module):
     def _checkpoints(self, indices: Sequence[int]) -> bool:
         if self._checkpointable is None:
             return True
-        modules = [self._modules.get(str(i)) for i in indices]
+        modules = [compat.registered_child(self, str(i)) for i in indices]
         return any(type(m).__name__ in self._checkpointable for m in modules if m is not None)
 
     # ------------------------------------------------------------------ tied layers
