@@ -26,12 +26,14 @@ def test_subpackages_are_attributes_after_a_bare_import():
             "assert 'zerodist.moe' not in sys.modules\n"
             "print(deepspeed.moe.layer.MoE.__name__, deepspeed.tensor_parallel.__name__, deepspeed.comm.__name__,\n"
             "      deepspeed.zero.Init.__name__, deepspeed.checkpoint.__name__,\n"
-            "      deepspeed.accelerator.get_accelerator().device_name(0))\n")
+            "      deepspeed.accelerator.get_accelerator().device_name(0),\n"
+            "      deepspeed.pipe.PipelineModule.__name__, deepspeed.utils.RepeatingLoader.__name__,\n"
+            "      deepspeed.sequence.layer.DistributedAttention.__name__)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["MoE", "zerodist.tensor_parallel", "zerodist.comm", "Init", "zerodist.checkpoint",
-                                     "cpu"]
+                                     "cpu", "PipelineModule", "RepeatingLoader", "DistributedAttention"]
 
 
 def test_accelerator_on_the_cpu_answers_as_deepspeeds_cpu_accelerator():
