@@ -30,6 +30,22 @@ def test_deeper_and_named_declarations_win():
     assert placements[id(inner.bias)].domain == EXPERT
 
 
+def test_a_copy_counted_elsewhere_keeps_its_declared_placement():
+    from zerodist.comm.domains import declare_counted_elsewhere
+
+    inner = torch.nn.Linear(3, 2)
+    tied = torch.nn.Sequential(inner, torch.nn.LayerNorm(2))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), tied)
+    before = {n: set(vars(m)) for n, m in model.named_modules()}
+    declare_placement(inner, Placement(TENSOR_SLICE, slice_dim=0, slice_axis="tensor"), names=["weight"])
+    declare_counted_elsewhere(tied)
+    placements = parameter_placements(model)
+    assert placements[id(inner.weight)] == Placement(TENSOR_SLICE, 0, "tensor", in_norm=False)
+    assert placements[id(tied[1].weight)] == Placement(DENSE, in_norm=False)
+    assert all(placements[id(p)] == Placement(DENSE) for p in model[0].parameters())
+    assert before == {n: set(vars(m)) for n, m in model.named_modules()}
+
+
 def test_bad_declarations_are_named():
     with pytest.raises(TopologyError, match="no parameter 'wieght'"):
         declare_placement(torch.nn.Linear(2, 2), DENSE, names=["wieght"])

@@ -11,10 +11,11 @@ A parameter nobody declared is dense (`DENSE`). A declaration on a module covers
 parameters of that module itself, or all parameters below it; a declaration on a module deeper
 in the tree wins over one on its ancestor.
 
-Two more declarations live here for the same reason: `declare_logical_offset` (a container of
-local experts is part of a larger logical model: `logical_names`, which checkpoints use) and
+Three more declarations live here for the same reason: `declare_logical_offset` (a container of
+local experts is part of a larger logical model: `logical_names`, which checkpoints use),
 `declare_expert_parallel` (the expert degree a module was built for, which the engine's topology
-takes).
+takes) and `declare_counted_elsewhere` (this rank's parameters are copies that another rank
+counts in the gradient norm: [Note: copies counted elsewhere]).
 """
 
 from __future__ import annotations
@@ -39,13 +40,17 @@ class Placement:
     Two refinements of an even split, declared by tensor parallelism: `fused` (sub-tensor lengths
     along `slice_dim`, each split on its own: a fused QKV weight's part is `[q_r; k_r; v_r]`) and
     `logical_size` (the logical length along `slice_dim` when the parts are padded beyond it: a
-    vocabulary the degree does not divide)."""
+    vocabulary the degree does not divide).
+
+    `in_norm`: whether this rank counts the parameter in the global gradient norm (besides what
+    the domain says); False for a copy another rank counts ([Note: copies counted elsewhere])."""
 
     domain: Domain
     slice_dim: int | None = None
     slice_axis: str | None = None
     fused: tuple[int, ...] = ()
     logical_size: int | None = None
+    in_norm: bool = True
 
     def __post_init__(self) -> None:
         if (self.slice_dim is None) != (self.slice_axis is None):
@@ -91,6 +96,11 @@ def parameter_placements(model: torch.nn.Module) -> dict[int, Placement]:
         for name, param in module.named_parameters(recurse=False):
             if name in entries:
                 found[id(param)] = entries[name]
+    # Copies counted elsewhere keep their domain and slicing, whoever declared those.
+    for module in model.modules():
+        if module in _COUNTED_ELSEWHERE:
+            for param in module.parameters():
+                found[id(param)] = dataclasses.replace(found[id(param)], in_norm=False)
     return found
 
 
@@ -104,6 +114,26 @@ def buffer_placements(model: torch.nn.Module) -> dict[int, Placement]:
             for buffer in module.buffers():
                 found[id(buffer)] = entries[""]
     return found
+
+
+# ---------------------------------------------------------------------------------------- copies counted elsewhere
+# [Note: copies counted elsewhere] A domain says over which mesh axes a parameter is replicated, and
+# only index 0 along the axes it is replicated over but not reduced over counts it in the global
+# gradient norm (`Topology.counts_in_norm`). Pipeline stages hold different layers, so no domain
+# spans the pipe axis; but a tied layer (an embedding and the head that reuses it) is held whole by
+# several stages, each copy stepping with the same summed gradient. Counted by every stage, its
+# squares would enter the norm once per copy. So the rank that builds such a copy and knows it is
+# not the one to count it declares it here, and its placement says `in_norm=False`: ZeRO's step
+# leaves those parameters out of this rank's sum of squares (DeepSpeed marks the same parameters
+# with a `ds_pipe_replicated` attribute; here nothing is written on them). A weak set of modules,
+# like the placements: a declaration covers every parameter below the module.
+_COUNTED_ELSEWHERE: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def declare_counted_elsewhere(module: torch.nn.Module) -> None:
+    """Declare that every parameter below `module` is, on this rank, an equal copy of a parameter
+    another rank counts in the global gradient norm ([Note: copies counted elsewhere])."""
+    _COUNTED_ELSEWHERE.add(module)
 
 
 # ---------------------------------------------------------------------------------------- logical names

@@ -85,9 +85,9 @@ class SendHandle:
     tensors: list[torch.Tensor]
     peer: int
 
-    def wait(self, timeout_s: float | None = None) -> None:
+    def wait(self, timeout_s: float | None = None, timeout_setting: str | None = None) -> None:
         for work in self.works:
-            _wait(work, Ticket("send", "pipe", _pair(self.peer), 0), timeout_s)
+            _wait(work, Ticket("send", "pipe", _pair(self.peer), 0), timeout_s, timeout_setting=timeout_setting)
         self.works, self.tensors = [], []
 
     def is_completed(self) -> bool:
@@ -157,10 +157,12 @@ _ABORTS: list[Any] = []
 
 
 def recv_message(src: int, *, label: Label, describe: str, expect: Sequence[Meta] | None = None,
-                 timeout_s: float | None = None, device: torch.device | None = None) -> list[torch.Tensor]:
+                 timeout_s: float | None = None, timeout_setting: str | None = None,
+                 device: torch.device | None = None) -> list[torch.Tensor]:
     """Receive the message `label` from global rank `src`: the header first, checked against
     `label` and `expect` (dtype and shape of each tensor, when known), then the tensors.
-    `describe` names the message in errors ("the activation of micro-batch 2 from stage 0")."""
+    `describe` names the message in errors ("the activation of micro-batch 2 from stage 0");
+    `timeout_setting` the setting `timeout_s` came from, for the timeout's error."""
     ensure_initialized()
     header = torch.empty(HEADER_LENGTH, dtype=torch.int64)
     try:
@@ -168,7 +170,7 @@ def recv_message(src: int, *, label: Label, describe: str, expect: Sequence[Meta
     except RuntimeError as error:  # the peer's connection is already closed
         raise PipePeerFailedError(f"rank {dist.get_rank()}: waiting for {describe} (rank {src}) failed: that stage "
                                   f"exited or crashed; its log says why.\n{error}") from error
-    _wait(posted, Ticket(f"recv {describe}", "pipe", _pair(src), 0), timeout_s, describe)
+    _wait(posted, Ticket(f"recv {describe}", "pipe", _pair(src), 0), timeout_s, describe, timeout_setting)
     status, sent_label, metas = _decode(header, src, describe)
     if status == _ABORT:
         raise PipePeerFailedError(
@@ -185,7 +187,7 @@ def recv_message(src: int, *, label: Label, describe: str, expect: Sequence[Meta
     works = [dist.irecv(t, src=src, tag=PAYLOAD_TAG) for t in tensors]
     for work, tensor in zip(works, tensors):
         _record("recv", tensor)
-        _wait(work, Ticket(f"recv {describe}", "pipe", _pair(src), 0), timeout_s, describe)
+        _wait(work, Ticket(f"recv {describe}", "pipe", _pair(src), 0), timeout_s, describe, timeout_setting)
     return tensors
 
 
@@ -206,7 +208,10 @@ def _pair(peer: int) -> tuple[int, ...]:
     return (dist.get_rank(), peer)
 
 
-def _wait(work: Any, ticket: Ticket, timeout_s: float | None, describe: str | None = None) -> None:
+def _wait(work: Any, ticket: Ticket, timeout_s: float | None, describe: str | None = None,
+          timeout_setting: str | None = None) -> None:
+    """Wait for `work` up to `timeout_s` (None: the collective timeout); a timeout is a
+    `PipeTimeoutError` whose one line names `timeout_setting`, the setting that gave the wait."""
     try:
         with watchdog.blocked(ticket):
             if timeout_s is None:
@@ -215,10 +220,13 @@ def _wait(work: Any, ticket: Ticket, timeout_s: float | None, describe: str | No
                 work.wait(datetime.timedelta(seconds=timeout_s))
     except CollectiveTimeoutError as error:
         what = describe or ticket.op
+        within = "the collective timeout" if timeout_s is None else f"{timeout_s:g} s"
+        setting = f" ({timeout_setting} sets the wait)" if timeout_setting else ""
+        # Not chained: the watchdog's own text names the collective timeout's settings, not this
+        # wait's; its story (whom this rank waited for, the backend's error) is kept.
         raise PipeTimeoutError(
-            f"rank {dist.get_rank()}: {what} did not arrive from rank {ticket.ranks[-1]} within {timeout_s} s; "
-            "that stage is stuck or runs another schedule (zerodist.pipeline.timeout sets the wait).\n"
-            f"{error}") from error
+            f"rank {dist.get_rank()}: {what} did not arrive from rank {ticket.ranks[-1]} within {within}; that "
+            f"stage is stuck or runs another schedule{setting}.\n{error.story}") from None
     except CollectiveError as error:
         raise PipePeerFailedError(
             f"rank {dist.get_rank()}: the connection to rank {ticket.ranks[-1]} failed while waiting for "

@@ -64,7 +64,13 @@ class CollectiveError(RuntimeError):
 
 
 class CollectiveTimeoutError(CollectiveError):
-    """A collective did not complete within the collective timeout: some rank never joined it."""
+    """A collective did not complete within the collective timeout: some rank never joined it.
+    `story`: whom this rank waited for and where they were, without the advice about which
+    timeout applies (a caller with a timeout of its own, as a pipeline stage's, names its own)."""
+
+    def __init__(self, message: str, story: str = ""):
+        super().__init__(message)
+        self.story = story or message
 
 
 class Ticket(NamedTuple):
@@ -236,7 +242,7 @@ class Watchdog:
                 f"({waited:.0f} s waited). Every rank must issue the same collectives in the same order; a rank "
                 "that runs an extra step, skips a barrier or a save, or is stuck, looks like this. The timeout is "
                 f"zerodist.timeout in the config or ZERODIST_TIMEOUT seconds ({DEFAULT_COLLECTIVE_TIMEOUT_S:g} s "
-                f"by default). Backend: {error}")
+                f"by default). Backend: {error}", story=f"{story}\nBackend: {error}")
         return CollectiveError(f"{story}\n{block.ticket.describe()} failed after {waited:.0f} s: {error}. A peer's "
                                "connection closing means that rank exited or crashed: its own log says why.")
 

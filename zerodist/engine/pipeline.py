@@ -91,8 +91,13 @@ class PipelineEngine(Engine):
         self.simulated = check_schedule(self.schedule, num_microbatches=self.micro_batches,
                                         num_stages=module.total_stages)  # bubble, for reports
         self.eval_schedule = _forward_only(self.schedule)
-        timeout = settings.timeout or self.config.zerodist.timeout
-        self.executor = PipelineExecutor(module, self.pipe_ranks, timeout_s=timeout)
+        # The wait for a neighbour's message, and the setting a timeout's error names.
+        timeout, setting = settings.timeout, "zerodist.pipeline.timeout"
+        if timeout is None:
+            timeout, setting = self.config.zerodist.timeout, "zerodist.timeout (zerodist.pipeline.timeout unset)"
+        if timeout is None:  # the process group's own timeout
+            setting = "ZERODIST_TIMEOUT, else 600 s (zerodist.pipeline.timeout and zerodist.timeout unset)"
+        self.executor = PipelineExecutor(module, self.pipe_ranks, timeout_s=timeout, timeout_setting=setting)
         self.last_run: RunResult | None = None
         self.tied = _TIED.pop(module, None)
         self._own_data_iter: Iterator[Any] | None = None

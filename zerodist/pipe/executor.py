@@ -83,10 +83,11 @@ class PipelineExecutor:
     """Runs a rank's actions; `pipe_ranks[r]` is the global rank of pipe rank r in this rank's pipe."""
 
     def __init__(self, module: PipelineModule, pipe_ranks: Sequence[int], *, timeout_s: float | None = None,
-                 clock: Callable[[], float] | None = None):
+                 timeout_setting: str | None = None, clock: Callable[[], float] | None = None):
         import time
 
         self.module, self.pipe_ranks, self.timeout_s = module, list(pipe_ranks), timeout_s
+        self.timeout_setting = timeout_setting  # where timeout_s came from, named by a timeout's error
         self.num_ranks = len(self.pipe_ranks)
         self.last_stage = module.total_stages - 1
         self.clock = clock or time.perf_counter
@@ -115,7 +116,7 @@ class PipelineExecutor:
             for action in actions:
                 run.do(action)
             for handle in run.sends:
-                handle.wait(self.timeout_s)
+                handle.wait(self.timeout_s, self.timeout_setting)
         except BaseException:
             me = self.module.stage_id
             for neighbour in (me - 1, me + 1):
@@ -168,7 +169,8 @@ class _Run:
     def _recv_activation(self, stage: int, mb: int) -> None:
         tensors = p2p.recv_message(self.x._global_rank(stage - 1), label=(_ACTIVATION, stage, mb),
                                    describe=f"the activation of micro-batch {mb} for stage {stage} from stage "
-                                   f"{stage - 1}", timeout_s=self.x.timeout_s)
+                                   f"{stage - 1}", timeout_s=self.x.timeout_s,
+                                   timeout_setting=self.x.timeout_setting)
         self.received[(stage, mb)] = (tensors, len(tensors) > 1)
 
     def _recv_gradient(self, stage: int, mb: int) -> None:
@@ -177,7 +179,7 @@ class _Run:
         stashed.output_grads = p2p.recv_message(
             self.x._global_rank(stage + 1), label=(_GRADIENT, stage, mb), expect=expect,
             describe=f"the output gradient of micro-batch {mb} for stage {stage} from stage {stage + 1}",
-            timeout_s=self.x.timeout_s)
+            timeout_s=self.x.timeout_s, timeout_setting=self.x.timeout_setting)
 
     # ------------------------------------------------------------------ compute
     def _stage_input(self, stage: int, mb: int) -> tuple[Any, list[torch.Tensor]]:

@@ -306,6 +306,10 @@ class PipelineModule(torch.nn.Module):
             result[key] = [p for p in module.parameters() if p.requires_grad]
         return result
 
+    def tied_module(self, key: str) -> torch.nn.Module:
+        """The module this rank holds for tied `key` (one object, however many of its layers use it)."""
+        return self._tied_modules[key]
+
     def is_first_stage(self, stage: int) -> bool:
         return stage == 0
 

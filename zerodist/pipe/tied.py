@@ -14,9 +14,9 @@ backward, which the reducer adds to its buckets like any other; the data-paralle
 follows then averages the tie sum over the data ranks, as it does every gradient. The tie group
 pairs the ranks of the stages holding the key that share every other coordinate (data, tensor, ...).
 
-Known limit: the global gradient norm counts a tied parameter once per stage that holds it (it is
-replicated over pipe, which ZeRO's domains do not describe), so gradient clipping sees a slightly
-larger norm than one process would.
+The global gradient norm counts each tied parameter once: only on the tie group's first stage. The
+copies on the others are declared `declare_counted_elsewhere` ([Note: copies counted elsewhere] in
+zerodist/comm/domains.py), which ZeRO's step reads; no domain spans the pipe axis.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
+from zerodist.comm.domains import declare_counted_elsewhere
 from zerodist.pipe.module import PipelineModule
 from zerodist.pipe.schedule import stage_to_rank
 
@@ -51,6 +52,9 @@ class TiedGradients:
                 if me in ranks:
                     self.groups[key] = (group, ranks[0])
         self._params = {key: params for key, params in module.tied_parameters().items() if key in self.groups}
+        for key, (_, source) in self.groups.items():
+            if source != me:  # the tie group's first stage counts the key's parameters in the norm
+                declare_counted_elsewhere(module.tied_module(key))
         self._accumulated: dict[int, torch.Tensor] = {}
         self._feeding = False
         self._handles = [p.register_hook(functools.partial(self._take, id(p)))

@@ -115,6 +115,7 @@ class FlatParamGroup:
                                               world_size=self.world_size)
         self.nans: torch.Tensor | None = None
         self.records = self._make_records(params, names, placements, param_dtype)
+        self._norm_ranges = self._ranges_in_norm()
         # Sharded parameters: only this rank's shard is built when the ranks already agree (no full buffer).
         owned = self._initial_shard() if policy.shard_parameters else None
         initial = self._gather_initial_values() if owned is None else owned
@@ -390,6 +391,29 @@ class FlatParamGroup:
     def owned_grads(self) -> list[torch.Tensor]:
         """This rank's shard of every bucket's reduced gradient: disjoint across ranks."""
         return [b.grad_owned for b in self.buckets]
+
+    def norm_grads(self) -> list[torch.Tensor]:
+        """What this rank adds to the global gradient norm of its owned gradients: all of them, less
+        the parameters another rank counts ([Note: copies counted elsewhere] in zerodist/comm/domains.py)."""
+        owned = self.owned_grads()
+        if self._norm_ranges is None:
+            return owned
+        return [owned[bucket][start:end] for bucket, start, end in self._norm_ranges]
+
+    def _ranges_in_norm(self) -> tuple[tuple[int, int, int], ...] | None:
+        """(bucket, start, end) of the owned gradient pieces of the parameters this rank counts in
+        the norm, within each bucket's owned shard; None when it counts every parameter."""
+        if all(record.placement.in_norm for record in self.records):
+            return None
+        ranges = []
+        for bucket, span in enumerate(self.layout.buckets):
+            lo = span.shard_offset(self.rank)
+            for index in span.param_indices:
+                slot = self.layout.slots[index]
+                start, end = max(lo, slot.offset), min(lo + span.shard_numel, slot.offset + slot.numel)
+                if self.records[index].placement.in_norm and start < end:
+                    ranges.append((bucket, start - lo, end - lo))
+        return tuple(ranges)
 
     def add_grad(self, index: int, grad: torch.Tensor) -> Bucket:
         """Add parameter `index`'s gradient to its bucket (the window's first one overwrites); returns that bucket."""

@@ -13,7 +13,10 @@ counts each element once; but the domain's groups are repeated over the axes the
 not reduce over: a dense group's over none (one group is the whole batch), an expert group's
 over `expert` (each holds a *different* expert: all count), a LayerNorm weight's over `tensor`
 (every tensor rank holds the same: only tensor index 0 counts). `DomainGroup.counts_in_norm`
-says which; then one all-reduce over the world sums every domain at once.
+says which; then one all-reduce over the world sums every domain at once. Within a group that
+counts, a parameter whose placement says `in_norm=False` (a tied layer's copy on a later pipeline
+stage: [Note: copies counted elsewhere] in zerodist/comm/domains.py) is left out
+(`FlatParamGroup.norm_grads`): the rank holding the copy that counts adds it.
 
 The inner optimizer is a plain `torch.optim.Optimizer` over `FlatParamGroup.optimizer_tensors`;
 it must be elementwise (the tensors are flattened shards), which the engine checks.
@@ -99,7 +102,7 @@ class ZeroOptimizer:
         for group in self.groups:
             grads = group.owned_grads()
             if group.domain_group.counts_in_norm:
-                for grad in grads:
+                for grad in group.norm_grads():
                     squares += grad.float().pow(2).sum()
             if self.check_overflow and not overflow:
                 overflow = not all(bool(torch.isfinite(g).all()) for g in grads)
