@@ -12,8 +12,8 @@ import torch
 
 import zerodist
 import zerodist.comm as comm
-from tests.harness import run_distributed
-from zerodist.pipe import PipelineModule
+from tests.harness import DistributedTestFailure, run_distributed
+from zerodist.pipe import PipelineModule, TiedLayerSpec
 
 WIDTH, LAYERS, MICRO, GAS, STEPS = 8, 8, 4, 4, 5
 
@@ -187,3 +187,22 @@ def test_gradient_clipping_uses_the_norm_over_every_stage():
     # the norm is agreed over the world (both stages' parameters): clipping equals one process's
     results = run_distributed(pipeline_body, 4, 2, 2, "1f1b", "float32", 1, 1, 0.05)
     check_against_reference(results, 2, "float32", clip=0.05)
+
+
+def tied_tensor_body() -> None:
+    torch.manual_seed(0)
+    layers = [TiedLayerSpec("edge", torch.nn.Linear, WIDTH, WIDTH), torch.nn.Tanh(),
+              torch.nn.Linear(WIDTH, WIDTH), TiedLayerSpec("edge", torch.nn.Linear, WIDTH, WIDTH)]
+    module = PipelineModule(layers, num_stages=2, loss_fn=torch.nn.functional.mse_loss, partition_method="uniform")
+    settings = config(1)
+    settings["tensor_parallel"] = {"autotp_size": 2, "partition_config": {"layer_specs": [
+        {"patterns": [r"^\d+\.weight$"], "partition_type": "column"}]}}
+    zerodist.initialize(model=module, config=settings)
+
+
+def test_a_tied_layer_made_tensor_parallel_is_refused_by_name():
+    """A plan that swaps a tied layer for a tensor-parallel one would leave the tie on parameters
+    nobody trains (the copies drifting apart unseen): refused by name on every rank."""
+    with pytest.raises(DistributedTestFailure) as failure:
+        run_distributed(tied_tensor_body, 4, timeout=60)
+    assert str(failure.value).count("tied layers cannot be tensor-parallel yet") == 4

@@ -129,3 +129,45 @@ def test_forward_backward_step_refused_and_eval_batch_agrees():
         assert result[:3] == ["Only train_batch() is accessible in pipeline mode."] * 3
         assert float(result[3]) == pytest.approx(expected, rel=1e-6)
     assert results[0][3] == results[1][3]
+
+
+def failed_then_again_body() -> None:
+    module = PipelineModule(mlp_layers(), num_stages=2, loss_fn=torch.nn.functional.mse_loss,
+                            partition_method="uniform")
+    engine, _, _, _ = zerodist.initialize(model=module, config=config(1, timeout=3))
+    batches = [micro_batch(0, micro, 0, torch.float32) for micro in range(GAS)]
+    first = iter([(x, y[:, :3]) for x, y in batches]) if comm.get_rank() == 1 else iter(batches)
+    try:
+        engine.train_batch(first)
+    except Exception:  # noqa: BLE001  # a user who catches the failure and tries again
+        pass
+    else:
+        raise AssertionError("the first batch should have failed on every stage")
+    engine.train_batch(iter(batches))  # refused by name on every rank (raising tears the pool down)
+
+
+@pytest.mark.slow  # a fresh pool of ranks after the failure
+def test_a_failed_pipeline_refuses_to_run_again_by_name():
+    """After a failed batch the stages' messages are out of step (an abort may still be queued), so
+    a second train_batch on the same engine is a named error, not a mismatched message or a hang."""
+    with pytest.raises(DistributedTestFailure) as failure:
+        run_distributed(failed_then_again_body, 2, timeout=40)
+    text = str(failure.value)
+    assert text.count("earlier run failed") >= 2 and "cannot run again" in text
+
+
+@pytest.mark.unit
+def test_a_failing_rank_aborts_every_rank_it_exchanges_messages_with():
+    """With interleaving the last pipe rank's stage feeds the first rank's next one, so an abort
+    goes around the ring too, not only to the pipe ranks on either side."""
+    from types import SimpleNamespace
+
+    from zerodist.pipe.executor import PipelineExecutor
+
+    def neighbours(num_ranks: int, stages_per_rank: int, rank: int) -> list[int]:
+        module = SimpleNamespace(total_stages=num_ranks * stages_per_rank, stage_id=rank)
+        return PipelineExecutor(module, [10 + r for r in range(num_ranks)])._neighbour_ranks()  # type: ignore[arg-type]
+
+    assert neighbours(3, 1, 0) == [11] and neighbours(3, 1, 1) == [10, 12] and neighbours(3, 1, 2) == [11]
+    assert neighbours(3, 2, 0) == [11, 12]  # stages 0, 3: next 1 (rank 1), previous 2 (rank 2), next 4 (rank 1)
+    assert neighbours(3, 2, 2) == [10, 11]  # stages 2, 5: previous 1, next 3 (rank 0), previous 4

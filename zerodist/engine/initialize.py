@@ -29,7 +29,8 @@ from zerodist.engine.dataloader import EngineDataLoader
 from zerodist.engine.deepspeed_args import DEFAULT_PORT, resolve_initialize_arguments, update_args_local_rank
 from zerodist.engine.engine import Engine
 from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
-from zerodist.engine.pipeline import PipelineEngine, pipeline_fingerprint, pipeline_split, prepare_pipeline
+from zerodist.engine.pipeline import (PipelineEngine, check_tied_layers_kept, discard_pipeline, pipeline_fingerprint,
+                                      pipeline_split, prepare_pipeline)
 from zerodist.engine.schedulers import build_scheduler
 from zerodist.pipe.module import PipelineModule
 from zerodist.moe.parallel import ExpertParallelState, apply_expert_parallel_part
@@ -100,19 +101,24 @@ def _initialize(model: torch.nn.Module | None, model_parameters: Iterable[Any] |
     assert isinstance(model, torch.nn.Module)  # _validate refused anything else, by name
     topology = _build_topology(validated, model)
     prepare_pipeline(model, topology.world_size)  # a PipelineModule's tie groups, before ZeRO flattens
-    (part,) = split_parts(model, *pipeline_split(model))  # a PipelineModule: the stages this rank built
-    tensor = _apply_tensor_parallel(part, topology, validated.config)
-    part = dataclasses.replace(part, module=tensor.module)
-    sequence = apply_sequence_parallel(part, topology, SequenceSettings.from_config(validated.config))
-    world = validated.world
-    batch = validated.config.batch_sizes(topology.num_batch_shards,
-                                         world_size_source=f"{world.source}, WORLD_SIZE={world.world_size}")
-    # MoE layers get their expert group and routing keys; random routing is keyed by micro-batch
-    experts = apply_expert_parallel_part(part.module, topology, batch.gradient_accumulation_steps)
-    zero = _apply_zero(part, model_parameters, optimizer, topology, validated.config)
-    scheduler = build_scheduler(validated.config, zero.optimizer.inner, lr_scheduler)
-    engine, loader = _build_engine(part.module, (tensor, sequence, experts, zero), batch, scheduler, validated, training_data,
-                                   collate_fn)
+    try:
+        (part,) = split_parts(model, *pipeline_split(model))  # a PipelineModule: the stages this rank built
+        tensor = _apply_tensor_parallel(part, topology, validated.config)
+        part = dataclasses.replace(part, module=tensor.module)
+        check_tied_layers_kept(model)
+        sequence = apply_sequence_parallel(part, topology, SequenceSettings.from_config(validated.config))
+        world = validated.world
+        batch = validated.config.batch_sizes(topology.num_batch_shards,
+                                             world_size_source=f"{world.source}, WORLD_SIZE={world.world_size}")
+        # MoE layers get their expert group and routing keys; random routing is keyed by micro-batch
+        experts = apply_expert_parallel_part(part.module, topology, batch.gradient_accumulation_steps)
+        zero = _apply_zero(part, model_parameters, optimizer, topology, validated.config)
+        scheduler = build_scheduler(validated.config, zero.optimizer.inner, lr_scheduler)
+        engine, loader = _build_engine(part.module, (tensor, sequence, experts, zero), batch, scheduler, validated,
+                                       training_data, collate_fn)
+    except BaseException:
+        discard_pipeline(model)  # the tie hooks off the user's parameters (nothing when no PipelineModule)
+        raise
     return engine, zero.optimizer, loader, scheduler
 
 

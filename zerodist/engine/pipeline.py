@@ -39,7 +39,8 @@ from zerodist.pipe.tied import TiedGradients
 from zerodist.utils import RepeatingLoader
 from zerodist.zero import sharded_access
 
-__all__ = ["PipelineEngine", "PipelineError", "pipeline_fingerprint", "pipeline_split", "prepare_pipeline"]
+__all__ = ["PipelineEngine", "PipelineError", "check_tied_layers_kept", "discard_pipeline", "pipeline_fingerprint",
+           "pipeline_split", "prepare_pipeline"]
 
 
 # The tie groups made by `prepare_pipeline` (before ZeRO), for the engine built after it.
@@ -53,6 +54,26 @@ def prepare_pipeline(model: torch.nn.Module, world_size: int) -> None:
         tied = TiedGradients(model, world_size)
         tied.sync_weights()
         _TIED[model] = tied
+
+
+def check_tied_layers_kept(model: torch.nn.Module) -> None:
+    """After tensor parallelism: a tied layer its plan swapped for a parallel one would leave the tie's
+    hooks on parameters nobody trains (the copies would drift apart unseen), so refuse it by name."""
+    tied = _TIED.get(model)
+    if tied is None:
+        return
+    live = {id(p) for p in model.parameters()}
+    swapped = sorted(key for key, params in tied.parameters_by_key.items() if any(id(p) not in live for p in params))
+    if swapped:
+        raise PipelineError(f"tensor parallelism replaced the tied layer(s) {swapped} of this PipelineModule; tied "
+                            "layers cannot be tensor-parallel yet: leave them out of the plan (or untie them)")
+
+
+def discard_pipeline(model: torch.nn.Module) -> None:
+    """`initialize()` failed after `prepare_pipeline`: take the tie hooks off the user's parameters."""
+    tied = _TIED.pop(model, None)
+    if tied is not None:
+        tied.remove_hooks()
 
 
 def pipeline_split(model: torch.nn.Module) -> tuple[int, int]:
@@ -74,6 +95,11 @@ class PipelineEngine(Engine):
     """Made by `zerodist.initialize()` for a `PipelineModule`."""
 
     def __init__(self, module: torch.nn.Module, **kwargs: Any):
+        if comm.device_for_rank().type != "cpu":
+            # [Note: pipeline messages on the CPU] p2p headers and received tensors are CPU tensors (gloo);
+            # NCCL would need them on the rank's GPU. Refused by name rather than failing mid-batch.
+            raise PipelineError(f"pipeline parallelism runs on the CPU with gloo in this version; this rank computes on "
+                                f"{comm.device_for_rank()} (NCCL): train the PipelineModule on gloo, or without a pipeline")
         super().__init__(module, **kwargs)
         assert isinstance(module, PipelineModule)
         self.pipeline_module = module

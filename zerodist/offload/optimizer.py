@@ -201,11 +201,13 @@ class SwappedOptimizer(torch.optim.Optimizer):
         """No state on disk yet: the inner optimizer initialises it; each sub-group is written as stepped."""
         for sub_group in self._plan:
             states = self._step_sub_group(sub_group, None, new_scalars)
-            if self.kinds is None:
-                self.kinds = _kinds_of(states)
-                self._allocate_buffers()
+            if not self.kinds:  # known from the first sub-group whose pieces got state (a piece without a
+                kinds = _kinds_of(states)  # gradient gets none, and must not decide it for the others)
+                if kinds:
+                    self.kinds = kinds
+                    self._allocate_buffers()
             if not self.kinds:
-                continue  # no per-element state (plain SGD): nothing to swap
+                continue  # no per-element state (plain SGD, or none yet): nothing to swap
             buffer = self._host_buffers[0]
             self._pack(sub_group, buffer, states)
             self.directory.write(sub_group.index, buffer[: self._file_bytes(sub_group)])

@@ -92,6 +92,15 @@ class PipelineExecutor:
         self.last_stage = module.total_stages - 1
         self.clock = clock or time.perf_counter
         self._stage_params: dict[int, list[torch.nn.Parameter]] = {}
+        self.failed: str | None = None  # why a run failed: the messages are out of step after it
+
+    def _neighbour_ranks(self) -> list[int]:
+        """The global ranks this rank exchanges messages with: those holding the stage before or after
+        each of its stages (with interleaving, the last pipe rank's stage feeds the first's next one)."""
+        total = self.module.total_stages
+        mine = [s for s in range(total) if stage_to_rank(s, self.num_ranks) == self.module.stage_id]
+        me = self.pipe_ranks[self.module.stage_id]
+        return sorted({self._global_rank(t) for s in mine for t in (s - 1, s + 1) if 0 <= t < total} - {me})
 
     def _global_rank(self, stage: int) -> int:
         return self.pipe_ranks[stage_to_rank(stage, self.num_ranks)]
@@ -111,17 +120,19 @@ class PipelineExecutor:
     def run(self, actions: Sequence[Action], *, inputs: Sequence[Any] | None, labels: Sequence[Any] | None,
             loss_scale: float = 1.0, train: bool = True, after_backward: Callable[[], None] | None = None,
             keep_outputs: bool = False) -> RunResult:
+        if self.failed is not None:
+            raise PipelineError(f"this pipeline's earlier run failed ({self.failed}); messages between its stages are "
+                                "out of step now, so it cannot run again: build a new engine (or restart the job)")
         run = _Run(self, inputs, labels, loss_scale, train, after_backward or (lambda: None), keep_outputs)
         try:
             for action in actions:
                 run.do(action)
             for handle in run.sends:
                 handle.wait(self.timeout_s, self.timeout_setting)
-        except BaseException:
-            me = self.module.stage_id
-            for neighbour in (me - 1, me + 1):
-                if 0 <= neighbour < self.num_ranks:
-                    p2p.send_abort(self.pipe_ranks[neighbour])
+        except BaseException as error:
+            self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            for neighbour in self._neighbour_ranks():
+                p2p.send_abort(neighbour)
             raise
         return RunResult(run.losses, run.outputs, run.peak_stashed, run.trace)
 

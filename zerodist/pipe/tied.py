@@ -61,6 +61,11 @@ class TiedGradients:
                          for params in self._params.values() for p in params]
 
     @property
+    def parameters_by_key(self) -> dict[str, list[torch.nn.Parameter]]:
+        """The tied parameters this rank holds and reduces, by key."""
+        return dict(self._params)
+
+    @property
     def active(self) -> bool:
         return bool(self._params)
 

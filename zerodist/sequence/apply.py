@@ -98,6 +98,9 @@ def apply_sequence_parallel(part: Part, topology: Topology, settings: SequenceSe
     state = SequenceParallelState(part.module, settings, layout)
     if degree == 1:
         return state
+    if topology.size(*topology.pipe_axes) > 1:
+        raise SequenceParallelError("sequence_parallel_size > 1 together with pipeline parallelism (a PipelineModule) "
+                                    "is not composed yet; use one of them")
     if topology.size(*topology.tensor_axes) > 1:
         raise SequenceParallelError("sequence_parallel_size > 1 together with tensor parallelism is not composed yet; "
                                     "use one of them (zerodist.tensor_parallel.sequence_parallel splits activations "
