@@ -15,59 +15,17 @@ import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    WithJsonSchema,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from zerodist.config.auto import TrainerValues, resolve_auto, resolve_model_auto
 from zerodist.config.batch import BatchSizes, resolve_batch_sizes
 from zerodist.config.deepspeed_keys import drop_no_op_keys, unalias_zero_keys
 from zerodist.config.errors import ConfigError
+from zerodist.config.fields import BatchCount, ConstructorArgument, ElementCount, Section
+from zerodist.config.offload_sections import OffloadOptimizerConfig, OffloadParamConfig, offload_problems
 from zerodist.config.problems import validation_problems
 from zerodist.config.source import read_source
 
-
-class Section(BaseModel):
-    """Base of every section.
-
-    strict: JSON ``"true"`` or ``1`` for a boolean, or ``"3"`` for a stage, is a mistake to
-    report, not to coerce. allow_inf_nan: Python's json module accepts ``Infinity``.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
-
-
-def _reject_auto(value: Any) -> Any:
-    # HF Trainer configs put "auto" inside optimizer params; only the Trainer's values fill it (auto.py).
-    if isinstance(value, str) and value == "auto":
-        raise ValueError("auto")
-    return value
-
-
-ConstructorArgument = Annotated[Any, AfterValidator(_reject_auto)]
-
-# An element count that may also be "auto" (resolved to the field's default on validation).
-# DeepSpeed configs write these as 5e8, which JSON parses as a float, so integral floats pass.
-ElementCount = Annotated[
-    int,
-    Field(ge=0),
-    WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 0}, {"const": "auto"}]}),
-]
-
-# A batch-size count; "auto" and absent (None) both mean "derive it" (see batch.py).
-BatchCount = Annotated[
-    Annotated[int, Field(ge=1)] | None,
-    WithJsonSchema(
-        {"anyOf": [{"type": "integer", "minimum": 1}, {"const": "auto"}, {"type": "null"}]}
-    ),
-]
 
 _ELEMENT_COUNT_FIELDS = (
     "reduce_bucket_size",
@@ -128,58 +86,6 @@ class Bf16Config(Section):
     enabled: bool = Field(
         False, description="Train with bf16 weights and gradients and fp32 master weights."
     )
-
-
-class OffloadOptimizerConfig(Section):
-    device: Literal["none", "cpu", "nvme"] = Field(
-        "none", description="Where the optimizer state lives between steps: none (with the parameters), cpu (the "
-        "host; with parameters on the CPU already this changes nothing), nvme (swap files under nvme_path, streamed "
-        "through host buffers sub_group_size elements at a time around the step). Stages 1, 2 and 3."
-    )
-    nvme_path: str | None = Field(
-        None, description="nvme: the directory the swap files go under (<nvme_path>/<run>/rank<r>/); it must "
-        "exist and be writable."
-    )
-    pin_memory: bool = Field(
-        False, description="Page-locked host buffers (for an accelerator's copies); no effect on the CPU."
-    )
-    buffer_count: int = Field(
-        4, ge=1, description="nvme: host buffers of one sub-group each; 2 or more let reads and writes overlap "
-        "the step."
-    )
-    pipeline_read: bool = Field(
-        False, description="nvme: read sub-group i+1 from its swap file while sub-group i is stepped."
-    )
-    pipeline_write: bool = Field(
-        False, description="nvme: write sub-group i back while the following ones are stepped."
-    )
-    fast_init: bool = Field(
-        False, description="Accepted for DeepSpeed compatibility: swap files are created at the first step here."
-    )
-    ratio: float = Field(
-        1.0, gt=0, le=1, description="Fraction of the optimizer state offloaded; only 1.0 (all of it) is implemented."
-    )
-
-
-class OffloadParamConfig(Section):
-    device: Literal["none", "cpu", "nvme"] = Field(
-        "none", description="Stage 3: where parameter shards live between uses: none, cpu (changes nothing with "
-        "parameters on the CPU) or nvme (not implemented yet: refused)."
-    )
-    nvme_path: str | None = Field(None, description="nvme: the directory the parameter swap files go under.")
-    buffer_count: int = Field(5, ge=1, description="nvme: host buffers for parameter shards.")
-    buffer_size: ElementCount = Field(100_000_000, description="nvme: elements per parameter buffer.")
-    max_in_cpu: ElementCount = Field(
-        1_000_000_000, description="nvme: parameter elements kept in host memory rather than swapped."
-    )
-    pin_memory: bool = Field(
-        False, description="Page-locked host buffers (for an accelerator's copies); no effect on the CPU."
-    )
-
-    @field_validator("buffer_size", "max_in_cpu", mode="before")
-    @classmethod
-    def _integral(cls, value: Any) -> Any:
-        return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 class ZeroConfig(Section):
@@ -439,30 +345,6 @@ class ZerodistConfig(Section):
     )
 
 
-def offload_problems(zero: ZeroConfig) -> list[str]:
-    """What the offload sections ask for that DeepSpeed would not run, or zerodist does not implement."""
-    problems = []
-    optimizer, param = zero.offload_optimizer, zero.offload_param
-    if optimizer is not None and optimizer.device != "none":
-        if zero.stage == 0:
-            problems.append(f"'zero_optimization.offload_optimizer.device' is \"{optimizer.device}\" at stage 0; "
-                            "offload needs ZeRO stage 1, 2 or 3")
-        if optimizer.device == "nvme" and not optimizer.nvme_path:
-            problems.append("'zero_optimization.offload_optimizer.device' is \"nvme\" but 'nvme_path' is not set; "
-                            "name the directory the swap files go under")
-        if optimizer.ratio != 1.0:
-            problems.append(f"'zero_optimization.offload_optimizer.ratio' is {optimizer.ratio}; zerodist offloads "
-                            "all of the optimizer state (1.0) or none")
-    if param is not None and param.device != "none":
-        if zero.stage != 3:
-            problems.append(f"'zero_optimization.offload_param' is set at stage {zero.stage}; parameters are "
-                            "offloaded at stage 3 only (DeepSpeed's rule); remove it or use stage 3")
-        if param.device == "nvme":
-            problems.append("'zero_optimization.offload_param.device' is \"nvme\": parameter swap files are not "
-                            "implemented yet; use \"cpu\" or \"none\" (offload_optimizer's \"nvme\" is)")
-    return problems
-
-
 def precision_conflict(fp16_enabled: Any, bf16_enabled: Any) -> str | None:
     """The error for fp16 and bf16 both on, or None. Shared by validation and ``load``."""
     if fp16_enabled is True and bf16_enabled is True:
@@ -556,7 +438,7 @@ class Config(Section):
             problems.append("'zero_optimization.contiguous_gradients' is false, but zerodist always copies gradients "
                             "into flat contiguous buckets as they are produced (DeepSpeed's true); remove the key or "
                             "set it to true")
-        problems += offload_problems(zero)
+        problems += offload_problems(zero.stage, zero.offload_optimizer, zero.offload_param)
         if problems:
             raise ValueError("; ".join(problems))
         return self

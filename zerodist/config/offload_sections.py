@@ -1,0 +1,85 @@
+"""DeepSpeed's `zero_optimization.offload_optimizer` and `offload_param` sections, with DeepSpeed's
+defaults, and what they may ask for (zerodist/offload does the work; docs/offload.md)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from zerodist.config.fields import ElementCount, Section
+
+
+class OffloadOptimizerConfig(Section):
+    device: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="Where the optimizer state lives between steps: none (with the parameters), cpu (the "
+        "host; with parameters on the CPU already this changes nothing), nvme (swap files under nvme_path, streamed "
+        "through host buffers sub_group_size elements at a time around the step). Stages 1, 2 and 3."
+    )
+    nvme_path: str | None = Field(
+        None, description="nvme: the directory the swap files go under (<nvme_path>/<run>/rank<r>/); it must "
+        "exist and be writable."
+    )
+    pin_memory: bool = Field(
+        False, description="Page-locked host buffers (for an accelerator's copies); no effect on the CPU."
+    )
+    buffer_count: int = Field(
+        4, ge=1, description="nvme: host buffers of one sub-group each; 2 or more let reads and writes overlap "
+        "the step."
+    )
+    pipeline_read: bool = Field(
+        False, description="nvme: read sub-group i+1 from its swap file while sub-group i is stepped."
+    )
+    pipeline_write: bool = Field(
+        False, description="nvme: write sub-group i back while the following ones are stepped."
+    )
+    fast_init: bool = Field(
+        False, description="Accepted for DeepSpeed compatibility: swap files are created at the first step here."
+    )
+    ratio: float = Field(
+        1.0, gt=0, le=1, description="Fraction of the optimizer state offloaded; only 1.0 (all of it) is implemented."
+    )
+
+
+class OffloadParamConfig(Section):
+    device: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="Stage 3: where parameter shards live between uses: none, cpu (changes nothing with "
+        "parameters on the CPU) or nvme (not implemented yet: refused)."
+    )
+    nvme_path: str | None = Field(None, description="nvme: the directory the parameter swap files go under.")
+    buffer_count: int = Field(5, ge=1, description="nvme: host buffers for parameter shards.")
+    buffer_size: ElementCount = Field(100_000_000, description="nvme: elements per parameter buffer.")
+    max_in_cpu: ElementCount = Field(
+        1_000_000_000, description="nvme: parameter elements kept in host memory rather than swapped."
+    )
+    pin_memory: bool = Field(
+        False, description="Page-locked host buffers (for an accelerator's copies); no effect on the CPU."
+    )
+
+    @field_validator("buffer_size", "max_in_cpu", mode="before")
+    @classmethod
+    def _integral(cls, value: Any) -> Any:
+        return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def offload_problems(stage: int, optimizer: OffloadOptimizerConfig | None, param: OffloadParamConfig | None) -> list[str]:
+    """What the offload sections ask for that DeepSpeed would not run, or zerodist does not implement."""
+    problems = []
+    if optimizer is not None and optimizer.device != "none":
+        if stage == 0:
+            problems.append(f"'zero_optimization.offload_optimizer.device' is \"{optimizer.device}\" at stage 0; "
+                            "offload needs ZeRO stage 1, 2 or 3")
+        if optimizer.device == "nvme" and not optimizer.nvme_path:
+            problems.append("'zero_optimization.offload_optimizer.device' is \"nvme\" but 'nvme_path' is not set; "
+                            "name the directory the swap files go under")
+        if optimizer.ratio != 1.0:
+            problems.append(f"'zero_optimization.offload_optimizer.ratio' is {optimizer.ratio}; zerodist offloads "
+                            "all of the optimizer state (1.0) or none")
+    if param is not None and param.device != "none":
+        if stage != 3:
+            problems.append(f"'zero_optimization.offload_param' is set at stage {stage}; parameters are "
+                            "offloaded at stage 3 only (DeepSpeed's rule); remove it or use stage 3")
+        if param.device == "nvme":
+            problems.append("'zero_optimization.offload_param.device' is \"nvme\": parameter swap files are not "
+                            "implemented yet; use \"cpu\" or \"none\" (offload_optimizer's \"nvme\" is)")
+    return problems
