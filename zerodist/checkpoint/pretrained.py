@@ -198,6 +198,9 @@ def _load_group(group: FlatParamGroup, source: _Source, names: dict[int, list[st
         group.take_shard_from_full()
         report.loaded_keys += sum(k is not None for k in keys)
         return
+    # Stepped values in swap files (zerodist.offload): the shard is read back, loaded into, written back.
+    held = None if group.stepped_store is None else torch.cat(
+        [group.stepped_values(i) for i in range(len(group.optimizer_tensors))])
     for piece in group.layout.owned_slices(group.rank):
         key = keys[piece.param_index]
         if key is None:
@@ -205,9 +208,15 @@ def _load_group(group: FlatParamGroup, source: _Source, names: dict[int, list[st
         for logical_start, length, offset in _runs(group.params[piece.param_index], piece, slicings):
             values = _read(source, key, logical_start, length, report)
             where = slice(piece.shard_start + offset, piece.shard_start + offset + length)
+            if held is not None:
+                held[where].copy_(values)
+                continue
             if group.master is not None:
                 group.master[where].copy_(values)
             group.param_shard[where].copy_(group.master[where] if group.master is not None else values)
+    if held is not None:
+        for index, part in enumerate(held.split([t.numel() for t in group.optimizer_tensors])):
+            group.write_stepped(index, part)
     if group.is_unsharded:  # gathered now (a unit kept between steps): its full values too
         for param, key in zip(group.params, keys):
             if key is not None:

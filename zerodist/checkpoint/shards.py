@@ -86,7 +86,7 @@ def logical_runs(record: Any, start: int, length: int) -> list[tuple[int, int, i
 def optimizer_space(group: FlatParamGroup, index: int, state: Any) -> dict[str, torch.Tensor]:
     """Bucket `index`'s per-element tensors: the stepped values and each elementwise state."""
     tensor = group.optimizer_tensors[index]
-    kinds = {PARAM: tensor}
+    kinds = {PARAM: group.stepped_values(index)}  # read back when held in swap files (zerodist.offload)
     for key, value in state.get(tensor, {}).items():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             if value.numel() != tensor.numel():
@@ -215,7 +215,8 @@ def load_groups(groups: list[Any], manifest: Manifest, reader: RangeReader, with
     for group in groups:
         for index, kind, requests in plan_group(group, manifest, with_optimizer):
             tensor = group.optimizer_tensors[index]
-            full = tensor if kind == PARAM else torch.zeros_like(tensor)
+            held = group.stepped_store is not None  # values in swap files: loaded here, then written there
+            full = tensor if kind == PARAM and not held else torch.zeros_like(tensor)
             part = group.owned_part(index, full)
             for r in requests:
                 fill(r, part[r.at: r.at + r.length], manifest, reader)
@@ -223,6 +224,8 @@ def load_groups(groups: list[Any], manifest: Manifest, reader: RangeReader, with
                 comm.all_gather(full, part.clone(), group=group.group)
             if kind != PARAM:
                 states.setdefault(id(tensor), {})[kind[len(OPTIMIZER_PREFIX):]] = full
+            elif held:
+                group.write_stepped(index, full)
         group.copy_master_to_params()
         if group.gathers_params:  # full parameters: every rank's loaded shards into the full buffer
             group.unshard()

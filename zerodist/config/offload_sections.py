@@ -44,13 +44,17 @@ class OffloadOptimizerConfig(Section):
 class OffloadParamConfig(Section):
     device: Literal["none", "cpu", "nvme"] = Field(
         "none", description="Stage 3: where parameter shards live between uses: none, cpu (changes nothing with "
-        "parameters on the CPU) or nvme (not implemented yet: refused)."
+        "parameters on the CPU) or nvme (in the optimizer's swap files, read before each gather; needs "
+        "offload_optimizer.device nvme)."
     )
-    nvme_path: str | None = Field(None, description="nvme: the directory the parameter swap files go under.")
-    buffer_count: int = Field(5, ge=1, description="nvme: host buffers for parameter shards.")
-    buffer_size: ElementCount = Field(100_000_000, description="nvme: elements per parameter buffer.")
+    nvme_path: str | None = Field(None, description="nvme: unset, or offload_optimizer's nvme_path (the shards "
+                                  "live in its swap files).")
+    buffer_count: int = Field(5, ge=1, description="Accepted for DeepSpeed compatibility: a gather reads its "
+                              "shard into a pooled transient buffer.")
+    buffer_size: ElementCount = Field(100_000_000, description="Accepted for DeepSpeed compatibility (as buffer_count).")
     max_in_cpu: ElementCount = Field(
-        1_000_000_000, description="nvme: parameter elements kept in host memory rather than swapped."
+        1_000_000_000, description="Accepted for DeepSpeed compatibility: every sharded parameter is swapped "
+        "(stage 3's persistent parameters stay in memory)."
     )
     pin_memory: bool = Field(
         False, description="Page-locked host buffers (for an accelerator's copies); no effect on the CPU."
@@ -79,7 +83,14 @@ def offload_problems(stage: int, optimizer: OffloadOptimizerConfig | None, param
         if stage != 3:
             problems.append(f"'zero_optimization.offload_param' is set at stage {stage}; parameters are "
                             "offloaded at stage 3 only (DeepSpeed's rule); remove it or use stage 3")
-        if param.device == "nvme":
-            problems.append("'zero_optimization.offload_param.device' is \"nvme\": parameter swap files are not "
-                            "implemented yet; use \"cpu\" or \"none\" (offload_optimizer's \"nvme\" is)")
+        if param.device == "nvme" and (optimizer is None or optimizer.device != "nvme"):
+            problems.append("'zero_optimization.offload_param.device' is \"nvme\" but offload_optimizer.device is "
+                            f"\"{'none' if optimizer is None else optimizer.device}\": zerodist keeps the parameter "
+                            "shards in the optimizer's swap files (at fp32 the shard is the tensor the optimizer "
+                            "steps), so set offload_optimizer.device to \"nvme\" too")
+        if (param.device == "nvme" and param.nvme_path and optimizer is not None and optimizer.nvme_path
+                and param.nvme_path != optimizer.nvme_path):
+            problems.append(f"'zero_optimization.offload_param.nvme_path' is {param.nvme_path!r} but "
+                            f"offload_optimizer.nvme_path is {optimizer.nvme_path!r}: the parameter shards live in "
+                            "the optimizer's swap files; leave offload_param.nvme_path unset or make them equal")
     return problems

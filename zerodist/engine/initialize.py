@@ -34,7 +34,7 @@ from zerodist.engine.pipeline import (PipelineEngine, check_tied_layers_kept, di
 from zerodist.engine.schedulers import build_scheduler
 from zerodist.pipe.module import PipelineModule
 from zerodist.moe.parallel import ExpertParallelState, apply_expert_parallel_part
-from zerodist.offload import OffloadSettings, offloaded_build
+from zerodist.offload import OffloadSettings, SwappedOptimizer, offloaded_build
 from zerodist.sequence.apply import SequenceParallelState, SequenceSettings, apply_sequence_parallel
 from zerodist.sequence.data import SequenceShardLoader
 from zerodist.tensor_parallel.apply import (TENSOR_PARALLEL_LAYERS, TensorParallelSettings, TensorParallelState,
@@ -48,6 +48,7 @@ from zerodist.zero import OptimizerRecipe, ZeroOptimizer, ZeroSettings, ZeroStat
 from zerodist.zero.partition import continue_recording, is_recorded
 from zerodist.zero.plan import bucket_capacity
 from zerodist.zero.policy import ShardingPolicy
+from zerodist.zero.stepped_store import offload_stepped_values
 
 logger = get_logger(__name__)
 
@@ -194,9 +195,14 @@ def _apply_zero(part: Part, model_parameters: Iterable[Any] | None, optimizer: A
     specs, build_optimizer = resolve_optimizer(part.module, model_parameters, optimizer, config)
     check_groups_cover_model(part.module, specs)
     # Offload wraps the optimizer zero steps its shards with (zerodist/offload): zero never knows.
-    build_optimizer = offloaded_build(build_optimizer, OffloadSettings.from_config(config), topology.world_group,
-                                      comm.device_for_rank())
-    return apply_zero(part, topology, ZeroSettings.from_config(config), OptimizerRecipe(specs, build_optimizer))
+    offload = OffloadSettings.from_config(config)
+    build_optimizer = offloaded_build(build_optimizer, offload, topology.world_group, comm.device_for_rank())
+    zero = apply_zero(part, topology, ZeroSettings.from_config(config), OptimizerRecipe(specs, build_optimizer))
+    if isinstance(zero.optimizer.inner, SwappedOptimizer):
+        # The fp32 master (bf16/fp16) and, with offload_param nvme, the stage-3 parameter shards move into
+        # the swap files too ([Note: stepped values elsewhere] in zerodist/zero/stepped_store.py).
+        offload_stepped_values(zero.groups, zero.optimizer.inner, shard=offload.param_device == "nvme")
+    return zero
 
 
 def _build_engine(model: torch.nn.Module,

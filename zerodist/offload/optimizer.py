@@ -117,6 +117,11 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self._plan: list[SubGroup] = []
         self._plan_key: tuple[int, ...] = ()
         self._on_disk = False  # every sub-group's file holds its state
+        # Tensors whose values live in the files too ([Note: stepped values swapped]), each with the
+        # function told of its new values after each piece is stepped; their pieces' places in the values region.
+        self.held: dict[torch.Tensor, Callable[[int, torch.Tensor], None] | None] = {}
+        self._value_slots: dict[int, list[int | None]] = {}
+        self._value_itemsize = 4
         self._host_buffers: list[torch.Tensor] = []
         self._readers = ThreadPoolExecutor(1, thread_name_prefix="zerodist-swap-read")
         self._writers = ThreadPoolExecutor(1, thread_name_prefix="zerodist-swap-write")
@@ -177,7 +182,78 @@ class SwappedOptimizer(torch.optim.Optimizer):
 
     def swapped_state_bytes(self) -> int:
         """Bytes of per-element state in the swap files (what one step reads and writes)."""
-        return sum(self._file_bytes(sg) for sg in self._plan) if self.kinds else 0
+        return sum(self._file_bytes(sg) for sg in self._plan) if self.kinds or self.held else 0
+
+    # ------------------------------------------------------------------ stepped values in the files
+    def hold_values(self, tensors: Mapping[torch.Tensor, Callable[[int, torch.Tensor], None] | None]) -> None:
+        """From now on `tensors`' values live in the swap files ([Note: stepped values swapped]): their
+        current values are written there; the caller drops its own copy. `notify(start, values)`, when
+        given, is told each piece's new values after it is stepped. Once, before the first step."""
+        self._check_plan()
+        if self.held or self.scalars or self._on_disk:
+            raise errors.OffloadError("a swapped optimizer takes the values it holds once, before its first step")
+        stepped = {id(t) for t in self._flat_params()}
+        if any(id(t) not in stepped for t in tensors) or len({t.dtype for t in tensors}) > 1:
+            raise errors.OffloadError("held values must be tensors this optimizer steps, all of one dtype")
+        self.held = dict(tensors)
+        self._value_itemsize = next(iter(tensors)).element_size() if tensors else 4
+        params = [group["params"] for group in self.inner.param_groups]
+        for sub_group in self._plan:
+            slots: list[int | None] = []
+            at = 0
+            for piece in sub_group.pieces:
+                held = params[piece.group][piece.position] in self.held
+                slots.append(at if held else None)
+                at += piece.length if held else 0
+            if at:
+                self._value_slots[sub_group.index] = slots
+        self._allocate_buffers()
+        for tensor in self.held:
+            self.write_values(tensor, 0, tensor.detach())
+
+    def read_values(self, tensor: torch.Tensor, start: int, out: torch.Tensor) -> None:
+        """Elements [start, start + out.numel()) of held `tensor`, read from the files into `out`."""
+        for index, offset, low, high in self._held_ranges(tensor, start, out.numel()):
+            self.directory.read(index, out[low - start: high - start], offset=offset, whole=False)
+
+    def write_values(self, tensor: torch.Tensor, start: int, values: torch.Tensor) -> None:
+        """Overwrite elements [start, start + values.numel()) of held `tensor` in the files."""
+        values = values.detach().reshape(-1).to(tensor.dtype).contiguous()
+        for index, offset, low, high in self._held_ranges(tensor, start, values.numel()):
+            self.directory.write_at(index, values[low - start: high - start], offset)
+
+    def agree(self, failure: Exception | None) -> None:
+        """Every rank raises when any rank's read or write of held values failed ([Note: failures agreed])."""
+        if failure is not None and not isinstance(failure, errors.OffloadError):
+            raise failure
+        self._agree(failure)
+
+    def _held_ranges(self, tensor: torch.Tensor, start: int, numel: int) -> Iterator[tuple[int, int, int, int]]:
+        """(file index, byte offset, first, end) of the pieces of `tensor`'s elements [start, start + numel)."""
+        if tensor not in self.held:
+            raise KeyError("this tensor's values are not held in the swap files")
+        for sub_group, position in self._pieces_of(tensor):
+            piece, slot = sub_group.pieces[position], self._value_slots[sub_group.index][position]
+            low, high = max(start, piece.start), min(start + numel, piece.start + piece.length)
+            if low < high and slot is not None:
+                yield sub_group.index, (slot + low - piece.start) * self._value_itemsize, low, high
+
+    def _values_bytes(self, sub_group: SubGroup, aligned: bool = True) -> int:
+        """Bytes of the held values region that starts a sub-group's file (0 when it holds none);
+        `aligned`: rounded up to where the state regions start, else the values' own bytes."""
+        slots = self._value_slots.get(sub_group.index)
+        if not slots:
+            return 0
+        exact = sum(p.length for p, slot in zip(sub_group.pieces, slots) if slot is not None) * self._value_itemsize
+        return -(-exact // _REGION_ALIGN) * _REGION_ALIGN if aligned else exact
+
+    def _value_view(self, buffer: torch.Tensor | None, slot: int, length: int) -> torch.Tensor:
+        assert buffer is not None, "held values are stepped in a host buffer"
+        dtype = next(iter(self.held)).dtype
+        return buffer[slot * self._value_itemsize: (slot + length) * self._value_itemsize].view(dtype)
+
+    def _flat_params(self) -> list[torch.Tensor]:
+        return [t for group in self.inner.param_groups for t in group["params"]]
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -198,16 +274,26 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self._agree(failure)
 
     def _step_first(self, new_scalars: dict[torch.Tensor, dict[str, Any]]) -> None:
-        """No state on disk yet: the inner optimizer initialises it; each sub-group is written as stepped."""
+        """No state on disk yet: the inner optimizer initialises it; each sub-group is written as stepped
+        (held values are read from their region first, and written back with the state)."""
         for sub_group in self._plan:
-            states = self._step_sub_group(sub_group, None, new_scalars)
+            values = self._values_bytes(sub_group)
+            buffer = self._host_buffers[0] if values else None
+            if buffer is not None:  # the file may hold the values only, unpadded (before the first step)
+                self.directory.read(sub_group.index, buffer[: self._values_bytes(sub_group, aligned=False)],
+                                    whole=False)
+            states = self._step_sub_group(sub_group, buffer, new_scalars)
             if not self.kinds:  # known from the first sub-group whose pieces got state (a piece without a
                 kinds = _kinds_of(states)  # gradient gets none, and must not decide it for the others)
                 if kinds:
                     self.kinds = kinds
                     self._allocate_buffers()
-            if not self.kinds:
-                continue  # no per-element state (plain SGD, or none yet): nothing to swap
+                    if buffer is not None:  # the stepped values move into the new, larger buffer
+                        self._host_buffers[0][:values].copy_(buffer[:values])
+            if not self.kinds:  # no per-element state (plain SGD, or none yet): only held values to write
+                if buffer is not None:
+                    self.directory.write_at(sub_group.index, buffer[:values], 0)
+                continue
             buffer = self._host_buffers[0]
             self._pack(sub_group, buffer, states)
             self.directory.write(sub_group.index, buffer[: self._file_bytes(sub_group)])
@@ -268,6 +354,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         """Step the inner optimizer on this sub-group's pieces only (views of the real tensors and
         their gradients), with state on views of `buffer`; returns each piece's state after it."""
         params = [group["params"] for group in self.inner.param_groups]
+        slots = self._value_slots.get(sub_group.index)  # held pieces are stepped in the buffer's values region
         pieces: list[torch.Tensor | None] = []
         group_params: list[list[torch.Tensor]] = [[] for _ in params]
         for position, piece in enumerate(sub_group.pieces):
@@ -275,7 +362,9 @@ class SwappedOptimizer(torch.optim.Optimizer):
             if tensor.grad is None:  # torch skips a tensor without a gradient; so does every piece of it
                 pieces.append(None)
                 continue
-            view = tensor.detach()[piece.start: piece.start + piece.length]
+            slot = None if slots is None else slots[position]
+            view = (tensor.detach()[piece.start: piece.start + piece.length] if slot is None
+                    else self._value_view(buffer, slot, piece.length))
             view.grad = tensor.grad.detach()[piece.start: piece.start + piece.length]
             if tensor in self.scalars:  # else the optimizer initialises the piece's state (the first step)
                 state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self.scalars[tensor].items()}
@@ -298,6 +387,9 @@ class SwappedOptimizer(torch.optim.Optimizer):
                 states.append(None)
                 continue
             view.grad = None
+            notify = self.held.get(params[piece.group][piece.position])
+            if notify is not None:
+                notify(piece.start, view)  # e.g. the new fp32 master cast into the bf16 parameters
             state = self.inner.state.pop(view, {})
             new_scalars[params[piece.group][piece.position]] = {
                 k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
@@ -321,9 +413,8 @@ class SwappedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ layout of a sub-group file
     def _region_offsets(self, sub_group: SubGroup) -> list[int]:
-        assert self.kinds is not None
-        offsets, at = [], 0
-        for kind in self.kinds:
+        offsets, at = [], self._values_bytes(sub_group)
+        for kind in self.kinds or ():
             offsets.append(at)
             at += -(-sub_group.numel * kind.itemsize // _REGION_ALIGN) * _REGION_ALIGN
         return offsets + [at]
@@ -343,7 +434,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         return views
 
     def _allocate_buffers(self) -> None:
-        if self.kinds:
+        if self.kinds or self.held:
             size = max(self._file_bytes(sg) for sg in self._plan)
             count = max(1, min(self.settings.buffer_count, len(self._plan)))  # never more buffers than sub-groups
             self._host_buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(count)]
@@ -402,6 +493,9 @@ class SwappedOptimizer(torch.optim.Optimizer):
         params = [group["params"] for group in self.inner.param_groups]
         buffer = self._host_buffers[0]
         for sub_group in self._plan:
+            if self._values_bytes(sub_group):  # the held values stay what they are
+                self.directory.read(sub_group.index, buffer[: self._values_bytes(sub_group, aligned=False)],
+                                    whole=False)
             states: list[dict[str, Any] | None] = []
             for piece in sub_group.pieces:
                 full = loaded[params[piece.group][piece.position]]

@@ -102,6 +102,27 @@ class SwapDirectory:
             self.counters.bytes_written += len(view)
             self.counters.writes += 1
 
+    def write_at(self, index: int, data: torch.Tensor, offset: int) -> None:
+        """Write `data` into sub-group `index`'s file at byte `offset` (the file grows if shorter)."""
+        view = _bytes_of(data)
+        name = self.file(index)
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                written = 0
+                while written < len(view):
+                    written += os.pwrite(fd, view[written:], offset + written)
+            finally:
+                os.close(fd)
+        except OSError as error:
+            if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise SwapSpaceError(f"the disk under {str(self.root)!r} is full: writing {str(name)!r} "
+                                     f"({len(view)} bytes) failed; free space or choose another nvme_path") from None
+            raise SwapFileError(f"writing swap file {str(name)!r} failed: {error.strerror}") from None
+        with self._lock:
+            self.counters.bytes_written += len(view)
+            self.counters.writes += 1
+
     def read(self, index: int, out: torch.Tensor, offset: int = 0, whole: bool = True) -> None:
         """Fill `out` from sub-group `index`'s file at byte `offset`; `whole`: `out` is the whole
         file, whose size must then match exactly (a truncated or overlong file is an error)."""

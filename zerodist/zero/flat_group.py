@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -37,7 +36,9 @@ from zerodist.zero import sharded_access
 from zerodist.zero.bucket import Bucket, GradSyncPlan
 from zerodist.zero.buffer_pool import BufferPool
 from zerodist.zero.layout import FlatLayout, ParamSlot, plan_layout
+from zerodist.zero.pending_gather import GatherSlot, PendingGather
 from zerodist.zero.policy import DomainGroup, ShardingPolicy
+from zerodist.zero.stepped_store import SteppedStore
 
 
 @dataclasses.dataclass(eq=False)
@@ -96,6 +97,12 @@ class FlatParamGroup:
     gather_blocked_s = 0.0  # time this rank spent blocked waiting for those gathers, all steps
     # Sharded parameters: the all-gathers `start_unshard()` issued, until waited for.
     _unshard_handles: list[comm.CommHandle] = []
+    # [Note: stepped values elsewhere] in stepped_store.py: where the optimizer tensors' values live
+    # when not in memory; whether the parameter shard left memory too (gathers read it from there),
+    # and the shard read for a gather, until the gather is waited for.
+    stepped_store: SteppedStore | None = None
+    shard_offloaded = False
+    _gather_source: torch.Tensor | None = None
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, policy: ShardingPolicy,
                  domain_group: DomainGroup, bucket_numel: int, use_reduce_scatter: bool, param_dtype: torch.dtype,
@@ -204,14 +211,29 @@ class FlatParamGroup:
         if self.policy.shard_parameters:
             assert self.param_buffer is None and self.param_shard is not None, (
                 f"start_unshard on {self.records[0].name}...: already unsharded: {self.param_buffer is not None}")
+            if self.shard_offloaded and self._gather_source is None:
+                self.prepare_unshard()
+            source = self.param_shard if self._gather_source is None else self._gather_source
             self.param_buffer = self._transient_buffer(self.layout.total_numel)
             self._unshard_handles = [
                 comm.all_gather(self._bucket_range(i, self.param_buffer, owned=False),
-                                self._shard_range(i, self.param_shard), group=self.group, async_op=True)
+                                self._shard_range(i, source), group=self.group, async_op=True)
                 for i in range(len(self.layout.buckets))
             ]
         elif self.gathers_params:
             self._start_gather_in_place()
+
+    def prepare_unshard(self) -> None:
+        """An offloaded shard: read it from where it lives into a transient buffer, for the gather
+        `start_unshard()` issues next (a read that fails raises here, before any collective)."""
+        source = self._transient_buffer(self.layout.shard_numel)
+        try:
+            for index in range(len(self.buckets)):
+                self._read_stepped(index, self._shard_range(index, source))
+        except BaseException:
+            self._give_back(source)
+            raise
+        self._gather_source = source
 
     def wait_unshard(self) -> None:
         """Wait for the all-gathers in flight. Sharded parameters stay placeholders until
@@ -219,6 +241,9 @@ class FlatParamGroup:
         handles, self._unshard_handles = self._unshard_handles, []
         for handle in handles:
             handle.wait()
+        if self._gather_source is not None and not self._unshard_handles:
+            source, self._gather_source = self._gather_source, None
+            self._give_back(source)
         self.finish_gather_params()
 
     def finish_unshard(self) -> None:
@@ -258,8 +283,12 @@ class FlatParamGroup:
             record.param.data = record.sharded_data
         full, self.param_buffer = self.param_buffer, None
         self._register_placeholders()
-        if full is not None and self.buffer_pool is not None:
-            self.buffer_pool.give(full)  # kept for the next gather or staging buffer, if no one else holds it
+        if full is not None:
+            self._give_back(full)
+
+    def _give_back(self, buffer: torch.Tensor) -> None:
+        if self.buffer_pool is not None:
+            self.buffer_pool.give(buffer)  # kept for the next gather or staging buffer, if no one else holds it
 
     def _transient_buffer(self, numel: int) -> torch.Tensor:
         """A buffer that lives only within a step (a gathered unit, a staging bucket), stale contents."""
@@ -426,7 +455,7 @@ class FlatParamGroup:
         return any(b.holds_gradients for b in self.buckets)
 
     def copy_master_to_params(self) -> None:
-        if self.master is None:
+        if self.master is None or self.stepped_store is not None:  # held elsewhere: cast as each piece is stepped
             return
         for i, tensor in enumerate(self.optimizer_tensors):
             if self.param_shard is not None:
@@ -441,10 +470,66 @@ class FlatParamGroup:
         assert self.param_buffer is not None
         for i in range(len(self.buckets)):
             stepped = self._stepped_view(self.param_buffer, i)
-            if self.param_shard is not None:
+            if self.param_shard is not None and not self.shard_offloaded:
                 self._shard_range(i, self.param_shard).copy_(stepped)
-            if self.master is not None:
+            if self.stepped_store is not None:
+                self.stepped_store.write_values(self.optimizer_tensors[i], 0, stepped)
+            elif self.master is not None:
                 self.optimizer_tensors[i].copy_(stepped)
+
+    # ------------------------------------------------------------------ stepped values held elsewhere
+    def stepped_values(self, index: int) -> torch.Tensor:
+        """`optimizer_tensors[index]`'s values: the tensor itself, or a copy read from where they live."""
+        tensor = self.optimizer_tensors[index]
+        if self.stepped_store is None:
+            return tensor
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        self.stepped_store.read_values(tensor, 0, out)
+        return out
+
+    def write_stepped(self, index: int, values: torch.Tensor) -> None:
+        """Set `optimizer_tensors[index]`'s values (a load); held elsewhere, the parameters get their cast
+        at once, otherwise with `copy_master_to_params()`."""
+        tensor = self.optimizer_tensors[index]
+        if self.stepped_store is None:
+            tensor.copy_(values)
+            return
+        self.stepped_store.write_values(tensor, 0, values)
+        self.cast_stepped(index, 0, values)
+
+    def cast_stepped(self, index: int, start: int, values: torch.Tensor) -> None:
+        """Mixed precision: new master values of bucket `index` from element `start`, cast into the
+        parameters (what `copy_master_to_params` does, one piece at a time)."""
+        if self.master is None or self.shard_offloaded:  # fp32, or the shard is read from the master
+            return
+        if self.param_shard is not None:
+            target = self._shard_range(index, self.param_shard)
+        else:
+            assert self.param_buffer is not None
+            target = self._stepped_view(self.param_buffer, index)
+        target[start: start + values.numel()].copy_(values)
+
+    def _read_stepped(self, index: int, out: torch.Tensor) -> None:
+        """Bucket `index`'s stepped values from the store into `out`, cast to `out`'s dtype."""
+        assert self.stepped_store is not None
+        tensor = self.optimizer_tensors[index]
+        if out.dtype == tensor.dtype:
+            self.stepped_store.read_values(tensor, 0, out)
+        else:
+            out.copy_(self.stepped_values(index))
+
+    def release_stepped(self, store: SteppedStore, shard: bool) -> None:
+        """The store holds the stepped values now: the master (and, `shard`, the parameter shard) leave
+        memory; each becomes a NaN broadcast to its shape (no memory; never a stale value)."""
+        self.stepped_store, self.shard_offloaded = store, shard and self.param_shard is not None
+        nan = torch.full((1,), float("nan"), dtype=torch.float32, device=self.device)
+        for tensor in self.optimizer_tensors:
+            tensor.data = nan.to(tensor.dtype).expand(tensor.numel())
+        if self.master is not None:
+            self.master.data = nan.expand(self.master.numel())
+        if self.shard_offloaded:
+            assert self.param_shard is not None
+            self.param_shard.data = nan.to(self.param_dtype).expand(self.param_shard.numel())
 
     @property
     def gathers_params(self) -> bool:
@@ -494,50 +579,10 @@ class FlatParamGroup:
         def size(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
         params = size(self.param_shard) if self.policy.shard_parameters else size(self.param_buffer)
+        if self.shard_offloaded:
+            params = 0
         return {"params": params, "grads": size(self.grad_buffer) + size(self.grad_shard),
-                "master": size(self.master)}
-
-
-class GatherSlot:
-    """Where a group keeps its pending gather: a holder of its own, so that the finalizer that waits
-    for it when the group is collected holds this, not the group."""
-
-    __slots__ = ("pending",)
-
-    def __init__(self) -> None:
-        self.pending: PendingGather | None = None
-
-    def finish(self) -> None:
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-
-
-class PendingGather:
-    """A flat buffer's all-gathers in flight, registered with the access check until waited for. It
-    holds the handles and the registration, never the group: should the group be dropped first, a
-    reader still waits for the collective that writes the parameters' storage."""
-
-    __slots__ = ("handles", "registration", "blocked_s", "done")
-
-    def __init__(self, handles: list[comm.CommHandle], buffer: torch.Tensor):
-        self.handles = handles
-        self.registration = sharded_access.PendingWrite(buffer, self.wait, self.is_complete)
-        self.blocked_s = 0.0  # time spent blocked in wait(), for reports
-        self.done = False
-
-    def is_complete(self) -> bool:
-        return all(handle.is_completed() for handle in self.handles)
-
-    def wait(self) -> None:
-        """Block until every all-gather is done; safe to call twice."""
-        self.registration.clear()  # first: a torch call in what follows must not wait for this again
-        started = time.perf_counter()
-        for handle in self.handles:
-            handle.wait()
-        self.blocked_s += time.perf_counter() - started
-        self.handles = []
-        self.done = True
+                "master": 0 if self.stepped_store is not None else size(self.master)}
 
 
 def _part_of(placement: Placement, domain_group: DomainGroup) -> tuple[int, int]:

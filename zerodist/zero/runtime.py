@@ -188,10 +188,29 @@ class UnitRuntime:
         moving = [u for u in batch if u.groups]  # a unit without parameters moves nothing
         if moving:
             self.check(kind, moving[0], moving)
+        self._read_offloaded_shards(batch)
         for unit in batch:
             unit.start_unshard()
             self.live_numel += unit.numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+
+    @staticmethod
+    def _read_offloaded_shards(batch: Sequence[Unit]) -> None:
+        """Offloaded shards ([Note: stepped values elsewhere] in stepped_store.py): read them all
+        before any gather is issued, and agree on failure, so that a read failing on one rank is the
+        same error on every rank instead of a hang in the all-gather. Every rank has the same batch."""
+        offloaded = [g for unit in batch for g in unit.groups if g.shard_offloaded]
+        if not offloaded:
+            return
+        failure: Exception | None = None
+        try:
+            for group in offloaded:
+                group.prepare_unshard()
+        except Exception as error:  # noqa: BLE001 - handed to the store, which raises it on every rank
+            failure = error
+        store = offloaded[0].stepped_store
+        assert store is not None
+        store.agree(failure)
 
     def wait_unshard(self, units: Sequence[Unit] | None = None) -> None:
         """Wait for the gathers of `units` (default: every unit) in flight, sharded parameters' and
