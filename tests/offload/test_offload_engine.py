@@ -92,14 +92,15 @@ def _check_facts(facts: list[dict]) -> None:
         # Swap files exist while training, one per sub-group, and are gone after destroy().
         assert all(names and names == fact["files"][0] for names in fact["files"]), fact["files"]
         assert fact["left"] == []
-        # Bytes per step per rank: Adam's two fp32 states of the padded shard (8 Ψ/N), plus each
-        # state region rounded up to 64 bytes; the first step only writes (the state is created by it).
-        state = 8 * fact["shard_numel"]
-        assert fact["moved"][0] == (0, fact["swapped"])
+        # Bytes per step per rank: Adam's two fp32 states of the padded shard (8 Ψ/N), and under bf16
+        # the fp32 master (4 Ψ/N), each region rounded up to 64 bytes; the first step creates the state:
+        # it reads only the master (its exact bytes) and writes everything.
+        state = (12 if fact["bf16"] else 8) * fact["shard_numel"]
+        assert fact["moved"][0] == (4 * fact["shard_numel"] if fact["bf16"] else 0, fact["swapped"])
         for read, written in fact["moved"][1:]:
             assert read == written == fact["swapped"]
-            assert state <= read <= state + 2 * 64 * len(fact["files"][0])
-        # Memory accounting: the Adam state left memory for the files (the fp32 master stays, under bf16).
+            assert state <= read <= state + 3 * 64 * len(fact["files"][0])
+        # Memory accounting: the Adam state (and the bf16 run's fp32 master) left memory for the files.
         assert fact["reference_resident"] - fact["resident"] == state
 
 

@@ -33,6 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allgather-bucket-size", default="5e8", help="parameter bucket, elements (default 5e8)")
     p.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), default="none",
                    help="nvme: the optimizer state in swap files (shown as disk), streamed through host buffers")
+    p.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default="none",
+                   help="stage 3, with --offload-optimizer nvme: the parameter shards in the swap files too")
     p.add_argument("--sub-group-size", default="1e9", help="nvme: elements per swapped sub-group (default 1e9)")
     p.add_argument("--buffer-count", type=int, default=4, help="nvme: host buffers of one sub-group (default 4)")
     p.set_defaults(handler=run)
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
                 flash_attention=args.flash_attention,
                 reduce_bucket_size=buckets[0], allgather_bucket_size=buckets[1],
                 offload_optimizer=args.offload_optimizer, sub_group_size=parse_count(args.sub_group_size),
-                buffer_count=args.buffer_count,
+                buffer_count=args.buffer_count, offload_param=args.offload_param,
             )
             for stage in stages
         ]
@@ -61,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"zerodist estimate: {err}") from None
     precision = "fp32 training" if args.dtype == "fp32" else f"{args.dtype} mixed precision (fp32 master weights)"
     offload = "" if args.offload_optimizer == "none" else f", offload_optimizer {args.offload_optimizer}"
+    offload += "" if args.offload_param == "none" else f", offload_param {args.offload_param}"
     print(f"{num_params:,} parameters (Ψ) on {args.world_size:,} ranks (N), {precision}, {args.optimizer}{offload}; "
           f"bytes per rank (memory: device and host are one on a CPU machine; disk: swap files):")
     print(format_table(estimates))

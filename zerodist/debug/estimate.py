@@ -15,10 +15,14 @@ which gives 16Ψ at stage 0 and 16Ψ/N at stage 3 in both cases; stage 1: 4Ψ + 
 state (4Ψ) instead of Adam's two.
 
 [Note: offloaded state] With `offload_optimizer: nvme` the per-element optimizer state (Adam's
-8Ψ, sharded from stage 1) is on disk, in swap files, and leaves memory; the fp32 master (mixed
-precision) stays. What streams it costs `buffer_count` host buffers of one sub-group each:
-min(buffer_count, sub-groups) x min(sub_group_size, Ψ/N) x 8 bytes (Adam). Each step reads and writes the state
-once: 8Ψ/N bytes per rank (each state's region of a sub-group file rounded up to 64 bytes).
+8Ψ, sharded from stage 1) is on disk, in swap files, and leaves memory, and so does the fp32
+master under mixed precision (4Ψ more: 12Ψ/N on disk from stage 1). With `offload_param: nvme`
+too (stage 3) the parameter shard leaves memory: at fp32 it is the tensor the optimizer steps
+(4Ψ/N more on disk), under mixed precision each gather reads it from the master (nothing more on
+disk). What streams them costs `buffer_count` host buffers of one sub-group each: min(buffer_count,
+sub-groups) x min(sub_group_size, Ψ/N) x (8 + 4 when values are held) bytes (Adam). Each step reads
+and writes every sub-group file once: (8 + 4)Ψ/N bytes per rank each way (each region rounded up to
+64 bytes); stage-3 gathers read 4 bytes per shard element more (docs/design/offload.md).
 `cpu` changes nothing when the parameters are on the CPU: device and host are one memory.
 
 Communication buckets (transient, an upper bound): one gradient bucket of
@@ -70,8 +74,9 @@ class MemoryEstimate:
     buckets: int
     activations: int | None
     offload: str = "none"  # offload_optimizer.device
-    disk: int = 0  # nvme: per-element optimizer state in swap files (not in memory)
+    disk: int = 0  # nvme: per-element optimizer state (and master, parameter shard) in swap files, not in memory
     swap_buffers: int = 0  # nvme: the host buffers sub-groups stream through (transient, an upper bound)
+    offload_param: str = "none"  # offload_param.device
 
     @property
     def model_states(self) -> int:
@@ -109,14 +114,18 @@ def estimate_memory(
     offload_optimizer: str = "none",
     sub_group_size: float = 1e9,
     buffer_count: int = 4,
+    offload_param: str = "none",
 ) -> MemoryEstimate:
     """Per-rank bytes of `num_params` parameters on `world_size` ranks at ZeRO `stage`.
 
     See [Note: memory model] for every formula, and [Note: offloaded state] for `offload_optimizer`.
     """
     _check(num_params, world_size, stage, dtype, optimizer)
-    if offload_optimizer not in ("none", "cpu", "nvme"):
-        raise ValueError(f"offload_optimizer must be none, cpu or nvme, got {offload_optimizer!r}")
+    if offload_optimizer not in ("none", "cpu", "nvme") or offload_param not in ("none", "cpu", "nvme"):
+        raise ValueError(f"offload_optimizer and offload_param must be none, cpu or nvme, got {offload_optimizer!r} "
+                         f"and {offload_param!r}")
+    if offload_param == "nvme" and (stage != 3 or offload_optimizer != "nvme"):
+        raise ValueError("offload_param nvme needs stage 3 and offload_optimizer nvme (the shards live in its swap files)")
     full, shard = num_params, shard_numel(num_params, world_size)
     element = PARAM_BYTES[dtype]
     master = 4 if element != 4 else 0  # fp32 training updates the parameters themselves
@@ -136,20 +145,21 @@ def estimate_memory(
     disk = swap_buffers = 0
     if offload_optimizer == "nvme" and stage == 0:
         offload_optimizer = "none"  # offload needs ZeRO stage 1-3 (the config refuses it at stage 0)
+    values = 4 if offload_param == "nvme" or master else 0  # fp32 stepped values held in the files too
     if offload_optimizer == "nvme":
-        disk = stepped * 4 * OPTIMIZER_STATES[optimizer]
-        optimizer_per_param = master
+        disk = stepped * (4 * OPTIMIZER_STATES[optimizer] + values)
+        optimizer_per_param = 0
         sub_group = stepped if sub_group_size <= 0 else min(int(sub_group_size), stepped)
         buffers = max(1, min(buffer_count, -(-stepped // max(1, sub_group))))  # never more than sub-groups
-        swap_buffers = buffers * sub_group * 4 * OPTIMIZER_STATES[optimizer]
+        swap_buffers = buffers * sub_group * (4 * OPTIMIZER_STATES[optimizer] + values)
     return MemoryEstimate(
         num_params, world_size, stage, dtype, optimizer,
-        parameters=(shard if policy.shard_parameters else full) * element,
+        parameters=0 if offload_param == "nvme" else (shard if policy.shard_parameters else full) * element,
         gradients=(shard if policy.shard_gradients else full) * element,
         optimizer_states=stepped * optimizer_per_param,
         buckets=buckets,
         activations=activations,
-        offload=offload_optimizer, disk=disk, swap_buffers=swap_buffers,
+        offload=offload_optimizer, disk=disk, swap_buffers=swap_buffers, offload_param=offload_param,
     )
 
 
@@ -201,15 +211,18 @@ def parse_count(text: str | int | float) -> int:
     return int(value)
 
 
-def formula(stage: int, dtype: str, optimizer: str = "adam", offload: str = "none") -> str:
+def formula(stage: int, dtype: str, optimizer: str = "adam", offload: str = "none", offload_param: str = "none") -> str:
     """The per-rank model-state formula in memory, e.g. '4Ψ + 12Ψ/N' (stage 1, mixed precision, Adam);
     with nvme offload, what is on disk after it: '4Ψ + 4Ψ/N (+ 8Ψ/N on disk)' (stage 2, fp32)."""
     element = PARAM_BYTES[dtype]
-    states = 4 * OPTIMIZER_STATES[optimizer]
-    optimizer_per_param = (4 if element != 4 else 0) + (0 if offload == "nvme" else states)
+    master = 4 if element != 4 else 0
+    states = 4 * OPTIMIZER_STATES[optimizer] + (master + (4 if offload_param == "nvme" and not master else 0)
+                                                 if offload == "nvme" else 0)
+    optimizer_per_param = 0 if offload == "nvme" else master + states
     policy = ShardingPolicy.from_stage(stage)
     replicated = sharded = 0
-    for per_param, is_sharded in ((element, policy.shard_parameters), (element, policy.shard_gradients),
+    param_element = 0 if offload_param == "nvme" else element
+    for per_param, is_sharded in ((param_element, policy.shard_parameters), (element, policy.shard_gradients),
                                   (optimizer_per_param, policy.shard_optimizer_state)):
         if is_sharded:
             sharded += per_param
@@ -235,7 +248,7 @@ def format_table(estimates: list[MemoryEstimate]) -> str:
         lines.append(
             f"{e.stage:>5}  {format_bytes(e.parameters):>10}  {format_bytes(e.gradients):>10}  "
             f"{format_bytes(e.optimizer_states):>10}  {format_bytes(e.buckets):>10}  {activations:>11}{columns}  "
-            f"{format_bytes(e.total):>10}  {formula(e.stage, e.dtype, e.optimizer, e.offload)} = "
+            f"{format_bytes(e.total):>10}  {formula(e.stage, e.dtype, e.optimizer, e.offload, e.offload_param)} = "
             f"{format_bytes(e.model_states)}"
         )
     return "\n".join(lines)

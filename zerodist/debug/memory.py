@@ -165,6 +165,8 @@ def estimate_for_engine(engine: TrainingEngine, **kwargs: Any) -> MemoryEstimate
     if zero.offload_optimizer is not None:
         kwargs.setdefault("offload_optimizer", zero.offload_optimizer.device)
         kwargs.setdefault("buffer_count", zero.offload_optimizer.buffer_count)
+    if zero.offload_param is not None and zero.offload_param.device == "nvme":
+        kwargs.setdefault("offload_param", "nvme")
     kwargs.setdefault("sub_group_size", zero.sub_group_size)
     return estimate_memory(state.padded_num_params(), world_size=sizes.pop(), stage=state.sharding.stage,
                            dtype=state.precision.name, optimizer=kind, **kwargs)
