@@ -3,10 +3,12 @@ cap on each rank's address space (RLIMIT_AS) set right after `initialize()`.
 
     python -m zerodist run --nproc 2 tests/offload/offload_memory_script.py MODE NVME_PATH OUT CAP_BYTES
 
-MODE is "memory" or "nvme"; CAP_BYTES 0 sets no cap. The model is the 29M-parameter MLP of the
-parity test (256 -> 3750 -> 3750 -> 3751 -> 16), stage 2, sub_group_size 5e5. Each rank writes
-OUT.rank<r>.json: its peak RSS (VmHWM), its address space when the cap was set and at its peak
-(VmPeak), the trained steps, and the error if an allocation failed under the cap.
+MODE is "memory" or "nvme" (stage 2), or "nvme3" (stage 3, offload_optimizer nvme) or "param"
+(stage 3, offload_optimizer and offload_param nvme); CAP_BYTES 0 sets no cap. The model is the
+29M-parameter MLP of the parity test (256 -> 3750 -> 3750 -> 3751 -> 16), sub_group_size 5e5.
+Each rank writes OUT.rank<r>.json: its peak RSS (VmHWM), its peak RSS while training (VmHWM
+reset after initialize(), which builds the full model first), its address space when the cap was
+set and at its peak (VmPeak), the trained steps, and the error if an allocation failed under the cap.
 """
 
 from __future__ import annotations
@@ -34,15 +36,23 @@ def main() -> None:
 
     mode, nvme_path, out, cap = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     torch.set_num_threads(1)
-    zero: dict = {"stage": 2, "sub_group_size": 500_000}
-    if mode == "nvme":
+    zero: dict = {"stage": 3 if mode in ("nvme3", "param") else 2, "sub_group_size": 500_000}
+    if mode != "memory":
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "pipeline_read": True,
                                      "pipeline_write": True, "buffer_count": 4}
+    if mode == "param":
+        zero["offload_param"] = {"device": "nvme"}
+    units = {}
+    if zero["stage"] == 3:  # a unit per layer, gathered one at a time: a gather reads one layer's shard
+        zero["stage3_prefetch_bucket_size"] = 0
+        units = {"zerodist": {"stage3_unit_classes": ["Linear"]}}
     config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero, **units}
     engine = zerodist.initialize(model=make_mlp(256, 3750, 16, layers=4, seed=0), config=config)[0]
     rank = engine.global_rank
-    report: dict = {"at_cap": status()["VmSize"], "steps": 0, "error": None}
+    report: dict = {"at_cap": status()["VmSize"], "steps": 0, "error": None, "init_peak_rss": status()["VmHWM"]}
+    with open("/proc/self/clear_refs", "w", encoding="utf-8") as file:
+        file.write("5")  # VmHWM := VmRSS: the peak while training, from here
     if cap:
         resource.setrlimit(resource.RLIMIT_AS, (report["at_cap"] + cap, resource.RLIM_INFINITY))
     try:
@@ -54,7 +64,8 @@ def main() -> None:
             report["steps"] += 1
     except (RuntimeError, MemoryError) as error:  # torch: "DefaultCPUAllocator: can't allocate memory"
         report["error"] = str(error)[:300]
-    report.update(peak_rss=status()["VmHWM"], peak_vm=status()["VmPeak"])
+    report.update(peak_rss=max(status()["VmHWM"], report["init_peak_rss"]), train_peak_rss=status()["VmHWM"],
+                  peak_vm=status()["VmPeak"])
     with open(f"{out}.rank{rank}.json", "w", encoding="utf-8") as file:
         json.dump(report, file)
     if report["error"]:

@@ -99,10 +99,10 @@ class FlatParamGroup:
     _unshard_handles: list[comm.CommHandle] = []
     # [Note: stepped values elsewhere] in stepped_store.py: where the optimizer tensors' values live
     # when not in memory; whether the parameter shard left memory too (gathers read it from there),
-    # and the shard read for a gather, until the gather is waited for.
+    # and the full buffer holding this rank's shard, read for the next gather (`prepare_unshard`).
     stepped_store: SteppedStore | None = None
     shard_offloaded = False
-    _gather_source: torch.Tensor | None = None
+    _prepared_buffer: torch.Tensor | None = None
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, policy: ShardingPolicy,
                  domain_group: DomainGroup, bucket_numel: int, use_reduce_scatter: bool, param_dtype: torch.dtype,
@@ -211,29 +211,35 @@ class FlatParamGroup:
         if self.policy.shard_parameters:
             assert self.param_buffer is None and self.param_shard is not None, (
                 f"start_unshard on {self.records[0].name}...: already unsharded: {self.param_buffer is not None}")
-            if self.shard_offloaded and self._gather_source is None:
-                self.prepare_unshard()
-            source = self.param_shard if self._gather_source is None else self._gather_source
-            self.param_buffer = self._transient_buffer(self.layout.total_numel)
+            if self.shard_offloaded:  # the shard was read into its place in the full buffer: gathered in place
+                if self._prepared_buffer is None:
+                    self.prepare_unshard()
+                self.param_buffer, self._prepared_buffer = self._prepared_buffer, None
+            else:
+                self.param_buffer = self._transient_buffer(self.layout.total_numel)
+            assert self.param_buffer is not None
+            source = self.param_buffer if self.shard_offloaded else self.param_shard
             self._unshard_handles = [
                 comm.all_gather(self._bucket_range(i, self.param_buffer, owned=False),
-                                self._shard_range(i, source), group=self.group, async_op=True)
+                                self._bucket_range(i, source, owned=True) if self.shard_offloaded
+                                else self._shard_range(i, source), group=self.group, async_op=True)
                 for i in range(len(self.layout.buckets))
             ]
         elif self.gathers_params:
             self._start_gather_in_place()
 
     def prepare_unshard(self) -> None:
-        """An offloaded shard: read it from where it lives into a transient buffer, for the gather
-        `start_unshard()` issues next (a read that fails raises here, before any collective)."""
-        source = self._transient_buffer(self.layout.shard_numel)
+        """An offloaded shard: read it from where it lives straight into its place in the full buffer
+        the gather `start_unshard()` issues next fills in place, so no other copy of the shard is made
+        (a read that fails raises here, before any collective)."""
+        buffer = self._transient_buffer(self.layout.total_numel)
         try:
             for index in range(len(self.buckets)):
-                self._read_stepped(index, self._shard_range(index, source))
+                self._read_stepped(index, self._bucket_range(index, buffer, owned=True))
         except BaseException:
-            self._give_back(source)
+            self._give_back(buffer)
             raise
-        self._gather_source = source
+        self._prepared_buffer = buffer
 
     def wait_unshard(self) -> None:
         """Wait for the all-gathers in flight. Sharded parameters stay placeholders until
@@ -241,9 +247,6 @@ class FlatParamGroup:
         handles, self._unshard_handles = self._unshard_handles, []
         for handle in handles:
             handle.wait()
-        if self._gather_source is not None and not self._unshard_handles:
-            source, self._gather_source = self._gather_source, None
-            self._give_back(source)
         self.finish_gather_params()
 
     def finish_unshard(self) -> None:

@@ -11,9 +11,10 @@ never knows which store it is; the engine wires one in after building the optimi
                                 writing in place raises torch's error), same objects, so the
                                 optimizer, its param groups and a scheduler see nothing change
     the parameter shard         `shard=True` (offload_param): freed the same way; each gather reads
-                                this rank's shard from the store into a transient buffer just
-                                before its all-gather (cast from the fp32 master under bf16: no
-                                second copy on disk) and gives it back once the gather is waited for
+                                this rank's shard from the store straight into its place in the
+                                unit's full (pooled, transient) buffer and all-gathers in place, so
+                                no other copy of it is made (cast from the fp32 master under bf16:
+                                no second copy on disk either)
     mixed precision             the store tells the group each stepped piece's new master values
                                 (`cast_stepped`): they are cast into the bf16 shard or buffer, what
                                 `copy_master_to_params` does for the whole shard in memory
