@@ -19,7 +19,13 @@ elements, pipelined (`pipeline_read` and `pipeline_write`) and serial; step time
 backward, step) median over the timed steps, the slowest rank counts, and the time the swapped
 step spent blocked on I/O. The swap files live under `--dir` (default: a temporary directory);
 they are written through the page cache, so what is measured is this machine's buffered file
-I/O, which is what a run here would see. Writes benchmarks/results/offload-<date>.json and .md.
+I/O, which is what a run here would see.
+
+Part "stage3" (2 gloo ranks, one thread each): the same GPT at ZeRO stage 3, in memory, with
+`offload_optimizer: nvme`, and with `offload_param: nvme` too (the parameter shards in the swap
+files, read before each gather), pipelined I/O; as "train".
+
+Writes benchmarks/results/offload-<date>.json and .md (part "stage3" alone: offload-stage3-<date>).
 A benchmark, not a test: it never fails on speed.
 """
 
@@ -130,10 +136,12 @@ def _train_worker(rank: int, port: int, setting: dict[str, Any], steps: int, war
 
     torch.manual_seed(0)
     model = GPT(gpt_config("bench-25m"))
-    zero: dict[str, Any] = {"stage": 2, "sub_group_size": setting["sub_group_size"]}
+    zero: dict[str, Any] = {"stage": setting.get("stage", 2), "sub_group_size": setting["sub_group_size"]}
     if setting["offload"]:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": setting["dir"], "buffer_count": 4,
                                      "pipeline_read": setting["pipelined"], "pipeline_write": setting["pipelined"]}
+    if setting.get("param"):
+        zero["offload_param"] = {"device": "nvme"}
     config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}},
               "zero_optimization": zero}
@@ -164,13 +172,18 @@ def _train_worker(rank: int, port: int, setting: dict[str, Any], steps: int, war
     engine.destroy()
 
 
-def train_part(directory: str, sub_group_size: int, steps: int, warmup: int) -> list[dict[str, Any]]:
-    settings = [("in memory", False, False), ("nvme, pipelined I/O", True, True), ("nvme, serial I/O", True, False)]
+def train_part(directory: str, sub_group_size: int, steps: int, warmup: int, stage: int = 2) -> list[dict[str, Any]]:
+    settings = [("in memory", False, False, False), ("nvme, pipelined I/O", True, True, False),
+                ("nvme, serial I/O", True, False, False)]
+    if stage == 3:
+        settings = [("in memory", False, False, False), ("offload_optimizer nvme", True, True, False),
+                    ("+ offload_param nvme", True, True, True)]
     rows: list[dict[str, Any]] = []
     baseline = None
-    for name, offload, pipelined in settings:
+    for name, offload, pipelined, param in settings:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            setting = {"offload": offload, "pipelined": pipelined, "dir": directory, "sub_group_size": sub_group_size}
+            setting = {"offload": offload, "pipelined": pipelined, "dir": directory, "sub_group_size": sub_group_size,
+                       "stage": stage, "param": param}
             error = run_ranks(_train_worker, (free_port(), setting, steps, warmup, out.name), nprocs=2, timeout_s=900)
             if error:
                 print(f"{name}: {error}")
@@ -198,18 +211,21 @@ def _markdown(report: dict[str, Any]) -> str:
         lines += [f"| {r['setting']} | {r['step_s'] * 1e3:.1f} ms | {r['vs_in_memory']:.2f}x | "
                   f"{r['io_wait_s'] * 1e3:.1f} ms |" for r in report["swap"]]
         lines.append("")
-    if report.get("train"):
-        lines += [f"## bench-25m GPT, stage 2, 2 ranks, sub_group_size {report['sub_group_size']:,}", "",
+    for key, stage in (("train", 2), ("stage3", 3)):
+        if not report.get(key):
+            continue
+        lines += [f"## bench-25m GPT, stage {stage}, 2 ranks, sub_group_size {report['sub_group_size']:,}", "",
                   "| setting | step | vs in memory | optimizer step | blocked on I/O |",
                   "| --- | --- | --- | --- | --- |"]
         lines += [f"| {r['setting']} | {r['step_s'] * 1e3:.1f} ms | {r['vs_in_memory']:.2f}x | "
-                  f"{r['optimizer_step_s'] * 1e3:.1f} ms | {r['io_wait_s'] * 1e3:.1f} ms |" for r in report["train"]]
+                  f"{r['optimizer_step_s'] * 1e3:.1f} ms | {r['io_wait_s'] * 1e3:.1f} ms |" for r in report[key]]
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("optimizer", "swap", "train", "all"), default="all")
+    parser.add_argument("--part", choices=("optimizer", "swap", "train", "stage3", "all"), default="all")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sub-group-size", type=float, default=1e6)
@@ -227,8 +243,11 @@ def main() -> None:
     if args.part in ("train", "all"):
         with tempfile.TemporaryDirectory(dir=args.dir) as directory:
             report["train"] = train_part(directory, int(args.sub_group_size), args.steps, args.warmup)
+    if args.part in ("stage3", "all"):
+        with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+            report["stage3"] = train_part(directory, int(args.sub_group_size), args.steps, args.warmup, stage=3)
     RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"offload-{report['date']}"
+    stem = RESULTS / f"offload-{'stage3-' if args.part == 'stage3' else ''}{report['date']}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
     stem.with_suffix(".md").write_text(_markdown(report))
     print(f"wrote {stem}.json and .md")

@@ -48,7 +48,7 @@ from zerodist.zero import OptimizerRecipe, ZeroOptimizer, ZeroSettings, ZeroStat
 from zerodist.zero.partition import continue_recording, is_recorded
 from zerodist.zero.plan import bucket_capacity
 from zerodist.zero.policy import ShardingPolicy
-from zerodist.zero.stepped_store import offload_stepped_values
+from zerodist.zero.apply import offload_stepped_values
 
 logger = get_logger(__name__)
 

@@ -19,6 +19,15 @@ with offload is a plain checkpoint (it loads with or without offload, at any wor
 resume rebuilds the swap files from it. The class is named after the inner optimizer's (an
 offloaded AdamW is an `AdamW` to a checkpoint), for the same reason.
 
+[Note: stepped values swapped] The values being stepped can live in the files too: the fp32
+master under bf16/fp16, and stage 3's parameter shard with `offload_param: nvme` (handed over
+once with `hold_values`, through zerodist/zero/stepped_store.py's protocol, which this module
+implements without importing zero). They are the first region of each sub-group file (only the
+held pieces, in piece order); a held piece is stepped on a view of that region of the buffer, not
+on the real tensor (which holds no memory any more), and whoever handed it over is told its new
+values right after (`notify(start, values)`: the cast into the bf16 parameters). `read_values` /
+`write_values` reach a held tensor's elements between steps (a gather, a checkpoint).
+
 [Note: failures agreed] A read or write that fails (a full disk, a truncated or missing file) is
 an `OffloadError` on the rank where it happened; the step then compares one flag over the group
 (one small all-reduce per step) and every rank raises the same named error, instead of the

@@ -31,10 +31,13 @@ from zerodist.utils import get_logger, log_rank0
 
 logger = get_logger(__name__)
 
-# Bytes of swap file per stepped element the start-up check asks for: Adam's two fp32 states
-# (an optimizer with more state finds out at its first write, with the same named error).
-_CHECKED_BYTES_PER_ELEMENT = 8
+# Bytes of swap file per stepped element the start-up check asks for: Adam's two fp32 states and the
+# fp32 stepped values (the master, or stage 3's parameter shard, when they are swapped too); an
+# optimizer with more state finds out at its first write, with the same named error.
+_CHECKED_BYTES_PER_ELEMENT = 12
 _RUNS = itertools.count()
+# The swap directories not yet closed, reported at exit by one handler (not one per engine).
+_OPEN: weakref.WeakSet[SwapDirectory] = weakref.WeakSet()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,15 +106,18 @@ def open_swap_directory(root: str, needed_bytes: int, group: Group) -> SwapDirec
     directory = SwapDirectory(root, answers[0][0], comm.get_rank())
     log_rank0(logger, "offload: optimizer state in swap files under %s (removed by destroy(); a process that "
               "dies leaves them there)", directory.path.parent)
-    atexit.register(_report_left, weakref.ref(directory))
+    if not _OPEN:
+        atexit.unregister(_report_left)  # registered once at a time, however many engines
+        atexit.register(_report_left)
+    _OPEN.add(directory)
     return directory
 
 
-def _report_left(reference: weakref.ref[SwapDirectory]) -> None:
-    directory = reference()
-    if directory is not None and not directory.closed and directory.path.exists():
-        logger.warning("offload: swap files left under %s (the engine was not destroyed); remove them when done",
-                       directory.path)
+def _report_left() -> None:
+    for directory in list(_OPEN):
+        if not directory.closed and directory.path.exists():
+            logger.warning("offload: swap files left under %s (the engine was not destroyed); remove them when done",
+                           directory.path)
 
 
 def close_offload(optimizer: Any) -> None:

@@ -25,6 +25,7 @@ from zerodist.comm.parts import Part
 from zerodist.config import Config
 from zerodist.precision import LossScaler, PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
+from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.optimizer import ZeroOptimizer
 from zerodist.zero.partition import FlattenSettings, build_groups
 from zerodist.zero.plan import FlatPlan, bucket_capacity, plan_groups
@@ -33,6 +34,7 @@ from zerodist.zero.reducer import GradReducer
 from zerodist.zero.runtime import UnitRuntime, UnitSettings
 from zerodist.zero.schedule import DefaultSchedule
 from zerodist.zero.state import ZeroState
+from zerodist.zero.stepped_store import SteppedStore
 from zerodist.zero.units import Unit
 
 logger = get_logger(__name__)
@@ -147,3 +149,26 @@ def _sync_untrained_state(model: torch.nn.Module, trained: set[int], topology: c
         axes = placements[id(tensor)].domain.replicated_axes
         group = topology.group(*axes)
         comm.broadcast(tensor.data, src=topology.ranks(*axes)[0], group=group)
+
+
+def offload_stepped_values(groups: list[FlatParamGroup], store: SteppedStore, *, shard: bool) -> int:
+    """Hand the stepped values to `store`: every group's fp32 master, and with `shard` also the
+    parameter shards of sharded groups (their fp32 values are the stepped tensors, or a cast of the
+    master). Returns the number of groups whose values left memory."""
+    chosen = [g for g in groups if g.master is not None or (shard and g.param_shard is not None)]
+    held: dict[torch.Tensor, Callable[[int, torch.Tensor], None] | None] = {}
+    for group in chosen:
+        for index, tensor in enumerate(group.optimizer_tensors):
+            held[tensor] = _caster(group, index) if group.master is not None else None
+    if not held:
+        return 0
+    store.hold_values(held)
+    for group in chosen:
+        group.release_stepped(store, shard)
+    return len(chosen)
+
+
+def _caster(group: FlatParamGroup, index: int) -> Callable[[int, torch.Tensor], None]:
+    def cast(start: int, values: torch.Tensor) -> None:
+        group.cast_stepped(index, start, values)
+    return cast

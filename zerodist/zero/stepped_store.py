@@ -5,7 +5,7 @@ views of the fp32 parameter shard at stage 3, or of the fp32 master under bf16/f
 `SteppedStore` instead of memory: zerodist.offload's swapped optimizer keeps them in its sub-group
 swap files, one more region beside the optimizer state, and steps them there piece by piece. ZeRO
 never knows which store it is; the engine wires one in after building the optimizer
-(`offload_stepped_values`). From then on:
+(`offload_stepped_values` in apply.py). From then on:
 
     optimizer_tensors, master   a NaN broadcast to their shape (no memory, never a stale value;
                                 writing in place raises torch's error), same objects, so the
@@ -31,12 +31,9 @@ rank raises the same named error instead of the others hanging in the all-gather
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from zerodist.zero.flat_group import FlatParamGroup
 
 
 class SteppedStore(Protocol):
@@ -53,26 +50,3 @@ class SteppedStore(Protocol):
 
     def agree(self, failure: Exception | None) -> None:
         """Raise on every rank of the group when `failure` happened on any (collective)."""
-
-
-def offload_stepped_values(groups: list[FlatParamGroup], store: SteppedStore, *, shard: bool) -> int:
-    """Hand the stepped values to `store`: every group's fp32 master, and with `shard` also the
-    parameter shards of sharded groups (their fp32 values are the stepped tensors, or a cast of the
-    master). Returns the number of groups whose values left memory."""
-    chosen = [g for g in groups if g.master is not None or (shard and g.param_shard is not None)]
-    held: dict[torch.Tensor, Callable[[int, torch.Tensor], None] | None] = {}
-    for group in chosen:
-        for index, tensor in enumerate(group.optimizer_tensors):
-            held[tensor] = _caster(group, index) if group.master is not None else None
-    if not held:
-        return 0
-    store.hold_values(held)
-    for group in chosen:
-        group.release_stepped(store, shard)
-    return len(chosen)
-
-
-def _caster(group: FlatParamGroup, index: int) -> Callable[[int, torch.Tensor], None]:
-    def cast(start: int, values: torch.Tensor) -> None:
-        group.cast_stepped(index, start, values)
-    return cast
