@@ -7,7 +7,8 @@ MODE is "memory" or "nvme" (stage 2), or "nvme3" (stage 3, offload_optimizer nvm
 (stage 3, offload_optimizer and offload_param nvme); CAP_BYTES 0 sets no cap. The model is the
 29M-parameter MLP of the parity test (256 -> 3750 -> 3750 -> 3751 -> 16), sub_group_size 5e5.
 Each rank writes OUT.rank<r>.json: its peak RSS (VmHWM), its peak RSS while training (VmHWM
-reset after initialize(), which builds the full model first), its address space when the cap was
+reset after initialize(), which builds the full model first), its largest RSS between steps
+(what stays resident: less dependent on how transient buffers happen to overlap), its address space when the cap was
 set and at its peak (VmPeak), the trained steps, and the error if an allocation failed under the cap.
 """
 
@@ -62,6 +63,7 @@ def main() -> None:
             engine.backward(F.mse_loss(engine(x), y))
             engine.step()
             report["steps"] += 1
+            report["step_rss"] = max(report.get("step_rss", 0), status()["VmRSS"])
     except (RuntimeError, MemoryError) as error:  # torch: "DefaultCPUAllocator: can't allocate memory"
         report["error"] = str(error)[:300]
     report.update(peak_rss=max(status()["VmHWM"], report["init_peak_rss"]), train_peak_rss=status()["VmHWM"],
