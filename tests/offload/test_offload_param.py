@@ -248,3 +248,30 @@ def test_checkpoint_with_offloaded_param_shards_resumes_with_or_without_offload(
     (tmp_path / "nvme").mkdir()
     run_distributed(_save_and_resume_across_param_offload, 2, str(tmp_path / "ckpt"), str(tmp_path / "nvme"),
                     timeout=240)
+
+
+def _modify_gathered(nvme_path: str) -> None:
+    """GatheredParameters with a modifier rank writes the new values through the swap files."""
+    import zerodist
+
+    results = []
+    for path in (None, nvme_path):
+        engine = zerodist.initialize(model=make_mlp(IN, 300, OUT, layers=4, seed=0),
+                                     config=_config(20_000, path))[0]
+        _steps(engine, 0, 1)
+        weight = engine.module[0].weight
+        with zerodist.zero.GatheredParameters([weight], modifier_rank=0):
+            halved = weight.detach() * 0.5
+            if engine.global_rank == 0:
+                weight.data.mul_(0.5)
+        with zerodist.zero.GatheredParameters([weight]):  # every rank reads the change back (from the files)
+            assert torch.equal(weight.detach(), halved)
+        _steps(engine, 1, 3)
+        results.append(engine.module_state_dict())
+        engine.destroy()
+    for key, value in results[0].items():
+        assert torch.equal(results[1][key], value), key
+
+
+def test_gathered_parameters_with_a_modifier_rank_writes_through_the_swap_files(tmp_path):
+    run_distributed(_modify_gathered, 2, str(tmp_path), timeout=120)
