@@ -81,6 +81,8 @@ def test_estimate_moves_adam_state_to_disk_and_counts_the_buffers():
     both = estimate_memory(29_000_000, world_size=2, stage=3, offload_optimizer="nvme", offload_param="nvme",
                            sub_group_size=5e5)
     assert both.parameters == 0 and both.disk == 12 * 14_500_000 and both.swap_buffers == 4 * 500_000 * 12
-    with pytest.raises(ValueError, match="offload_param nvme needs stage 3 and offload_optimizer nvme"):
-        estimate_memory(1000, world_size=2, stage=2, offload_optimizer="nvme", offload_param="nvme")
+    with pytest.raises(ValueError, match="offload_param nvme needs offload_optimizer nvme"):
+        estimate_memory(1000, world_size=2, stage=3, offload_optimizer="cpu", offload_param="nvme")
+    below_3 = estimate_memory(1000, world_size=2, stage=2, offload_optimizer="nvme", offload_param="nvme")
+    assert below_3 == estimate_memory(1000, world_size=2, stage=2, offload_optimizer="nvme")  # stage 3 only
     assert estimate_memory(1000, world_size=2, stage=0, offload_optimizer="nvme").disk == 0  # stage 0: no offload

@@ -124,8 +124,10 @@ def estimate_memory(
     if offload_optimizer not in ("none", "cpu", "nvme") or offload_param not in ("none", "cpu", "nvme"):
         raise ValueError(f"offload_optimizer and offload_param must be none, cpu or nvme, got {offload_optimizer!r} "
                          f"and {offload_param!r}")
-    if offload_param == "nvme" and (stage != 3 or offload_optimizer != "nvme"):
-        raise ValueError("offload_param nvme needs stage 3 and offload_optimizer nvme (the shards live in its swap files)")
+    if offload_param == "nvme" and stage != 3:
+        offload_param = "none"  # parameters are offloaded at stage 3 only (the config refuses it elsewhere)
+    if offload_param == "nvme" and offload_optimizer != "nvme":
+        raise ValueError("offload_param nvme needs offload_optimizer nvme (the shards live in its swap files)")
     full, shard = num_params, shard_numel(num_params, world_size)
     element = PARAM_BYTES[dtype]
     master = 4 if element != 4 else 0  # fp32 training updates the parameters themselves
