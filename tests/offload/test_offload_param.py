@@ -275,3 +275,37 @@ def _modify_gathered(nvme_path: str) -> None:
 
 def test_gathered_parameters_with_a_modifier_rank_writes_through_the_swap_files(tmp_path):
     run_distributed(_modify_gathered, 2, str(tmp_path), timeout=120)
+
+
+def _pretrained_into_offloaded(directory: str, nvme_path: str) -> None:
+    """load_pretrained writes each rank's owned runs through the swap files (fp32 and bf16)."""
+    import zerodist
+    from zerodist.checkpoint import load_pretrained
+
+    weights = {k: v * 0.5 for k, v in make_mlp(IN, 300, OUT, layers=4, seed=1).state_dict().items()}
+    if torch.distributed.get_rank() == 0:
+        torch.save(weights, f"{directory}/pytorch_model.bin")
+    torch.distributed.barrier()
+    for bf16 in (False, True):
+        results = []
+        for path in (None, nvme_path):
+            engine = zerodist.initialize(model=make_mlp(IN, 300, OUT, layers=4, seed=0),
+                                         config=_config(20_000, path, bf16))[0]
+            load_pretrained(engine, directory)
+            loaded = engine.module_state_dict()
+            for key, value in weights.items():
+                assert torch.equal(loaded[key].float(), value.to(loaded[key].dtype).float()), (bf16, path, key)
+            dtype = torch.bfloat16 if bf16 else torch.float32
+            for step in range(2):
+                x, y = _batch(step, engine.global_rank)
+                engine.backward(F.mse_loss(engine(x.to(dtype)).float(), y))
+                engine.step()
+            results.append(engine.module_state_dict())
+            engine.destroy()
+        for key, value in results[0].items():
+            assert torch.equal(results[1][key], value), (bf16, key)
+
+
+def test_load_pretrained_writes_through_the_swap_files(tmp_path):
+    (tmp_path / "nvme").mkdir()
+    run_distributed(_pretrained_into_offloaded, 2, str(tmp_path), str(tmp_path / "nvme"), timeout=180)
