@@ -232,9 +232,8 @@ class SwappedOptimizer(torch.optim.Optimizer):
             self.directory.write_at(index, values[low - start: high - start], offset)
 
     def agree(self, failure: Exception | None) -> None:
-        """Every rank raises when any rank's read or write of held values failed ([Note: failures agreed])."""
-        if failure is not None and not isinstance(failure, errors.OffloadError):
-            raise failure
+        """Every rank raises when any rank's read or write of held values failed ([Note: failures agreed]);
+        the others raise an `OffloadError` of the same name when it is one, else a plain `OffloadError`."""
         self._agree(failure)
 
     def _held_ranges(self, tensor: torch.Tensor, start: int, numel: int) -> Iterator[tuple[int, int, int, int]]:
@@ -529,7 +528,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         finally:
             self.io_wait_s += time.perf_counter() - started
 
-    def _agree(self, failure: errors.OffloadError | None) -> None:
+    def _agree(self, failure: Exception | None) -> None:
         """Every rank raises when any rank's swap I/O failed ([Note: failures agreed])."""
         if not comm.is_initialized():  # one process without a process group (unit tests, tools)
             if failure is not None:
