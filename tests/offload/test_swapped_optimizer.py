@@ -152,3 +152,26 @@ def test_full_disk_while_writing_is_named(tmp_path):
     directory.file = lambda index: "/dev/full"  # every write lands on a device that is always full
     with pytest.raises(SwapSpaceError, match="is full: writing '/dev/full'"):
         directory.write(0, torch.zeros(10))
+
+
+def test_tensors_without_gradients_at_the_first_step_are_stepped_later_as_in_memory(tmp_path):
+    # The first sub-groups (the first tensor's) get no gradient at the first step: their files must
+    # still be written whole once the state kinds are known, or the next step's read finds them short.
+    reference, offloaded = _tensors(0), _tensors(0)
+    plain = _build(reference)
+    directory = SwapDirectory(tmp_path, "run", 0)
+    optimizer = swapped(_build(offloaded), directory, StreamSettings(1000, buffer_count=2, pipeline_read=True))
+    for opt, tensors in ((plain, reference), (optimizer, offloaded)):
+        for step in range(3):
+            generator = torch.Generator().manual_seed(100 + step)
+            for group in tensors:
+                for tensor in group:
+                    tensor.grad = torch.randn(tensor.numel(), generator=generator)
+            if step == 0:
+                tensors[0][0].grad = None
+            opt.step()
+    for mine, theirs in zip(sum(offloaded, []), sum(reference, [])):
+        assert torch.equal(mine, theirs)
+        for key, value in plain.state[theirs].items():
+            assert torch.equal(optimizer.state[mine][key], value), key
+    optimizer.close()

@@ -284,6 +284,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
     def _step_first(self, new_scalars: dict[torch.Tensor, dict[str, Any]]) -> None:
         """No state on disk yet: the inner optimizer initialises it; each sub-group is written as stepped
         (held values are read from their region first, and written back with the state)."""
+        unwritten: list[SubGroup] = []  # stepped before the state kinds were known (no gradient yet)
         for sub_group in self._plan:
             values = self._values_bytes(sub_group)
             buffer = self._host_buffers[0] if values else None
@@ -301,10 +302,19 @@ class SwappedOptimizer(torch.optim.Optimizer):
             if not self.kinds:  # no per-element state (plain SGD, or none yet): only held values to write
                 if buffer is not None:
                     self.directory.write_at(sub_group.index, buffer[:values], 0)
+                unwritten.append(sub_group)
                 continue
             buffer = self._host_buffers[0]
             self._pack(sub_group, buffer, states)
             self.directory.write(sub_group.index, buffer[: self._file_bytes(sub_group)])
+        if self.kinds:  # every file whole: the state regions of pieces without state are never read
+            for sub_group in unwritten:
+                buffer = self._host_buffers[0]
+                buffer[: self._file_bytes(sub_group)].zero_()
+                if self._values_bytes(sub_group):
+                    self.directory.read(sub_group.index, buffer[: self._values_bytes(sub_group, aligned=False)],
+                                        whole=False)
+                self.directory.write(sub_group.index, buffer[: self._file_bytes(sub_group)])
         self._on_disk = bool(self.kinds)
 
     def _step_streamed(self, new_scalars: dict[torch.Tensor, dict[str, Any]]) -> None:
