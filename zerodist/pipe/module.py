@@ -187,7 +187,7 @@ class PipelineModule(torch.nn.Module):
         self._checkpointable = None if checkpointable_layers is None else set(checkpointable_layers)
         self.num_layers = len(layers)
         self.layer_classes = [_class_name(layer) for layer in layers]  # every rank's, for agreement checks
-        self.parts = partition_layers(layers, self.total_stages, partition_method)
+        self.parts = self._partition(layers, partition_method)
         # One stage needs no world (a module built in a plain script or test); more need the ranks.
         world = 1 if self.num_stages == 1 and not comm.is_initialized() else comm.get_world_size()
         if world % self.num_stages:
@@ -202,6 +202,15 @@ class PipelineModule(torch.nn.Module):
         self._build(layers, seed_layers, seed_fn or torch.manual_seed, base_seed)
 
     # ------------------------------------------------------------------ building
+    def _partition(self, layers: Sequence[Any], partition_method: str) -> list[int]:
+        """The stage boundaries (`parts`) of `layers`; a subclass that knows its cuts returns them."""
+        return partition_layers(layers, self.total_stages, partition_method)
+
+    def stage_modules(self, stage: int) -> list[torch.nn.Module]:
+        """The modules that hold the parameters of `stage` (a weight-gradient action runs over them)."""
+        found = (compat.registered_child(self, str(index)) for index in self.stage_layers(stage))
+        return [module for module in found if module is not None]
+
     def stage_of_layer(self, index: int) -> int:
         for stage in range(self.total_stages):
             if self.parts[stage] <= index < self.parts[stage + 1]:
