@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import zerodist
@@ -55,6 +56,7 @@ def assert_matches(state: dict[str, torch.Tensor], expected: dict[str, torch.Ten
         assert torch.allclose(value, expected[key], rtol=0, atol=1e-6), key
 
 
+@pytest.mark.slow  # five pools of ranks, a subprocess and from_pretrained
 def test_save_split_load_unsplit_and_back(tmp_path):
     (_, uninterrupted), = run_distributed(reference_body, 1, FAMILY, 1, 0, 4)  # four steps, one process
     split_dir, unsplit_dir = str(tmp_path / "split"), str(tmp_path / "unsplit")

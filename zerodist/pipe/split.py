@@ -124,6 +124,9 @@ def check_plan(model: nn.Module, plan: SplitPlan) -> int:
     parts = [*plan.embed, plan.blocks, *([plan.norm] if plan.norm else []), plan.head, *plan.shared]
     for name in parts:
         _resolve(model, plan, name, "the module")
+    twice = sorted({name for name in parts if parts.count(name) > 1})
+    if twice:
+        raise SplitError(f"{plan.name} names {twice} more than once; each module belongs to one part")
     for outer in parts:
         for inner in parts:
             if inner != outer and inner.startswith(outer + "."):
