@@ -18,12 +18,12 @@ VOCAB, SEQ, MICRO, GAS, STEPS, LR = 64, 8, 2, 4, 5, 0.1
 def build(family: str) -> torch.nn.Module:
     """A tiny model of `family`, the same on every rank (seeded)."""
     torch.manual_seed(0)
-    if family in ("gpt", "gpt-untied"):
+    if family in ("gpt", "gpt-deep"):
         from zerodist.models import GPTConfig
         from zerodist.models.gpt import GPT
 
-        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=16, n_layers=2, n_heads=2,
-                             tie_embeddings=family == "gpt"))
+        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=16, n_layers=4 if family == "gpt-deep" else 2,
+                             n_heads=2, tie_embeddings=True))
     import transformers
 
     transformers.logging.set_verbosity_error()  # the tiny vocabulary's warning about GPT-2's token ids
@@ -73,16 +73,17 @@ def reference_body(family: str, data: int, first_step: int = 0, steps: int = STE
     return losses, states
 
 
-def config(stage: int, schedule: str = "1f1b") -> dict:
+def config(stage: int, schedule: str = "1f1b", stages_per_rank: int = 1) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 10**9,
-            "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
-            "zero_optimization": {"stage": stage}, "zerodist": {"pipeline": {"schedule": schedule}}}
+            "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}}, "zero_optimization": {"stage": stage},
+            "zerodist": {"pipeline": {"schedule": schedule, "stages_per_rank": stages_per_rank}}}
 
 
-def pipeline_body(family: str, stage: int, schedule: str = "1f1b", split_points: list[str] | None = None):
+def pipeline_body(family: str, stage: int, schedule: str = "1f1b", split_points: list[str] | None = None,
+                  stages_per_rank: int = 1):
     model = build(family)
-    module = split_model(model, num_stages=2, split_points=split_points)
-    engine, _, _, _ = zerodist.initialize(model=module, config=config(stage, schedule))
+    module = split_model(model, num_stages=2, split_points=split_points, stages_per_rank=stages_per_rank)
+    engine, _, _, _ = zerodist.initialize(model=module, config=config(stage, schedule, stages_per_rank))
     data_rank = engine.topology.axis_rank("data")
     losses, states = [], []
     for step in range(STEPS):
@@ -90,14 +91,14 @@ def pipeline_body(family: str, stage: int, schedule: str = "1f1b", split_points:
         states.append(engine.module_state_dict())
     keys = list(module.state_dict())
     engine.destroy()
-    return losses, states, keys, module.layer_names[module.parts[1]], sorted(module.tied_keys)
+    return losses, states, keys, module.layer_names[module.parts[1]], sorted(module.tied_keys), module.parts
 
 
 def check(family: str, world: int, stage: int, **options) -> list:
     (ref_losses, ref_states), = run_distributed(reference_body, 1, family, world // 2)
     results = run_distributed(pipeline_body, world, family, stage, **options)
     keys: set[str] = set()
-    for losses, states, own_keys, _, _ in results:
+    for losses, states, own_keys, *_ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-6)  # the same loss on every rank, the reference's
         keys |= set(own_keys)
         for step, state in enumerate(states):
@@ -132,3 +133,9 @@ def test_hf_gpt2_split_in_two_with_tied_wte():
 def test_zero_bubble_runs_the_weight_gradients_of_the_model_own_modules():
     # ZB-H1's W action takes the stage's parameters from `stage_modules`, not from layer indices
     check("llama", 2, 1, schedule="zb")
+
+
+def test_interleaved_two_stages_per_rank_with_the_tie_across_ranks():
+    # 4 stages on 2 ranks (rank 0: stages 0 and 2); the tied embedding/head on stages 0 and 3
+    results = check("gpt-deep", 2, 1, schedule="interleaved", stages_per_rank=2)
+    assert results[0][5] == [0, 1, 2, 4, 7] and results[0][4] == ["tok_emb.weight"]
