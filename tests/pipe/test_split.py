@@ -128,6 +128,7 @@ def test_hf_gpt2_split_in_two_with_tied_wte():
     results = check("gpt2", 2, 1)
     assert results[0][4] == ["transformer.wte.weight"]
     assert "transformer.h.0.attn.c_attn.weight" in results[0][2] and "lm_head.weight" in results[1][2]
+    assert "transformer.wte.weight" in results[1][2]  # the tied weight under its first name on both stages
 
 
 def test_zero_bubble_runs_the_weight_gradients_of_the_model_own_modules():

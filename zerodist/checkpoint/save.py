@@ -209,6 +209,18 @@ def _logical_shape(facts: dict[str, Any]) -> list[int]:
     return shape
 
 
+def _one_copy(slices: list[list[Any]]) -> list[list[Any]]:
+    """Sorted slices, each range once: a parameter several pipeline stages hold whole under one name
+    (a tied embedding of a split model, [Note: tied parameters keep their first name] in
+    zerodist/pipe/split.py) is written by each of them, equal copies; the lowest rank's is kept."""
+    kept: list[list[Any]] = []
+    for piece in slices:
+        if kept and kept[-1][:2] == piece[:2]:
+            continue
+        kept.append(piece)
+    return kept
+
+
 def build_manifest(zero: ZeroState, global_steps: int, tag: str, reports: list[RankReport]) -> Manifest:
     """Rank 0: one manifest from every rank's report, checking each parameter is covered once."""
     params = merge_params(reports)
@@ -222,7 +234,7 @@ def build_manifest(zero: ZeroState, global_steps: int, tag: str, reports: list[R
         for d in record["shape"]:
             numel *= d
         for kind, entry in record["kinds"].items():
-            entry["slices"].sort()
+            entry["slices"] = _one_copy(sorted(entry["slices"]))
             cursor = 0
             for start, length, file, _ in entry["slices"]:
                 if start != cursor:

@@ -26,6 +26,15 @@ the model's names through the stage module (`_StageView`), so what runs is what 
 A parameter that parts on different stages share (GPT-2's `transformer.wte.weight`, which
 `lm_head.weight` is; the demo GPT with `tie_embeddings`) is a tied layer across those stages, kept
 equal by `pipe/tied.py` as a `TiedLayerSpec` would be ([Note: tied gradients]).
+
+[Note: tied parameters keep their first name] In the unsplit model such a parameter is trained
+under its first name (`transformer.wte.weight`) and `lm_head.weight` is an alias of it. So every
+stage that holds it also registers the module that owns it under that name (the last stage holds
+`transformer.wte` beside `lm_head`: the same one tensor, no more memory), and each stage registers
+its parts in the model's order: the parameter is trained under the same name on every stage and
+in the unsplit model, `lm_head.weight` stays an alias, and one checkpoint loads with and without
+the pipeline. The stages' copies are equal, so the checkpoint keeps one of them
+(`build_manifest` in zerodist/checkpoint/save.py).
 """
 
 from __future__ import annotations
@@ -62,6 +71,10 @@ class _StageView:
             raise AttributeError(name)
         child = compat.registered_child(self._stage, name) if self._stage is not None else None
         return child if child is not None else getattr(self._model, name)
+
+
+class _Container(nn.Module):
+    """A stage's own node on the path to a part (`model` in `model.layers.3`); no forward."""
 
 
 class SplitLayer:
@@ -172,6 +185,20 @@ def _balanced_cuts(layers: list[SplitLayer], plan: SplitPlan, total: int) -> lis
     return partition_balanced(weights, total)
 
 
+def _find_ties(model: nn.Module, stage_parts: dict[int, list[str]]) -> dict[str, tuple[torch.nn.Parameter, list[int],
+                                                                                          str]]:
+    """Parameters that parts on several stages hold (an embedding a head reuses), by their first
+    name in the model: (the parameter, those stages, the module that owns it under that name)."""
+    stages_of: dict[int, list[int]] = collections.defaultdict(list)
+    for stage, names in stage_parts.items():
+        for name in names:
+            for param in model.get_submodule(name).parameters():
+                if stage not in stages_of[id(param)]:
+                    stages_of[id(param)].append(stage)
+    return {key: (param, stages_of[id(param)], key.rpartition(".")[0])
+            for key, param in model.named_parameters() if len(stages_of[id(param)]) > 1}
+
+
 # ---------------------------------------------------------------------------------------- the stage module
 class SplitPipelineModule(PipelineModule):
     """A `PipelineModule` of a user's model cut into stages, keyed by the model's own names
@@ -188,13 +215,17 @@ class SplitPipelineModule(PipelineModule):
         self.layer_classes = [f"SplitLayer({name})" for name in self.layer_names]  # what the ranks agree on
         self._stage_parts = {stage: [name for index in self.stage_layers(stage) for name in layers[index].modules]
                              for stage in range(self.total_stages)}
-        for stage in self.local_stages:
-            for name in self._stage_parts[stage]:
-                self._register(name, model.get_submodule(name))
-        for name in plan.shared:
+        ties = _find_ties(model, self._stage_parts)
+        for _, stages, anchor in ties.values():  # [Note: tied parameters keep their first name]
+            for stage in stages:
+                if not any(anchor == name or anchor.startswith(name + ".") for name in self._stage_parts[stage]):
+                    self._stage_parts[stage].append(anchor)
+        order = {name: index for index, (name, _) in enumerate(model.named_modules())}
+        local = {name for stage in self.local_stages for name in self._stage_parts[stage]} | set(plan.shared)
+        for name in sorted(local, key=order.__getitem__):  # in the model's order, as its state_dict() walks
             self._register(name, model.get_submodule(name))
         view._stage = self
-        self._find_ties(model)
+        self._keep_ties(ties)
 
     def _partition(self, layers: Sequence[Any], partition_method: str) -> list[int]:
         return list(self._split_bounds)
@@ -203,13 +234,16 @@ class SplitPipelineModule(PipelineModule):
         """`module` under its dotted name, in containers of this module's own (never the user's)."""
         *path, leaf = dotted.split(".")
         parent: nn.Module = self
-        for index, part in enumerate(path):
+        for part in path:
             child = compat.registered_child(parent, part)
             if child is None:
                 if parent is self and hasattr(self, part):
                     raise SplitError(f"the model's top-level module {part!r} has the name of a PipelineModule attribute")
-                child = nn.Module()
+                child = _Container()
                 parent.add_module(part, child)
+            elif not isinstance(child, _Container):  # never add to a module of the user's
+                raise SplitError(f"{dotted} lies inside {type(child).__name__} {part!r}, which this stage holds "
+                                 "whole; each module belongs to one part")
             parent = child
         if parent is self and (leaf.isdigit() or hasattr(self, leaf)):
             raise SplitError(f"the model's top-level module {leaf!r} cannot be registered on a PipelineModule (a layer "
@@ -221,37 +255,22 @@ class SplitPipelineModule(PipelineModule):
         return [self.get_submodule(name) for name in self._stage_parts[stage]]
 
     # ------------------------------------------------------------------ tied parameters
-    def _find_ties(self, model: nn.Module) -> None:
-        """A parameter that parts on several stages hold is tied across them: keyed by its first
-        name in the model, held on this rank by the part module that owns it directly."""
-        stages_of: dict[int, list[int]] = collections.defaultdict(list)
-        for stage, names in self._stage_parts.items():
-            for name in names:
-                for param in model.get_submodule(name).parameters():
-                    if stage not in stages_of[id(param)]:
-                        stages_of[id(param)].append(stage)
+    def _keep_ties(self, ties: dict[str, tuple[torch.nn.Parameter, list[int], str]]) -> None:
+        """Tied keys for pipe/tied.py: the stages holding each, and on this rank the module that owns
+        it under its first name in the model (`anchor`), which must hold nothing else."""
         self._tied_params: dict[str, torch.nn.Parameter] = {}
-        for key, param in model.named_parameters():
-            if len(stages_of[id(param)]) < 2:
-                continue
-            self.tied_keys[key] = stages_of[id(param)]
+        for key, (param, stages, anchor) in ties.items():
+            self.tied_keys[key] = stages
             self._tied_attrs[key] = [key.rpartition(".")[2]]
-            local = [s for s in self.local_stages if s in self.tied_keys[key]]
-            if local:
-                owner = self._owner(param, local[0])
-                if [id(p) for p in owner.parameters()] != [id(param)]:
-                    raise SplitError(f"{key} is shared by stages {self.tied_keys[key]}, and the module that holds it on "
-                                     f"stage {local[0]} ({type(owner).__name__}) has other parameters too; a tied "
-                                     "parameter's module must hold only it (as an embedding or a bias-free head does)")
-                self._tied_modules[key] = owner
-                self._tied_params[key] = param
-
-    def _owner(self, param: torch.nn.Parameter, stage: int) -> nn.Module:
-        for name in self._stage_parts[stage]:
-            for module in self.get_submodule(name).modules():
-                if any(p is param for p in module.parameters(recurse=False)):
-                    return module
-        raise AssertionError("a tied parameter is on a stage that does not hold it")
+            if not any(stage in stages for stage in self.local_stages):
+                continue
+            owner = self.get_submodule(anchor)
+            if [id(p) for p in owner.parameters()] != [id(param)]:
+                raise SplitError(f"{key} is shared by stages {stages}, and its module {anchor} "
+                                 f"({type(owner).__name__}) has other parameters too; a tied parameter's module must "
+                                 "hold only it (as an embedding or a bias-free head does)")
+            self._tied_modules[key] = owner
+            self._tied_params[key] = param
 
     def tied_parameters(self) -> dict[str, list[torch.nn.Parameter]]:
         """The tied parameters this rank holds, by key: exactly the shared one of each."""
