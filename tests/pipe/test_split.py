@@ -118,17 +118,19 @@ def test_demo_gpt_split_in_two_with_tied_head(world, stage):
     assert "lm_head.weight" not in results[0][2] and "blocks.0.attn.qkv.weight" not in results[-1][2]
 
 
-def test_hf_llama_split_in_two():
-    results = check("llama", 2, 1, split_points=["model.layers.1"])
-    assert "model.layers.1.self_attn.q_proj.weight" in results[1][2]
+@pytest.mark.parametrize("world,stage", [(2, 1), (4, 3)])
+def test_hf_llama_split_in_two(world, stage):
+    results = check("llama", world, stage, split_points=["model.layers.1"])
+    assert "model.layers.1.self_attn.q_proj.weight" in results[-1][2]
     assert "model.embed_tokens.weight" in results[0][2] and results[0][4] == []
 
 
-def test_hf_gpt2_split_in_two_with_tied_wte():
-    results = check("gpt2", 2, 1)
+@pytest.mark.parametrize("world,stage", [(2, 1), (4, 3)])
+def test_hf_gpt2_split_in_two_with_tied_wte(world, stage):
+    results = check("gpt2", world, stage)
     assert results[0][4] == ["transformer.wte.weight"]
-    assert "transformer.h.0.attn.c_attn.weight" in results[0][2] and "lm_head.weight" in results[1][2]
-    assert "transformer.wte.weight" in results[1][2]  # the tied weight under its first name on both stages
+    assert "transformer.h.0.attn.c_attn.weight" in results[0][2] and "lm_head.weight" in results[-1][2]
+    assert "transformer.wte.weight" in results[-1][2]  # the tied weight under its first name on both stages
 
 
 def test_zero_bubble_runs_the_weight_gradients_of_the_model_own_modules():
