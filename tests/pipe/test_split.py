@@ -73,6 +73,23 @@ def reference_body(family: str, data: int, first_step: int = 0, steps: int = STE
     return losses, states
 
 
+def reference_eval(family: str, data: int) -> float:
+    """The unsplit model after `reference_body`'s steps: its mean loss over evaluation micro-batches."""
+    _, states = reference_body(family, data)
+    model = build(family)
+    model.load_state_dict(states[-1])
+    model.eval()
+    with torch.no_grad():
+        losses = [token_cross_entropy(logits_of(model, torch.cat([eval_batch(m, d)[0] for d in range(data)])),
+                                      torch.cat([eval_batch(m, d)[1] for d in range(data)])).item()
+                  for m in range(GAS)]
+    return sum(losses) / GAS
+
+
+def eval_batch(micro: int, data_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return micro_batch(99, micro, data_rank)
+
+
 def config(stage: int, schedule: str = "1f1b", stages_per_rank: int = 1) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 10**9,
             "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}}, "zero_optimization": {"stage": stage},
@@ -90,8 +107,9 @@ def pipeline_body(family: str, stage: int, schedule: str = "1f1b", split_points:
         losses.append(engine.train_batch(iter([micro_batch(step, m, data_rank) for m in range(GAS)])).item())
         states.append(engine.module_state_dict())
     keys = list(module.state_dict())
+    evaluated = engine.eval_batch(iter([eval_batch(m, data_rank) for m in range(GAS)])).item()
     engine.destroy()
-    return losses, states, keys, module.layer_names[module.parts[1]], sorted(module.tied_keys), module.parts
+    return losses, states, keys, module.layer_names[module.parts[1]], sorted(module.tied_keys), module.parts, evaluated
 
 
 def check(family: str, world: int, stage: int, **options) -> list:
@@ -128,6 +146,8 @@ def test_hf_llama_split_in_two(world, stage):
 @pytest.mark.parametrize("world,stage", [(2, 1), (4, 3)])
 def test_hf_gpt2_split_in_two_with_tied_wte(world, stage):
     results = check("gpt2", world, stage)
+    (expected,) = run_distributed(reference_eval, 1, "gpt2", world // 2)
+    assert [r[6] for r in results] == pytest.approx([expected] * world, rel=1e-6)  # eval_batch, every rank
     assert results[0][4] == ["transformer.wte.weight"]
     assert "transformer.h.0.attn.c_attn.weight" in results[0][2] and "lm_head.weight" in results[-1][2]
     assert "transformer.wte.weight" in results[-1][2]  # the tied weight under its first name on both stages

@@ -108,3 +108,14 @@ def test_the_user_model_is_left_as_it_was():
 
 def test_the_builtin_gpt_plan_is_found_by_class_path():
     assert split_model(gpt(), num_stages=1).plan is GPT_SPLIT_PLAN
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    model = gpt()
+    ids = torch.randint(0, 32, (2, 8))
+    grads = []
+    for interval in (0, 1):
+        model.zero_grad()
+        split_model(model, num_stages=1, activation_checkpoint_interval=interval)(ids).square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(*grads))
