@@ -91,7 +91,7 @@ class SplitLayer:
         return f"SplitLayer({self.name!r})"
 
 
-def _make_layers(model: nn.Module, plan: SplitPlan, num_blocks: int, view: _StageView) -> list[SplitLayer]:
+def _make_layers(plan: SplitPlan, num_blocks: int, view: _StageView) -> list[SplitLayer]:
     """Embedding, each block, the final norm (if any), the head; each resolves its modules by name
     on the stage when it runs."""
     layers = [SplitLayer(plan.embed[0], plan.embed, lambda v, x: plan.run_embed(v, x), view)]  # type: ignore[arg-type]
@@ -307,7 +307,7 @@ def split_model(model: nn.Module, num_stages: int | None = None, split_points: S
         raise SplitError(f"{total} pipeline stages for {num_blocks} blocks: more stages than blocks; use at most "
                          f"{num_blocks} stages")
     view = _StageView(model)
-    layers = _make_layers(model, plan, num_blocks, view)
+    layers = _make_layers(plan, num_blocks, view)
     bounds = (_balanced_cuts(layers, plan, total) if split_points is None
               else _cuts_from_points(layers, split_points, total))
     return SplitPipelineModule(model, plan, layers, view, bounds, num_stages=degree, loss_fn=loss_fn,
