@@ -39,9 +39,14 @@ from zerodist.pipe.schedule_checks import (
 # zerodist.engine.pipeline's, made by zerodist.initialize(model=PipelineModule(...)).
 from zerodist.pipe.module import LayerSpec, PartitionError, PipelineModule, TiedLayerSpec
 from zerodist.pipe.executor import PipelineError, PipelineExecutor
+# Splitting a model the user already wrote, keeping its names (torchtitan's way).
+from zerodist.pipe.split import SplitError, SplitLayer, SplitPipelineModule, split_model
+from zerodist.pipe.split_plans import SplitPlan, UnknownModelError, find_split_plan, token_cross_entropy
 
 __all__ = [
     "LayerSpec", "PartitionError", "PipelineError", "PipelineExecutor", "PipelineModule", "TiedLayerSpec",
+    "SplitError", "SplitLayer", "SplitPipelineModule", "SplitPlan", "UnknownModelError", "find_split_plan",
+    "split_model", "token_cross_entropy",
     "SCHEDULE_NAMES",
     "Action",
     "Costs",

@@ -108,12 +108,10 @@ class PipelineExecutor:
     def stage_parameters(self, stage: int) -> list[torch.nn.Parameter]:
         if stage not in self._stage_params:
             seen: dict[int, torch.nn.Parameter] = {}
-            for index in self.module.stage_layers(stage):
-                child = getattr(self.module, str(index), None)
-                if isinstance(child, torch.nn.Module):
-                    for p in child.parameters():
-                        if p.requires_grad:
-                            seen.setdefault(id(p), p)
+            for child in self.module.stage_modules(stage):
+                for p in child.parameters():
+                    if p.requires_grad:
+                        seen.setdefault(id(p), p)
             self._stage_params[stage] = list(seen.values())
         return self._stage_params[stage]
 

@@ -15,6 +15,13 @@ that hold them) or any callables. No class name means anything.
 them loads at any pipe degree. A tied module used at indices i and j on one rank is registered
 under both, as Sequential would (state_dict lists both keys, `named_parameters` the first).
 
+[Note: a tied module's first name] A rank that holds a tied key's later layers but not its first
+(the head on the last stage, tied to the embedding at index 0) registers the module under the
+first layer's index as well, before its own. So `named_parameters` names it as one process does
+(`0.tok_emb.weight`, not `4.tok_emb.weight`): every stage trains the tied parameter under one
+name, and the checkpoint holds it once (equal copies from several stages are written once), so
+it loads at any pipe degree, pipe 1 included. The extra key is one that `nn.Sequential` has too.
+
 Stage placement: with `p` pipe ranks and `v = stages_per_rank`, the layers are cut into `p * v`
 stages and stage s lives on pipe rank `s % p` (the schedules' "loop" placement,
 `zerodist.pipe.schedule.stage_to_rank`). The pipe axis is outermost in `Topology`, so the pipe
@@ -187,7 +194,7 @@ class PipelineModule(torch.nn.Module):
         self._checkpointable = None if checkpointable_layers is None else set(checkpointable_layers)
         self.num_layers = len(layers)
         self.layer_classes = [_class_name(layer) for layer in layers]  # every rank's, for agreement checks
-        self.parts = partition_layers(layers, self.total_stages, partition_method)
+        self.parts = self._partition(layers, partition_method)
         # One stage needs no world (a module built in a plain script or test); more need the ranks.
         world = 1 if self.num_stages == 1 and not comm.is_initialized() else comm.get_world_size()
         if world % self.num_stages:
@@ -202,6 +209,15 @@ class PipelineModule(torch.nn.Module):
         self._build(layers, seed_layers, seed_fn or torch.manual_seed, base_seed)
 
     # ------------------------------------------------------------------ building
+    def _partition(self, layers: Sequence[Any], partition_method: str) -> list[int]:
+        """The stage boundaries (`parts`) of `layers`; a subclass that knows its cuts returns them."""
+        return partition_layers(layers, self.total_stages, partition_method)
+
+    def stage_modules(self, stage: int) -> list[torch.nn.Module]:
+        """The modules that hold the parameters of `stage` (a weight-gradient action runs over them)."""
+        found = (compat.registered_child(self, str(index)) for index in self.stage_layers(stage))
+        return [module for module in found if module is not None]
+
     def stage_of_layer(self, index: int) -> int:
         for stage in range(self.total_stages):
             if self.parts[stage] <= index < self.parts[stage + 1]:
@@ -214,6 +230,10 @@ class PipelineModule(torch.nn.Module):
 
     def _build(self, layers: list[Any], seed_layers: bool, seed_fn: Callable[[int], Any], base_seed: int) -> None:
         local = {index for stage in self.local_stages for index in self.stage_layers(stage)}
+        first_index: dict[str, int] = {}  # tied key -> its first layer ([Note: a tied module's first name])
+        for index, layer in enumerate(layers):
+            if isinstance(layer, TiedLayerSpec):
+                first_index.setdefault(layer.key, index)
         for index, layer in enumerate(layers):
             if isinstance(layer, TiedLayerSpec):
                 self.tied_keys.setdefault(layer.key, [])
@@ -230,6 +250,9 @@ class PipelineModule(torch.nn.Module):
             if isinstance(layer, TiedLayerSpec):
                 if layer.key not in self._tied_modules:
                     self._tied_modules[layer.key] = layer.build()
+                    # Registered first under the key's first index, so that every stage trains it (and
+                    # a checkpoint names it) under the name it has in one process.
+                    self.add_module(str(first_index[layer.key]), self._tied_modules[layer.key])
                 self.add_module(str(index), self._tied_modules[layer.key])
                 if layer.forward_fn is not None:
                     self._forward_funcs[index] = layer.forward_fn
