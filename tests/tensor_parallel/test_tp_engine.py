@@ -154,7 +154,7 @@ def _train_cli_in_place(out):
     import io
 
     from zerodist.cli.train import build_plan
-    from zerodist.train import train
+    from zerodist.cli.train import train_in_place as train  # runs and prints what rank 0 reports
 
     args = argparse.Namespace(model="tiny", steps=3, config=None, out=out, stage=None, micro_batch=2, lr=None,
                               bf16=False, fp16=False, seed=None, save_interval=None, resume=False, tp=2, domino=2,
