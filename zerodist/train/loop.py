@@ -246,7 +246,8 @@ def _sequence_report(engine: Engine, everything: Any, activations: SavedActivati
     comm.all_gather_object(everyone, activations.bytes)
     method = engine.config.zerodist.sequence_parallel.method
     micro_steps_run = max(1, steps * engine.batch.gradient_accumulation_steps)
-    return SequenceReport(engine.topology.size("sequence"), method, everything.bus_bytes("all_to_all") / micro_steps_run,
+    measured = everything.bus_bytes("all_to_all") if method == "ulysses" else everything.total_bytes("send")
+    return SequenceReport(engine.topology.size("sequence"), method, measured / micro_steps_run,
                           ulysses_formula(engine, seq_len) if method == "ulysses" else None, everyone,
                           ring_formula(engine, seq_len) if method == "ring" else None)
 
