@@ -31,6 +31,7 @@ import torch
 
 import zerodist.comm as comm
 from zerodist.comm import Group, p2p
+from zerodist.comm.watchdog import Ticket, watchdog
 from zerodist.sequence.layout import SequenceLayout
 
 
@@ -44,6 +45,9 @@ class _Ring:
         me, size = layout.rank, layout.size
         self.next = comm.get_global_rank(group, (me + 1) % size)
         self.previous = comm.get_global_rank(group, (me - 1) % size)
+        # what the hang watchdog calls a wait for the previous rank's block (a dead or stuck
+        # neighbour is then a named CollectiveError / CollectiveTimeoutError, as for a collective)
+        self.ticket = Ticket("ring_recv", "ring", (self.previous, comm.get_global_rank(group, me)), 0)
 
     def pass_on(self, block: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
         """Send `block` to the next rank and receive the previous rank's into a new buffer, both
@@ -53,11 +57,11 @@ class _Ring:
         sent = p2p.isend(block, self.next, RING_TAG)
         return incoming, received, sent
 
-    @staticmethod
-    def arrive(transfer: tuple[torch.Tensor, Any, Any]) -> torch.Tensor:
+    def arrive(self, transfer: tuple[torch.Tensor, Any, Any]) -> torch.Tensor:
         incoming, received, sent = transfer
-        received.wait()
-        sent.wait()
+        with watchdog.blocked(self.ticket):
+            received.wait()
+        sent.wait()  # named by comm.p2p
         return incoming
 
 
