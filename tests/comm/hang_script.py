@@ -2,6 +2,12 @@
 
 extra-step-barrier / extra-step-save: rank 1 trains one step more; rank 0 then calls
 `comm.barrier()` / `save_checkpoint()`. frozen: rank 1 stops itself (SIGSTOP) before an all-reduce.
+A barrier case may add what a loaded machine does to the timing:
+  -rank0-late: rank 0 reaches its barrier 4 s after rank 1 blocks, so rank 1 times out first and
+    rank 0 finds the connection closed before its own timeout;
+  -rank1-late-slow: rank 1 blocks 4 s after rank 0, so rank 0 times out first and exits, and rank 1
+    takes 3 s more to say why it failed (as a starved process would), by which time rank 0 (which
+    hosts the store) would long have exited.
 """
 
 import os
@@ -25,6 +31,18 @@ def train(engine, steps):
         engine.step()
 
 
+def slow_down_failures() -> None:
+    from zerodist.comm.watchdog import Watchdog
+
+    failure = Watchdog._failure
+
+    def slow_failure(self, block, error):
+        time.sleep(3)
+        return failure(self, block, error)
+
+    Watchdog._failure = slow_failure
+
+
 def main(case: str, directory: str) -> None:
     rank = comm.get_rank()
     if case == "frozen":
@@ -37,9 +55,14 @@ def main(case: str, directory: str) -> None:
     engine, *_ = zerodist.initialize(model=make_mlp(), config={
         "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 2}})
-    train(engine, 2 + rank)
+    train(engine, 2)
+    if case.endswith(f"-rank{rank}-late") or case.endswith(f"-rank{rank}-late-slow"):
+        time.sleep(4)
+    if case.endswith(f"-rank{rank}-late-slow"):
+        slow_down_failures()
+    train(engine, rank)
     print(f"rank {rank} blocks at {time.time():.3f}", flush=True)
-    if case == "extra-step-barrier":
+    if case.startswith("extra-step-barrier"):
         comm.barrier()
     else:
         engine.save_checkpoint(directory)

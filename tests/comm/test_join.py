@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from concurrent.futures import ThreadPoolExecutor
 import re
 import socket
 import sys
@@ -41,6 +42,16 @@ def _start_alone(rank: int, port: int):
     return run_group([sys.executable, "-c", SCRIPT], env=env, timeout=TIMEOUT_S + 90)
 
 
+@pytest.fixture(scope="module")
+def lone_ranks():
+    """Rank 0 alone and rank 1 alone, each in a world of its own port, run at once: each waits out
+    the join timeout, idle, so together they take the time of one. {rank: (port, completed process)}"""
+    ports = {rank: _free_port() for rank in (0, 1)}
+    with ThreadPoolExecutor(2) as pool:
+        started = {rank: pool.submit(_start_alone, rank, port) for rank, port in ports.items()}
+        return {rank: (ports[rank], future.result()) for rank, future in started.items()}
+
+
 @pytest.mark.unit
 def test_default_join_timeout_is_minutes_and_a_configured_timeout_wins():
     assert join_timeout_s(None) == DEFAULT_JOIN_TIMEOUT_S == 300.0
@@ -49,9 +60,8 @@ def test_default_join_timeout_is_minutes_and_a_configured_timeout_wins():
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_rank0_alone_says_it_waits_for_rank1_then_fails_within_the_timeout():
-    port = _free_port()
-    out = _start_alone(0, port)
+def test_rank0_alone_says_it_waits_for_rank1_then_fails_within_the_timeout(lone_ranks):
+    port, out = lone_ranks[0]
     assert out.returncode != 0
     waits = re.findall(rf"rank 0 of 2: waiting for rank 1 at 127\.0\.0\.1:{port} \((\d+) s left of the "
                        rf"{TIMEOUT_S} s join timeout\)", out.stderr)
@@ -66,9 +76,8 @@ def test_rank0_alone_says_it_waits_for_rank1_then_fails_within_the_timeout():
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_rank1_alone_says_it_waits_for_rank0s_store_then_fails():
-    port = _free_port()
-    out = _start_alone(1, port)
+def test_rank1_alone_says_it_waits_for_rank0s_store_then_fails(lone_ranks):
+    port, out = lone_ranks[1]
     assert out.returncode != 0
     assert re.search(rf"rank 1 of 2: waiting for the store \(rank 0 hosts it\) at 127\.0\.0\.1:{port} "
                      rf"\(\d+ s left of the {TIMEOUT_S} s join timeout\)", out.stderr), out.stderr[-3000:]

@@ -15,7 +15,7 @@ from tests.harness import run_distributed
 def _train_cli_in_place(out: str, schedule: str):
     import zerodist.comm as comm
     from zerodist.cli.train import build_plan
-    from zerodist.train import train
+    from zerodist.cli.train import train_in_place as train  # runs and prints what rank 0 reports
 
     args = argparse.Namespace(model="tiny", steps=3, config=None, out=out, stage=None, micro_batch=2, lr=None,
                               bf16=False, fp16=False, seed=None, save_interval=None, resume=False, tp=None, domino=None,

@@ -7,7 +7,7 @@ import torch
 import zerodist
 import zerodist.comm as comm
 from zerodist.models.gpt import GPT, GPTConfig
-from zerodist.sequence import SequenceLayout, SequenceParallelError
+from zerodist.sequence import SequenceLayout, SequenceParallelError, hf
 from zerodist.sequence.data import shard_batch, shift_labels
 from tests.harness import distributed_test
 from tests.hf_models import hf_class, hf_config
@@ -57,10 +57,16 @@ def test_missing_position_ids_and_unshifted_labels():
     engine.destroy()
     llama = hf_class("llama")(hf_config("llama"))
     engine = zerodist.initialize(model=llama, config=CONFIG)[0]
+    other = zerodist.initialize(model=hf_class("llama")(hf_config("llama")), config=CONFIG)[0]
     with pytest.raises(SequenceParallelError, match="labels but no shift_labels"):
         engine(input_ids=ids, labels=ids, position_ids=torch.arange(4)[None])
     engine.destroy()
     assert llama.config._attn_implementation == "eager"  # destroy() gave the model its attention back
+    assert hf.is_registered()  # the other engine's model still runs it
+    other.destroy()
+    assert not hf.is_registered()  # nothing of zerodist left in transformers' global registries
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    assert hf.ATTENTION_NAME not in ALL_MASK_ATTENTION_FUNCTIONS
 
 
 class _Samples(torch.utils.data.Dataset):

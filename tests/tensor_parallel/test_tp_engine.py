@@ -154,7 +154,7 @@ def _train_cli_in_place(out):
     import io
 
     from zerodist.cli.train import build_plan
-    from zerodist.train import train
+    from zerodist.cli.train import train_in_place as train  # runs and prints what rank 0 reports
 
     args = argparse.Namespace(model="tiny", steps=3, config=None, out=out, stage=None, micro_batch=2, lr=None,
                               bf16=False, fp16=False, seed=None, save_interval=None, resume=False, tp=2, domino=2,
@@ -202,7 +202,34 @@ def _llama_through_initialize(pre_parallelized, domino=None):
         assert _relative_error(state[key], expected) <= 1e-5, f"{key}: {_relative_error(state[key], expected):.2e}"
     if domino:
         return type(engine.module.model.layers[0]).__name__
-    return type(engine.module.model.layers[0].self_attn.q_proj).__name__
+    name = type(engine.module.model.layers[0].self_attn.q_proj).__name__
+    if not pre_parallelized:
+        _after_destroy_no_scope_hooks_and_still_exact(engine, reference)
+    return name
+
+
+def _after_destroy_no_scope_hooks_and_still_exact(engine, reference):
+    """destroy() takes the shared-input scopes' hooks off the user's attention and MLP modules; the
+    column layers then reduce their input gradients for themselves: the same gradient."""
+    engine.destroy()
+    model = engine.module
+    for layer in model.model.layers:
+        for module in (layer.self_attn, layer.mlp):
+            assert not module._forward_pre_hooks and not module._forward_hooks, type(module).__name__
+        assert layer.self_attn.q_proj.shared_input is None
+    idx, targets = _batch(7, 4)
+    embeds = reference.model.embed_tokens(idx).detach()
+    grads = []
+    for net in (model, reference):
+        x = embeds.clone().requires_grad_(True)
+        with comm.trace() as backward:
+            net(inputs_embeds=x, labels=targets).loss.backward()
+        grads.append((x.grad, sum(1 for r in backward.records if r.op == "all_reduce" and r.numel == embeds.numel())))
+    assert _relative_error(grads[0][0], grads[1][0]) <= 1e-5
+    # forward: the 2 row layers of each of the 2 blocks; backward: one input-gradient reduction per
+    # column layer now (q, k, v, gate, up in each block), and the LM head's gathered input (with the
+    # scopes it was 2 per block + 1: test_tp_shared_input)
+    assert grads[0][1] == 2 * 2 + 2 * 5 + 1, grads[0][1]
 
 
 @pytest.mark.parametrize("pre_parallelized", [False, True])

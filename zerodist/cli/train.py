@@ -176,6 +176,24 @@ def launcher_args(nproc: int) -> argparse.Namespace:
                               rdzv_endpoint=None, rdzv_id="zerodist", max_restarts=0)
 
 
+def _show(line: str) -> None:
+    print(line, flush=True)
+
+
+def train_in_place(plan: Any) -> int:
+    """Train `plan` (a `zerodist.train.TrainPlan`) on this rank and print what rank 0 reports:
+    the header and progress as the run goes, then the summary (the train layer returns it, the
+    CLI shows it). Returns the exit code."""
+    from zerodist.train import train
+
+    outcome = train(plan, progress=_show)
+    for line in outcome.lines:
+        _show(line)
+    for line in outcome.errors:
+        print(line, file=sys.stderr, flush=True)
+    return outcome.code
+
+
 def run(args: argparse.Namespace) -> int:
     from zerodist.config import ConfigError
 
@@ -191,12 +209,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"zerodist train: {err}", file=sys.stderr)
         return 2
     if in_place or nproc == 1:
-        from zerodist.train import train
-
         from zerodist.checkpoint import CheckpointCorruptError
 
         try:
-            return train(plan)
+            return train_in_place(plan)
         except CheckpointCorruptError as err:
             # Raised alike on every rank by the resume (a damaged newest checkpoint): one message.
             if os.environ.get("RANK", "0") == "0":

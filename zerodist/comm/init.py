@@ -276,6 +276,8 @@ def destroy_world() -> None:
         if dist.is_initialized():
             watchdog.publish_exit()  # a rank still waiting for this one is told it left, not just "connection closed"
             dist.destroy_process_group()
+            watchdog.linger_after_failure()  # [Note: the failed rank lingers] in watchdog.py
+            watchdog.release_store()
         for name in ("last_type", "last_value", "last_traceback", "last_exc"):
             if hasattr(sys, name):
                 setattr(sys, name, None)

@@ -53,6 +53,12 @@ DEFAULT_WARNING_S = 15.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 REPEAT_S = 30.0
 STORE_TIMEOUT_S = 5.0
+# How long a rank that failed in a collective keeps the store up at exit for its peers to read why
+# ([Note: the failed rank lingers]).
+LINGER_S = 5.0
+# How long a rank whose peer's connection closed waits for that peer to say why ([Note: a lost
+# connection after a peer's timeout]).
+PEER_REPORT_WAIT_S = 3.0
 
 _COMM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _PACKAGE_DIR = os.path.dirname(_COMM_DIR.rstrip(os.sep)) + os.sep
@@ -122,6 +128,10 @@ class Watchdog:
         self._store: Any = None
         self._store_broken = False
         self._published: tuple[_Block, str] | None = None  # the block whose position is in the store
+        self._store_owner: Any = None  # the default store itself: where this rank hosts it, the server
+        self._last_read: dict[int, dict[str, Any] | None] = {}  # positions as the last report read them
+        self._failed: tuple[dict[str, Any], tuple[int, ...]] | None = None  # our published failure, its peers
+        self._rank: int | None = None
         self._lock = threading.Lock()  # the store connection is shared by this thread and the watchdog's
 
     # ------------------------------------------------------------ main thread (hot path)
@@ -163,6 +173,7 @@ class Watchdog:
         """Forget the old world's groups and store connection (a new world was made)."""
         with self._lock:
             self._groups, self._store, self._store_broken, self._published = {}, None, False, None
+            self._store_owner, self._last_read, self._failed, self._rank = None, {}, None, None
 
     def _prepare(self) -> None:
         if self._store is None and not self._store_broken:
@@ -186,7 +197,7 @@ class Watchdog:
         block = self._block
         if self._published is not None and self._published[0] is not block:
             # The block we published ended: say so, so that nobody is told we are still there.
-            self._publish({"state": "left", "at": self._published[1]})
+            self._publish({"state": "left", "at": self._published[1]}, unless_failed=True)
             self._published = None
         if block is None:
             return
@@ -197,7 +208,7 @@ class Watchdog:
             where = self._describe_block(block)
             self._published = (block, where)
             self._publish({"state": "blocked", "at": where, "op": block.ticket.op,
-                           "group": block.ticket.group, "seq": block.ticket.seq})
+                           "group": block.ticket.group, "seq": block.ticket.seq}, unless_failed=True)
         if waited >= self.warning_s and time.monotonic() - block.warned_at >= REPEAT_S:
             block.warned_at = time.monotonic()
             logger.warning("%s", self.explain(block, waited))
@@ -206,11 +217,13 @@ class Watchdog:
         frame = sys._current_frames().get(block.thread_id)
         return f"{block.ticket.describe()} at {call_site(frame)}"
 
-    def explain(self, block: _Block, waited: float) -> str:
-        """Whom this block waits for, and where they are."""
+    def explain(self, block: _Block, waited: float, positions: dict[int, dict[str, Any] | None] | None = None) -> str:
+        """Whom this block waits for, and where they are (`positions`: as read from the store,
+        read now when None)."""
         me = dist.get_rank()
         peers = [r for r in block.ticket.ranks if r != me]
-        positions = self._read_positions(peers)
+        if positions is None:
+            positions = self._read_positions(peers)
         ticket = block.ticket
         here = [r for r, p in positions.items()
                 if p and p.get("state") == "blocked" and (p.get("op"), p.get("group"), p.get("seq")) ==
@@ -229,22 +242,54 @@ class Watchdog:
     def _failure(self, block: _Block, error: RuntimeError) -> CollectiveError:
         waited = time.monotonic() - block.started
         timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
+        # [Note: a lost connection after a peer's timeout] the peer that timed out first drops its
+        # connections (gloo does at the timeout, before the peer's Python has said anything), and this
+        # rank, blocked in the same stalled collective, finds its connection closed a moment before its
+        # own timeout: the error it was about to get is the timeout, so it gets that. The peer's
+        # report comes a moment after the lost connection (seconds on a loaded machine): wait for it.
+        story, positions = self._failure_story(block, waited, 0.0 if timed_out else PEER_REPORT_WAIT_S)
+        left_after_timeout = [r for r, p in positions.items() if p and p.get("state") == "failed"
+                              and p.get("error") == "timed out" and r in block.ticket.ranks]
         try:
-            story = self.explain(block, waited)
-            self._publish({"state": "failed", "at": self._describe_block(block),
-                           "error": "timed out" if timed_out else str(error)[:200]})
-        except Exception as read_error:  # the store may be what died
-            story = (f"rank {dist.get_rank()}: blocked {waited:.0f} s in {self._describe_block(block)}; where the "
-                     f"other ranks are is unknown: the store could not be read ({read_error})")
-        if timed_out:
+            self._record_failure(block, "timed out" if timed_out or left_after_timeout else str(error)[:200])
+        except Exception as error_publishing:  # the store may be what died
+            logger.debug("watchdog: could not publish the failure: %s", error_publishing)
+        if timed_out or left_after_timeout:
+            how_long = (f"({waited:.0f} s waited)" if timed_out else f"(rank(s) [{format_ranks(left_after_timeout)}] "
+                        f"reached it and left; this rank waited {waited:.0f} s)")
             return CollectiveTimeoutError(
                 f"{story}\n{block.ticket.describe()} did not complete within the collective timeout "
-                f"({waited:.0f} s waited). Every rank must issue the same collectives in the same order; a rank "
+                f"{how_long}. Every rank must issue the same collectives in the same order; a rank "
                 "that runs an extra step, skips a barrier or a save, or is stuck, looks like this. The timeout is "
                 f"zerodist.timeout in the config or ZERODIST_TIMEOUT seconds ({DEFAULT_COLLECTIVE_TIMEOUT_S:g} s "
                 f"by default). Backend: {error}", story=f"{story}\nBackend: {error}")
         return CollectiveError(f"{story}\n{block.ticket.describe()} failed after {waited:.0f} s: {error}. A peer's "
                                "connection closing means that rank exited or crashed: its own log says why.")
+
+    def _failure_story(self, block: _Block, waited: float, settle_s: float) -> tuple[str, dict[int, dict[str, Any] | None]]:
+        """Whom `block` waited for, from the store, else from the last report's reading of it (the
+        rank hosting the store may be gone: a loaded machine delays this rank's reading). With
+        `settle_s` > 0, waits that long at most for the peers to publish how they ended."""
+        peers = [r for r in block.ticket.ranks if r != dist.get_rank()]
+        try:
+            positions = self._read_positions(peers)
+            deadline = time.monotonic() + settle_s
+            while not _all_ended(positions) and time.monotonic() < deadline:
+                time.sleep(0.05)
+                positions = self._read_positions(peers)
+            return self.explain(block, waited, positions), positions
+        except Exception as read_error:
+            if peers and all(r in self._last_read for r in peers):
+                positions = {r: self._last_read[r] for r in peers}
+                story = self.explain(block, waited, positions)
+                return (f"{story}\n  (the other ranks' positions as last read: the store could not be read now: "
+                        f"{read_error})"), positions
+            return (f"rank {dist.get_rank()}: blocked {waited:.0f} s in {self._describe_block(block)}; where the "
+                    f"other ranks are is unknown: the store could not be read ({read_error})"), {}
+
+    def _record_failure(self, block: _Block, error: str) -> None:
+        position = {"state": "failed", "at": self._describe_block(block), "error": error}
+        self._publish(position, failure_of=block.ticket.ranks)
 
     def publish_exit(self) -> None:
         """This process is leaving the world (its program ended): say so, so that a rank still
@@ -253,16 +298,53 @@ class Watchdog:
         if self._store is None:
             return
         try:
-            self._publish({"state": "exited"})
+            # A failure stays what the others read (they learn why this rank left), marked exited.
+            self._publish({**self._failed[0], "exited": True} if self._failed else {"state": "exited"})
         except Exception as error:  # leaving anyway
             logger.debug("watchdog: could not publish the exit: %s", error)
 
-    def _publish(self, position: dict[str, Any]) -> None:
+    def linger_after_failure(self, limit_s: float = LINGER_S) -> None:
+        """[Note: the failed rank lingers] A rank that failed in a collective exits, its connections
+        close, and its peers, still blocked in that collective, fail too and read the store to say
+        whom they waited for. Where this rank hosts the store (rank 0 does, without torchrun's agent),
+        its exit would take the store, and with it that story, away from a peer that reads a moment
+        late (a loaded machine): so, after its process groups are gone, it waits until no peer of the
+        failed collective is still blocked in a collective (each has published its own failure, or
+        left), for at most `limit_s` seconds. A peer that is not in a collective (computing, frozen)
+        is not waited for: it reads nothing soon. Only after a failure; never raises."""
+        if self._failed is None or self._store is None:
+            return
+        peers = [r for r in self._failed[1] if r != self._rank]
+        deadline = time.monotonic() + limit_s
+        try:
+            while time.monotonic() < deadline:
+                positions = self._read_positions(peers)
+                if not any(p is not None and p.get("state") == "blocked" for p in positions.values()):
+                    return
+                time.sleep(0.05)
+        except Exception as error:  # leaving anyway
+            logger.debug("watchdog: stopped waiting for the peers' reports: %s", error)
+
+    def release_store(self) -> None:
+        """The world is gone: drop the store (and, where this rank hosts it, its server) until a
+        new world is made (`reset()`); a collective issued meanwhile fails in the backend."""
+        with self._lock:
+            self._store_owner, self._store, self._store_broken = None, None, True
+
+    def _publish(self, position: dict[str, Any], *, unless_failed: bool = False,
+                 failure_of: tuple[int, ...] | None = None) -> None:
+        """Write this rank's position. `unless_failed`: not over a failure (the watchdog thread's
+        "left" would otherwise race the failure it follows); `failure_of`: `position` is this rank's
+        failure in a collective of those ranks."""
         position["time"] = time.time()
         with self._lock:
+            if unless_failed and self._failed is not None:
+                return
+            if failure_of is not None:
+                self._failed = (position, failure_of)
             store = self._get_store()
             if store is not None:
-                store.set(_key(dist.get_rank()), json.dumps(position))
+                store.set(_key(self._my_rank()), json.dumps(position))
 
     def _read_positions(self, ranks: list[int]) -> dict[int, dict[str, Any] | None]:
         found: dict[int, dict[str, Any] | None] = {}
@@ -271,20 +353,34 @@ class Watchdog:
             for r in ranks:
                 key = _key(r)
                 found[r] = json.loads(store.get(key)) if store is not None and store.check([key]) else None
+            self._last_read.update(found)
         return found
+
+    def _my_rank(self) -> int:
+        """This rank, remembered: the lingering exit reads the store after its groups are destroyed."""
+        if self._rank is None:
+            self._rank = dist.get_rank()
+        return self._rank
 
     def _get_store(self) -> Any:
         if self._store is None and not self._store_broken:
             try:
                 # A connection of our own with a short timeout: a dead store must not hang the watchdog.
                 store: Any = compat.default_store()  # Store.clone() is missing from torch's type stubs
+                self._store_owner = store  # a clone does not keep the server up ([Note: the failed rank lingers])
+                self._my_rank()
                 self._store = store.clone()
                 self._store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
-            except (AttributeError, RuntimeError) as error:
+            except (AttributeError, RuntimeError, ValueError) as error:  # ValueError: no default group
                 self._store_broken = True
                 logger.debug("hang watchdog: cannot clone the store (%s); it will not say where other ranks are",
                              error)
         return self._store
+
+
+def _all_ended(positions: dict[int, dict[str, Any] | None]) -> bool:
+    """Whether every rank's position says it failed or exited."""
+    return all(p is not None and p.get("state") in ("failed", "exited") for p in positions.values())
 
 
 def _key(rank: int) -> str:
@@ -303,7 +399,8 @@ def _position_text(position: dict[str, Any] | None) -> str:
         return (f"exited {ago:.0f} s ago: its program ended while this rank still issues collectives (the ranks "
                 "ran different numbers of steps: uneven batch counts per rank, or a loop that ends earlier on some)")
     if state == "failed":
-        return f"failed {ago:.0f} s ago in {position['at']}: {position.get('error')}"
+        exited = " (it has exited since)" if position.get("exited") else ""
+        return f"failed {ago:.0f} s ago in {position['at']}: {position.get('error')}{exited}"
     return f"left {position['at']} {ago:.0f} s ago and has not been blocked for long since"
 
 

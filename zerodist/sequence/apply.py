@@ -86,6 +86,7 @@ class SequenceParallelState:
         if self.hf_previous is not None:
             self.module.set_attn_implementation(self.hf_previous)  # type: ignore[operator]
             self.hf_previous = None
+            hf.unregister_attention()
 
 
 def apply_sequence_parallel(part: Part, topology: Topology, settings: SequenceSettings) -> SequenceParallelState:
@@ -140,8 +141,12 @@ def _wire_attention(model: torch.nn.Module, engine: EngineSequence, state: Seque
             "a Hugging Face model whose attention goes through transformers' AttentionInterface")
     hf.register_attention()
     previous: Any = getattr(model, "config")._attn_implementation
-    model.set_attn_implementation(hf.ATTENTION_NAME)  # type: ignore[operator]
-    state.hf_previous = str(previous)
+    try:
+        model.set_attn_implementation(hf.ATTENTION_NAME)  # type: ignore[operator]
+    except BaseException:
+        hf.unregister_attention()
+        raise
+    state.hf_previous = str(previous)  # from here on, remove_hooks() unregisters
     state.attention_modules = list(model.modules())  # the function finds its settings by the attention module
     for module in state.attention_modules:
         register_engine_sequence(module, engine)

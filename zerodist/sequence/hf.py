@@ -75,10 +75,43 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
     return None  # the attention is causal over the whole sequence by itself
 
 
+# Engines whose model runs the registered function now: the registration is transformers' global
+# state, so it lives exactly while one of them does (the last `unregister_attention()` removes it).
+_registered_by = 0
+
+
 def register_attention() -> None:
-    """Register the function (and its mask function) under `ATTENTION_NAME`; idempotent."""
+    """Register the function (and its mask function) under `ATTENTION_NAME` for one more engine;
+    each call is paired with one `unregister_attention()`."""
+    global _registered_by
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(ATTENTION_NAME, sequence_parallel_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, _no_mask)
+    _registered_by += 1
+
+
+def unregister_attention() -> None:
+    """One engine is done with the function; the last one takes both registrations out again, so
+    that nothing of zerodist stays in transformers' registries after destroy()."""
+    global _registered_by
+    _registered_by = max(0, _registered_by - 1)
+    if _registered_by:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    # transformers 5.x has `register` but no public way back: both registries are GeneralInterface
+    # subclasses whose class-wide `_global_mapping` is what `register` writes.
+    for registry in (AttentionInterface, type(ALL_MASK_ATTENTION_FUNCTIONS)):
+        mapping = getattr(registry, "_global_mapping", None)
+        if isinstance(mapping, dict) and mapping.get(ATTENTION_NAME) in (sequence_parallel_attention, _no_mask):
+            del mapping[ATTENTION_NAME]
+
+
+def is_registered() -> bool:
+    """Whether transformers' attention registry holds the function now."""
+    from transformers import AttentionInterface
+
+    return ATTENTION_NAME in getattr(AttentionInterface, "_global_mapping", {})

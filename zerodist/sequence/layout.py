@@ -93,6 +93,13 @@ def ulysses_bytes(*, batch: int, seq: int, heads: int, kv_heads: int, head_dim: 
 
 
 def ring_bytes(*, batch: int, seq: int, kv_heads: int, head_dim: int, degree: int, element_size: int) -> int:
-    """Bytes one rank sends in one attention layer's forward: its K and V slices reach the other
-    P-1 ranks. The backward sends the same again (dK and dV back to their owners)."""
+    """Bytes one rank sends in one attention layer's forward: a K/V block (2 e B (N/P) H_kv d)
+    passed on P-1 times around the ring, 2 (P-1) blocks' worth of K and V slices."""
     return 2 * element_size * batch * seq * kv_heads * head_dim * (degree - 1) // degree
+
+
+def ring_backward_bytes(*, batch: int, seq: int, kv_heads: int, head_dim: int, degree: int, element_size: int) -> int:
+    """Bytes one rank sends in one attention layer's backward: the K/V blocks rotate again (P-1
+    hops) and so do their dK/dV accumulators, one hop more to reach their owners (P hops)."""
+    block = 2 * element_size * batch * seq * kv_heads * head_dim // degree
+    return block * (2 * degree - 1)

@@ -25,6 +25,7 @@ from zerodist.tensor_parallel.operators import TensorRegion
 from zerodist.tensor_parallel.plan import PlanError, parallelize, plan_from_deepspeed, sliced_parameters
 from zerodist.tensor_parallel.plans import gpt_domino, gpt_plan, hf_gpt2_plan, hf_llama_plan
 from zerodist.tensor_parallel.random import RNGTracker, attach_rng_tracker, tensor_parallel_rng
+from zerodist.tensor_parallel.shared_input import detach_shared_inputs
 from zerodist.utils import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -106,6 +107,7 @@ class TensorParallelState:
     module: nn.Module
     degree: int
     source: str  # where the plan came from; "" when nothing was converted here
+    converted_here: bool = False  # the engine applied the plan (so destroy() undoes its scopes)
 
     def to_logical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`state` (the part's `state_dict()`, whole parameters) with every slice gathered over the
@@ -127,7 +129,11 @@ class TensorParallelState:
         return [f"tensor parallel: degree {self.degree} from {self.source}"] if self.source else []
 
     def remove_hooks(self) -> None:
-        """Nothing to remove: the converted layers are the model's now (they stay after `destroy()`)."""
+        """The shared-input scopes' hooks on the user's attention and MLP modules come off; the
+        converted layers are the model's now (they stay after `destroy()`) and reduce for
+        themselves. A model the user parallelized keeps what the user's `parallelize()` attached."""
+        if self.converted_here:
+            detach_shared_inputs(self.module)
 
 
 def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: TensorParallelSettings, *,
@@ -164,4 +170,4 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
     log_rank0(logger, "tensor parallel: degree %d from %s%s%s", topology.size("tensor"), source,
               ", sequence parallel" if settings.sequence_parallel else "",
               f", Domino {settings.domino.chunks} chunks ({settings.domino.overlap})" if settings.domino else "")
-    return TensorParallelState(model, topology.size("tensor"), source)
+    return TensorParallelState(model, topology.size("tensor"), source, converted_here=True)

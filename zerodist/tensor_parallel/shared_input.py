@@ -28,6 +28,10 @@ column layer that reads another tensor (a cross-attention's encoder states, `x.f
 own copy, and a tensor the module reads in any other way (a residual, a replicated layer) is not
 `prepared` and its gradient is not reduced. The scope is per thread (Domino runs its chunks in
 threads, each inside its own call of the module) and holds its tensors only for the forward.
+
+`detach_shared_inputs(model)` takes the scopes' hooks off the user's modules again (the engine's
+`destroy()`); the converted layers then reduce for themselves, one reduction per layer: the same
+sums, exact, only more of them.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ class SharedInput:
     def __init__(self, region: TensorRegion, sequence_parallel: bool = False):
         self.region, self.sequence_parallel = region, sequence_parallel
         self._local = threading.local()
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def _scopes(self) -> list[dict[int, tuple[torch.Tensor, torch.Tensor, SharedGroup]]]:
         scopes = getattr(self._local, "scopes", None)
@@ -108,8 +113,15 @@ class SharedInput:
 
     def attach(self, module: nn.Module) -> None:
         """Open the scope for each forward of `module` (and close it, even when the forward raises)."""
-        module.register_forward_pre_hook(lambda _module, _args: self.open())
-        module.register_forward_hook(lambda _module, _args, _output: self.close(), always_call=True)
+        self._handles.append(module.register_forward_pre_hook(lambda _module, _args: self.open()))
+        self._handles.append(module.register_forward_hook(lambda _module, _args, _output: self.close(),
+                                                          always_call=True))
+
+    def detach(self) -> None:
+        """Remove the hooks `attach` registered: no scope opens any more."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, SharedGroup] | None:
         """`x` copied to the tensor region (gathered along the sequence under sequence
@@ -126,3 +138,18 @@ class SharedInput:
             found = entries[id(x)] = (x, _SharedCopy.apply(x, self.region, group), group)
         found[2].users += 1
         return found[1], found[2]
+
+
+def detach_shared_inputs(model: nn.Module) -> int:
+    """Take every `SharedInput` scope off `model`'s modules and out of its column-parallel layers
+    (zerodist's own layers: their `shared_input`), which then reduce their input gradients for
+    themselves. Returns how many scopes there were."""
+    scopes: dict[int, SharedInput] = {}
+    for layer in model.modules():
+        scope = getattr(layer, "shared_input", None)  # only zerodist's column-parallel layers have one
+        if isinstance(scope, SharedInput):
+            scopes[id(scope)] = scope
+            setattr(layer, "shared_input", None)  # the layer's own field (nn.Module's stubs type it as a child)
+    for scope in scopes.values():
+        scope.detach()
+    return len(scopes)

@@ -15,7 +15,6 @@ import contextlib
 import json
 import logging
 import math
-import sys
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -30,7 +29,7 @@ from zerodist.engine import Engine
 from zerodist.models import GPT, count_parameters, gpt_config
 from zerodist.tensor_parallel import schedule_log
 from zerodist.train.metrics import MetricsLog, StepRecord, plot_loss, read_csv, write_csv
-from zerodist.train.options import TrainPlan
+from zerodist.train.options import Progress, TrainOutcome, TrainPlan
 from zerodist.train.report import RankMemory, RunSummary, expected_bus_bytes, format_summary
 from zerodist.train.seq_report import SavedActivations, SequenceReport, ring_formula, ulysses_formula
 from zerodist.train.seq_report import report_lines as sequence_report_lines
@@ -180,13 +179,13 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
     )
 
 
-def print_header(plan: TrainPlan, engine: Engine, model: GPT | MoEGPT) -> None:
+def header_lines(plan: TrainPlan, engine: Engine, model: GPT | MoEGPT) -> list[str]:
     batch = engine.batch
-    print(f"zerodist train: GPT {plan.model!r} ({count_parameters(model):,} parameters, seq {model.config.seq_len}), "
-          f"{plan.steps} steps on {comm.get_world_size()} rank(s), batch {batch.train_batch_size} = micro "
-          f"{batch.micro_batch_size} x accumulation {batch.gradient_accumulation_steps} x ranks "
-          f"{engine.topology.size('data', 'expert')}, seed {plan.seed}, output {plan.out}", flush=True)
-    print("config:\n" + json.dumps(plan.config, indent=2), flush=True)
+    return [f"zerodist train: GPT {plan.model!r} ({count_parameters(model):,} parameters, seq {model.config.seq_len}), "
+            f"{plan.steps} steps on {comm.get_world_size()} rank(s), batch {batch.train_batch_size} = micro "
+            f"{batch.micro_batch_size} x accumulation {batch.gradient_accumulation_steps} x ranks "
+            f"{engine.topology.size('data', 'expert')}, seed {plan.seed}, output {plan.out}",
+            "config:\n" + json.dumps(plan.config, indent=2)]
 
 
 def write_outputs(plan: TrainPlan, records: list[StepRecord], summary: RunSummary) -> list[str]:
@@ -203,23 +202,22 @@ def write_outputs(plan: TrainPlan, records: list[StepRecord], summary: RunSummar
     return lines
 
 
-def finished_already(plan: TrainPlan, resumed: int, rank0: bool) -> int:
+def finished_already(plan: TrainPlan, resumed: int, rank0: bool) -> TrainOutcome:
     """The checkpoint resumed from is at or past `--steps`: 0 with one line when the run is
     complete (a restart after the final save), 2 naming both numbers when `--steps` is below it."""
     save_dir = plan.config.get("checkpoint", {}).get("save_dir")
     if resumed > plan.steps:
-        if rank0:
-            print(f"zerodist train: --steps {plan.steps} is below the step of the checkpoint resumed from ({resumed}, in "
-                  f"{save_dir}); pass --steps {resumed} or more to train on from it, or another --out to start afresh",
-                  file=sys.stderr, flush=True)
-        return 2
-    if rank0:
-        history = read_csv(plan.out / "metrics.csv", resumed)
-        if history:  # a run killed between its final save and its outputs: the plot from the kept rows
-            plot_loss(history, plan.out / "loss.png", f"GPT {plan.model}, {comm.get_world_size()} rank(s)")
-        print(f"zerodist train: nothing left to train: the checkpoint in {save_dir} is at step {resumed} of --steps "
-              f"{plan.steps}; the run's outputs are in {plan.out}", flush=True)
-    return 0
+        return TrainOutcome(2, errors=[
+            f"zerodist train: --steps {plan.steps} is below the step of the checkpoint resumed from ({resumed}, in "
+            f"{save_dir}); pass --steps {resumed} or more to train on from it, or another --out to start afresh"
+        ] if rank0 else [])
+    if not rank0:
+        return TrainOutcome(0)
+    history = read_csv(plan.out / "metrics.csv", resumed)
+    if history:  # a run killed between its final save and its outputs: the plot from the kept rows
+        plot_loss(history, plan.out / "loss.png", f"GPT {plan.model}, {comm.get_world_size()} rank(s)")
+    return TrainOutcome(0, [f"zerodist train: nothing left to train: the checkpoint in {save_dir} is at step {resumed} "
+                            f"of --steps {plan.steps}; the run's outputs are in {plan.out}"])
 
 
 def _moe_lines(plan: TrainPlan, engine: Engine, model: Any, load: Any, everything: Any, steps: int,
@@ -248,13 +246,16 @@ def _sequence_report(engine: Engine, everything: Any, activations: SavedActivati
     comm.all_gather_object(everyone, activations.bytes)
     method = engine.config.zerodist.sequence_parallel.method
     micro_steps_run = max(1, steps * engine.batch.gradient_accumulation_steps)
-    return SequenceReport(engine.topology.size("sequence"), method, everything.bus_bytes("all_to_all") / micro_steps_run,
+    measured = everything.bus_bytes("all_to_all") if method == "ulysses" else everything.total_bytes("send")
+    return SequenceReport(engine.topology.size("sequence"), method, measured / micro_steps_run,
                           ulysses_formula(engine, seq_len) if method == "ulysses" else None, everyone,
                           ring_formula(engine, seq_len) if method == "ring" else None)
 
 
-def train(plan: TrainPlan) -> int:
-    """Train on this rank; 0 when the run finished with a finite loss, 1 otherwise."""
+def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
+    """Train on this rank. Rank 0's header goes to `progress` before the first step; the outcome
+    carries the exit code (0 when the run finished with a finite loss, 1 otherwise) and rank 0's
+    report, which the CLI shows (zerodist/cli/train.py)."""
     torch.manual_seed(plan.seed)  # every rank builds the same weights (rank 0's are broadcast anyway)
     if plan.moe_experts:
         from zerodist.train import moe_report
@@ -271,8 +272,9 @@ def train(plan: TrainPlan) -> int:
     if resumed >= plan.steps:
         engine.destroy()
         return finished_already(plan, resumed, rank0)
-    if rank0:
-        print_header(plan, engine, model)
+    if rank0 and progress is not None:
+        for line in header_lines(plan, engine, model):
+            progress(line)
     history = read_csv(plan.out / "metrics.csv", resumed) if resumed else []
     metrics = MetricsLog(plan.out / "metrics.csv", history) if rank0 else None
     activations = SavedActivations(engine.module) if engine.topology.size("sequence") > 1 else None
@@ -288,25 +290,24 @@ def train(plan: TrainPlan) -> int:
         if metrics is not None:
             metrics.close()
     summary = summarize(engine, records, elapsed, everything, logging_traffic, memory, seq_len)
+    outcome = TrainOutcome(0, summary=summary)
     if rank0:
-        print(format_summary(summary), flush=True)
+        outcome.lines.append(format_summary(summary))
         if load is not None:
-            for line in _moe_lines(plan, engine, model, load, everything, len(records), seq_len):
-                print(line, flush=True)
+            outcome.lines += _moe_lines(plan, engine, model, load, everything, len(records), seq_len)
         if engine.topology.size("tensor") > 1:
             report = measure_from_log(engine, tensor_parallel_log, len(records) * engine.batch.gradient_accumulation_steps)
-            print("\n".join("  " + line for line in report_lines(report)), flush=True)
+            outcome.lines.append("\n".join("  " + line for line in report_lines(report)))
         if sequence is not None:
-            print("\n".join("  " + line for line in sequence_report_lines(sequence)), flush=True)
-        for line in write_outputs(plan, history + records, summary):
-            print(line, flush=True)
+            outcome.lines.append("\n".join("  " + line for line in sequence_report_lines(sequence)))
+        outcome.lines += write_outputs(plan, history + records, summary)
     if engine.interval_saves.last_error is not None:  # the same on every rank: a save's outcome is agreed
+        outcome.code = 1
         if rank0:
-            print(f"zerodist train: the run ended with its last interval save failed, so its last steps are not "
-                  f"saved: {engine.interval_saves.last_error}", flush=True)
-        return 1
-    if not all(math.isfinite(r.loss) for r in records[-1:]):
+            outcome.lines.append(f"zerodist train: the run ended with its last interval save failed, so its last steps "
+                                 f"are not saved: {engine.interval_saves.last_error}")
+    elif not all(math.isfinite(r.loss) for r in records[-1:]):
+        outcome.code = 1
         if rank0:
-            print("zerodist train: the loss is not finite at the last step; lower --lr or use --bf16", flush=True)
-        return 1
-    return 0
+            outcome.lines.append("zerodist train: the loss is not finite at the last step; lower --lr or use --bf16")
+    return outcome

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,24 @@ DEFAULT_LR = 3e-3
 DEFAULT_SEED = 0
 # Enough windows that 300 steps at 2 x 8 x 128 tokens stay within one epoch, read in ~0.1 s.
 CORPUS_BYTES = 4_000_000
+
+
+# Where rank 0's lines that belong before or during the run go (the header, a pipeline's step
+# losses): the CLI passes a function that prints them; the library itself never prints.
+Progress = Callable[[str], None]
+
+
+@dataclasses.dataclass
+class TrainOutcome:
+    """What one `train(plan)` call reports, for the CLI to show: the exit `code`; rank 0's `lines`
+    for stdout after the run (the summary, its sections, the files written, what went wrong) and
+    `errors` for stderr, each entry printed as one `print` (entries may hold newlines); empty on the
+    other ranks. `summary`: the plain demo's `RunSummary` (zerodist/train/report.py), else None."""
+
+    code: int
+    lines: list[str] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)
+    summary: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

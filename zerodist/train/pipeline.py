@@ -19,13 +19,15 @@ from zerodist.models import gpt_config
 from zerodist.models.gpt_pipe import gpt_loss, gpt_pipeline_layers
 from zerodist.pipe import PipelineModule
 from zerodist.train.loop import build_dataset
-from zerodist.train.options import TrainPlan
+from zerodist.train.options import Progress, TrainOutcome, TrainPlan
 
 __all__ = ["train_pipeline"]
 
 
-def train_pipeline(plan: TrainPlan) -> int:
-    """Train `plan` with `plan.pipe` stages on this rank; 0 when the last loss is finite."""
+def train_pipeline(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
+    """Train `plan` with `plan.pipe` stages on this rank; its code is 0 when the last loss is
+    finite. Rank 0's header and step losses go to `progress`, its summary into the outcome."""
+    show = progress if progress is not None and comm.get_rank() == 0 else None
     torch.manual_seed(plan.seed)
     shape = gpt_config(plan.model)
     per_rank = 2 if plan.pipe_schedule == "interleaved" else 1
@@ -35,11 +37,11 @@ def train_pipeline(plan: TrainPlan) -> int:
     engine, _, _, _ = zerodist.initialize(model=model, config=plan.config, training_data=dataset)
     rank0 = comm.get_rank() == 0
     p, v, m = plan.pipe, per_rank, engine.batch.gradient_accumulation_steps
-    if rank0:
-        print(f"zerodist train: GPT '{plan.model}' in {p * v} pipeline stages on {p} pipe ranks x "
-              f"{engine.topology.size('data')} data x {engine.topology.size('tensor')} tensor, ZeRO stage "
-              f"{engine.stage}, schedule {plan.pipe_schedule}, {m} micro-batches of "
-              f"{engine.batch.micro_batch_size}; layers per stage {model.parts}", flush=True)
+    if show is not None:
+        show(f"zerodist train: GPT '{plan.model}' in {p * v} pipeline stages on {p} pipe ranks x "
+             f"{engine.topology.size('data')} data x {engine.topology.size('tensor')} tensor, ZeRO stage "
+             f"{engine.stage}, schedule {plan.pipe_schedule}, {m} micro-batches of "
+             f"{engine.batch.micro_batch_size}; layers per stage {model.parts}")
     every = plan.config.get("steps_per_print") or 100
     losses: list[float] = []
     started = time.perf_counter()
@@ -52,22 +54,24 @@ def train_pipeline(plan: TrainPlan) -> int:
                 total = torch.tensor([float(trace.total_bytes("send"))])
                 comm.all_reduce(total)
                 sent = total.item()
-            if rank0 and (step % every == 0 or step == plan.steps):
-                print(f"step {step}: loss {losses[-1]:.4f}", flush=True)
+            if show is not None and (step % every == 0 or step == plan.steps):
+                show(f"step {step}: loss {losses[-1]:.4f}")
     finally:
         engine.destroy()
     elapsed = time.perf_counter() - started
+    outcome = TrainOutcome(0 if math.isfinite(losses[-1]) else 1)
     if rank0:
         tokens = plan.steps * engine.batch.train_batch_size * shape.seq_len
         element = torch.empty((), dtype=engine.policy.param_dtype).element_size()
         activation = engine.batch.micro_batch_size * shape.seq_len * shape.d_model * element
         boundaries = (p * v - 1) * engine.topology.size("data") * engine.topology.size("tensor")
         formula = (p - 1) / (v * m + p - 1)
-        print(f"summary: final loss {losses[-1]:.4f}, {plan.steps} steps in {elapsed:.1f} s "
-              f"({tokens / elapsed:.0f} tokens/s)", flush=True)
-        print(f"  bubble: {engine.simulated.idle_share:.3f} of each rank's time (schedule simulator, F=I=W=1, "
-              f"B=2); formula {'(p-1)/(v m+p-1)' if plan.pipe_schedule != 'zb' else 'for 1F1B (p-1)/(m+p-1)'} "
-              f"= {formula:.3f}", flush=True)
-        print(f"  p2p: {sent:.0f} bytes per step = {sent / boundaries / (2 * m * activation):.2f} x 2 m x "
-              f"{activation} bytes (micro-batch activation) over each of {boundaries} stage boundaries", flush=True)
-    return 0 if math.isfinite(losses[-1]) else 1
+        outcome.lines += [
+            f"summary: final loss {losses[-1]:.4f}, {plan.steps} steps in {elapsed:.1f} s "
+            f"({tokens / elapsed:.0f} tokens/s)",
+            f"  bubble: {engine.simulated.idle_share:.3f} of each rank's time (schedule simulator, F=I=W=1, "
+            f"B=2); formula {'(p-1)/(v m+p-1)' if plan.pipe_schedule != 'zb' else 'for 1F1B (p-1)/(m+p-1)'} "
+            f"= {formula:.3f}",
+            f"  p2p: {sent:.0f} bytes per step = {sent / boundaries / (2 * m * activation):.2f} x 2 m x "
+            f"{activation} bytes (micro-batch activation) over each of {boundaries} stage boundaries"]
+    return outcome

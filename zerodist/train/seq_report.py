@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from zerodist.sequence.layout import ring_bytes, ulysses_bytes
+from zerodist.sequence.layout import ring_backward_bytes, ring_bytes, ulysses_bytes
 from zerodist.utils import format_bytes
 
 
@@ -54,7 +54,7 @@ class SavedActivations:
 class SequenceReport:
     degree: int
     method: str
-    all_to_all_bytes_per_micro_step: float  # rank 0, tracer bus bytes
+    all_to_all_bytes_per_micro_step: float  # rank 0, tracer bus bytes (the ring: the bytes it sent)
     formula_bytes_per_micro_step: int | None  # Ulysses only (the tracer's all-to-all bytes compare with it)
     activation_bytes: list[int]  # per rank, one micro-step
     ring_formula_bytes_per_micro_step: int | None = None  # the ring: K/V out, dK/dV back, every layer
@@ -72,10 +72,10 @@ def ulysses_formula(engine: Any, seq_len: int) -> int:
 def ring_formula(engine: Any, seq_len: int) -> int:
     """Bytes a rank sends for the ring in one micro-step (forward and backward) of the demo GPT."""
     gpt = engine.module.config
-    one_layer = ring_bytes(batch=engine.batch.micro_batch_size, seq=seq_len, kv_heads=gpt.n_heads,
-                           head_dim=gpt.d_model // gpt.n_heads, degree=engine.topology.size("sequence"),
-                           element_size=engine.policy.param_dtype.itemsize)
-    return 2 * gpt.n_layers * one_layer
+    shape = dict(batch=engine.batch.micro_batch_size, seq=seq_len, kv_heads=gpt.n_heads,
+                 head_dim=gpt.d_model // gpt.n_heads, degree=engine.topology.size("sequence"),
+                 element_size=engine.policy.param_dtype.itemsize)
+    return gpt.n_layers * (ring_bytes(**shape) + ring_backward_bytes(**shape))
 
 
 def report_lines(report: SequenceReport) -> list[str]:
@@ -86,11 +86,12 @@ def report_lines(report: SequenceReport) -> list[str]:
         lines.append(f"  all-to-all per micro-step on rank 0: {format_bytes(measured)} sent (tracer); formula "
                      f"2 L e B N d (2H + 2H_kv) (P-1)/P^2 = {format_bytes(expected)} ({verdict})")
     else:
-        ring_text = "-" if report.ring_formula_bytes_per_micro_step is None else format_bytes(
-            report.ring_formula_bytes_per_micro_step)
-        lines.append(f"  ring per micro-step: formula 2 L x 2 e B N H_kv d (P-1)/P = {ring_text}; K/V travel by "
-                     "all-gather and dK/dV by reduce-scatter, which the tracer cannot tell from ZeRO's (the tests "
-                     "compare them alone: tests/sequence/test_attention.py)")
+        measured, ring = report.all_to_all_bytes_per_micro_step, report.ring_formula_bytes_per_micro_step
+        ring_text = "-" if ring is None else format_bytes(ring)
+        verdict = "" if ring is None else " (matches)" if measured == ring else f" (differs by {format_bytes(measured - ring)})"
+        lines.append(f"  ring per micro-step on rank 0: {format_bytes(measured)} sent point to point (tracer); formula "
+                     f"L (3P-2) x 2 e B (N/P) H_kv d (K/V blocks rotated P-1 hops forward and backward, dK/dV P "
+                     f"hops) = {ring_text}{verdict}")
     per_rank = ", ".join(f"rank {rank} {format_bytes(b)}" for rank, b in enumerate(report.activation_bytes))
     lines.append(f"  activation memory per rank (saved for backward in one micro-step, parameters excluded): {per_rank}")
     return lines
