@@ -196,7 +196,10 @@ def _apply_zero(part: Part, model_parameters: Iterable[Any] | None, optimizer: A
     # Offload wraps the optimizer zero steps its shards with (zerodist/offload): zero never knows.
     build_optimizer = offloaded_build(build_optimizer, OffloadSettings.from_config(config), topology.world_group,
                                       comm.device_for_rank())
-    return apply_zero(part, topology, ZeroSettings.from_config(config), OptimizerRecipe(specs, build_optimizer))
+    settings = ZeroSettings.from_config(config)
+    # An all-fp64 model trains in fp64 (no bf16/fp16 section): PrecisionPolicy.for_model
+    settings = dataclasses.replace(settings, precision=settings.precision.for_model(part.module))
+    return apply_zero(part, topology, settings, OptimizerRecipe(specs, build_optimizer))
 
 
 def _build_engine(model: torch.nn.Module,

@@ -243,7 +243,9 @@ class _Run:
                              f"{tuple(getattr(loss, 'shape', ()))})")
         self.losses[mb] = loss.detach()
         if self.train:
-            self.stash[(stage, mb)] = _Stashed(leaves, [loss.float() * self.loss_scale])
+            # at least fp32 (a bf16 loss scaled in bf16 would round); an fp64 loss stays fp64
+            scaled = loss.to(torch.promote_types(loss.dtype, torch.float32)) * self.loss_scale
+            self.stash[(stage, mb)] = _Stashed(leaves, [scaled])
             self.peak_stashed = max(self.peak_stashed, len(self.stash))
 
     def _backward_roots(self, stashed: _Stashed) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
