@@ -6,9 +6,11 @@ simulator's makespan for the same costs.
 
 Each stage is one layer that sleeps `forward` ms in its forward and `backward` ms in its backward
 (an interleaved rank's two chunks each sleep half). For every (schedule, p, m) it prints the
-measured wall time of `executor.run` (the median of the repeats, after one warm-up), the
+measured wall time of `executor.run` (the median of the repeats, after one warm-up) with each
+receive posted when its RECV comes up (the baseline) and with receives posted ahead (the default,
+[Note: receives posted ahead] in zerodist/comm/p2p.py), alternated within the same run, the
 simulator's makespan with those costs (`Costs(forward, backward, stage_scale=1/v)`, zero message
-latency), their ratio, and the bubble share measured from the executor's own trace against
+latency), their ratios, and the bubble share measured from the executor's own trace (receives ahead) against
 (p-1)/(m+p-1) (interleaved: (p-1)/(v m+p-1)). Zero-bubble (zb) is left out: this executor's W
 traverses the stage's graph again (autograd cannot run only the weight half of a node), so its
 sleep layer would sleep twice. Nothing here gates anything.
@@ -71,26 +73,30 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
         module = PipelineModule(layers, num_stages=p, stages_per_rank=v, partition_method="uniform",
                                 loss_fn=lambda out, label: out.sum())
         schedule = build_schedule(name, num_ranks=p, num_microbatches=m, stages_per_rank=v)
-        executor = PipelineExecutor(module, list(range(p)), timeout_s=60)
+        # the baseline (each receive posted at its RECV) and receives posted ahead, alternated
+        executors = {ahead: PipelineExecutor(module, list(range(p)), timeout_s=60, receive_ahead=ahead)
+                     for ahead in (False, True)}
         data = [torch.ones(4) for _ in range(m)]
-        walls, traces = [], []
+        walls: dict[bool, list[float]] = {False: [], True: []}
+        traces: dict[bool, list] = {}
         for repeat in range(args.repeats + 1):
-            comm.barrier()
-            start = time.perf_counter()
-            result = executor.run(schedule[rank], inputs=data, labels=data)
-            comm.barrier()
-            if repeat:
-                walls.append(time.perf_counter() - start)
-                traces.append([TimedAction(e.action, e.start, e.end) for e in result.trace])
+            for ahead, executor in executors.items():
+                comm.barrier()
+                start = time.perf_counter()
+                result = executor.run(schedule[rank], inputs=data, labels=data)
+                comm.barrier()
+                if repeat:
+                    walls[ahead].append(time.perf_counter() - start)
+                    traces[ahead] = [TimedAction(e.action, e.start, e.end) for e in result.trace]
         everyone: list = [None] * world
-        comm.all_gather_object(everyone, traces[-1])
+        comm.all_gather_object(everyone, traces[True])
         if rank == 0:
             simulated = simulate(schedule, Costs(forward=args.forward_ms / 1e3, backward=args.backward_ms / 1e3,
                                                  stage_scale=1 / v))
             measured = measure_timeline(everyone)  # clocks are one machine's perf_counter
             formula = (p - 1) / (v * m + p - 1)
-            queue.put((name, p, m, v, statistics.median(walls), simulated.makespan, measured.idle_share,
-                       simulated.idle_share, formula))
+            queue.put((name, p, m, v, statistics.median(walls[False]), statistics.median(walls[True]),
+                       simulated.makespan, measured.idle_share, simulated.idle_share, formula))
 
 
 def main() -> int:
@@ -111,12 +117,14 @@ def main() -> int:
         while not queue.empty():
             rows.append(queue.get())
     print(f"stage forward {args.forward_ms:g} ms, backward {args.backward_ms:g} ms (sleeps); median of "
-          f"{args.repeats} runs after a warm-up")
-    print(f"{'schedule':<12} {'p':>2} {'m':>2} {'v':>2} {'wall ms':>8} {'simulated':>9} {'ratio':>6} "
-          f"{'bubble (trace)':>14} {'simulated':>9} {'formula':>8}")
-    for name, p, m, v, wall, simulated, bubble, sim_bubble, formula in rows:
-        print(f"{name:<12} {p:>2} {m:>2} {v:>2} {wall * 1e3:>8.1f} {simulated * 1e3:>9.1f} {wall / simulated:>6.3f} "
-              f"{bubble:>14.3f} {sim_bubble:>9.3f} {formula:>8.3f}")
+          f"{args.repeats} runs after a warm-up; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"{'schedule':<12} {'p':>2} {'m':>2} {'v':>2} {'at RECV ms':>10} {'ahead ms':>9} {'simulated':>9} "
+          f"{'ratio':>6} {'ratio':>6} {'bubble (trace)':>14} {'simulated':>9} {'formula':>8}")
+    print(f"{'':<12} {'':>2} {'':>2} {'':>2} {'':>10} {'':>9} {'':>9} {'at RECV':>6} {'ahead':>6}")
+    for name, p, m, v, baseline, wall, simulated, bubble, sim_bubble, formula in rows:
+        print(f"{name:<12} {p:>2} {m:>2} {v:>2} {baseline * 1e3:>10.1f} {wall * 1e3:>9.1f} {simulated * 1e3:>9.1f} "
+              f"{baseline / simulated:>6.3f} {wall / simulated:>6.3f} {bubble:>14.3f} {sim_bubble:>9.3f} "
+              f"{formula:>8.3f}")
     return 0
 
 

@@ -2,6 +2,7 @@
 
     handle = send_message(tensors, dst, label=(kind, stage, microbatch))     # non-blocking
     tensors = recv_message(src, label=(kind, stage, microbatch), timeout_s=...)
+    message = IncomingMessage(src, label=..., describe=...)                   # header posted ahead
     send(t, dst) / recv(t, src) / isend / irecv                               # the plain forms
 
 [Note: p2p headers] gloo matches a receive by (source, tag) only, and a receive must be posted
@@ -14,6 +15,17 @@ expects and the dtype/shape against what it expects (when it knows: an output gr
 match the output it sent), allocates, and receives the payload: a mismatch is a
 `PipeMessageError` naming both sides, on the receiving rank, before any byte of payload is read.
 Headers and payloads each keep their order between two ranks (gloo's pairs are FIFO per tag).
+
+[Note: receives posted ahead] gloo's TCP pairs move a message only once its receive is posted
+(the receiver tells the sender it is ready), so a receive posted when the receiver reaches it
+costs a round trip for the header and another for the payload, while the sender's data waits.
+`IncomingMessage` posts the header's receive early (the pipeline executor posts every header of a
+run at its start, in the schedule's message order); whenever the header has arrived the
+receiver can `open()` it (check it, allocate, post the payload's receives) between two pieces of
+work, so by the time it needs the tensors they are usually there. The checks are the same as
+`recv_message`'s, at `open()`: nothing is read into a buffer before its header is checked. An
+abort header matches whichever header receive is posted next, so a posted-ahead receive reports
+a failed neighbour as soon as it is polled.
 
 A rank whose pipeline work fails sends an abort header to its neighbours (`send_abort`): a
 neighbour waiting for a message from it raises `PipePeerFailedError` at once instead of waiting
@@ -42,7 +54,7 @@ from zerodist.comm.init import ensure_initialized
 from zerodist.comm.watchdog import CollectiveError, CollectiveTimeoutError, Ticket, watchdog
 
 __all__ = [
-    "HEADER_TAG", "MAX_TENSORS", "PAYLOAD_TAG", "PipeMessageError", "PipePeerFailedError", "PipeTimeoutError",
+    "HEADER_TAG", "IncomingMessage", "MAX_TENSORS", "PAYLOAD_TAG", "PipeMessageError", "PipePeerFailedError", "PipeTimeoutError",
     "SendHandle", "irecv", "isend", "recv", "recv_message", "send", "send_abort", "send_message",
 ]
 
@@ -156,6 +168,77 @@ def send_abort(dst: int, label: Label = (0, 0, 0)) -> None:
 _ABORTS: list[Any] = []
 
 
+class IncomingMessage:
+    """A message whose header receive is posted now, before the receiver needs it ([Note: receives
+    posted ahead]); `open()` checks the header and posts the payload's receives, `tensors()` waits.
+
+        message = IncomingMessage(src, label=(kind, stage, mb), describe="...", timeout_s=60)
+        ...                                   # compute; `message.header_arrived()` polls
+        tensors = message.tensors(expect)     # header checked, payload received
+
+    Several may be posted from one source: gloo matches them in the order posted, so they must be
+    posted in the order the sender sends (the schedule's message order)."""
+
+    def __init__(self, src: int, *, label: Label, describe: str, timeout_s: float | None = None,
+                 timeout_setting: str | None = None, device: torch.device | None = None):
+        ensure_initialized()
+        self.src, self.label, self.describe = src, tuple(label), describe
+        self.timeout_s, self.timeout_setting = timeout_s, timeout_setting
+        self.device = device or torch.device("cpu")
+        self._header = torch.empty(HEADER_LENGTH, dtype=torch.int64)
+        self._received: list[torch.Tensor] | None = None  # allocated once the header is checked
+        self._works: list[Any] = []
+        try:
+            self._header_work: Any = dist.irecv(self._header, src=src, tag=HEADER_TAG)
+        except RuntimeError as error:  # the peer's connection is already closed
+            raise PipePeerFailedError(f"rank {dist.get_rank()}: waiting for {describe} (rank {src}) failed: that "
+                                      f"stage exited or crashed; its log says why.\n{error}") from error
+
+    @property
+    def opened(self) -> bool:
+        return self._received is not None
+
+    def header_arrived(self) -> bool:
+        """Non-blocking: whether `open()` would return without waiting (a failed receive counts)."""
+        return self.opened or bool(self._header_work.is_completed())
+
+    def open(self, expect: Sequence[Meta] | None = None) -> None:
+        """Wait for the header (up to the timeout), check it against the label and `expect`, allocate
+        the tensors and post their receives; a no-op once done."""
+        if self._received is not None:
+            return
+        _wait(self._header_work, self._ticket(), self.timeout_s, self.describe, self.timeout_setting)
+        status, sent_label, metas = _decode(self._header, self.src, self.describe)
+        if status == _ABORT:
+            raise PipePeerFailedError(
+                f"rank {dist.get_rank()}: waiting for {self.describe} (rank {self.src}), which failed (its log has "
+                "the error); this stage stops too")
+        if sent_label != self.label:
+            raise PipeMessageError(
+                f"rank {dist.get_rank()} expected {self.describe} (label {self.label}) from rank {self.src}, which "
+                f"sent label {sent_label}: the two stages run different schedules or micro-batch counts; every "
+                "rank must use the same pipeline config and gradient_accumulation_steps")
+        if expect is not None:
+            _check_expected(metas, expect, self.src, self.describe)
+        received = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
+        self._works = [dist.irecv(t, src=self.src, tag=PAYLOAD_TAG) for t in received]
+        for tensor in received:
+            _record("recv", tensor)
+        self._received = received
+
+    def tensors(self, expect: Sequence[Meta] | None = None) -> list[torch.Tensor]:
+        """The message's tensors: `open(expect)`, then wait for the payload (up to the timeout each)."""
+        self.open(expect)
+        assert self._received is not None
+        for work in self._works:
+            _wait(work, self._ticket(), self.timeout_s, self.describe, self.timeout_setting)
+        self._works = []
+        return self._received
+
+    def _ticket(self) -> Ticket:
+        return Ticket(f"recv {self.describe}", "pipe", _pair(self.src), 0)
+
+
 def recv_message(src: int, *, label: Label, describe: str, expect: Sequence[Meta] | None = None,
                  timeout_s: float | None = None, timeout_setting: str | None = None,
                  device: torch.device | None = None) -> list[torch.Tensor]:
@@ -163,32 +246,8 @@ def recv_message(src: int, *, label: Label, describe: str, expect: Sequence[Meta
     `label` and `expect` (dtype and shape of each tensor, when known), then the tensors.
     `describe` names the message in errors ("the activation of micro-batch 2 from stage 0");
     `timeout_setting` the setting `timeout_s` came from, for the timeout's error."""
-    ensure_initialized()
-    header = torch.empty(HEADER_LENGTH, dtype=torch.int64)
-    try:
-        posted = dist.irecv(header, src=src, tag=HEADER_TAG)
-    except RuntimeError as error:  # the peer's connection is already closed
-        raise PipePeerFailedError(f"rank {dist.get_rank()}: waiting for {describe} (rank {src}) failed: that stage "
-                                  f"exited or crashed; its log says why.\n{error}") from error
-    _wait(posted, Ticket(f"recv {describe}", "pipe", _pair(src), 0), timeout_s, describe, timeout_setting)
-    status, sent_label, metas = _decode(header, src, describe)
-    if status == _ABORT:
-        raise PipePeerFailedError(
-            f"rank {dist.get_rank()}: waiting for {describe} (rank {src}), which failed (its log has the "
-            "error); this stage stops too")
-    if sent_label != tuple(label):
-        raise PipeMessageError(
-            f"rank {dist.get_rank()} expected {describe} (label {tuple(label)}) from rank {src}, which sent "
-            f"label {sent_label}: the two stages run different schedules or micro-batch counts; every rank "
-            "must use the same pipeline config and gradient_accumulation_steps")
-    if expect is not None:
-        _check_expected(metas, expect, src, describe)
-    tensors = [torch.empty(shape, dtype=dtype, device=device or torch.device("cpu")) for shape, dtype in metas]
-    works = [dist.irecv(t, src=src, tag=PAYLOAD_TAG) for t in tensors]
-    for work, tensor in zip(works, tensors):
-        _record("recv", tensor)
-        _wait(work, Ticket(f"recv {describe}", "pipe", _pair(src), 0), timeout_s, describe, timeout_setting)
-    return tensors
+    return IncomingMessage(src, label=label, describe=describe, timeout_s=timeout_s, timeout_setting=timeout_setting,
+                           device=device).tensors(expect)
 
 
 def _check_expected(metas: list[Meta], expect: Sequence[Meta], src: int, describe: str) -> None:
