@@ -3,6 +3,7 @@ that two cores do not decide), real processes, real gloo messages, against the s
 simulator's makespan for the same costs.
 
     python benchmarks/pipe_executor_bench.py [--forward-ms 20] [--backward-ms 40] [--repeats 3]
+                                             [--activation-numel 4]
 
 Each stage is one layer that sleeps `forward` ms in its forward and `backward` ms in its backward
 (an interleaved rank's two chunks each sleep half). For every (schedule, p, m) it prints the
@@ -55,7 +56,7 @@ class _Sleep(torch.autograd.Function):
 class SleepStage(torch.nn.Module):
     def __init__(self, forward_s: float, backward_s: float):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(4))
+        self.weight = torch.nn.Parameter(torch.ones(1))
         self.forward_s, self.backward_s = forward_s, backward_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,9 +73,9 @@ class MeasuredCosts:
         return self.durations.get(action, 0.0)
 
 
-def message_latency(rank: int, world: int, rounds: int = 30) -> float:
+def message_latency(rank: int, world: int, numel: int, rounds: int = 30) -> float:
     """One message's time from send to received (half a ping-pong's median round trip between ranks 0
-    and 1, a header and a 4-float payload, the benchmark's activation): the simulator's `latency`."""
+    and 1, a header and the benchmark's activation): the simulator's `latency`."""
     import zerodist.comm as comm
     from zerodist.comm import p2p
 
@@ -83,11 +84,11 @@ def message_latency(rank: int, world: int, rounds: int = 30) -> float:
         comm.barrier()
         start = time.perf_counter()
         if rank == 0:
-            p2p.send_message([torch.ones(4)], 1, label=(9, 0, index)).wait()
+            p2p.send_message([torch.ones(numel)], 1, label=(9, 0, index)).wait()
             p2p.recv_message(1, label=(9, 1, index), describe="pong")
         elif rank == 1:
             p2p.recv_message(0, label=(9, 0, index), describe="ping")
-            p2p.send_message([torch.ones(4)], 0, label=(9, 1, index)).wait()
+            p2p.send_message([torch.ones(numel)], 0, label=(9, 1, index)).wait()
         if index:
             times.append((time.perf_counter() - start) / 2)
     everyone: list = [None] * world
@@ -104,7 +105,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
     from zerodist.pipe.schedule_checks import Costs, TimedAction, measure_timeline, simulate
 
     comm.init_distributed()
-    latency = message_latency(rank, world)
+    latency = message_latency(rank, world, args.activation_numel)
     for name, p, m, v in CASES:
         if p != world:
             continue
@@ -116,7 +117,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
         # the baseline (each receive posted at its RECV) and receives posted ahead, alternated
         executors = {ahead: PipelineExecutor(module, list(range(p)), timeout_s=60, receive_ahead=ahead)
                      for ahead in (False, True)}
-        data = [torch.ones(4) for _ in range(m)]
+        data = [torch.ones(args.activation_numel) for _ in range(m)]
         walls: dict[bool, list[float]] = {False: [], True: []}
         traces: dict[bool, list] = {}
         for repeat in range(args.repeats + 1):
@@ -154,6 +155,8 @@ def main() -> int:
     parser.add_argument("--forward-ms", type=float, default=20.0)
     parser.add_argument("--backward-ms", type=float, default=40.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--activation-numel", type=int, default=4,
+                        help="fp32 elements of each activation (over 1024, 4 KiB, they travel apart from the header)")
     args = parser.parse_args()
     import torch.multiprocessing as mp
 
@@ -167,7 +170,7 @@ def main() -> int:
         while not queue.empty():
             rows.append(queue.get())
     print(f"stage forward {args.forward_ms:g} ms, backward {args.backward_ms:g} ms (sleeps); median of "
-          f"{args.repeats} runs after a warm-up; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+          f"{args.repeats} runs after a warm-up; activations of {args.activation_numel} fp32; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"{'schedule':<12} {'p':>2} {'m':>2} {'v':>2} {'at RECV':>8} {'ahead':>7} {'sim':>7} {'ratio':>6} "
           f"{'ratio':>6} {'sim+lat':>7} {'ratio':>6} {'stretch':>7} {'as run':>7} {'ratio':>6} {'bubble':>7} "
           f"{'sim':>6} {'formula':>7}")
