@@ -31,7 +31,7 @@ __all__ = ["__version__", *_EXPORTS]
 # Reached as attributes without an import of their own, as DeepSpeed's are after `import deepspeed`
 # (`deepspeed.moe.layer.MoE`, `deepspeed.accelerator.get_accelerator()`); each is imported on first use.
 _SUBPACKAGES = {"accelerator", "checkpoint", "comm", "config", "data", "debug", "engine", "integrations", "models",
-                "moe", "offload", "pipe", "precision", "sequence", "tensor_parallel", "utils", "zero"}
+                "moe", "offload", "pipe", "precision", "runtime", "sequence", "tensor_parallel", "utils", "zero"}
 
 
 def __getattr__(name: str) -> Any:

@@ -43,6 +43,27 @@ def roundtrip_body() -> list[float]:
         return [float(trace.total_bytes("recv")), a.sum().item(), float(b.dtype == torch.int64)]
 
 
+def sizes_body() -> list[bool]:
+    """Small messages travel inside the header's message, large ones as header then payload: both
+    arrive exact, every dtype at its alignment, in the order sent."""
+    g = torch.Generator().manual_seed(0)
+    small = [torch.randn(3, generator=g).to(torch.bfloat16), torch.tensor([True, False, True]),
+             torch.randn(2, 2, generator=g, dtype=torch.float64), torch.randn(1, generator=g).to(torch.complex128)]
+    large = [torch.randn(64, 64, generator=g), torch.arange(5)]  # 16 KiB: over p2p.INLINE_BYTES
+    if comm.get_rank() == 0:
+        handles = [p2p.send_message(small, 1, label=(1, 0, 0)), p2p.send_message(large, 1, label=(1, 0, 1))]
+        for handle in handles:
+            handle.wait(10)
+        return []
+    got_small = p2p.recv_message(0, label=(1, 0, 0), describe="small", timeout_s=10)
+    got_large = p2p.recv_message(0, label=(1, 0, 1), describe="large", timeout_s=10)
+    return [a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got_small + got_large, small + large)]
+
+
+def test_small_and_large_messages_arrive_exact():
+    assert run_distributed(sizes_body, 2)[1] == [True] * 6
+
+
 def test_messages_carry_shapes_and_dtypes():
     sender, receiver = run_distributed(roundtrip_body, 2)
     assert sender == [6 * 4 + 2 * 8]

@@ -33,7 +33,7 @@ import torch
 import zerodist.comm as comm
 from zerodist.comm import Group
 from zerodist.debug.engine_view import TrainingEngine, state_of
-from zerodist.debug.estimate import OPTIMIZER_STATES, MemoryEstimate, estimate_memory, formula
+from zerodist.debug.estimate import OPTIMIZER_STATES, PARAM_BYTES, MemoryEstimate, estimate_memory, formula
 from zerodist.utils import format_bytes, get_logger, log_rank0
 from zerodist.zero.state import zero_state_of
 
@@ -152,12 +152,12 @@ def estimate_for_engine(engine: TrainingEngine, **kwargs: Any) -> MemoryEstimate
     and bucket sizes, so the model states agree with `engine.model_state_bytes()` exactly (once
     the optimizer has stepped: Adam's states are created at the first step). `kwargs` go to
     `estimate_memory` (hidden=, layers=, seq_len=, micro_batch=, heads=, flash_attention=...).
-    None for an optimizer the estimator has no formula for, or parameters in several sharding
-    domains (the formula has one N)."""
+    None for an optimizer the estimator has no formula for, parameters in several sharding
+    domains (the formula has one N), or a dtype it has none for (fp64)."""
     state = state_of(engine)
     kind = optimizer_kind(state.optimizer)
     sizes = {g.world_size for g in state.groups}
-    if kind is None or kind not in OPTIMIZER_STATES or len(sizes) != 1:
+    if kind is None or kind not in OPTIMIZER_STATES or len(sizes) != 1 or state.precision.name not in PARAM_BYTES:
         return None
     zero = engine.config.zero_optimization
     kwargs.setdefault("reduce_bucket_size", zero.reduce_bucket_size)

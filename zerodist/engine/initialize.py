@@ -197,7 +197,10 @@ def _apply_zero(part: Part, model_parameters: Iterable[Any] | None, optimizer: A
     # Offload wraps the optimizer zero steps its shards with (zerodist/offload): zero never knows.
     offload = OffloadSettings.from_config(config)
     build_optimizer = offloaded_build(build_optimizer, offload, topology.world_group, comm.device_for_rank())
-    zero = apply_zero(part, topology, ZeroSettings.from_config(config), OptimizerRecipe(specs, build_optimizer))
+    settings = ZeroSettings.from_config(config)
+    # An all-fp64 model trains in fp64 (no bf16/fp16 section): PrecisionPolicy.for_model
+    settings = dataclasses.replace(settings, precision=settings.precision.for_model(part.module))
+    zero = apply_zero(part, topology, settings, OptimizerRecipe(specs, build_optimizer))
     if isinstance(zero.optimizer.inner, SwappedOptimizer):
         # The fp32 master (bf16/fp16) and, with offload_param nvme, the stage-3 parameter shards move into
         # the swap files too ([Note: stepped values elsewhere] in zerodist/zero/stepped_store.py).

@@ -256,7 +256,8 @@ class PipelineEngine(Engine):
                 comm.all_reduce(loss, op=comm.ReduceOp.AVG, group=batch_group)
         if len(self.pipe_ranks) > 1:
             comm.broadcast(loss, src=self.pipe_ranks[-1], group=self.topology.group("pipe"))
-        return loss.float()
+        # fp32 as before; an fp64 model's loss stays fp64 (its parity with one process is 1e-12)
+        return loss if self.policy.param_dtype == torch.float64 else loss.float()
 
 
 def _forward_only(schedule: list[list[Action]]) -> list[list[Action]]:

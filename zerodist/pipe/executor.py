@@ -15,7 +15,11 @@ zerodist/comm/p2p.py for the messages):
   splits it: I(s, j) computes only the input gradients (graph retained), W(s, j) only the weight
   gradients.
 - SEND_*: non-blocking; every send is waited for at the end of the run. RECV_*: blocking, with
-  `timeout_s`.
+  `timeout_s`, on a message whose header receive was posted when the run started and whose
+  payload receive was posted as soon as the header was there (polled before every action):
+  [Note: receives posted ahead] in zerodist/comm/p2p.py. A sender never waits for its receiver
+  to reach the RECV. `receive_ahead=False` posts each receive at its RECV (the benchmark's
+  baseline).
 
 `after_backward()` is called after every backward that wrote weight gradients (B, W): the engine
 hands them to ZeRO's reducer, which defers them until the batch's one reduction. The executor
@@ -26,6 +30,7 @@ neighbours, so every stage stops by name instead of waiting for a message that n
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -83,10 +88,12 @@ class PipelineExecutor:
     """Runs a rank's actions; `pipe_ranks[r]` is the global rank of pipe rank r in this rank's pipe."""
 
     def __init__(self, module: PipelineModule, pipe_ranks: Sequence[int], *, timeout_s: float | None = None,
-                 timeout_setting: str | None = None, clock: Callable[[], float] | None = None):
+                 timeout_setting: str | None = None, clock: Callable[[], float] | None = None,
+                 receive_ahead: bool = True):
         import time
 
         self.module, self.pipe_ranks, self.timeout_s = module, list(pipe_ranks), timeout_s
+        self.receive_ahead = receive_ahead
         self.timeout_setting = timeout_setting  # where timeout_s came from, named by a timeout's error
         self.num_ranks = len(self.pipe_ranks)
         self.last_stage = module.total_stages - 1
@@ -123,7 +130,9 @@ class PipelineExecutor:
                                 "out of step now, so it cannot run again: build a new engine (or restart the job)")
         run = _Run(self, inputs, labels, loss_scale, train, after_backward or (lambda: None), keep_outputs)
         try:
+            run.inbox.post(actions)
             for action in actions:
+                run.inbox.poll()
                 run.do(action)
             for handle in run.sends:
                 handle.wait(self.timeout_s, self.timeout_setting)
@@ -153,6 +162,7 @@ class _Run:
         self.sends: list[p2p.SendHandle] = []
         self.peak_stashed = 0
         self.trace: list[ExecutedAction] = []
+        self.inbox = _Inbox(self)
 
     def do(self, action: Action) -> None:
         kind, stage, mb = action.kind, action.stage, action.microbatch
@@ -176,19 +186,32 @@ class _Run:
 
     # ------------------------------------------------------------------ messages
     def _recv_activation(self, stage: int, mb: int) -> None:
-        tensors = p2p.recv_message(self.x._global_rank(stage - 1), label=(_ACTIVATION, stage, mb),
-                                   describe=f"the activation of micro-batch {mb} for stage {stage} from stage "
-                                   f"{stage - 1}", timeout_s=self.x.timeout_s,
-                                   timeout_setting=self.x.timeout_setting)
+        tensors = self.inbox.take(Kind.RECV_F, stage, mb)
         self.received[(stage, mb)] = (tensors, len(tensors) > 1)
 
     def _recv_gradient(self, stage: int, mb: int) -> None:
-        stashed = self.stash[(stage, mb)]
-        expect = [(tuple(t.shape), t.dtype) for t in stashed.outputs if t.is_floating_point()]
-        stashed.output_grads = p2p.recv_message(
-            self.x._global_rank(stage + 1), label=(_GRADIENT, stage, mb), expect=expect,
-            describe=f"the output gradient of micro-batch {mb} for stage {stage} from stage {stage + 1}",
-            timeout_s=self.x.timeout_s, timeout_setting=self.x.timeout_setting)
+        self.stash[(stage, mb)].output_grads = self.inbox.take(Kind.RECV_B, stage, mb)
+
+    def incoming(self, kind: Kind, stage: int, mb: int) -> p2p.IncomingMessage:
+        """The receive of RECV_F / RECV_B (stage, mb), posted now."""
+        if kind is Kind.RECV_F:
+            source, label = stage - 1, (_ACTIVATION, stage, mb)
+            describe = f"the activation of micro-batch {mb} for stage {stage} from stage {source}"
+        else:
+            source, label = stage + 1, (_GRADIENT, stage, mb)
+            describe = f"the output gradient of micro-batch {mb} for stage {stage} from stage {source}"
+        return p2p.IncomingMessage(self.x._global_rank(source), label=label, describe=describe,
+                                   timeout_s=self.x.timeout_s, timeout_setting=self.x.timeout_setting)
+
+    def expected(self, kind: Kind, stage: int, mb: int) -> tuple[bool, list[p2p.Meta] | None]:
+        """(known, metas): an output gradient must match the output it is the gradient of, known
+        once F(stage, mb) ran; an activation's shape is the sender's to say."""
+        if kind is Kind.RECV_F:
+            return True, None
+        stashed = self.stash.get((stage, mb))
+        if stashed is None:
+            return False, None
+        return True, [(tuple(t.shape), t.dtype) for t in stashed.outputs if t.is_floating_point()]
 
     # ------------------------------------------------------------------ compute
     def _stage_input(self, stage: int, mb: int) -> tuple[Any, list[torch.Tensor]]:
@@ -241,7 +264,9 @@ class _Run:
                              f"{tuple(getattr(loss, 'shape', ()))})")
         self.losses[mb] = loss.detach()
         if self.train:
-            self.stash[(stage, mb)] = _Stashed(leaves, [loss.float() * self.loss_scale])
+            # at least fp32 (a bf16 loss scaled in bf16 would round); an fp64 loss stays fp64
+            scaled = loss.to(torch.promote_types(loss.dtype, torch.float32)) * self.loss_scale
+            self.stash[(stage, mb)] = _Stashed(leaves, [scaled])
             self.peak_stashed = max(self.peak_stashed, len(self.stash))
 
     def _backward_roots(self, stashed: _Stashed) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
@@ -286,6 +311,53 @@ class _Run:
             self.stash[(stage - 1, mb)].output_grads = grads
         else:
             self.grads_out[(stage, mb)] = grads
+
+
+class _Inbox:
+    """A run's incoming messages ([Note: receives posted ahead] in zerodist/comm/p2p.py): every
+    header receive posted at the start in the schedule's order (per source, the order the sender
+    sends: `schedule_checks.check_message_order`), each opened (checked, payload receive posted) by
+    `poll()` as soon as it is there, and in any case by `take()` at its RECV."""
+
+    def __init__(self, run: _Run):
+        self.run = run
+        self.messages: dict[tuple[Kind, int, int], p2p.IncomingMessage] = {}
+        self.unopened: dict[int, deque[tuple[tuple[Kind, int, int], p2p.IncomingMessage]]] = {}
+
+    def post(self, actions: Sequence[Action]) -> None:
+        if not self.run.x.receive_ahead:
+            return
+        for action in actions:
+            if action.kind.is_recv:
+                key = (action.kind, action.stage, action.microbatch)
+                message = self.run.incoming(*key)
+                self.messages[key] = message
+                self.unopened.setdefault(message.src, deque()).append((key, message))
+
+    def poll(self) -> None:
+        """Open, in order per source, the messages whose headers are there (never waits)."""
+        for queue in self.unopened.values():
+            while queue and queue[0][1].header_arrived():
+                key, message = queue[0]
+                known, expect = self.run.expected(*key)
+                if not known:
+                    break
+                message.open(expect)
+                queue.popleft()
+
+    def take(self, kind: Kind, stage: int, mb: int) -> list[torch.Tensor]:
+        """The tensors of RECV `kind` (stage, mb): waits (up to the timeout) for what is not there."""
+        key = (kind, stage, mb)
+        _, expect = self.run.expected(*key)
+        message = self.messages.pop(key, None)
+        if message is None:  # not posted ahead
+            return self.run.incoming(*key).tensors(expect)
+        queue = self.unopened[message.src]
+        if queue and queue[0][1] is message:
+            queue.popleft()
+        # the earlier messages from this source were taken (so opened) before: RECVs come in send order
+        assert all(m is not message for _, m in queue), f"{key} taken out of its source's order"
+        return message.tensors(expect)
 
 
 def _leaves(value: Any) -> list[torch.Tensor]:

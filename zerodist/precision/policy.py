@@ -12,8 +12,10 @@ from zerodist.config import Config
 @dataclasses.dataclass(frozen=True)
 class PrecisionPolicy:
     """`param_dtype` for the module's parameters and their gradients (and gradient
-    communication); the optimizer always steps an fp32 master copy. In fp32 training the
-    master weights *are* the parameters (`needs_master_copy` is False), so no copy exists.
+    communication). Mixed precision (bf16, fp16) steps an fp32 master copy; in fp32 training the
+    master weights *are* the parameters (`needs_master_copy` is False), so no copy exists, and
+    likewise in fp64 training, which a model whose every floating parameter is fp64 gets when the
+    config asks for neither bf16 nor fp16 (`for_model`): DeepSpeed trains such a model in fp64 too.
     """
 
     param_dtype: torch.dtype = torch.float32
@@ -21,11 +23,21 @@ class PrecisionPolicy:
 
     @property
     def needs_master_copy(self) -> bool:
-        return self.param_dtype != torch.float32
+        return self.param_dtype in (torch.bfloat16, torch.float16)
 
     @property
     def name(self) -> str:
-        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.param_dtype]
+        return {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16",
+                torch.float16: "fp16"}[self.param_dtype]
+
+    def for_model(self, model: torch.nn.Module) -> PrecisionPolicy:
+        """fp64 for a model whose floating parameters are all fp64 when the config chose no mixed
+        precision (casting it to fp32 would lose what the user built it for); else this policy.
+        A model mixing fp64 with other dtypes keeps the fp32 policy (and its recast warning)."""
+        if self.param_dtype != torch.float32:
+            return self
+        dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        return PrecisionPolicy(torch.float64) if dtypes == {torch.float64} else self
 
     def describe_recast(self, model: torch.nn.Module) -> str | None:
         """What initialize() will cast that the user chose: floating parameters and buffers in a
