@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from zerodist.config import Config, ConfigError
 from zerodist.engine.optimizers import optimizer_from_config
@@ -21,6 +22,20 @@ def test_a_negative_learning_rate_is_a_config_error():
     with pytest.raises(ConfigError, match="Invalid learning rate: -0.1"):
         optimizer_from_config(config)
     optimizer_from_config(Config.load({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["Adam", "AdamW", "adamw"])
+def test_adam_without_weight_decay_decays_nothing_as_under_deepspeed(kind):
+    """DeepSpeed's FusedAdam and DeepSpeedCPUAdam default weight_decay to 0; torch's AdamW to 0.01."""
+    cls, params = optimizer_from_config(Config.load({"optimizer": {"type": kind, "params": {"lr": 0.1}}}))
+    assert cls is torch.optim.AdamW and params == {"lr": 0.1, "weight_decay": 0.0}
+    _, params = optimizer_from_config(Config.load({"optimizer": {"type": kind, "params": {"lr": 0.1,
+                                                                                          "weight_decay": 0.1}}}))
+    assert params["weight_decay"] == 0.1
+    _, params = optimizer_from_config(Config.load({"optimizer": {"type": kind, "params": {"lr": 0.1,
+                                                                                          "torch_adam": True}}}))
+    assert params == {"lr": 0.1}  # torch's own class, with torch's defaults, as DeepSpeed's torch_adam gives
 
 
 def test_a_scheduler_parameter_typo_says_did_you_mean():

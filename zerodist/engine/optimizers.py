@@ -58,9 +58,14 @@ def optimizer_from_config(config: Config) -> tuple[type, dict[str, Any]]:
     if key in _DEEPSPEED_ONLY:
         raise ConfigError(f"optimizer.type {name!r} is a DeepSpeed-specific optimizer that zerodist does not "
                           "implement; use Adam, AdamW, SGD, Adagrad or any torch.optim class")
-    if key == "adam":
-        params.pop("torch_adam", None)
-        name = "AdamW" if params.pop("adam_w_mode", True) else "Adam"
+    if key in ("adam", "adamw"):
+        if not params.pop("torch_adam", False):
+            # DeepSpeed builds its own FusedAdam / DeepSpeedCPUAdam here, whose weight_decay defaults
+            # to 0; torch's AdamW defaults to 0.01, so a config that names none would decay weights
+            # under zerodist and not under DeepSpeed. (`torch_adam: true` is torch's class, default and all.)
+            params.setdefault("weight_decay", 0.0)
+        if key == "adam":
+            name = "AdamW" if params.pop("adam_w_mode", True) else "Adam"
     name = _DEEPSPEED_NAMES.get(name.lower(), name)
     classes = {n: c for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)}
     lowered = {n.lower(): n for n in classes}
