@@ -67,7 +67,7 @@ def main() -> None:
     except (RuntimeError, MemoryError) as error:  # torch: "DefaultCPUAllocator: can't allocate memory"
         report["error"] = str(error)[:300]
     report.update(peak_rss=max(status()["VmHWM"], report["init_peak_rss"]), train_peak_rss=status()["VmHWM"],
-                  peak_vm=status()["VmPeak"])
+                  peak_vm=status()["VmPeak"], param_bytes=engine.model_state_bytes()["params"])
     with open(f"{out}.rank{rank}.json", "w", encoding="utf-8") as file:
         json.dump(report, file)
     if report["error"]:

@@ -209,24 +209,6 @@ def _logical_shape(facts: dict[str, Any]) -> list[int]:
     return shape
 
 
-def _one_copy(slices: list[list[Any]], itemsize: int) -> list[list[Any]]:
-    """Sorted slices, each element once: a parameter several pipeline stages train under one name
-    (a tied embedding: [Note: a tied module's first name] in zerodist/pipe/module.py, [Note: tied
-    parameters keep their first name] in zerodist/pipe/split.py) is written by each of them, equal
-    copies, each stage's data-parallel ranks cutting it at their own shard boundaries. The lowest
-    slice that reaches each element is kept, trimmed where an earlier one already covers it."""
-    kept: list[list[Any]] = []
-    covered = 0
-    for start, length, file, offset in slices:
-        end = start + length
-        if end <= covered and kept:
-            continue  # wholly covered already
-        skip = max(0, covered - start) if kept else 0
-        kept.append([start + skip, length - skip, file, offset + skip * itemsize])
-        covered = max(covered, end)
-    return kept
-
-
 def build_manifest(zero: ZeroState, global_steps: int, tag: str, reports: list[RankReport]) -> Manifest:
     """Rank 0: one manifest from every rank's report, checking each parameter is covered once."""
     params = merge_params(reports)
@@ -240,8 +222,7 @@ def build_manifest(zero: ZeroState, global_steps: int, tag: str, reports: list[R
         for d in record["shape"]:
             numel *= d
         for kind, entry in record["kinds"].items():
-            itemsize = torch.empty((), dtype=getattr(torch, entry["dtype"])).element_size()
-            entry["slices"] = _one_copy(sorted(entry["slices"]), itemsize)
+            entry["slices"].sort()
             cursor = 0
             for start, length, file, _ in entry["slices"]:
                 if start != cursor:

@@ -107,6 +107,11 @@ def collect_chunks(groups: list[Any], state: Any) -> tuple[list[tuple[str, torch
                 chunks.append((kind, group.owned_part(index, full).detach()))
                 for param_index, start, length, at in per_bucket[index]:
                     record = group.records[param_index]
+                    if not record.placement.in_norm:
+                        # A copy whose owner, another pipeline stage, writes it (a tied layer: [Note:
+                        # copies counted elsewhere] in zerodist/comm/domains.py), so every element of
+                        # the checkpoint is written once and the manifest's tiling check stays exact.
+                        continue
                     for logical, run, offset in logical_runs(record, start, length):
                         pieces.append(Piece(record.name, kind, logical, run, len(chunks) - 1, at + offset))
     return chunks, pieces

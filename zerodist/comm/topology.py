@@ -322,6 +322,12 @@ class Topology:
         return ("pipe",)
 
     @property
+    def stage_axes(self) -> tuple[str, ...]:
+        """Every axis but `pipe`: the ranks of one pipeline stage, which run the same units and steps
+        (the whole mesh without a pipeline)."""
+        return PARAMETER_AXES
+
+    @property
     def world_group(self) -> Group:
         """Every rank of the mesh: the step's one all-reduce and the run-order checks."""
         return self._groups[AXES]

@@ -308,9 +308,10 @@ class Watchdog:
         close, and its peers, still blocked in that collective, fail too and read the store to say
         whom they waited for. Where this rank hosts the store (rank 0 does, without torchrun's agent),
         its exit would take the store, and with it that story, away from a peer that reads a moment
-        late (a loaded machine): so, after its process groups are gone, it waits until no peer of the
-        failed collective is still blocked in a collective (each has published its own failure, or
-        left), for at most `limit_s` seconds. A peer that is not in a collective (computing, frozen)
+        late (a loaded machine). So (every failed rank alike: a few reads of the store, and only while a
+        peer is blocked), after its process groups are gone, it waits until no peer of the failed
+        collective is still blocked in a collective (each has published its own failure, or left),
+        for at most `limit_s` seconds. A peer that is not in a collective (computing, frozen)
         is not waited for: it reads nothing soon. Only after a failure; never raises."""
         if self._failed is None or self._store is None:
             return

@@ -196,7 +196,10 @@ def _apply_zero(part: Part, model_parameters: Iterable[Any] | None, optimizer: A
     check_groups_cover_model(part.module, specs)
     # Offload wraps the optimizer zero steps its shards with (zerodist/offload): zero never knows.
     offload = OffloadSettings.from_config(config)
-    build_optimizer = offloaded_build(build_optimizer, offload, topology.world_group, comm.device_for_rank())
+    # Its failures are agreed over one pipeline stage's ranks: other stages gather other units, so a
+    # stage's shard reads (zero/runtime.py) are not matched by theirs.
+    build_optimizer = offloaded_build(build_optimizer, offload, topology.group(*topology.stage_axes),
+                                      comm.device_for_rank())
     settings = ZeroSettings.from_config(config)
     # An all-fp64 model trains in fp64 (no bf16/fp16 section): PrecisionPolicy.for_model
     settings = dataclasses.replace(settings, precision=settings.precision.for_model(part.module))

@@ -127,7 +127,8 @@ class PipelineExecutor:
             keep_outputs: bool = False) -> RunResult:
         if self.failed is not None:
             raise PipelineError(f"this pipeline's earlier run failed ({self.failed}); messages between its stages are "
-                                "out of step now, so it cannot run again: build a new engine (or restart the job)")
+                                "out of step now and its receives posted ahead still pending, so it cannot run again: restart "
+                                "the processes (zerodist run --max-restarts resumes from the last checkpoint)")
         run = _Run(self, inputs, labels, loss_scale, train, after_backward or (lambda: None), keep_outputs)
         try:
             run.inbox.post(actions)

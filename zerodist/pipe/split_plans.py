@@ -85,7 +85,7 @@ class SplitPlan:
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The mean cross-entropy of (batch, seq, vocab) logits against (batch, seq) labels that are
     already the next tokens (label -100 ignored): the demo GPT's `forward(idx, targets)` loss."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).long(), ignore_index=-100)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32)), labels.reshape(-1).long(), ignore_index=-100)
 
 
 def _positions(hidden: torch.Tensor) -> torch.Tensor:

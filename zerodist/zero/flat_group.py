@@ -230,8 +230,8 @@ class FlatParamGroup:
 
     def prepare_unshard(self) -> None:
         """An offloaded shard: read it from where it lives straight into its place in the full buffer
-        the gather `start_unshard()` issues next fills in place, so no other copy of the shard is made
-        (a read that fails raises here, before any collective)."""
+        the gather `start_unshard()` issues next fills in place, so in fp32 no other copy of the shard
+        is made (a read that fails raises here, before any collective)."""
         buffer = self._transient_buffer(self.layout.total_numel)
         try:
             for index in range(len(self.buckets)):
@@ -240,6 +240,12 @@ class FlatParamGroup:
             self._give_back(buffer)
             raise
         self._prepared_buffer = buffer
+
+    def drop_prepared_unshard(self) -> None:
+        """Give back what `prepare_unshard()` read, the gather not issued (a read failed elsewhere)."""
+        buffer, self._prepared_buffer = self._prepared_buffer, None
+        if buffer is not None:
+            self._give_back(buffer)
 
     def wait_unshard(self) -> None:
         """Wait for the all-gathers in flight. Sharded parameters stay placeholders until

@@ -210,7 +210,12 @@ class UnitRuntime:
             failure = error
         store = offloaded[0].stepped_store
         assert store is not None
-        store.agree(failure)
+        try:
+            store.agree(failure)
+        except BaseException:
+            for group in offloaded:  # no later gather may start from a buffer read before the failure
+                group.drop_prepared_unshard()
+            raise
 
     def wait_unshard(self, units: Sequence[Unit] | None = None) -> None:
         """Wait for the gathers of `units` (default: every unit) in flight, sharded parameters' and

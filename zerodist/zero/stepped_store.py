@@ -13,8 +13,9 @@ never knows which store it is; the engine wires one in after building the optimi
     the parameter shard         `shard=True` (offload_param): freed the same way; each gather reads
                                 this rank's shard from the store straight into its place in the
                                 unit's full (pooled, transient) buffer and all-gathers in place, so
-                                no other copy of it is made (cast from the fp32 master under bf16:
-                                no second copy on disk either)
+                                in fp32 no other copy of it is made (under bf16 it is cast from the
+                                fp32 master: no second copy on disk, but one bucket's fp32 values
+                                in memory while it is read)
     mixed precision             the store tells the group each stepped piece's new master values
                                 (`cast_stepped`): they are cast into the bf16 shard or buffer, what
                                 `copy_master_to_params` does for the whole shard in memory
