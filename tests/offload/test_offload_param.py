@@ -309,3 +309,37 @@ def _pretrained_into_offloaded(directory: str, nvme_path: str) -> None:
 def test_load_pretrained_writes_through_the_swap_files(tmp_path):
     (tmp_path / "nvme").mkdir()
     run_distributed(_pretrained_into_offloaded, 2, str(tmp_path), str(tmp_path / "nvme"), timeout=180)
+
+
+def _load_into_a_rank_whose_disk_fails(save_dir: str, nvme_path: str) -> str:
+    """A checkpoint loaded into an engine whose shards live in swap files: rank 1's swap writes fail
+    (its disk filled up); every rank raises the same named error, none waits in the next gather."""
+    import zerodist
+    from zerodist.offload import SwapSpaceError
+
+    saving = zerodist.initialize(model=make_mlp(IN, 300, OUT, layers=4, seed=0), config=_config(20_000, None))[0]
+    _steps(saving, 0, 1)
+    saving.save_checkpoint(save_dir, tag="saved")
+    saving.destroy()
+    engine = zerodist.initialize(model=make_mlp(IN, 300, OUT, layers=4, seed=0),
+                                 config=copy.deepcopy(_config(20_000, nvme_path)))[0]
+    directory = engine.zero_state.inner_optimizer.directory
+    if engine.global_rank == 1:
+        def full_disk(*args, **kwargs):
+            raise SwapSpaceError("no space left on the swap device (the test's full disk)")
+        directory.write = directory.write_at = full_disk  # the library's own object, not the user's model
+    try:
+        engine.load_checkpoint(save_dir, tag="saved")
+    except SwapSpaceError as error:
+        return str(error)
+    finally:
+        engine.destroy()
+    raise AssertionError("no error")
+
+
+def test_a_swap_write_failing_on_one_rank_during_load_is_one_named_error_on_every_rank(tmp_path):
+    (tmp_path / "nvme").mkdir()
+    messages = run_distributed(_load_into_a_rank_whose_disk_fails, 2, str(tmp_path / "ckpt"),
+                               str(tmp_path / "nvme"), timeout=90)
+    assert messages[1] == "no space left on the swap device (the test's full disk)"
+    assert messages[0] == "on rank 1: " + messages[1]

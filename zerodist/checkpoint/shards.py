@@ -218,9 +218,10 @@ def load_groups(groups: list[Any], manifest: Manifest, reader: RangeReader, with
     optimizer state by id of the optimizer tensor."""
     states: dict[int, dict[str, torch.Tensor]] = {}
     for group in groups:
+        held = group.stepped_store is not None  # values in swap files: loaded here, then written there
+        failure: Exception | None = None  # a swap write that failed here: agreed after the group's gathers
         for index, kind, requests in plan_group(group, manifest, with_optimizer):
             tensor = group.optimizer_tensors[index]
-            held = group.stepped_store is not None  # values in swap files: loaded here, then written there
             full = tensor if kind == PARAM and not held else torch.zeros_like(tensor)
             part = group.owned_part(index, full)
             for r in requests:
@@ -229,8 +230,13 @@ def load_groups(groups: list[Any], manifest: Manifest, reader: RangeReader, with
                 comm.all_gather(full, part.clone(), group=group.group)
             if kind != PARAM:
                 states.setdefault(id(tensor), {})[kind[len(OPTIMIZER_PREFIX):]] = full
-            elif held:
-                group.write_stepped(index, full)
+            elif held and failure is None:
+                try:
+                    group.write_stepped(index, full)
+                except Exception as error:  # noqa: BLE001 - raised on every rank by the store, below
+                    failure = error
+        if held:
+            group.stepped_store.agree(failure)  # one rank's full disk is the same error on every rank
         group.copy_master_to_params()
         if group.gathers_params:  # full parameters: every rank's loaded shards into the full buffer
             group.unshard()

@@ -169,12 +169,18 @@ class SwappedOptimizer(torch.optim.Optimizer):
                 self.inner.state.pop(tensor, None)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load through the inner optimizer (its casts and checks), then move the state to the swap files."""
+        """Load through the inner optimizer (its casts and checks), then move the state to the swap files
+        (collective, as `step()` is: a write that fails on one rank is the same error on every rank)."""
         self.inner.load_state_dict(state_dict)
         self._check_plan()
         loaded = dict(self.inner.state)
         self.inner.state.clear()
-        self._absorb(loaded)
+        failure: errors.OffloadError | None = None
+        try:
+            self._absorb(loaded)
+        except errors.OffloadError as error:
+            failure = error
+        self._agree(failure)
 
     def close(self) -> None:
         """Stop the I/O threads and remove the swap files (the engine's `destroy()`)."""
