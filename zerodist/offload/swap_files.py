@@ -79,6 +79,13 @@ class SwapDirectory:
 
     def write(self, index: int, data: torch.Tensor) -> None:
         """Write `data` (contiguous, on the CPU) as sub-group `index`'s whole file."""
+        self._write(index, data, 0, whole=True)
+
+    def write_at(self, index: int, data: torch.Tensor, offset: int) -> None:
+        """Write `data` into sub-group `index`'s file at byte `offset` (the file grows if shorter)."""
+        self._write(index, data, offset, whole=False)
+
+    def _write(self, index: int, data: torch.Tensor, offset: int, whole: bool) -> None:
         view = _bytes_of(data)
         name = self.file(index)
         try:
@@ -88,30 +95,9 @@ class SwapDirectory:
             try:
                 written = 0
                 while written < len(view):
-                    written += os.pwrite(fd, view[written:], written)
-                if os.fstat(fd).st_size > len(view):
-                    os.ftruncate(fd, len(view))
-            finally:
-                os.close(fd)
-        except OSError as error:
-            if error.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise SwapSpaceError(f"the disk under {str(self.root)!r} is full: writing {str(name)!r} "
-                                     f"({len(view)} bytes) failed; free space or choose another nvme_path") from None
-            raise SwapFileError(f"writing swap file {str(name)!r} failed: {error.strerror}") from None
-        with self._lock:
-            self.counters.bytes_written += len(view)
-            self.counters.writes += 1
-
-    def write_at(self, index: int, data: torch.Tensor, offset: int) -> None:
-        """Write `data` into sub-group `index`'s file at byte `offset` (the file grows if shorter)."""
-        view = _bytes_of(data)
-        name = self.file(index)
-        try:
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT, 0o600)
-            try:
-                written = 0
-                while written < len(view):
                     written += os.pwrite(fd, view[written:], offset + written)
+                if whole and os.fstat(fd).st_size > len(view):
+                    os.ftruncate(fd, len(view))
             finally:
                 os.close(fd)
         except OSError as error:
