@@ -7,7 +7,7 @@ for each part this:
    Hugging Face model, the function registered in transformers' attention registry, selected with
    the model's own `set_attn_implementation` (undone by `remove_hooks`);
 2. checks at configuration time what would otherwise fail later: heads the degree does not divide
-   (Ulysses; the ring is the hint), tensor parallelism at the same time (not composed yet);
+   (Ulysses; the ring is the hint), counting the heads this rank holds under tensor parallelism;
 3. registers two hooks on the part's root module (torch's API; nothing written on the module):
    before forward, the call must carry `position_ids` and, where it has `labels`, the
    `shift_labels` made before the split (zerodist/sequence/data.py); after forward, the loss the
@@ -15,6 +15,16 @@ for each part this:
    (zerodist/sequence/loss.py).
 ZeRO then shards and reduces dense parameters over data x sequence (`DENSE` in
 comm/topology.py), and the gradient divisor stays data x expert ([Note: sequence gradients]).
+
+[Note: sequence x tensor] Tensor parallelism runs first (engine/initialize.py) and gives each
+tensor rank H/t query heads and H_kv/t key/value heads; the attention then runs sequence-parallel
+over the `sequence` group of ranks that share this rank's tensor index, on those local heads only:
+Ulysses all-to-alls them ((H/t) % P == 0; key/value heads replicated up to P as for GQA), the
+ring rotates this tensor rank's own heads' K/V. Nothing else changes: the tensor layers see the
+rank's slice of the sequence as a shorter batch of tokens, the loss is the token-weighted mean
+over the sequence group (every tensor rank computes the same one from its gathered logits), and
+ZeRO reduces each parameter (a tensor slice or a replicated one) over data x sequence among the
+ranks holding the same tensor index.
 """
 
 from __future__ import annotations
@@ -102,12 +112,8 @@ def apply_sequence_parallel(part: Part, topology: Topology, settings: SequenceSe
     if topology.size(*topology.pipe_axes) > 1:
         raise SequenceParallelError("sequence_parallel_size > 1 together with pipeline parallelism (a PipelineModule) "
                                     "is not composed yet; use one of them")
-    if topology.size(*topology.tensor_axes) > 1:
-        raise SequenceParallelError("sequence_parallel_size > 1 together with tensor parallelism is not composed yet; "
-                                    "use one of them (zerodist.tensor_parallel.sequence_parallel splits activations "
-                                    "between tensor-parallel layers instead)")
     model = part.module
-    _check_model_heads(model, settings)
+    _check_model_heads(model, settings, topology.size(*topology.tensor_axes))
     engine = EngineSequence(topology.group(*topology.sequence_axes), settings.method, layout)
     _wire_attention(model, engine, state)
     state.handles.append(model.register_forward_pre_hook(_check_call, with_kwargs=True))
@@ -115,7 +121,9 @@ def apply_sequence_parallel(part: Part, topology: Topology, settings: SequenceSe
     return state
 
 
-def _check_model_heads(model: torch.nn.Module, settings: SequenceSettings) -> None:
+def _check_model_heads(model: torch.nn.Module, settings: SequenceSettings, tensor: int) -> None:
+    """Ulysses splits the heads a rank holds: all of them, or with tensor parallelism of degree t
+    its H/t query and H_kv/t key/value heads ([Note: sequence x tensor])."""
     if settings.method != "ulysses":
         return
     heads = hf.hf_heads(model)
@@ -123,8 +131,18 @@ def _check_model_heads(model: torch.nn.Module, settings: SequenceSettings) -> No
         config = getattr(model, "config", None)
         n_heads = getattr(config, "n_heads", None)  # the demo GPT's config
         heads = (n_heads, n_heads) if isinstance(n_heads, int) else None
-    if heads is not None:
-        check_heads(heads[0], heads[1], settings.degree)
+    if heads is None:
+        return
+    if tensor > 1 and (heads[0] % tensor or heads[1] % tensor):
+        return  # the tensor plan refused these heads by name already (a plan the user wrote is checked per call)
+    try:
+        check_heads(heads[0] // tensor, heads[1] // tensor, settings.degree)
+    except SequenceParallelError as error:
+        if tensor == 1:
+            raise
+        raise SequenceParallelError(f"with tensor parallelism of degree {tensor} each rank holds {heads[0] // tensor} "
+                                    f"of the {heads[0]} query heads ({heads[1] // tensor} of {heads[1]} key/value "
+                                    f"heads), and Ulysses splits those: {error}") from None
 
 
 def _wire_attention(model: torch.nn.Module, engine: EngineSequence, state: SequenceParallelState) -> None:

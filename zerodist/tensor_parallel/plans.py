@@ -50,6 +50,10 @@ class HeadParallelAttention(nn.Module):
                                                     fused=(d_model,) * 3)
         self.proj = RowParallelLinear.from_linear(attention.proj, region, sequence_parallel=sequence_parallel)
         self.resid_dropout = attention.resid_dropout
+        # The model's `DistributedAttention` (no parameters): plain attention over this rank's heads,
+        # or, with a sequence axis, Ulysses / the ring over them ([Note: sequence x tensor] in
+        # zerodist/sequence/apply.py). Kept by reference, so the engine's sequence step finds it.
+        self.core = getattr(attention, "core", None)
 
     def attend(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's heads' attention output, (batch, seq, d_model / t), before the projection."""
@@ -59,10 +63,15 @@ class HeadParallelAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         if dropout_p and self.rng is not None:
             with self.rng.fork("sharded"):  # different heads: different masks on each rank
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+                y = self._attention(q, k, v, dropout_p)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            y = self._attention(q, k, v, dropout_p)
         return y.transpose(1, 2).reshape(batch, seq, -1)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        if self.core is not None:  # (batch, heads, seq, head_dim), as the demo GPT's own attention calls it
+            return cast(torch.Tensor, self.core(q, k, v, None, dropout_p))
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.resid_dropout(self.proj(self.attend(x)))
