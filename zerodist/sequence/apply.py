@@ -35,10 +35,12 @@ from typing import Any
 
 import torch
 
+import zerodist.comm as comm
 from zerodist.comm import Group
 from zerodist.comm.parts import Part
 from zerodist.comm.topology import Topology
 from zerodist.sequence import hf
+from zerodist.sequence.agreement import agree_call_shapes
 from zerodist.sequence.errors import SequenceParallelError
 from zerodist.sequence.layer import DistributedAttention, EngineSequence, register_engine_sequence
 from zerodist.sequence.layout import METHODS, SequenceLayout, check_heads
@@ -114,8 +116,11 @@ def apply_sequence_parallel(part: Part, topology: Topology, settings: SequenceSe
                                     "is not composed yet; use one of them")
     model = part.module
     _check_model_heads(model, settings, topology.size(*topology.tensor_axes))
-    engine = EngineSequence(topology.group(*topology.sequence_axes), settings.method, layout)
+    engine = EngineSequence(topology.group(*topology.sequence_axes), settings.method, layout, shapes_agreed=True)
     _wire_attention(model, engine, state)
+    # [Note: sequence shape agreement] in zerodist/sequence/agreement.py: once per forward, not per layer,
+    # and first (a call that one rank refuses below has shapes its peers do not share)
+    state.handles.append(model.register_forward_pre_hook(_agree_call(engine.group), with_kwargs=True))
     state.handles.append(model.register_forward_pre_hook(_check_call, with_kwargs=True))
     state.handles.append(model.register_forward_hook(_weighted_loss(engine.group), with_kwargs=True))
     return state
@@ -199,6 +204,14 @@ def _check_call(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     if isinstance(mask, torch.Tensor) and not bool(mask.bool().all()):
         raise SequenceParallelError("an attention_mask with padding cannot be split over the sequence: label the "
                                     "padding -100 instead (it then counts in no loss)")
+
+
+def _agree_call(group: Group) -> Any:
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        agree_call_shapes(tensors, group, f"the tensors {type(module).__name__}'s forward was called with, in order",
+                          comm.device_for_rank())
+    return hook
 
 
 def _weighted_loss(group: Group) -> Any:

@@ -29,6 +29,7 @@ import torch
 
 import zerodist.comm as comm
 from zerodist.comm import Group
+from zerodist.sequence.agreement import agree_attention_shapes
 from zerodist.sequence.errors import SequenceParallelError
 from zerodist.sequence.layout import SequenceLayout, check_heads
 from zerodist.sequence.ring import ring_attention
@@ -74,6 +75,8 @@ class EngineSequence:
     method: str  # "ulysses" or "ring"
     layout: SequenceLayout
     causal: bool = True
+    # the engine agreed the shapes at the model's forward ([Note: sequence shape agreement])
+    shapes_agreed: bool = False
 
 
 # DistributedAttention -> the engine's settings for it (weak: nothing is written on the module)
@@ -152,6 +155,9 @@ class DistributedAttention(torch.nn.Module):
         settings = self._settings()
         if settings is None:
             return self.local_attn(query, key, value, *args, **kwargs)
+        if not settings.shapes_agreed:  # [Note: sequence shape agreement] in zerodist/sequence/agreement.py
+            agree_attention_shapes(query, key, value, settings.group, "DistributedAttention",
+                                   (self.scatter_idx % query.dim(), self.gather_idx % query.dim()))
         if settings.method == "ring":
             return self._ring(query, key, value, settings)
         return ulysses_attention(query, key, value, settings.group, self.scatter_idx, self.gather_idx,

@@ -32,6 +32,7 @@ import torch
 import zerodist.comm as comm
 from zerodist.comm import Group, p2p
 from zerodist.comm.watchdog import Ticket, watchdog
+from zerodist.sequence.agreement import agree_attention_shapes
 from zerodist.sequence.layout import SequenceLayout
 
 
@@ -224,6 +225,8 @@ class RingAttention(torch.nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scale: float | None = None) -> torch.Tensor:
         dims = (self.seq_dim % query.dim(), self.heads_dim % query.dim())
+        # [Note: sequence shape agreement] in zerodist/sequence/agreement.py
+        agree_attention_shapes(query, key, value, self.group, "RingAttention", dims)
         q, k, v = (t.movedim(dims, (-3, -2)) for t in (query, key, value))
         out = ring_attention(q, k, v, self.group, self.layout, causal=self.causal, scale=scale)
         return out.movedim((-3, -2), dims)
