@@ -1,6 +1,7 @@
 """parallelize(): the demo GPT, a Hugging Face Llama and DeepSpeed's layer_specs against one process."""
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -139,6 +140,32 @@ def test_hugging_face_llama_with_tied_embeddings_stays_tied():
     assert reference.lm_head.weight is reference.model.embed_tokens.weight
     parallel = parallelize(copy.deepcopy(reference), hf_llama_plan(reference), topology)
     assert parallel.lm_head.weight is parallel.model.embed_tokens.weight
+    _train_and_compare(reference, parallel, topology, _batches(3, 2, 16, 64), torch.float64,
+                       lambda model, idx, targets: model(input_ids=idx, labels=targets).loss)
+
+
+@distributed_test(world_size=2)
+@pytest.mark.parametrize("tied", [False, True])
+def test_hugging_face_llama_megatron_sequence_parallel_matches_one_process(tied):
+    """[Note: Megatron SP on Hugging Face models]: the residual stream split along the sequence
+    between the tensor layers of an unchanged Hugging Face Llama."""
+    topology = comm.Topology(tensor=2)
+    reference = _tiny_llama(heads=4, tie_word_embeddings=tied)
+    parallel = parallelize(copy.deepcopy(reference), hf_llama_plan(reference, sequence_parallel=True), topology,
+                           sequence_parallel=True)
+    assert parallel.model.layers[0].self_attn.q_proj.sequence_parallel
+    idx, targets = _batches(1, 2, 16, 64)[0]
+    with comm.trace() as forward:
+        loss = parallel(input_ids=idx, labels=targets).loss
+    loss.backward()
+    parallel.zero_grad()
+    tokens, hidden, layers = 2 * 16, 32, 2
+    sizes = Counter((r.op, r.numel) for r in forward.records)
+    # per block 2 all-gathers and 2 reduce-scatters of the whole T x hidden (the attention's at its entry,
+    # the MLP's in gate_proj); the embedding's output all-reduced whole; the head gathers the final norm's
+    # slices, then the vocabulary
+    assert sizes == Counter({("all_gather", tokens * hidden): 2 * layers + 1, ("reduce_scatter", tokens * hidden): 2 * layers,
+                             ("all_reduce", tokens * hidden): 1, ("all_gather", tokens * 64): 1}), sizes
     _train_and_compare(reference, parallel, topology, _batches(3, 2, 16, 64), torch.float64,
                        lambda model, idx, targets: model(input_ids=idx, labels=targets).loss)
 

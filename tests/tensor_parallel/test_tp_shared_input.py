@@ -203,11 +203,3 @@ def test_shared_reduction_still_runs_under_a_weight_gradient_matmul(kind):
     # gradient before waiting: every backward byte (blocks and head) overlapped, as Megatron's.
     assert log.overlap_fraction("backward", include_sync=True) == 1.0
     assert len(log.issued_sizes("backward")) == 2 * 2 + 1
-
-
-def test_hugging_face_llama_refuses_sequence_parallelism_by_name():
-    from zerodist.tensor_parallel import PlanError
-
-    model, _, _, _ = tiny("llama", torch.float32)
-    with pytest.raises(PlanError, match="cannot run sequence-parallel unchanged"):
-        hf_llama_plan(model, sequence_parallel=True)

@@ -11,6 +11,7 @@ A plan maps module-name patterns (`fnmatch` globs over `named_modules()` names, 
 | `vocab`       | `Vocab()`                  | `nn.Embedding` | `VocabParallelEmbedding`                         |
 | `sequence`    | `Sequence()`               | any (norms)    | runs on sequence shards: its parameters' gradients are partial, summed over `tensor` too |
 | `sequence_scatter` | `SequenceScatter()`   | any            | its output is split along the sequence (a positional embedding under sequence parallelism) |
+| -             | `ScatterInput()`           | any (a first block) | under sequence parallelism its first input is split along the sequence before its forward |
 | `replicate`   | `Replicate()`              | any            | unchanged, replicated (the default for unnamed modules) |
 | `prepare_input` | `PrepareInput()`         | any (attention, MLP) | its column-parallel layers that read the same tensor share one copy to the tensor region (one input-gradient all-reduce; under sequence parallelism one all-gather) |
 |               | `Replace(build)`           | any            | `build(module, region)`: a module the plan writes (e.g. head-parallel attention) |
@@ -55,7 +56,7 @@ from zerodist.tensor_parallel.layers import (
 )
 from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from zerodist.tensor_parallel.operators import TensorRegion
-from zerodist.tensor_parallel.shared_input import SharedInput
+from zerodist.tensor_parallel.shared_input import SharedInput, first_input_hook
 from zerodist.utils import did_you_mean
 
 
@@ -76,7 +77,11 @@ class Rowwise:
 
 @dataclasses.dataclass(frozen=True)
 class Vocab:
-    pass
+    """`sequence_output=False`: under sequence parallelism the embedding's output stays whole
+    (all-reduced, not reduce-scattered), for a model that reads its length ([Note: Megatron SP on
+    Hugging Face models] in plans.py); a later `ScatterInput` splits it."""
+
+    sequence_output: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +95,14 @@ class SequenceScatter:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScatterInput:
+    """Under sequence parallelism, the module's first input (positional, or `hidden_states`) is
+    split along `dim` over the tensor ranks before its forward (backward: all-gathered)."""
+
+    dim: int = -2
+
+
+@dataclasses.dataclass(frozen=True)
 class Replicate:
     pass
 
@@ -97,7 +110,11 @@ class Replicate:
 @dataclasses.dataclass(frozen=True)
 class PrepareInput:
     """A module whose column-parallel layers share one copy of each input they read to the tensor
-    region (torchtitan's `PrepareModuleInput`; see `shared_input.py`)."""
+    region (torchtitan's `PrepareModuleInput`; see `shared_input.py`). `at_entry`: the module's
+    first input is copied (under sequence parallelism: gathered) as the module is called, so its
+    own code sees the whole sequence (a Hugging Face attention takes its shapes from its input)."""
+
+    at_entry: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +131,8 @@ class Replace:
     build: Callable[[nn.Module, TensorRegion, bool], nn.Module]  # (module, region, sequence_parallel)
 
 
-PlanEntry = Union[Colwise, Rowwise, Vocab, Sequence, SequenceScatter, Replicate, Replace, TiedHead, PrepareInput]
+PlanEntry = Union[Colwise, Rowwise, Vocab, Sequence, SequenceScatter, ScatterInput, Replicate, Replace, TiedHead,
+                  PrepareInput]
 WORDS: dict[str, PlanEntry] = {
     "colwise": Colwise(), "colwise_rep": Colwise(gather_output=True),
     "colwise_gather_output": Colwise(gather_output=True), "rowwise": Rowwise(), "vocab": Vocab(),
@@ -175,7 +193,7 @@ def _convert(name: str, module: nn.Module, entry: PlanEntry, region: TensorRegio
                                              sequence_parallel=sequence_parallel)
     if isinstance(entry, Vocab):
         return VocabParallelEmbedding.from_embedding(cast(nn.Embedding, module), region,
-                                                     sequence_parallel=sequence_parallel)
+                                                     sequence_parallel=sequence_parallel and entry.sequence_output)
     if isinstance(entry, Replace):
         return entry.build(module, region, sequence_parallel)
     if isinstance(entry, Sequence):
@@ -183,6 +201,9 @@ def _convert(name: str, module: nn.Module, entry: PlanEntry, region: TensorRegio
     elif isinstance(entry, SequenceScatter):
         dim = entry.dim
         module.register_forward_hook(lambda _m, _a, out: ops.scatter_to_sequence_region(out, region, dim))
+    elif isinstance(entry, ScatterInput) and sequence_parallel:
+        module.register_forward_pre_hook(first_input_hook(lambda x: ops.scatter_to_sequence_region(x, region, entry.dim)),
+                                         with_kwargs=True)
     return None
 
 
@@ -219,7 +240,7 @@ def _check_ties(model: nn.Module, matched: list[tuple[str, nn.Module, PlanEntry]
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen and id(param) not in kept and any(
                 name.startswith(n + ".") or seen[id(param)].startswith(n + ".")
-                for n, _, e in matched if not isinstance(e, (Replicate, Sequence, PrepareInput))):
+                for n, _, e in matched if not isinstance(e, (Replicate, Sequence, PrepareInput, ScatterInput))):
             raise PlanError(f"{name!r} and {seen[id(param)]!r} are one tied parameter; tensor parallelism "
                             "slices each layer on its own, so untie them (e.g. tie_embeddings=False), or, "
                             "for an LM head tied to a vocab-parallel embedding, use TiedHead(embedding)")
@@ -246,18 +267,19 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | PlanEntry], topology:
                 new = _convert(name, module, entry, region, sequence_parallel)
             if new is not None:
                 _set_submodule(model, name, new)
-    _prepare_inputs(model, [name for name, _, entry in matched if isinstance(entry, PrepareInput)], region,
+    _prepare_inputs(model, {name: entry for name, _, entry in matched if isinstance(entry, PrepareInput)}, region,
                     sequence_parallel)
     return model
 
 
-def _prepare_inputs(model: nn.Module, names: list[str], region: TensorRegion, sequence_parallel: bool) -> None:
+def _prepare_inputs(model: nn.Module, entries: dict[str, PrepareInput], region: TensorRegion,
+                    sequence_parallel: bool) -> None:
     """A `SharedInput` scope on each named module, given to the column-parallel layers inside it
     (outer modules first, so the innermost scope wins)."""
-    for name in sorted(names, key=lambda n: n.count(".")):
+    for name in sorted(entries, key=lambda n: n.count(".")):
         module = model.get_submodule(name)
         scope = SharedInput(region, sequence_parallel)
-        scope.attach(module)
+        scope.attach(module, at_entry=entries[name].at_entry)
         for layer in module.modules():
             if isinstance(layer, (ColumnParallelLinear, ColumnParallelConv1D)) and not isinstance(
                     layer, TiedVocabParallelHead):

@@ -31,7 +31,16 @@ from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelCon
 from zerodist.tensor_parallel.domino import DominoConfig, ResidualBranch, apply_domino
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from zerodist.tensor_parallel.operators import TensorRegion, check_divisible
-from zerodist.tensor_parallel.plan import PlanEntry, PlanError, Replace, TiedHead, shared_inputs
+from zerodist.tensor_parallel.plan import (
+    PlanEntry,
+    PlanError,
+    PrepareInput,
+    Replace,
+    ScatterInput,
+    TiedHead,
+    Vocab,
+    shared_inputs,
+)
 from zerodist.tensor_parallel.random import RNGTracker
 
 
@@ -125,10 +134,6 @@ def hf_llama_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[
     kept tied to the embedding when `tie_word_embeddings`); the attention and the MLP prepare their
     input once (`PrepareInput`), so q, k and v (gate and up) share one input-gradient all-reduce."""
     config = getattr(model, "config", None)
-    if sequence_parallel:
-        raise PlanError(f"{type(model).__name__} cannot run sequence-parallel unchanged: it builds position ids, rotary "
-                        "embeddings and the causal mask from the embedding's sequence length; turn "
-                        "zerodist.tensor_parallel.sequence_parallel off")
     base = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not base:
         raise ValueError(f"{type(model).__name__} has no config.base_model_tp_plan; write the plan by hand")
@@ -139,8 +144,43 @@ def hf_llama_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[
     # tie_word_embeddings: the head keeps sharing the embedding's (vocab-parallel) weight
     plan["lm_head"] = TiedHead(f"{prefix}.embed_tokens") if head is not None and head.weight is embedding.weight \
         else "colwise_rep"
+    if sequence_parallel:
+        plan.update(_llama_sequence_parallel(model, prefix))
     # q/k/v and gate/up read one normalised input each: one copy to the region per module.
     return shared_inputs(model, plan)
+
+
+def _llama_sequence_parallel(model: nn.Module, prefix: str) -> dict[str, str | PlanEntry]:
+    """[Note: Megatron SP on Hugging Face models] Megatron's sequence parallelism splits the
+    residual stream along the sequence between the tensor layers. A Hugging Face Llama builds its
+    position ids, rotary embeddings and causal mask from the embedding's output length, and its
+    attention takes its shapes from its input (`view(*input_shape, -1, head_dim)`), so the split
+    cannot start at the embedding, nor the gather inside q_proj as in Megatron: the embedding's
+    output stays whole (all-reduced: `Vocab(sequence_output=False)`), the first decoder layer's
+    input is split (`ScatterInput`), each attention gathers its input as it is called
+    (`PrepareInput(at_entry=True)`: q, k and v share that gather and its one reduce-scatter), the
+    MLPs gather in their first column layer, every row layer reduce-scatters, the norms run on
+    the slices (`sequence`: their gradients summed over tensor too), and the head gathers the
+    final norm's slices. Forward per block: 2 all-gathers and 2 reduce-scatters of T x hidden
+    instead of 2 all-reduces (the same bytes), plus one all-reduce at the embedding."""
+    layers = getattr(model.get_submodule(prefix), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise PlanError(f"{type(model).__name__} has no {prefix}.layers: the Llama plan's sequence parallelism "
+                        "needs its decoder layers")
+    norms = {name.rpartition(".")[2] for name, module in layers[0].named_children()
+             if "norm" in name and not list(module.children())}
+    if not norms or not hasattr(model.get_submodule(prefix), "norm"):
+        raise PlanError(f"{type(model).__name__}'s decoder layers hold no norms by name ({list(dict(layers[0].named_children()))}); "
+                        "write the sequence-parallel plan by hand")
+    plan: dict[str, str | PlanEntry] = {
+        f"{prefix}.embed_tokens": Vocab(sequence_output=False),
+        f"{prefix}.layers.0": ScatterInput(),
+        f"{prefix}.layers.*.self_attn": PrepareInput(at_entry=True),
+        f"{prefix}.layers.*.mlp": PrepareInput(),
+        f"{prefix}.norm": "sequence",
+    }
+    plan.update({f"{prefix}.layers.*.{norm}": "sequence" for norm in sorted(norms)})
+    return plan
 
 
 def _hf_word(word: str) -> str:

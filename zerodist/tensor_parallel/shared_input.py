@@ -37,6 +37,8 @@ sums, exact, only more of them.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -111,9 +113,20 @@ class SharedInput:
         if scopes:
             scopes.pop()
 
-    def attach(self, module: nn.Module) -> None:
-        """Open the scope for each forward of `module` (and close it, even when the forward raises)."""
-        self._handles.append(module.register_forward_pre_hook(lambda _module, _args: self.open()))
+    def attach(self, module: nn.Module, *, at_entry: bool = False) -> None:
+        """Open the scope for each forward of `module` (and close it, even when the forward raises).
+        `at_entry`: the module's first input (positional, or `hidden_states`) is prepared as the
+        module is called and handed to its forward prepared, so the module's own code sees the
+        whole sequence under sequence parallelism; its column layers then read the prepared tensor
+        and share its one reduction, as they would share a copy made by the first of them."""
+        if at_entry:
+            def open_and_prepare(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+                self.open()
+                return first_input_hook(self._prepare_at_entry)(module, args, kwargs)
+
+            self._handles.append(module.register_forward_pre_hook(open_and_prepare, with_kwargs=True))
+        else:
+            self._handles.append(module.register_forward_pre_hook(lambda _module, _args: self.open()))
         self._handles.append(module.register_forward_hook(lambda _module, _args, _output: self.close(),
                                                           always_call=True))
 
@@ -138,6 +151,27 @@ class SharedInput:
             found = entries[id(x)] = (x, _SharedCopy.apply(x, self.region, group), group)
         found[2].users += 1
         return found[1], found[2]
+
+
+    def _prepare_at_entry(self, x: torch.Tensor) -> torch.Tensor:
+        if self.region.size == 1:
+            return x
+        group = SharedGroup(x.dim() - 2 if self.sequence_parallel else None)
+        prepared = _SharedCopy.apply(x, self.region, group)
+        self._scopes()[-1][id(prepared)] = (prepared, prepared, group)  # the layers reading it share it
+        return prepared
+
+
+def first_input_hook(change: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., Any]:
+    """A forward pre-hook (with kwargs) that replaces the module's first input, positional or
+    `hidden_states`, by `change(input)`."""
+    def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if args and isinstance(args[0], torch.Tensor):
+            return (change(args[0]), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
+        return None
+    return hook
 
 
 def detach_shared_inputs(model: nn.Module) -> int:
