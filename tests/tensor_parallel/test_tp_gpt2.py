@@ -2,6 +2,7 @@
 head tied to wte) against one process, alone and under ZeRO on a data x tensor mesh."""
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -78,10 +79,30 @@ def test_gpt2_plan_matches_one_process_for_three_adamw_steps(world_size, dtype):
 
 
 @distributed_test(world_size=2)
+def test_gpt2_megatron_sequence_parallel_matches_one_process():
+    """[Note: Megatron SP on Hugging Face models] in zerodist/tensor_parallel/plans.py: the residual
+    stream between GPT-2's tensor layers split along the sequence (fp64: exactness)."""
+    topology = comm.Topology(tensor=2)
+    reference = _gpt2(torch.float64)
+    parallel = parallelize(copy.deepcopy(reference), hf_gpt2_plan(reference, sequence_parallel=True), topology,
+                           sequence_parallel=True)
+    assert parallel.transformer.h[0].attn.c_attn.sequence_parallel and parallel.lm_head.weight is \
+        parallel.transformer.wte.weight
+    idx = _batches(1, 2, SEQ, VOCAB)[0][0]
+    with comm.trace() as forward:
+        _hf_loss(parallel, idx, idx)
+    tokens, hidden = 2 * SEQ, 32
+    sizes = Counter((r.op, r.numel) for r in forward.records)
+    # per block: c_attn and c_fc gather the whole T x hidden, both c_proj reduce-scatter it; wte's output
+    # all-reduced whole; the tied head gathers ln_f's slices, then the vocabulary
+    assert sizes == Counter({("all_gather", tokens * hidden): 2 * 2 + 1, ("reduce_scatter", tokens * hidden): 2 * 2,
+                             ("all_reduce", tokens * hidden): 1, ("all_gather", tokens * VOCAB): 1}), sizes
+    _train_and_compare(reference, parallel, topology, _batches(3, 2, SEQ, VOCAB), torch.float64, _hf_loss, eps=1e-4)
+
+
+@distributed_test(world_size=2)
 def test_gpt2_plan_named_errors():
     topology = comm.Topology(tensor=2)
-    with pytest.raises(PlanError, match="sequence-parallel"):
-        hf_gpt2_plan(_gpt2(), sequence_parallel=True)
     with pytest.raises(PlanError, match="cross-attention"):
         hf_gpt2_plan(_gpt2(add_cross_attention=True))
     model = _gpt2()

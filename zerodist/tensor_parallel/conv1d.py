@@ -25,7 +25,15 @@ from torch import nn
 
 from zerodist.comm.domains import Placement, declare_placement
 from zerodist.comm.topology import TENSOR_SLICE
-from zerodist.tensor_parallel.layers import SliceSpec, _check_fused, column_linear, row_reduce, slice_tensor
+from zerodist.tensor_parallel import operators as ops
+from zerodist.tensor_parallel.layers import (
+    SEQUENCE_PARTIAL,
+    SliceSpec,
+    _check_fused,
+    column_linear,
+    row_reduce,
+    slice_tensor,
+)
 from zerodist.tensor_parallel.shared_input import SharedInput
 from zerodist.tensor_parallel.operators import TensorRegion
 
@@ -44,8 +52,10 @@ class ColumnParallelConv1D(nn.Module):
     split along the last dim. Its backward all-reduces the input gradient (issued before the
     weight-gradient matmul, as `ColumnParallelLinear`)."""
 
-    def __init__(self, conv: nn.Module, region: TensorRegion, *, fused: tuple[int, ...] = ()):
+    def __init__(self, conv: nn.Module, region: TensorRegion, *, fused: tuple[int, ...] = (),
+                 sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = sequence_parallel  # input split along the sequence: gathered first
         weight, bias = _conv1d_tensors(conv, "ColumnParallelConv1D")
         in_features, out_features = weight.shape
         fused = tuple(fused)
@@ -69,7 +79,7 @@ class ColumnParallelConv1D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x @ W is F.linear(x, W.T): the transpose is a view, its gradient flows back to W.
-        return column_linear(self, x, self.weight.t(), self.bias, False)
+        return column_linear(self, x, self.weight.t(), self.bias, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local "
@@ -80,8 +90,9 @@ class RowParallelConv1D(nn.Module):
     """`Conv1D` with its input features split over the tensor axis: input split along the last
     dim, partial products all-reduced, the whole bias added once after the reduction."""
 
-    def __init__(self, conv: nn.Module, region: TensorRegion):
+    def __init__(self, conv: nn.Module, region: TensorRegion, *, sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = sequence_parallel  # output reduce-scattered along the sequence
         weight, bias = _conv1d_tensors(conv, "RowParallelConv1D")
         in_features, out_features = weight.shape
         _check_fused(in_features, (), region, f"RowParallelConv1D input features ({in_features})")
@@ -90,12 +101,18 @@ class RowParallelConv1D(nn.Module):
         self.weight = nn.Parameter(slice_tensor(weight, self.weight_spec, region))
         self.bias = None if bias is None else nn.Parameter(bias.clone())  # replicated: DENSE, undeclared
         declare_placement(self, Placement(TENSOR_SLICE, slice_dim=0, slice_axis="tensor"), names=["weight"])
+        if self.bias is not None and sequence_parallel:  # added to this rank's slice of the sequence only
+            declare_placement(self, SEQUENCE_PARTIAL, names=["bias"])
 
     def slice_specs(self) -> dict[str, SliceSpec]:
         return {"weight": self.weight_spec}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        reduced = row_reduce(torch.matmul(x, self.weight), self.region)
+        partial = torch.matmul(x, self.weight)
+        if self.sequence_parallel:
+            reduced = ops.reduce_scatter_to_sequence_region(partial, self.region)
+        else:
+            reduced = row_reduce(partial, self.region)
         return reduced if self.bias is None else reduced + self.bias
 
     def extra_repr(self) -> str:

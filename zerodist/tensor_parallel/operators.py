@@ -215,6 +215,12 @@ def gather_from_sequence_region(x: torch.Tensor, region: TensorRegion, dim: int 
     return x if region.size == 1 else _GatherSequence.apply(x, _positive_dim(dim, x), region)
 
 
+def gather_sequence_keep_slice(x: torch.Tensor, region: TensorRegion, dim: int = -2) -> torch.Tensor:
+    """All-gather along the sequence `dim`; backward keeps this rank's slice of the gradient (for
+    a gradient the layers after it made whole and equal on every tensor rank)."""
+    return x if region.size == 1 else _GatherFromRegion.apply(x, _positive_dim(dim, x), region)
+
+
 def reduce_scatter_to_sequence_region(x: torch.Tensor, region: TensorRegion, dim: int = -2) -> torch.Tensor:
     """Sequence parallelism: reduce-scatter along the sequence `dim`; backward all-gathers."""
     return x if region.size == 1 else _ReduceScatterSequence.apply(x, _positive_dim(dim, x), region)

@@ -66,8 +66,12 @@ class PlanError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Colwise:
+    """`sequence_input=False`: under sequence parallelism the layer reads a whole sequence (after a
+    `Sequence(gather_output=True)` module) and does not gather its input."""
+
     gather_output: bool = False
     fused: int | tuple[int, ...] = ()
+    sequence_input: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +90,11 @@ class Vocab:
 
 @dataclasses.dataclass(frozen=True)
 class Sequence:
-    pass
+    """`gather_output`: the module's output is all-gathered along dim -2 (backward: this rank's
+    slice of the gradient, which the layers after it made whole), for a model that reshapes the
+    last norm's output by the sequence length ([Note: Megatron SP on Hugging Face models])."""
+
+    gather_output: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +132,7 @@ class TiedHead:
     vocab-parallel slice (the tie kept), logits gathered."""
 
     embedding: str
+    sequence_input: bool = True  # False: its input is a whole sequence (see `Colwise`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +196,8 @@ def _convert(name: str, module: nn.Module, entry: PlanEntry, region: TensorRegio
         if isinstance(fused, int):
             fused = (linear.out_features // fused,) * fused
         return ColumnParallelLinear.from_linear(linear, region, gather_output=entry.gather_output,
-                                                sequence_parallel=sequence_parallel, fused=fused)
+                                                sequence_parallel=sequence_parallel and entry.sequence_input,
+                                                fused=fused)
     if isinstance(entry, Rowwise):
         return RowParallelLinear.from_linear(cast(nn.Linear, module), region, input_is_parallel=entry.input_is_parallel,
                                              sequence_parallel=sequence_parallel)
@@ -198,6 +208,8 @@ def _convert(name: str, module: nn.Module, entry: PlanEntry, region: TensorRegio
         return entry.build(module, region, sequence_parallel)
     if isinstance(entry, Sequence):
         declare_placement(module, SEQUENCE_PARTIAL)
+        if entry.gather_output and sequence_parallel:
+            module.register_forward_hook(lambda _m, _a, out: ops.gather_sequence_keep_slice(out, region))
     elif isinstance(entry, SequenceScatter):
         dim = entry.dim
         module.register_forward_hook(lambda _m, _a, out: ops.scatter_to_sequence_region(out, region, dim))
@@ -262,7 +274,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | PlanEntry], topology:
         for name, module, entry in sorted(matched, key=lambda item: isinstance(item[2], TiedHead)):
             if isinstance(entry, TiedHead):
                 embedding = cast(VocabParallelEmbedding, model.get_submodule(entry.embedding))  # converted by now
-                new = TiedVocabParallelHead(embedding, sequence_parallel=sequence_parallel)
+                new = TiedVocabParallelHead(embedding, sequence_parallel=sequence_parallel and entry.sequence_input)
             else:
                 new = _convert(name, module, entry, region, sequence_parallel)
             if new is not None:

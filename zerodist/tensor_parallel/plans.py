@@ -32,11 +32,13 @@ from zerodist.tensor_parallel.domino import DominoConfig, ResidualBranch, apply_
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from zerodist.tensor_parallel.operators import TensorRegion, check_divisible
 from zerodist.tensor_parallel.plan import (
+    Colwise,
     PlanEntry,
     PlanError,
     PrepareInput,
     Replace,
     ScatterInput,
+    Sequence,
     TiedHead,
     Vocab,
     shared_inputs,
@@ -195,11 +197,11 @@ def hf_gpt2_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[s
     (`c_attn` column-parallel with q, k and v split by heads, `c_proj` row-parallel), the MLP's
     `c_fc` column- and `c_proj` row-parallel, the tied `lm_head` over `wte`'s slice with gathered
     logits (so `model(input_ids, labels=...)`'s loss is Hugging Face's own). `wpe` and the
-    LayerNorms stay replicated."""
+    LayerNorms stay replicated. With `sequence_parallel`, as for Llama ([Note: Megatron SP on
+    Hugging Face models]): `wte`'s output stays whole (GPT-2 builds positions and its causal mask
+    from it), the first block's input is split, the LayerNorms run on the slices; GPT-2's attention
+    takes its shapes from `c_attn`'s output, so `c_attn` gathers its input itself."""
     config = getattr(model, "config", None)
-    if sequence_parallel:
-        raise PlanError("GPT-2 cannot run sequence-parallel unchanged: it builds position ids and the causal mask "
-                        "from the embedding's sequence length; turn zerodist.tensor_parallel.sequence_parallel off")
     if getattr(config, "add_cross_attention", False):
         raise PlanError("the GPT-2 plan does not split cross-attention (config.add_cross_attention); write the plan "
                         "by hand")
@@ -207,13 +209,22 @@ def hf_gpt2_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[s
     plan: dict[str, str | PlanEntry] = {
         f"{prefix}wte": "vocab",
         f"{prefix}h.*.attn": Replace(_gpt2_attention),
-        f"{prefix}h.*.mlp.c_fc": Replace(lambda conv, region, _sp: ColumnParallelConv1D(conv, region)),
-        f"{prefix}h.*.mlp.c_proj": Replace(lambda conv, region, _sp: RowParallelConv1D(conv, region)),
+        f"{prefix}h.*.mlp.c_fc": Replace(lambda conv, region, sp: ColumnParallelConv1D(conv, region,
+                                                                                       sequence_parallel=sp)),
+        f"{prefix}h.*.mlp.c_proj": Replace(lambda conv, region, sp: RowParallelConv1D(conv, region,
+                                                                                      sequence_parallel=sp)),
     }
+    if sequence_parallel:
+        plan.update({f"{prefix}wte": Vocab(sequence_output=False), f"{prefix}h.0": ScatterInput(),
+                     f"{prefix}h.*.ln_1": "sequence", f"{prefix}h.*.ln_2": "sequence",
+                     # GPT2Model views ln_f's output by the input's (batch, seq): gathered there, so the
+                     # head reads a whole sequence
+                     f"{prefix}ln_f": Sequence(gather_output=True)})
     head = getattr(model, "lm_head", None)
     if head is not None:
         wte = model.get_submodule(f"{prefix}wte")
-        plan["lm_head"] = TiedHead(f"{prefix}wte") if head.weight is wte.weight else "colwise_rep"
+        plan["lm_head"] = TiedHead(f"{prefix}wte", sequence_input=False) if head.weight is wte.weight \
+            else Colwise(gather_output=True, sequence_input=False)
     return plan
 
 
@@ -249,9 +260,9 @@ def _gpt2_attention(attention: Any, region: TensorRegion, sequence_parallel: boo
             setattr(local, key, value)
     for name, child in attention.named_children():  # in order: the same state_dict() key order
         if name == "c_attn":
-            child = ColumnParallelConv1D(child, region, fused=(embed_dim,) * 3)
+            child = ColumnParallelConv1D(child, region, fused=(embed_dim,) * 3, sequence_parallel=sequence_parallel)
         elif name == "c_proj":
-            child = RowParallelConv1D(child, region)
+            child = RowParallelConv1D(child, region, sequence_parallel=sequence_parallel)
         local.register_module(name, child)
     local.num_heads, local.split_size = num_local_heads, embed_dim // region.size
     return local
