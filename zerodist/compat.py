@@ -88,6 +88,15 @@ tree_flatten: Callable[..., tuple[list[Any], Any]] = _PYTREE_FLATTEN or _raiser(
     "flattening module outputs and operation arguments", "torch.utils._pytree.tree_flatten")
 tree_map: Callable[..., Any] = _PYTREE_MAP or _raiser(
     "mapping over operation arguments", "torch.utils._pytree.tree_map")
+# Domino's chunked activations as a pytree node, so ZeRO-3 finds a block's output tensors
+# (zerodist/tensor_parallel/domino.py). Without: initialize() refuses Domino inter at stage 3.
+_PYTREE_REGISTER = _resolve("torch.utils._pytree.register_pytree_node")
+pytree_registration_available = _PYTREE_REGISTER is not None
+
+
+def register_pytree_node(cls: type, flatten: Callable[..., Any], unflatten: Callable[..., Any]) -> None:
+    if _PYTREE_REGISTER is not None:
+        _PYTREE_REGISTER(cls, flatten, unflatten)
 
 # ---------------------------------------------------------------- dispatch modes and op schemas
 _DISPATCH_MODE = _resolve("torch.utils._python_dispatch.TorchDispatchMode")
@@ -282,6 +291,8 @@ def _table() -> tuple[PrivateApi, ...]:
     rows = [
         ("torch.utils._pytree.tree_flatten, tree_map", "flatten module outputs (ZeRO-3 hooks) and op arguments "
          "(zero.Init)", _PYTREE_FLATTEN is not None and _PYTREE_MAP is not None, "error"),
+        ("torch.utils._pytree.register_pytree_node", "Domino's chunked block outputs seen by ZeRO-3's hooks",
+         pytree_registration_available, "initialize() refuses Domino inter-layer overlap at stage 3"),
         ("torch.utils._python_dispatch.TorchDispatchMode", "record meta-device initialisation (zero.Init)",
          _DISPATCH_MODE is not None, "error in zero.Init"),
         ("OpOverload._schema", "which arguments an op writes (zero.Init)",

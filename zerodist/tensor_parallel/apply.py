@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from zerodist.comm.topology import Topology
+from zerodist.compat import pytree_registration_available
 from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from zerodist.tensor_parallel.domino import DominoConfig, apply_domino, find_blocks
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -162,9 +163,11 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
     with conversion if conversion is not None else contextlib.nullcontext():
         parallelize(model, plan, topology, sequence_parallel=settings.sequence_parallel)
     if settings.domino is not None:
-        if settings.domino.overlap == "inter" and settings.sharded_parameters:
-            raise PlanError("Domino's inter-layer overlap finishes a block's last reductions (bias, dropout) in the "
-                            "next block, after ZeRO stage 3 has released the block's parameters; use "
+        # [Note: Domino at ZeRO-3] in plans.py / domino.py: the demo GPT's blocks finish in the next block
+        # with a copy of the bias, and hand their chunks on as a pytree ZeRO-3 sees
+        if settings.domino.overlap == "inter" and settings.sharded_parameters and not pytree_registration_available:
+            raise PlanError("Domino's inter-layer overlap at ZeRO stage 3 needs torch.utils._pytree.register_pytree_"
+                            "node (absent from this torch), so that ZeRO-3 sees a block's chunked output; use "
                             '"overlap": "intra" at stage 3, or stages 0-2')
         _apply_domino(model, topology, settings)
     log_rank0(logger, "tensor parallel: degree %d from %s%s%s", topology.size("tensor"), source,

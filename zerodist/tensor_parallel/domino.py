@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerodist.compat import register_pytree_node
 from zerodist.tensor_parallel import schedule
 from zerodist.tensor_parallel.chunks import ChunkRunner, IssueReduction, PendingReduction, WaitReduction, chunk_turn
 from zerodist.tensor_parallel.conv1d import RowParallelConv1D
@@ -94,6 +95,21 @@ class ChunkedActivations:
 
     def join(self) -> torch.Tensor:
         return torch.cat([self.resolve(i) for i in range(len(self.chunks))], dim=0)
+
+
+def _flatten_chunks(state: ChunkedActivations) -> tuple[list[Any], Any]:
+    """[Note: Domino at ZeRO-3] The tensors a block hands on in a `ChunkedActivations`, as pytree
+    leaves: ZeRO-3 arms a unit's backward gather on the tensors of its output, which it finds with
+    torch's pytree; an opaque object would leave the block ungathered for its backward."""
+    leaves: list[Any] = list(state.chunks) + [entry[0] if entry is not None else None for entry in state.pending]
+    return leaves, state
+
+
+def _unflatten_chunks(leaves: Any, state: ChunkedActivations) -> ChunkedActivations:
+    return state  # the leaves are only read (hooks on them), never replaced
+
+
+register_pytree_node(ChunkedActivations, _flatten_chunks, _unflatten_chunks)
 
 
 def split_batch(x: torch.Tensor, chunks: int) -> ChunkedActivations:

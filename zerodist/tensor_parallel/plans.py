@@ -116,11 +116,15 @@ def gpt_block_branches(block: nn.Module) -> list[ResidualBranch]:
     # After gpt_plan: attention head-parallel, the MLP's fc_in column- and fc_out row-parallel.
     attn, mlp = cast(HeadParallelAttention, block.attn), cast(nn.Module, block.mlp)
     fc_out = cast(RowParallelLinear, mlp.fc_out)
+    # [Note: Domino at ZeRO-3] The MLP's finish runs in the next block under inter-layer overlap,
+    # after ZeRO-3 freed this block's parameters: it adds a copy of the bias taken now, while the
+    # block is gathered (the same values; its gradient reaches the bias through the copy).
+    last_bias = None if fc_out.bias is None else fc_out.bias * 1
     return [
         ResidualBranch(lambda x: attn.proj.partial(attn.attend(block.ln_1(x))),  # type: ignore[operator]
                        lambda y: attn.resid_dropout(attn.proj.add_bias(y))),
         ResidualBranch(lambda x: fc_out.partial(mlp.act(mlp.fc_in(block.ln_2(x)))),  # type: ignore[operator]
-                       lambda y: mlp.dropout(fc_out.add_bias(y))),  # type: ignore[operator]
+                       lambda y: mlp.dropout(y if last_bias is None else y + last_bias)),  # type: ignore[operator]
     ]
 
 
