@@ -9,7 +9,9 @@
   shifted labels included.
 - `loss`: the token-weighted loss over the whole sequence.
 - `hf`: attention for Hugging Face models through transformers' attention-function registry.
-- `apply`: `apply_sequence_parallel`, the engine's front door.
+- `agreement`: the ranks agree on the shapes before the exchanges (a disagreement is a named
+  error on every rank, not a gloo abort).
+- `apply`: `apply_sequence_parallel`, the engine's front door (with tensor parallelism too).
 See docs/sequence_parallel.md.
 """
 
