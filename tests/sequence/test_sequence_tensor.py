@@ -68,11 +68,14 @@ def _tensor_bytes(kind, megatron=False):
     input backward; per model the vocab-parallel embedding's all-reduce (forward) and the gathered
     logits' all-gather (T x vocab, forward) whose backward is the head's input-gradient all-reduce.
     With Megatron's sequence parallelism inside each sequence slice, every all-reduce becomes an
-    all-gather and a reduce-scatter of A, and backward gathers the positional embedding's split."""
+    all-gather and a reduce-scatter of A (the Llama's embedding keeps its all-reduce and its first
+    layer's split gathers back in backward), and the demo GPT's backward gathers its positional
+    embedding's split."""
     _, _, _, hidden, layers = SHAPES[kind]
     activation = 4 * MICRO * SEQ // 2 * hidden
     if megatron:
-        return 2 * activation * (2 * layers + 1) + _tensor_gather(kind), 2 * activation * (2 * layers + 1) + activation
+        backward = 2 * activation * (2 * layers + 1) + (activation if kind == "gpt" else 0)
+        return 2 * activation * (2 * layers + 1) + _tensor_gather(kind), backward
     return activation * (2 * layers + 1) + _tensor_gather(kind), activation * (2 * layers + 1)
 
 
@@ -177,3 +180,9 @@ def test_data_by_tensor_by_sequence_on_8_ranks(stage, world_size):
     """Issue 31's triple: data 2 x sequence 2 x tensor 2, the Hugging Face Llama, Ulysses; ZeRO over
     data x sequence (4 ranks) of the tensor-local parameters."""
     _train("llama", stage, "ulysses", world_size)
+
+
+@pytest.mark.slow
+@distributed_test(world_size=4, timeout=180)
+def test_megatron_sequence_parallel_inside_ulysses_on_hf_llama(world_size):
+    _train("llama", 3, "ulysses", world_size, megatron=True)
