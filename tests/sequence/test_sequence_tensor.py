@@ -5,7 +5,8 @@ the 2 sequence ranks) and the demo GPT, Ulysses and the ring, ZeRO 1 and 3, 5 SG
 Parameters equal one process on the same global batch within 1e-6, and each axis' bytes equal
 their formulas: the sequence all-to-alls (or the ring's sends) over the local heads, the
 tensor-parallel reductions over this rank's tokens, and ZeRO's reduction over data x sequence of
-the tensor-local parameters.
+the tensor-local parameters. Also: Megatron's sequence parallelism inside each sequence slice, and
+the 8-rank triple data 2 x sequence 2 x tensor 2 (slow).
 """
 
 import pytest
