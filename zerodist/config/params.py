@@ -25,7 +25,7 @@ def argument_problems(prefix: str, cls: type, params: Mapping[str, Any]) -> list
     """One line per value of `params` whose type `cls`'s constructor does not take, each naming the
     key as `<prefix>.<key>`; keys that are not arguments are left to the caller's unknown-key check."""
     try:
-        signature = inspect.signature(cls.__init__)
+        signature = inspect.signature(getattr(cls, "__init__"))
     except (TypeError, ValueError):
         return []
     problems = []

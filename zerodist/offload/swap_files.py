@@ -30,6 +30,7 @@ import errno
 import os
 import shutil
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -48,6 +49,7 @@ class SwapCounters:
     bytes_written: int = 0
     reads: int = 0
     writes: int = 0
+    checksum_s: float = 0.0  # seconds spent computing the swap files' crc32s ([Note: swap checksums])
 
     def snapshot(self) -> SwapCounters:
         return dataclasses.replace(self)
@@ -176,7 +178,7 @@ class SwapDirectory:
 
     def _check(self, index: int, number: int, block: memoryview) -> None:
         sums = self._sums[index]
-        got = zlib.crc32(block)
+        got = self._crc(block)
         if number >= len(sums) or got != sums[number]:
             low = number * _BLOCK
             raise SwapChecksumError(
@@ -189,7 +191,7 @@ class SwapDirectory:
         """The block sums and size of file `index` once `view` is written at `offset`: blocks the write
         covers only in part are read back (checked) and merged with it."""
         if whole:
-            return [zlib.crc32(view[low: low + _BLOCK]) for low in range(0, len(view), _BLOCK)], len(view)
+            return [self._crc(view[low: low + _BLOCK]) for low in range(0, len(view), _BLOCK)], len(view)
         old_size = self._sizes.get(index, 0)
         sums = list(self._sums.get(index, []))
         size = max(old_size, offset + len(view))
@@ -201,8 +203,15 @@ class SwapDirectory:
         merged[offset - first: offset - first + len(view)] = view
         sums.extend([0] * (-(-size // _BLOCK) - len(sums)))
         for low in range(0, len(merged), _BLOCK):
-            sums[(first + low) // _BLOCK] = zlib.crc32(merged[low: low + _BLOCK])
+            sums[(first + low) // _BLOCK] = self._crc(merged[low: low + _BLOCK])
         return sums, size
+
+    def _crc(self, block: memoryview) -> int:
+        started = time.perf_counter()
+        value = zlib.crc32(block)
+        with self._lock:
+            self.counters.checksum_s += time.perf_counter() - started
+        return value
 
     def close(self) -> None:
         """Remove this rank's swap files and directory (and the run's, once empty)."""
