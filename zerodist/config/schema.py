@@ -190,8 +190,9 @@ class CheckpointConfig(Section):
         0, ge=0, description="Keep only this many newest checkpoints in save_dir; 0 keeps all."
     )
     max_failed_saves: int = Field(
-        3, ge=1, description="Interval saves that may fail in a row (each warns on every rank; training goes on "
-        "and retries at the next interval); the next failure stops training with the error.",
+        3, ge=1, description="This many interval saves failing in a row stop training with the error (each "
+        "failure before that warns on every rank; training goes on and retries at the next interval; a "
+        "successful save resets the count); 1 stops at the first failure.",
     )
     skip_damaged: bool = Field(
         False, description="Load the newest intact checkpoint when a newer one is damaged; false makes that an "
