@@ -234,7 +234,14 @@ class Watchdog:
         if not missing:
             return (f"{head} in {where}; every rank of the group is in it too "
                     "(a slow transfer or an overloaded host, not a missing rank)")
-        lines = [f"{head} for rank(s) [{format_ranks(missing)}] at {where}"]
+        # Peers that timed out in this very collective waited for this rank, not it for them (it was
+        # stopped, SIGSTOP or a suspended host, or stalled past the timeout, and came late).
+        if all(_timed_out_in(positions.get(r), ticket) for r in missing):
+            lines = [f"rank {me}: late in {where}; rank(s) [{format_ranks(missing)}] reached it first, waited for this "
+                     "rank until the collective timeout and left: this rank was the one missing (stopped or stalled), "
+                     "not them"]
+        else:
+            lines = [f"{head} for rank(s) [{format_ranks(missing)}] at {where}"]
         for r in missing:
             lines.append(f"  rank {r} {_position_text(positions.get(r))}")
         return "\n".join(lines)
@@ -288,7 +295,8 @@ class Watchdog:
                     f"other ranks are is unknown: the store could not be read ({read_error})"), {}
 
     def _record_failure(self, block: _Block, error: str) -> None:
-        position = {"state": "failed", "at": self._describe_block(block), "error": error}
+        position = {"state": "failed", "at": self._describe_block(block), "error": error, "op": block.ticket.op,
+                    "group": block.ticket.group, "seq": block.ticket.seq}
         self._publish(position, failure_of=block.ticket.ranks)
 
     def publish_exit(self) -> None:
@@ -379,6 +387,13 @@ class Watchdog:
         return self._store
 
 
+def _timed_out_in(position: dict[str, Any] | None, ticket: Ticket) -> bool:
+    """Whether `position` says its rank timed out in `ticket`'s collective (waiting for the others)."""
+    p = position or {}
+    return p.get("state") == "failed" and p.get("error") == "timed out" and (
+        p.get("op"), p.get("group"), p.get("seq")) == (ticket.op, ticket.group, ticket.seq)
+
+
 def _all_ended(positions: dict[int, dict[str, Any] | None]) -> bool:
     """Whether every rank's position says it failed or exited."""
     return all(p is not None and p.get("state") in ("failed", "exited") for p in positions.values())
@@ -413,14 +428,14 @@ def _from_backend(error: RuntimeError) -> bool:
 
 def call_site(frame: Any) -> str:
     """The first frame outside zerodist/comm, and the first outside zerodist when different."""
-    while frame is not None and frame.f_code.co_filename.startswith(_COMM_DIR) or _is_plumbing(frame):
+    while frame is not None and (frame.f_code.co_filename.startswith(_COMM_DIR) or _is_plumbing(frame)):
         frame = frame.f_back
     if frame is None:
         return "<unknown>"
     site = _frame_text(frame)
     if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        user = frame
-        while user is not None and user.f_code.co_filename.startswith(_PACKAGE_DIR):
+        user = frame  # past zerodist's frames and torch's between them (Module.__call__ into a hook, ...)
+        while user is not None and (user.f_code.co_filename.startswith(_PACKAGE_DIR) or _is_plumbing(user)):
             user = user.f_back
         if user is not None:
             site += f" <- {_frame_text(user)}"
