@@ -49,14 +49,16 @@ class OptimizerConfig(Section):
         description='Optimizer class name, e.g. "AdamW"; the engine checks it against torch.optim.',
     )
     params: dict[str, ConstructorArgument] = Field(
-        default_factory=dict, description='Keyword arguments of the optimizer, e.g. {"lr": 0.001}.'
+        default_factory=dict, description='Keyword arguments of the optimizer, e.g. {"lr": 0.001}; each name '
+        'and value type is checked against the class\'s constructor (a bool for "lr", one beta, is an error).'
     )
 
 
 class SchedulerConfig(Section):
     type: str = Field(min_length=1, description='Learning-rate scheduler name, e.g. "WarmupLR".')
     params: dict[str, ConstructorArgument] = Field(
-        default_factory=dict, description="Keyword arguments of the scheduler."
+        default_factory=dict, description="Keyword arguments of the scheduler; each name and value type is "
+        "checked against the class's constructor."
     )
 
 
