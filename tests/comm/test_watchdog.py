@@ -121,6 +121,8 @@ def test_a_frozen_rank_is_named_and_every_rank_fails_by_name(tmp_path):
     assert re.search(r"CollectiveError: rank 1: .* in all_reduce #2 on group 'world' .* main;", out1), out1
     # ... never as waiting for rank 0, which waited for it (test_the_late_rank_..., below, with the store up)
     assert not re.search(r"rank 1: waiting \d+ s for rank", out1), out1
+    # and its reads of the store, whose host (rank 0) has left, add no C++ TCPStore backtraces ([Note: store dumps])
+    assert "TCPStore.cpp" not in out1 and "frame #" not in out1, out1
     assert re.search(r"all_reduce #2 on group 'world' \(ranks 0-1\) failed after \d+ s: .*Connection closed by peer",
                      out1), out1
 
@@ -165,3 +167,13 @@ def test_the_late_rank_says_its_peer_waited_for_it_not_that_it_waits_for_the_pee
     assert "rank 0 failed 30 s ago in all_reduce #2" in text
     elsewhere = {**timed_out, "seq": 1}  # a peer that timed out in another collective: this rank waits for it
     assert watchdog.Watchdog().explain(block, 0.0, {0: elsewhere}).startswith("rank 1: waiting 0 s for rank(s) [0]")
+
+
+@pytest.mark.unit
+def test_store_dumps_are_stripped_and_nothing_else():
+    from zerodist.comm.watchdog import strip_store_dumps
+
+    text = ("before\n[rank1]:[W1127 10:40:50.330108343 TCPStore.cpp:106] [c10d] sendBytes failed on SocketImpl(fd=9): "
+            "Broken pipe\nException raised from sendBytes at Utils.hpp:758 (most recent call first):\nframe #0: "
+            "c10::Error::Error() + 0x9d\n<omitting python frames>\nframe #21: _start + 0x21\n\nafter\n")
+    assert strip_store_dumps(text) == "before\nafter\n"

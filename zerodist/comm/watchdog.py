@@ -32,7 +32,9 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -353,17 +355,35 @@ class Watchdog:
                 self._failed = (position, failure_of)
             store = self._get_store()
             if store is not None:
-                store.set(_key(self._my_rank()), json.dumps(position))
+                with self._store_failures():
+                    store.set(_key(self._my_rank()), json.dumps(position))
 
     def _read_positions(self, ranks: list[int]) -> dict[int, dict[str, Any] | None]:
         found: dict[int, dict[str, Any] | None] = {}
         with self._lock:
             store = self._get_store()
-            for r in ranks:
-                key = _key(r)
-                found[r] = json.loads(store.get(key)) if store is not None and store.check([key]) else None
+            with self._store_failures():
+                for r in ranks:
+                    key = _key(r)
+                    found[r] = json.loads(store.get(key)) if store is not None and store.check([key]) else None
             self._last_read.update(found)
         return found
+
+    @contextmanager
+    def _store_failures(self) -> Iterator[None]:
+        """[Note: store dumps] Around a store operation (under `_lock`): c10d's TCPStore logs a failed
+        socket operation (its host has exited) as a C++ warning with a 20-frame backtrace on stderr,
+        below Python, before raising; at the exit of a successful run (`publish_exit` after the host
+        rank left) and after a failure those dumps buried the named errors. stderr (fd 2) is caught
+        in a file meanwhile and given back without them (anything else written by another thread in
+        that moment comes out a moment later); and after one failure the connection is dropped, so
+        that later reports neither wait on it nor fail again."""
+        with _without_store_dumps():
+            try:
+                yield
+            except dist.DistNetworkError:  # the connection is lost (a timeout keeps it)
+                self._store, self._store_broken = None, True
+                raise
 
     def _my_rank(self) -> int:
         """This rank, remembered: the lingering exit reads the store after its groups are destroyed."""
@@ -385,6 +405,45 @@ class Watchdog:
                 logger.debug("hang watchdog: cannot clone the store (%s); it will not say where other ranks are",
                              error)
         return self._store
+
+
+_DUMP_LINE = re.compile(r"^(\[rank\d+\]:)?\[[WE]\S* [\d:.]+ TCPStore\.cpp:\d+\] |^Exception raised from |^frame #\d+: "
+                        r"|^<omitting python frames>$")
+
+
+@contextmanager
+def _without_store_dumps() -> Iterator[None]:
+    """stderr (fd 2) caught in a file while the block runs, then written back without c10d's TCPStore
+    warnings and their C++ backtraces ([Note: store dumps])."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = strip_store_dumps(caught.read().decode("utf-8", "replace"))
+            if kept:
+                os.write(2, kept.encode("utf-8"))
+
+
+def strip_store_dumps(text: str) -> str:
+    """`text` without c10d's TCPStore warning lines and the backtrace lines (and blank lines) after them."""
+    kept, in_dump = [], False
+    for line in text.splitlines(keepends=True):
+        if _DUMP_LINE.match(line) or (in_dump and not line.strip()):
+            in_dump = True
+            continue
+        in_dump = False
+        kept.append(line)
+    return "".join(kept)
 
 
 def _timed_out_in(position: dict[str, Any] | None, ticket: Ticket) -> bool:
