@@ -25,7 +25,13 @@ Part "stage3" (2 gloo ranks, one thread each): the same GPT at ZeRO stage 3, in 
 `offload_optimizer: nvme`, and with `offload_param: nvme` too (the parameter shards in the swap
 files, read before each gather), pipelined I/O; as "train".
 
-Writes benchmarks/results/offload-<date>.json and .md (part "stage3" alone: offload-stage3-<date>).
+Part "checksum" (2 gloo ranks, one thread each): the cost of the swap files' checksums ([Note: swap
+checksums] in zerodist/offload/swap_files.py): "train"'s pipelined nvme setting with checksums on
+and off, `--rounds` runs of each interleaved (on, off, off, on, ...), so that load on the machine
+falls on both alike; the median of each round's on/off step-time ratio.
+
+Writes benchmarks/results/offload-<date>.json and .md (part "stage3" alone: offload-stage3-<date>,
+"checksum" alone: offload-checksum-<date>).
 A benchmark, not a test: it never fails on speed.
 """
 
@@ -133,7 +139,9 @@ def _train_worker(rank: int, port: int, setting: dict[str, Any], steps: int, war
     import zerodist
     import zerodist.comm as comm
     from zerodist.models import GPT, gpt_config
+    from zerodist.offload import SwapDirectory
 
+    SwapDirectory.checksums = setting.get("checksums", True)
     torch.manual_seed(0)
     model = GPT(gpt_config("bench-25m"))
     zero: dict[str, Any] = {"stage": setting.get("stage", 2), "sub_group_size": setting["sub_group_size"]}
@@ -147,7 +155,7 @@ def _train_worker(rank: int, port: int, setting: dict[str, Any], steps: int, war
               "zero_optimization": zero}
     engine = zerodist.initialize(model=model, config=config)[0]
     tokens = torch.randint(0, 256, (4, model.config.seq_len + 1), generator=torch.Generator().manual_seed(rank))
-    times, step_times, io_before = [], [], 0.0
+    times, step_times, io_before, crc_before = [], [], 0.0, 0.0
     for index in range(warmup + steps):
         comm.barrier()
         started = time.perf_counter()
@@ -160,15 +168,19 @@ def _train_worker(rank: int, port: int, setting: dict[str, Any], steps: int, war
             step_times.append(ended - stepped)
         if index == warmup - 1 and setting["offload"]:
             io_before = engine.zero_state.inner_optimizer.io_wait_s
+        if index == warmup - 1 and setting["offload"]:
+            crc_before = engine.zero_state.inner_optimizer.directory.counters.checksum_s
     io_wait = engine.zero_state.inner_optimizer.io_wait_s - io_before if setting["offload"] else 0.0
+    crc = engine.zero_state.inner_optimizer.directory.counters.checksum_s - crc_before if setting["offload"] else 0.0
     everyone: list[Any] = [None, None]
-    comm.all_gather_object(everyone, (times, step_times, io_wait / steps))
+    comm.all_gather_object(everyone, (times, step_times, io_wait / steps, crc / steps))
     if rank == 0:
         slowest = [max(a, b) for a, b in zip(everyone[0][0], everyone[1][0])]
         slowest_step = [max(a, b) for a, b in zip(everyone[0][1], everyone[1][1])]
         Path(out).write_text(json.dumps({"step_s": statistics.median(slowest),
                                          "optimizer_step_s": statistics.median(slowest_step),
-                                         "io_wait_s": max(everyone[0][2], everyone[1][2])}))
+                                         "io_wait_s": max(everyone[0][2], everyone[1][2]),
+                                         "checksum_s": max(everyone[0][3], everyone[1][3])}))
     engine.destroy()
 
 
@@ -197,6 +209,39 @@ def train_part(directory: str, sub_group_size: int, steps: int, warmup: int, sta
     return rows
 
 
+def checksum_part(directory: str, sub_group_size: int, steps: int, warmup: int, rounds: int) -> dict[str, Any]:
+    """Step time with the swap files' checksums on and off, interleaved."""
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    optimizer_runs: dict[bool, list[float]] = {True: [], False: []}
+    crc_runs: list[float] = []  # per run with checksums: the crc32 CPU time (the larger rank's) / the step's wall time
+    crc_ms: list[float] = []
+    for round_ in range(rounds):
+        for checked in ((True, False) if round_ % 2 == 0 else (False, True)):
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                setting = {"offload": True, "pipelined": True, "dir": directory, "sub_group_size": sub_group_size,
+                           "checksums": checked}
+                error = run_ranks(_train_worker, (free_port(), setting, steps, warmup, out.name), nprocs=2,
+                                  timeout_s=900)
+                if error:
+                    raise SystemExit(f"checksums {'on' if checked else 'off'}: {error}")
+                result = json.loads(Path(out.name).read_text())
+            runs[checked].append(result["step_s"])
+            optimizer_runs[checked].append(result["optimizer_step_s"])
+            if checked:
+                crc_runs.append(result["checksum_s"] / result["step_s"])
+                crc_ms.append(result["checksum_s"] * 1e3)
+            print(f"round {round_}: checksums {'on ' if checked else 'off'}: step {result['step_s'] * 1e3:7.1f} ms, "
+                  f"optimizer step {result['optimizer_step_s'] * 1e3:7.1f} ms, crc32 {result['checksum_s'] * 1e3:.1f} ms CPU")
+    ratios = [on / off for on, off in zip(runs[True], runs[False])]
+    report = {"rounds": rounds, "step_s_on": runs[True], "step_s_off": runs[False],
+              "optimizer_step_s_on": optimizer_runs[True], "optimizer_step_s_off": optimizer_runs[False],
+              "ratio_median": statistics.median(ratios), "ratios": ratios, "crc_share": crc_runs,
+              "crc_cpu_ms_per_step": crc_ms}
+    print(f"checksums on / off, median of {rounds} rounds: {report['ratio_median']:.4f}; crc32 time / step: "
+          f"{', '.join(f'{share:.2%}' for share in crc_runs)}")
+    return report
+
+
 def _markdown(report: dict[str, Any]) -> str:
     lines = [f"# Offload benchmark, {report['date']}", "", f"torch {report['torch']}, {report['cores']} cores.", ""]
     if report.get("optimizer"):
@@ -220,17 +265,27 @@ def _markdown(report: dict[str, Any]) -> str:
         lines += [f"| {r['setting']} | {r['step_s'] * 1e3:.1f} ms | {r['vs_in_memory']:.2f}x | "
                   f"{r['optimizer_step_s'] * 1e3:.1f} ms | {r['io_wait_s'] * 1e3:.1f} ms |" for r in report[key]]
         lines.append("")
+    if report.get("checksum"):
+        c = report["checksum"]
+        lines += [f"## Swap checksums, bench-25m GPT, stage 2, nvme pipelined, 2 ranks, {c['rounds']} interleaved rounds",
+                  "", "| round | step, checksums on | step, off | on / off |", "| --- | --- | --- | --- |"]
+        lines += [f"| {i} | {on * 1e3:.1f} ms | {off * 1e3:.1f} ms | {ratio:.3f} |"
+                  for i, (on, off, ratio) in enumerate(zip(c["step_s_on"], c["step_s_off"], c["ratios"]))]
+        lines += ["", f"Median on / off: {c['ratio_median']:.3f}. CPU time computing crc32 per step (the larger rank's): "
+                  f"{', '.join(f'{ms:.1f} ms' for ms in c['crc_cpu_ms_per_step'])}; as a share of the step's wall "
+                  f"time: {', '.join(f'{share:.2%}' for share in c['crc_share'])}.", ""]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("optimizer", "swap", "train", "stage3", "all"), default="all")
+    parser.add_argument("--part", choices=("optimizer", "swap", "train", "stage3", "checksum", "all"), default="all")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sub-group-size", type=float, default=1e6)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4, help="part checksum: runs of each variant")
     parser.add_argument("--dir", default=None, help="where the swap files go (default: a temporary directory)")
     args = parser.parse_args()
     report: dict[str, Any] = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
@@ -246,8 +301,13 @@ def main() -> None:
     if args.part in ("stage3", "all"):
         with tempfile.TemporaryDirectory(dir=args.dir) as directory:
             report["stage3"] = train_part(directory, int(args.sub_group_size), args.steps, args.warmup, stage=3)
+    if args.part == "checksum":  # not in "all": its rounds take as long as the rest together
+        with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+            report["checksum"] = checksum_part(directory, int(args.sub_group_size), args.steps, args.warmup,
+                                               args.rounds)
     RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"offload-{'stage3-' if args.part == 'stage3' else ''}{report['date']}"
+    part = f"{args.part}-" if args.part in ("stage3", "checksum") else ""
+    stem = RESULTS / f"offload-{part}{report['date']}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
     stem.with_suffix(".md").write_text(_markdown(report))
     print(f"wrote {stem}.json and .md")

@@ -56,3 +56,18 @@ def test_failed_interval_saves_warn_and_training_goes_on_until_the_limit():
     comm.barrier()
     if rank == 0:
         shutil.rmtree(save_dir)
+
+
+@pytest.mark.unit
+def test_the_docs_say_what_max_failed_saves_does():
+    """The test above: with max_failed_saves 2 the second failure in a row stops training. docs/config.md
+    said two "may fail in a row" and "the next" (a third) stops it, against docs/reliability.md."""
+    from pathlib import Path
+
+    from zerodist.config.schema import CheckpointConfig
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    described = CheckpointConfig.model_fields["max_failed_saves"].description or ""
+    assert described.startswith("This many interval saves failing in a row stop training")
+    assert described in (docs / "config.md").read_text()
+    assert "`checkpoint.max_failed_saves` failures in a row stop training" in (docs / "reliability.md").read_text()

@@ -106,7 +106,7 @@ def _expect_mismatch(action) -> str:
     start = time.monotonic()
     with pytest.raises(comm.CollectiveMismatchError) as info:
         action()
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 60  # named at once, not at the 600 s collective timeout (60: a loaded machine)
     return str(info.value)
 
 

@@ -119,5 +119,61 @@ def test_a_frozen_rank_is_named_and_every_rank_fails_by_name(tmp_path):
     assert failed_after < TIMEOUT_S + 30
     # continued after rank 0 left, rank 1 finds its peer gone and says so by name too
     assert re.search(r"CollectiveError: rank 1: .* in all_reduce #2 on group 'world' .* main;", out1), out1
+    # ... never as waiting for rank 0, which waited for it (test_the_late_rank_..., below, with the store up)
+    assert not re.search(r"rank 1: waiting \d+ s for rank", out1), out1
+    # and its reads of the store, whose host (rank 0) has left, add no C++ TCPStore backtraces ([Note: store dumps])
+    assert "TCPStore.cpp" not in out1 and "frame #" not in out1, out1
     assert re.search(r"all_reduce #2 on group 'world' \(ranks 0-1\) failed after \d+ s: .*Connection closed by peer",
                      out1), out1
+
+
+@pytest.mark.unit
+def test_the_call_site_is_the_users_line_past_torchs_frames_between_zerodists():
+    """A collective issued from a hook inside Module.__call__ inside the engine: the user's line, not
+    torch's module.py, is shown after zerodist's frame."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zerodist.comm import watchdog
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(watchdog.__file__)))
+    module_py = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "nn", "modules", "module.py")
+    chain = [("/home/user/train.py", 40, "main"), (module_py, 1775, "_call_impl"),
+             (os.path.join(package, "engine", "engine.py"), 120, "forward"), (module_py, 1786, "_call_impl"),
+             (os.path.join(package, "zero", "hooks.py"), 88, "pre_forward"),
+             (os.path.join(package, "comm", "collectives.py"), 300, "all_gather")]
+    frame = None
+    for path, line, name in chain:
+        frame = SimpleNamespace(f_code=SimpleNamespace(co_filename=path, co_name=name), f_lineno=line, f_back=frame)
+    site = watchdog.call_site(frame)
+    assert site.endswith("<- /home/user/train.py:40 main") and "hooks.py:88 pre_forward" in site, site
+
+
+@pytest.mark.unit
+def test_the_late_rank_says_its_peer_waited_for_it_not_that_it_waits_for_the_peer(monkeypatch):
+    """A rank continued after SIGSTOP reaches the collective its peer timed out in: it was the missing
+    one. It said "rank 1: waiting 0 s for rank(s) [0]", blaming the healthy rank."""
+    from zerodist.comm import watchdog
+
+    monkeypatch.setattr(watchdog.dist, "get_rank", lambda group=None: 1)
+    ticket = watchdog.Ticket("all_reduce", "world", (0, 1), 2)
+    block = watchdog._Block(ticket, time.monotonic(), -1)
+    timed_out = {"state": "failed", "at": "all_reduce #2 on group 'world' (ranks 0-1) at train.py:9 main",
+                 "error": "timed out", "op": "all_reduce", "group": "world", "seq": 2, "time": time.time() - 30}
+    text = watchdog.Watchdog().explain(block, 0.0, {0: timed_out})
+    assert text.startswith("rank 1: late in all_reduce #2 on group 'world' (ranks 0-1)"), text
+    assert "rank(s) [0] reached it first, waited for this rank until the collective timeout and left" in text
+    assert "rank 0 failed 30 s ago in all_reduce #2" in text
+    elsewhere = {**timed_out, "seq": 1}  # a peer that timed out in another collective: this rank waits for it
+    assert watchdog.Watchdog().explain(block, 0.0, {0: elsewhere}).startswith("rank 1: waiting 0 s for rank(s) [0]")
+
+
+@pytest.mark.unit
+def test_store_dumps_are_stripped_and_nothing_else():
+    from zerodist.comm.watchdog import strip_store_dumps
+
+    text = ("before\n[rank1]:[W1127 10:40:50.330108343 TCPStore.cpp:106] [c10d] sendBytes failed on SocketImpl(fd=9): "
+            "Broken pipe\nException raised from sendBytes at Utils.hpp:758 (most recent call first):\nframe #0: "
+            "c10::Error::Error() + 0x9d\n<omitting python frames>\nframe #21: _start + 0x21\n\nafter\n")
+    assert strip_store_dumps(text) == "before\nafter\n"

@@ -9,7 +9,10 @@ MODE is "memory" or "nvme" (stage 2), or "nvme3" (stage 3, offload_optimizer nvm
 Each rank writes OUT.rank<r>.json: its peak RSS (VmHWM), its peak RSS while training (VmHWM
 reset after initialize(), which builds the full model first), its largest RSS between steps
 (what stays resident: less dependent on how transient buffers happen to overlap), its address space when the cap was
-set and at its peak (VmPeak), the trained steps, and the error if an allocation failed under the cap.
+set and at its peak (VmPeak), the trained steps, the error if an allocation failed under the cap, and
+the engine's own byte counts: parameters and optimizer state held in memory, optimizer state in the
+swap files. Tests assert on the byte counts (exact); the RSS figures are for
+benchmarks/offload_memory_bench.py (RSS on a shared machine moves by more than the differences).
 """
 
 from __future__ import annotations
@@ -67,7 +70,9 @@ def main() -> None:
     except (RuntimeError, MemoryError) as error:  # torch: "DefaultCPUAllocator: can't allocate memory"
         report["error"] = str(error)[:300]
     report.update(peak_rss=max(status()["VmHWM"], report["init_peak_rss"]), train_peak_rss=status()["VmHWM"],
-                  peak_vm=status()["VmPeak"], param_bytes=engine.model_state_bytes()["params"])
+                  peak_vm=status()["VmPeak"], param_bytes=engine.model_state_bytes()["params"],
+                  optimizer_bytes=engine.model_state_bytes()["optimizer"],
+                  swapped_bytes=getattr(engine.zero_state.inner_optimizer, "swapped_state_bytes", lambda: 0)())
     with open(f"{out}.rank{rank}.json", "w", encoding="utf-8") as file:
         json.dump(report, file)
     if report["error"]:

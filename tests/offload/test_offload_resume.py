@@ -120,3 +120,40 @@ def test_rank_killed_mid_step_resumes_to_the_uninterrupted_parameters(tmp_path):
     final = torch.load(out, weights_only=True)
     for key in reference:
         assert torch.equal(final[key], reference[key]), key
+
+
+@pytest.mark.unit
+def test_ranks_sharing_a_disk_are_checked_together():
+    from zerodist.offload.setup import shared_disk_problems
+
+    mib = 2**20
+    disk, other = ("node0", 7, 150 * mib), ("node0", 8, 150 * mib)
+    problems = shared_disk_problems("/nvme", [(disk, 100 * mib), (disk, 100 * mib)])
+    assert [rank for rank, _ in problems] == [0, 1]
+    assert "has 150.0 MiB free but the swap files need 200.0 MiB on its disk: ranks [0, 1] share it" in problems[0][1]
+    assert shared_disk_problems("/nvme", [(disk, 100 * mib), (other, 100 * mib)]) == []  # two disks
+    assert shared_disk_problems("/nvme", [(disk, 70 * mib), (disk, 70 * mib)]) == []  # both fit
+
+
+def _two_ranks_one_small_disk(nvme_path: str) -> str:
+    import zerodist
+    from zerodist.models import make_mlp
+    from zerodist.offload import SwapSpaceError
+    from zerodist.offload import setup
+
+    real = setup.disk_of
+    # Room for one rank's files (the MLP's ~1000 elements x 12 bytes per rank), not for both.
+    setup.disk_of = lambda root: (*real(root)[:2], 16_000)
+    try:
+        zerodist.initialize(model=make_mlp(), config=script.config(None, nvme_path))
+    except SwapSpaceError as error:
+        return str(error)
+    finally:
+        setup.disk_of = real
+    raise AssertionError("no error")
+
+
+def test_ranks_that_fit_alone_but_not_together_on_one_disk_fail_at_start_on_every_rank(tmp_path):
+    (tmp_path / "nvme").mkdir()
+    messages = run_distributed(_two_ranks_one_small_disk, 2, str(tmp_path / "nvme"), timeout=60)
+    assert messages[0] == messages[1] and "ranks [0, 1] share it" in messages[0]

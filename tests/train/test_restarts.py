@@ -79,3 +79,25 @@ def test_failed_interval_saves_let_the_run_finish_then_exit_1(tmp_path):
     assert out.count("Training goes on") == 2, out[-3000:]
     assert [s for s, _ in _rows(tmp_path / "run")] == [1, 2, 3, 4]  # every step trained, outputs written
     assert "zerodist train: the run ended with its last interval save failed" in done.stdout
+
+
+def test_a_kill_right_after_the_final_save_keeps_every_row_and_the_restart_writes_the_summary(tmp_path):
+    """Killed (SIGKILL) at the end of the final save, inside the last step: metrics.csv has every
+    step's row (it was written before the step's save) and config.json (written before the first
+    step); the restart, finding nothing left to train, writes summary.txt from metrics.csv."""
+    from zerodist.checkpoint import KILL_ENV
+
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    command = [sys.executable, "-m", "zerodist", "train", "--model", "tiny", "--nproc", "1", "--save-interval", "3",
+               "--steps", "3", "--out", str(out)]
+    killed = run_group(command, cwd=REPO, env={**env, KILL_ENV: "save-done"}, timeout=150)
+    assert killed.returncode != 0 and (out / "checkpoints" / "global_step3").is_dir(), killed.stderr[-3000:]
+    assert [s for s, _ in _rows(out)] == [1, 2, 3]
+    assert (out / "config.json").is_file() and not (out / "summary.txt").exists()
+    again = run_group(command + ["--resume"], cwd=REPO, env=env, timeout=150)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.splitlines()[1:] == [f"wrote {out / 'summary.txt'}"]
+    summary = (out / "summary.txt").read_text()
+    assert summary.startswith("summary: 3 steps, rebuilt from metrics.csv") and f"-> {float(_rows(out)[-1][1]):.3f}" in summary

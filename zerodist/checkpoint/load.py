@@ -83,8 +83,14 @@ def _damaged_after(listing: Any, newest: Manifest | None) -> list[str]:
 
 
 def _damaged_message(load_dir: Path, listing: Any, damaged: list[str], newest: Manifest | None) -> str:
+    return _damage_report(load_dir, [(tag, listing.incomplete[tag]) for tag in damaged], newest)
+
+
+def _damage_report(load_dir: Path, damaged: list[tuple[str, str]], newest: Manifest | None) -> str:
+    """The error for a damaged newest checkpoint (its manifest or its files): what is damaged, the
+    newest intact tag and the ways to resume from it."""
     lines = [f"the newest checkpoint in {load_dir} is damaged; nothing was loaded:"]
-    lines += [f"  {tag}: {listing.incomplete[tag]}" for tag in damaged]
+    lines += [f"  {tag}: {why}" for tag, why in damaged]
     if newest is None:
         lines.append("No intact checkpoint is left to resume from.")
     else:
@@ -184,6 +190,62 @@ def _pick(load_dir: Path, tag: Any, skip_damaged: bool) -> Manifest | None:
     return manifest
 
 
+def _older(load_dir: Path, than: Manifest) -> Manifest | None:
+    """The committed checkpoint before `than` (rank 0 reads it, every rank gets it)."""
+    choice: list[Any] = [None]
+    if comm.get_rank() == 0:
+        older = sorted((m for m in list_checkpoints(load_dir).committed if m.committed_at < than.committed_at),
+                       key=lambda m: m.committed_at)
+        try:
+            choice[0] = (read_manifest(load_dir / older[-1].tag) if older else None, None)
+        except CheckpointError as err:
+            choice[0] = (None, err)
+    comm.broadcast_object_list(choice, src=0)
+    manifest, error = choice[0]
+    if error is not None:
+        raise error
+    return manifest
+
+
+def _needed(zero: ZeroState, manifest: Manifest, with_optimizer: bool) -> set[str]:
+    needed = files_needed(zero.groups, manifest, with_optimizer) | {i["file"] for i in manifest.extra.values()}
+    same_world = manifest.world_size == comm.get_world_size()
+    return needed | {manifest.state_files[0]} | ({manifest.state_files[comm.get_rank()]} if same_world else set())
+
+
+def _agreed_problems(zero: ZeroState, load_dir: Path, manifest: Manifest, with_optimizer: bool) -> list[str]:
+    """Every rank's problems with the files it would read of `manifest`, the same list on every rank."""
+    problems: list[Any] = [None] * comm.get_world_size()
+    comm.all_gather_object(problems, _verify(load_dir / manifest.tag, manifest, _needed(zero, manifest, with_optimizer)))
+    return sorted({p for ps in problems for p in ps})
+
+
+def _pick_intact(zero: ZeroState, load_dir: Path, tag: Any, skip_damaged: bool,
+                 with_optimizer: bool) -> Manifest | None:
+    """The manifest to load, its files verified on every rank. A tag asked for by name loads or fails;
+    the newest one, when its files are damaged, gives way to the newest intact one only with
+    `skip_damaged` (one warning line), else it is an error naming both, as for a damaged manifest."""
+    manifest = _pick(load_dir, tag, skip_damaged)
+    damaged: list[tuple[str, str]] = []
+    while manifest is not None:
+        check_parameters(_all_shapes(zero), manifest)
+        found = _agreed_problems(zero, load_dir, manifest, with_optimizer)
+        if not found:
+            break
+        if tag is not None:
+            raise CheckpointCorruptError(f"checkpoint {load_dir / manifest.tag} is damaged; nothing was loaded: "
+                                         + "; ".join(found))
+        damaged.append((manifest.tag, "; ".join(found)))
+        manifest = _older(load_dir, manifest)
+    if damaged and (manifest is None or not skip_damaged):
+        raise CheckpointCorruptError(_damage_report(load_dir, damaged, manifest))
+    if damaged and manifest is not None:
+        log_rank0(logger, "checkpoint.skip_damaged: loading %s (step %d), the newest intact checkpoint in %s; damaged "
+                  "and skipped: %s", manifest.tag, manifest.global_steps, load_dir,
+                  "; ".join(f"{t} ({why})" for t, why in damaged), level=30)
+    return manifest
+
+
 def load_checkpoint(zero: ZeroState, resumable: Resumable, load_dir: str | Path, tag: Any = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, skip_damaged: bool = False) -> tuple[str | None, Any]:
@@ -199,22 +261,14 @@ def load_checkpoint(zero: ZeroState, resumable: Resumable, load_dir: str | Path,
         return load_deepspeed_checkpoint(zero, resumable, deepspeed_dir, load_optimizer_states=load_optimizer_states,
                                          load_lr_scheduler_states=load_lr_scheduler_states,
                                          load_module_only=load_module_only)
-    manifest = _pick(load_dir, tag, skip_damaged)
+    with_optimizer = load_optimizer_states and not load_module_only
+    manifest = _pick_intact(zero, load_dir, tag, skip_damaged, with_optimizer)
     if manifest is None:
         log_rank0(logger, "no committed checkpoint in %s; nothing loaded", load_dir, level=30)
         return None, None
     tag_dir = load_dir / manifest.tag
     rank, world = comm.get_rank(), comm.get_world_size()
-    with_optimizer = load_optimizer_states and not load_module_only
-    check_parameters(_all_shapes(zero), manifest)
     same_world = manifest.world_size == world
-    needed = files_needed(zero.groups, manifest, with_optimizer) | {i["file"] for i in manifest.extra.values()}
-    needed |= {manifest.state_files[0]} | ({manifest.state_files[rank]} if same_world else set())
-    problems: list[Any] = [None] * world
-    comm.all_gather_object(problems, _verify(tag_dir, manifest, needed))
-    found = sorted({p for ps in problems for p in ps})
-    if found:
-        raise CheckpointCorruptError(f"checkpoint {tag_dir} is damaged; nothing was loaded: " + "; ".join(found))
     reader = RangeReader(tag_dir)
     try:
         elementwise = load_groups(zero.groups, manifest, reader, with_optimizer)

@@ -120,17 +120,20 @@ def gather_facts(zero: ZeroState) -> tuple[dict[str, Any], dict[str, Any], dict[
     names), exchanged in one collective: every rank's optimizer settings merged (rank 0 stores
     them), this rank's module facts, and the extra tensors this rank writes: those whose logical
     key no lower rank holds, so each is written once."""
-    try:
+    failure: Exception | None = None
+    try:  # reads swapped optimizer state: a damaged swap file fails here ([Note: swap checksums])
         scalars = collect_scalars(zero.written_groups(), zero.inner_optimizer)
         facts, extra = _module_facts(zero)
         mine: Any = (scalars, list(extra))
-    except CheckpointError as err:  # every rank must reach the exchange, then all fail together
-        mine = f"rank {comm.get_rank()}: {err}"
+    except Exception as err:  # every rank must reach the exchange, then all fail together
+        failure = err
+        mine = f"rank {comm.get_rank()}: {err}" if isinstance(err, CheckpointError) else \
+            f"rank {comm.get_rank()}: {type(err).__name__}: {err}"
     everyone: list[Any] = [None] * comm.get_world_size()
     comm.all_gather_object(everyone, mine)
     errors = [e for e in everyone if isinstance(e, str)]
     if errors:
-        raise CheckpointWriteError("save_checkpoint failed and wrote nothing: " + "; ".join(errors))
+        raise CheckpointWriteError("save_checkpoint failed and committed nothing: " + "; ".join(errors)) from failure
     merged = everyone[0][0]
     for other, _ in everyone[1:]:
         merged["group_of"].update(other["group_of"])

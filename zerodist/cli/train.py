@@ -121,6 +121,9 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
         if world_size % (tensor * sequence * pipe):
             raise ValueError(f"--nproc {world_size} is not divisible by the tensor-parallel degree {tensor} (--tp) x "
                              f"the sequence-parallel degree {sequence} (--sp) x the pipeline degree {pipe} (--pp)")
+        if pipe > 1 and tensor > 1:  # else every rank fails in apply_tensor_parallel with a PlanError traceback
+            raise ValueError(f"--pp {pipe} with tensor-parallel degree {tensor} (--tp or tensor_parallel.autotp_size): "
+                             "the pipeline demo's stages have no tensor-parallel plan yet; use --pp or --tp, not both")
         _check_sequence(checked, model, getattr(args, "seq_len", None))
         checked.batch_sizes(world_size // (tensor * sequence * pipe),
                             world_size_source=f"{world_size} rank(s) / tensor {tensor} / sequence {sequence} "

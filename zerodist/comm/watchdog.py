@@ -32,7 +32,9 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -234,7 +236,14 @@ class Watchdog:
         if not missing:
             return (f"{head} in {where}; every rank of the group is in it too "
                     "(a slow transfer or an overloaded host, not a missing rank)")
-        lines = [f"{head} for rank(s) [{format_ranks(missing)}] at {where}"]
+        # Peers that timed out in this very collective waited for this rank, not it for them (it was
+        # stopped, SIGSTOP or a suspended host, or stalled past the timeout, and came late).
+        if all(_timed_out_in(positions.get(r), ticket) for r in missing):
+            lines = [f"rank {me}: late in {where}; rank(s) [{format_ranks(missing)}] reached it first, waited for this "
+                     "rank until the collective timeout and left: this rank was the one missing (stopped or stalled), "
+                     "not them"]
+        else:
+            lines = [f"{head} for rank(s) [{format_ranks(missing)}] at {where}"]
         for r in missing:
             lines.append(f"  rank {r} {_position_text(positions.get(r))}")
         return "\n".join(lines)
@@ -288,7 +297,8 @@ class Watchdog:
                     f"other ranks are is unknown: the store could not be read ({read_error})"), {}
 
     def _record_failure(self, block: _Block, error: str) -> None:
-        position = {"state": "failed", "at": self._describe_block(block), "error": error}
+        position = {"state": "failed", "at": self._describe_block(block), "error": error, "op": block.ticket.op,
+                    "group": block.ticket.group, "seq": block.ticket.seq}
         self._publish(position, failure_of=block.ticket.ranks)
 
     def publish_exit(self) -> None:
@@ -345,17 +355,35 @@ class Watchdog:
                 self._failed = (position, failure_of)
             store = self._get_store()
             if store is not None:
-                store.set(_key(self._my_rank()), json.dumps(position))
+                with self._store_failures():
+                    store.set(_key(self._my_rank()), json.dumps(position))
 
     def _read_positions(self, ranks: list[int]) -> dict[int, dict[str, Any] | None]:
         found: dict[int, dict[str, Any] | None] = {}
         with self._lock:
             store = self._get_store()
-            for r in ranks:
-                key = _key(r)
-                found[r] = json.loads(store.get(key)) if store is not None and store.check([key]) else None
+            with self._store_failures():
+                for r in ranks:
+                    key = _key(r)
+                    found[r] = json.loads(store.get(key)) if store is not None and store.check([key]) else None
             self._last_read.update(found)
         return found
+
+    @contextmanager
+    def _store_failures(self) -> Iterator[None]:
+        """[Note: store dumps] Around a store operation (under `_lock`): c10d's TCPStore logs a failed
+        socket operation (its host has exited) as a C++ warning with a 20-frame backtrace on stderr,
+        below Python, before raising; at the exit of a successful run (`publish_exit` after the host
+        rank left) and after a failure those dumps buried the named errors. stderr (fd 2) is caught
+        in a file meanwhile and given back without them (anything else written by another thread in
+        that moment comes out a moment later); and after one failure the connection is dropped, so
+        that later reports neither wait on it nor fail again."""
+        with _without_store_dumps():
+            try:
+                yield
+            except dist.DistNetworkError:  # the connection is lost (a timeout keeps it)
+                self._store, self._store_broken = None, True
+                raise
 
     def _my_rank(self) -> int:
         """This rank, remembered: the lingering exit reads the store after its groups are destroyed."""
@@ -377,6 +405,52 @@ class Watchdog:
                 logger.debug("hang watchdog: cannot clone the store (%s); it will not say where other ranks are",
                              error)
         return self._store
+
+
+_DUMP_LINE = re.compile(r"^(\[rank\d+\]:)?\[[WE]\S* [\d:.]+ TCPStore\.cpp:\d+\] |^Exception raised from |^frame #\d+: "
+                        r"|^<omitting python frames>$")
+
+
+@contextmanager
+def _without_store_dumps() -> Iterator[None]:
+    """stderr (fd 2) caught in a file while the block runs, then written back without c10d's TCPStore
+    warnings and their C++ backtraces ([Note: store dumps])."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = strip_store_dumps(caught.read().decode("utf-8", "replace"))
+            if kept:
+                os.write(2, kept.encode("utf-8"))
+
+
+def strip_store_dumps(text: str) -> str:
+    """`text` without c10d's TCPStore warning lines and the backtrace lines (and blank lines) after them."""
+    kept, in_dump = [], False
+    for line in text.splitlines(keepends=True):
+        if _DUMP_LINE.match(line) or (in_dump and not line.strip()):
+            in_dump = True
+            continue
+        in_dump = False
+        kept.append(line)
+    return "".join(kept)
+
+
+def _timed_out_in(position: dict[str, Any] | None, ticket: Ticket) -> bool:
+    """Whether `position` says its rank timed out in `ticket`'s collective (waiting for the others)."""
+    p = position or {}
+    return p.get("state") == "failed" and p.get("error") == "timed out" and (
+        p.get("op"), p.get("group"), p.get("seq")) == (ticket.op, ticket.group, ticket.seq)
 
 
 def _all_ended(positions: dict[int, dict[str, Any] | None]) -> bool:
@@ -413,14 +487,14 @@ def _from_backend(error: RuntimeError) -> bool:
 
 def call_site(frame: Any) -> str:
     """The first frame outside zerodist/comm, and the first outside zerodist when different."""
-    while frame is not None and frame.f_code.co_filename.startswith(_COMM_DIR) or _is_plumbing(frame):
+    while frame is not None and (frame.f_code.co_filename.startswith(_COMM_DIR) or _is_plumbing(frame)):
         frame = frame.f_back
     if frame is None:
         return "<unknown>"
     site = _frame_text(frame)
     if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        user = frame
-        while user is not None and user.f_code.co_filename.startswith(_PACKAGE_DIR):
+        user = frame  # past zerodist's frames and torch's between them (Module.__call__ into a hook, ...)
+        while user is not None and (user.f_code.co_filename.startswith(_PACKAGE_DIR) or _is_plumbing(user)):
             user = user.f_back
         if user is not None:
             site += f" <- {_frame_text(user)}"

@@ -49,14 +49,16 @@ class OptimizerConfig(Section):
         description='Optimizer class name, e.g. "AdamW"; the engine checks it against torch.optim.',
     )
     params: dict[str, ConstructorArgument] = Field(
-        default_factory=dict, description='Keyword arguments of the optimizer, e.g. {"lr": 0.001}.'
+        default_factory=dict, description='Keyword arguments of the optimizer, e.g. {"lr": 0.001}; each name '
+        'and value type is checked against the class\'s constructor (a bool for "lr", one beta, is an error).'
     )
 
 
 class SchedulerConfig(Section):
     type: str = Field(min_length=1, description='Learning-rate scheduler name, e.g. "WarmupLR".')
     params: dict[str, ConstructorArgument] = Field(
-        default_factory=dict, description="Keyword arguments of the scheduler."
+        default_factory=dict, description="Keyword arguments of the scheduler; each name and value type is "
+        "checked against the class's constructor."
     )
 
 
@@ -190,8 +192,9 @@ class CheckpointConfig(Section):
         0, ge=0, description="Keep only this many newest checkpoints in save_dir; 0 keeps all."
     )
     max_failed_saves: int = Field(
-        3, ge=1, description="Interval saves that may fail in a row (each warns on every rank; training goes on "
-        "and retries at the next interval); the next failure stops training with the error.",
+        3, ge=1, description="This many interval saves failing in a row stop training with the error (each "
+        "failure before that warns on every rank; training goes on and retries at the next interval; a "
+        "successful save resets the count); 1 stops at the first failure.",
     )
     skip_damaged: bool = Field(
         False, description="Load the newest intact checkpoint when a newer one is damaged; false makes that an "

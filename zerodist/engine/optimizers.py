@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from zerodist.config import Config, ConfigError
+from zerodist.config.params import argument_problems
 from zerodist.utils import did_you_mean
 
 # DeepSpeed's type names. "Adam" is decoupled (AdamW) unless params.adam_w_mode is false, as there.
@@ -78,6 +79,9 @@ def optimizer_from_config(config: Config) -> tuple[type, dict[str, Any]]:
     if unknown:
         raise ConfigError(f"optimizer.params {unknown} are not arguments of torch.optim.{cls.__name__}"
                           + did_you_mean(unknown[0], [a for a in accepted if a not in ("self", "params")]))
+    problems = argument_problems("optimizer.params", cls, params)  # the types first: torch takes "lr": true
+    if problems:
+        raise ConfigError(problems)
     _check_values(cls, params)
     return cls, params
 

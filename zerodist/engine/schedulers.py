@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from zerodist.config import Config, ConfigError
+from zerodist.config.params import argument_problems
 from zerodist.utils import did_you_mean
 
 
@@ -217,4 +218,7 @@ def scheduler_from_config(config: Config) -> tuple[Any, dict[str, Any]]:
     if unknown and not any(inspect.signature(cls.__init__).parameters[a].kind == inspect.Parameter.VAR_KEYWORD
                            for a in accepted):
         raise ConfigError(f"scheduler.params {unknown} are not arguments of {name}" + did_you_mean(unknown[0], accepted))
+    problems = argument_problems("scheduler.params", cls, params)
+    if problems:
+        raise ConfigError(problems)
     return cls, params

@@ -5,7 +5,7 @@ builds over ZeRO's flat shards, whatever the stage. See docs/offload.md and
 docs/design/offload.md.
 """
 
-from zerodist.offload.errors import OffloadError, SwapFileError, SwapPathError, SwapSpaceError
+from zerodist.offload.errors import OffloadError, SwapChecksumError, SwapFileError, SwapPathError, SwapSpaceError
 from zerodist.offload.optimizer import StreamSettings, SwappedOptimizer, swapped
 from zerodist.offload.setup import OffloadSettings, close_offload, offloaded_build, open_swap_directory
 from zerodist.offload.subgroups import ALIGN, Piece, SubGroup, plan_subgroups
@@ -13,6 +13,6 @@ from zerodist.offload.swap_files import SwapCounters, SwapDirectory
 
 __all__ = [
     "ALIGN", "OffloadError", "OffloadSettings", "Piece", "StreamSettings", "SubGroup", "SwapCounters",
-    "SwapDirectory", "SwapFileError", "SwapPathError", "SwapSpaceError", "SwappedOptimizer", "close_offload",
+    "SwapChecksumError", "SwapDirectory", "SwapFileError", "SwapPathError", "SwapSpaceError", "SwappedOptimizer", "close_offload",
     "offloaded_build", "open_swap_directory", "plan_subgroups", "swapped",
 ]

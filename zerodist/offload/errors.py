@@ -17,3 +17,7 @@ class SwapSpaceError(OffloadError):
 
 class SwapFileError(OffloadError):
     """A swap file is missing, truncated or unreadable: the state it held is gone (resume from a checkpoint)."""
+
+
+class SwapChecksumError(SwapFileError):
+    """A swap file no longer holds what was written to it (overwritten, a bit flipped, files swapped)."""

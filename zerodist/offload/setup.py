@@ -14,6 +14,7 @@ import atexit
 import dataclasses
 import itertools
 import os
+import shutil
 import time
 import weakref
 from collections.abc import Callable
@@ -98,8 +99,11 @@ def open_swap_directory(root: str, needed_bytes: int, group: Group) -> SwapDirec
     # Time, process and a count: two engines of one process (one resuming while the other ends) never share one.
     candidate = f"zerodist-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{next(_RUNS)}"
     answers: list[Any] = [None] * comm.get_world_size(group)
-    comm.all_gather_object(answers, (candidate, check_swap_root(root, needed_bytes)), group=group)
-    failed = [(rank, problem) for rank, (_, problem) in enumerate(answers) if problem is not None]
+    problem = check_swap_root(root, needed_bytes)
+    comm.all_gather_object(answers, (candidate, problem, None if problem else disk_of(root), needed_bytes),
+                           group=group)
+    failed = [(rank, problem) for rank, (_, problem, _, _) in enumerate(answers) if problem is not None]
+    failed = failed or shared_disk_problems(root, [(disk, needed) for _, _, disk, needed in answers])
     if failed:
         rank, problem = failed[0]
         raise problem_error(problem if len(failed) == len(answers) else f"on rank {rank}: {problem}")
@@ -111,6 +115,32 @@ def open_swap_directory(root: str, needed_bytes: int, group: Group) -> SwapDirec
         atexit.register(_report_left)
     _OPEN.add(directory)
     return directory
+
+
+def disk_of(root: str) -> tuple[str, int, int]:
+    """(host, device, free bytes) of the file system under `root`: ranks with the same host and device
+    share its free space."""
+    return os.uname().nodename, os.stat(root).st_dev, shutil.disk_usage(root).free
+
+
+def shared_disk_problems(root: str, disks: list[tuple[tuple[str, int, int] | None, int]]) -> list[tuple[int, str]]:
+    """(rank, problem) for each rank whose disk the ranks sharing it overfill together (each rank's own
+    check passes when each alone fits: two ranks on one disk then failed at their first step)."""
+    sharing: dict[tuple[str, int], list[int]] = {}
+    free_of: dict[tuple[str, int], int] = {}
+    for rank, (disk, _) in enumerate(disks):
+        if disk is not None:
+            sharing.setdefault(disk[:2], []).append(rank)
+            free_of[disk[:2]] = min(free_of.get(disk[:2], disk[2]), disk[2])
+    problems = []
+    for key, ranks in sharing.items():
+        free, needed = free_of[key], sum(disks[r][1] for r in ranks)
+        if len(ranks) > 1 and needed > free:
+            problems += [(r, f"nvme_path {root!r} has {free / 2**20:.1f} MiB free but the swap files need "
+                             f"{needed / 2**20:.1f} MiB on its disk: ranks {ranks} share it, "
+                             f"{disks[ranks[0]][1] / 2**20:.1f} MiB each; free space or give the ranks "
+                             "directories on other disks") for r in ranks]
+    return problems
 
 
 def _report_left() -> None:

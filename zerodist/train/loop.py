@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +31,7 @@ from zerodist.models import GPT, count_parameters, gpt_config
 from zerodist.tensor_parallel import schedule_log
 from zerodist.train.metrics import MetricsLog, StepRecord, plot_loss, read_csv, write_csv
 from zerodist.train.options import Progress, TrainOutcome, TrainPlan
-from zerodist.train.report import RankMemory, RunSummary, expected_bus_bytes, format_summary
+from zerodist.train.report import RankMemory, RunSummary, expected_bus_bytes, format_summary, loss_line
 from zerodist.train.seq_report import SavedActivations, SequenceReport, ring_formula, ulysses_formula
 from zerodist.train.seq_report import report_lines as sequence_report_lines
 from zerodist.train.tp_report import measure_from_log, report_lines
@@ -59,18 +60,23 @@ def endless(loader: Any) -> Iterator[Any]:
 
 
 def micro_steps(engine: Engine, batches: Iterator[Any], device: torch.device,
-                activations: SavedActivations | None = None) -> torch.Tensor:
+                activations: SavedActivations | None = None,
+                before_step: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """One optimizer step (all its micro-steps); returns this rank's mean loss over them.
-    `activations` measures the first micro-step's forward."""
+    `activations` measures the first micro-step's forward. `before_step(mean loss)` runs before the
+    last micro-step's `engine.step()`, the one that steps the optimizer and may save a checkpoint."""
     losses = []
-    for micro in range(engine.gradient_accumulation_steps()):
+    accumulation = engine.gradient_accumulation_steps()
+    for micro in range(accumulation):
         # (inputs, targets), or with a sequence axis this rank's slices and their position ids
         batch = next(batches)
         with activations.measure() if activations is not None and micro == 0 else contextlib.nullcontext():
             loss = engine(*(t.to(device) for t in batch))
         engine.backward(loss)
-        engine.step()
         losses.append(loss.detach().float())
+        if before_step is not None and micro == accumulation - 1:
+            before_step(torch.stack(losses).mean())
+        engine.step()
     return torch.stack(losses).mean()
 
 
@@ -103,7 +109,13 @@ def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int, metrics: Me
               activations: SavedActivations | None = None) -> tuple[list[StepRecord], float, Any, Any]:
     """Train `steps` optimizer steps; returns (records, seconds, tracer of everything, bytes and
     bus bytes of the loss averaging alone). The loss averaging runs in a nested trace so the summary can
-    tell the engine's traffic from the progress bar's. Each step's row goes to `metrics` as it ends."""
+    tell the engine's traffic from the progress bar's. Each step's row goes to `metrics` before its
+    optimizer step, its tokens/s over the time since the previous row (one whole step).
+
+    [Note: rows before the save] The interval save runs inside the step's last `engine.step()`; a
+    row written after it was lost when the process was killed right after the run's final save
+    (the restart then finds nothing left to train). Written before it, with the loss known then,
+    a row is never missing for a saved step; a row past the checkpoint is dropped on resume."""
     device = comm.device_for_rank()
     tokens = engine.batch.train_batch_size * seq_len
     batches = endless(loader)
@@ -113,21 +125,28 @@ def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int, metrics: Me
     logging_traffic = [0, 0.0]  # bytes and bus bytes of the loss averaging, summed as the steps go
     started = time.perf_counter()
     # Totals only, not a record per collective: memory stays flat however long the run.
+    mark = [started]  # when the previous step's row was written
+
+    def write_row(step: int, lr: float, local_loss: torch.Tensor) -> None:
+        # Before the step's engine.step(), which may save the run's last checkpoint: a kill right
+        # after that save keeps every row ([Note: rows before the save]).
+        with comm.trace(keep_records=False) as logging_trace:
+            loss = float(reduce_loss(local_loss))
+        logging_traffic[0] += logging_trace.total_bytes()
+        logging_traffic[1] += logging_trace.bus_bytes()
+        now = time.perf_counter()
+        seconds, mark[0] = now - mark[0], now
+        record = StepRecord(step, loss, lr, tokens / seconds, rss_bytes())
+        records.append(record)
+        if metrics is not None:
+            metrics.append(record)
+        bar.update(record, tokens, seconds)
+
     with comm.trace(keep_records=False) as everything, _logs_beside(bar):
         for step in range(first, steps + 1):
-            step_started = time.perf_counter()
             lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves it on in engine.step()
-            local_loss = micro_steps(engine, batches, device, activations if step == first else None)
-            with comm.trace(keep_records=False) as logging_trace:
-                loss = float(reduce_loss(local_loss))
-            logging_traffic[0] += logging_trace.total_bytes()
-            logging_traffic[1] += logging_trace.bus_bytes()
-            seconds = time.perf_counter() - step_started
-            record = StepRecord(step, loss, lr, tokens / seconds, rss_bytes())
-            records.append(record)
-            if metrics is not None:
-                metrics.append(record)
-            bar.update(record, tokens, seconds)
+            micro_steps(engine, batches, device, activations if step == first else None,
+                        functools.partial(write_row, step, lr))
     bar.close()
     elapsed = time.perf_counter() - started
     return records, elapsed, everything, tuple(logging_traffic)
@@ -192,13 +211,35 @@ def write_outputs(plan: TrainPlan, records: list[StepRecord], summary: RunSummar
     """Rank 0's files; returns the lines that say what was written (or skipped)."""
     plan.out.mkdir(parents=True, exist_ok=True)
     write_csv(records, plan.out / "metrics.csv")
-    (plan.out / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n", encoding="utf-8")
+    write_config(plan)
     text = format_summary(summary)
     (plan.out / "summary.txt").write_text(text + "\n", encoding="utf-8")
     lines = [f"wrote {plan.out / 'metrics.csv'}, {plan.out / 'config.json'}, {plan.out / 'summary.txt'}"]
     skipped = plot_loss(records, plan.out / "loss.png", f"GPT {plan.model}, ZeRO stage {summary.stage}, "
                         f"{summary.world_size} rank(s)")
     lines.append(f"loss curve not written: {skipped}" if skipped else f"wrote {plan.out / 'loss.png'}")
+    return lines
+
+
+def write_config(plan: TrainPlan) -> None:
+    """config.json: rank 0 writes it before the first step (a run killed later still has it) and again at the end."""
+    plan.out.mkdir(parents=True, exist_ok=True)
+    (plan.out / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n", encoding="utf-8")
+
+
+def rebuilt_summary(plan: TrainPlan, history: list[StepRecord], resumed: int) -> list[str]:
+    """summary.txt and config.json of a run killed between its final save and its outputs, from
+    metrics.csv (whose rows are written before each save: [Note: rows before the save])."""
+    lines = []
+    if not (plan.out / "config.json").is_file():
+        write_config(plan)
+        lines.append(f"wrote {plan.out / 'config.json'}")
+    if history and not (plan.out / "summary.txt").is_file():
+        text = (f"summary: {len(history)} steps, rebuilt from metrics.csv (the run stopped after its final "
+                f"checkpoint, step {resumed}, before writing its summary: no throughput, memory or traffic figures)\n"
+                f"  {loss_line([r.loss for r in history])}")
+        (plan.out / "summary.txt").write_text(text + "\n", encoding="utf-8")
+        lines.append(f"wrote {plan.out / 'summary.txt'}")
     return lines
 
 
@@ -216,8 +257,9 @@ def finished_already(plan: TrainPlan, resumed: int, rank0: bool) -> TrainOutcome
     history = read_csv(plan.out / "metrics.csv", resumed)
     if history:  # a run killed between its final save and its outputs: the plot from the kept rows
         plot_loss(history, plan.out / "loss.png", f"GPT {plan.model}, {comm.get_world_size()} rank(s)")
+    rebuilt = rebuilt_summary(plan, history, resumed)
     return TrainOutcome(0, [f"zerodist train: nothing left to train: the checkpoint in {save_dir} is at step {resumed} "
-                            f"of --steps {plan.steps}; the run's outputs are in {plan.out}"])
+                            f"of --steps {plan.steps}; the run's outputs are in {plan.out}", *rebuilt])
 
 
 def _moe_lines(plan: TrainPlan, engine: Engine, model: Any, load: Any, everything: Any, steps: int,
@@ -275,6 +317,8 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
     if rank0 and progress is not None:
         for line in header_lines(plan, engine, model):
             progress(line)
+    if rank0:
+        write_config(plan)
     history = read_csv(plan.out / "metrics.csv", resumed) if resumed else []
     metrics = MetricsLog(plan.out / "metrics.csv", history) if rank0 else None
     activations = SavedActivations(engine.module) if engine.topology.size("sequence") > 1 else None

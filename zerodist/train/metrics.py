@@ -15,9 +15,12 @@ CSV_FIELDS = ("step", "loss", "lr", "tokens_per_s", "rss_mib")
 MIB = 1024 * 1024
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class StepRecord:
-    """One optimizer step as seen by rank 0 (the loss is already the mean over ranks)."""
+    """One optimizer step as seen by rank 0 (the loss is already the mean over ranks). A run keeps
+    every step's record for its summary and loss.png: 212 bytes a step with slots (253 without;
+    tracemalloc over 2000 records), so memory grows with the run's length by that much, by design
+    (about 2 MiB per 10,000 steps): part of the 0.46 KiB/step RSS creep issue 37 measured."""
 
     step: int
     loss: float
