@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from zerodist.comm import timeline
 from zerodist.offload.errors import SwapFileError, SwapPathError, SwapSpaceError
 
 
@@ -86,6 +87,7 @@ class SwapDirectory:
         self._write(index, data, offset, whole=False)
 
     def _write(self, index: int, data: torch.Tensor, offset: int, whole: bool) -> None:
+        began = timeline.mark()
         view = _bytes_of(data)
         name = self.file(index)
         try:
@@ -108,10 +110,12 @@ class SwapDirectory:
         with self._lock:
             self.counters.bytes_written += len(view)
             self.counters.writes += 1
+        timeline.finish(began, "swap", "swap write", "swap", bytes=len(view))
 
     def read(self, index: int, out: torch.Tensor, offset: int = 0, whole: bool = True) -> None:
         """Fill `out` from sub-group `index`'s file at byte `offset`; `whole`: `out` is the whole
         file, whose size must then match exactly (a truncated or overlong file is an error)."""
+        began = timeline.mark()
         view = _bytes_of(out)
         name = self.file(index)
         try:
@@ -136,6 +140,7 @@ class SwapDirectory:
         with self._lock:
             self.counters.bytes_read += len(view)
             self.counters.reads += 1
+        timeline.finish(began, "swap", "swap read", "swap", bytes=len(view))
 
     def close(self) -> None:
         """Remove this rank's swap files and directory (and the run's, once empty)."""
