@@ -29,6 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 __all__ = ["FlopCount", "GPU_PEAK_FLOPS", "count_flops", "device_peak", "format_flops_table", "measure_matmul_peak"]
 
@@ -50,52 +52,82 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 
 @dataclasses.dataclass
 class FlopCount:
-    """FLOPs of one counted call: the total and each module's (its forward and backward)."""
+    """FLOPs of one counted call: the total (forward, backward, everything), and each module's forward
+    (its children included), as DeepSpeed's flops profiler attributes them."""
 
     total: int
-    by_module: dict[str, int]              # "GPT.blocks.0.attn" -> FLOPs, nested modules included
+    forward: dict[str, int]                # "blocks.0.attn" -> forward FLOPs; "" is the whole model
     params: dict[str, int]                 # the same names -> parameters (this rank's)
 
 
+class _Counter(TorchDispatchMode):
+    """Sums torch's FLOP formulas over every op that has one ([Note: counting FLOPs])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
 def count_flops(run: Callable[[], Any], module: torch.nn.Module | None = None) -> tuple[FlopCount, Any]:
-    """Run `run()` once under the FLOP counter ([Note: counting FLOPs]); returns (count, its result)."""
-    from torch.utils.flop_counter import FlopCounterMode
+    """Run `run()` once under the FLOP counter ([Note: counting FLOPs]); returns (count, its result).
+    Each module of `module` gets its forward's FLOPs from hooks that read the running total."""
+    counter = _Counter()
+    forward: dict[str, int] = {}
+    begun: dict[int, list[int]] = {}
+    handles = []
+    for name, child in (module.named_modules() if module is not None else ()):
+        def pre(m: torch.nn.Module, args: Any) -> None:
+            begun.setdefault(id(m), []).append(counter.total)
 
-    counter = FlopCounterMode(display=False, depth=None)
-    with counter:
-        result = run()
-    by_module = {name: int(sum(ops.values())) for name, ops in counter.get_flop_counts().items()}
-    total = by_module.pop("Global", int(counter.get_total_flops()))
-    return FlopCount(total, by_module, _params_by_name(module)), result
+        def post(m: torch.nn.Module, args: Any, output: Any, name: str = name) -> None:
+            if begun.get(id(m)):
+                forward[name] = forward.get(name, 0) + counter.total - begun[id(m)].pop()
 
-
-def _params_by_name(module: torch.nn.Module | None) -> dict[str, int]:
-    if module is None:
-        return {}
-    root = type(module).__name__
-    counts = {}
-    for name, child in module.named_modules():
-        counts[f"{root}.{name}" if name else root] = sum(p.numel() for p in child.parameters())
-    return counts
+        handles += [child.register_forward_pre_hook(pre), child.register_forward_hook(post)]
+    try:
+        with counter:
+            result = run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    params = {name: sum(p.numel() for p in child.parameters()) for name, child in module.named_modules()} \
+        if module is not None else {}
+    return FlopCount(counter.total, forward, params), result
 
 
 def format_flops_table(count: FlopCount, *, depth: int = 2, top: int = 0) -> list[str]:
-    """Per module to `depth` (the model is depth 0; -1: all), the largest `top` per depth (0: all),
-    as DeepSpeed's flops profiler lists them: parameters, FLOPs and share of the step's FLOPs."""
-    lines = [f"  {'module':<40}{'params':>12}{'GFLOPs':>12}{'share':>8}"]
-    rows = sorted(count.by_module.items(), key=lambda item: (item[0].count("."), -item[1]))
-    shown: dict[int, int] = {}
-    for name, flops in rows:
-        level = name.count(".")
-        if depth >= 0 and level > depth:
-            continue
-        shown[level] = shown.get(level, 0) + 1
-        if top and shown[level] > top:
-            continue
-        params = count.params.get(name)
-        lines.append(f"  {'  ' * level + name.split('.', 1)[-1] if level else name:<40}"
-                     f"{'-' if params is None else f'{params:,}':>12}{flops / 1e9:>12.3f}"
-                     f"{flops / count.total if count.total else 0:>8.1%}")
+    """Per module to `depth` (the model is depth 0), the largest `top` per parent (0: all), as
+    DeepSpeed's flops profiler lists them: parameters, forward FLOPs, share of the model's forward."""
+    whole = count.forward.get("", 0)
+    lines = [f"  {'module (forward)':<40}{'params':>13}{'GFLOPs':>11}{'share':>8}"]
+
+    names = list(count.params) or list(count.forward)
+
+    def children(name: str) -> list[str]:
+        prefix = f"{name}." if name else ""
+        return [c for c in names if c.startswith(prefix) and c != name and "." not in c[len(prefix):]]
+
+    def flops(name: str) -> int:  # a container that is never called (a ModuleList): its items' sum
+        return count.forward[name] if name in count.forward else sum(flops(c) for c in children(name))
+
+    def visit(name: str, level: int) -> None:
+        label = ("  " * level + (name.rsplit(".", 1)[-1] if name else "model"))[:39]
+        lines.append(f"  {label:<40}{count.params.get(name, 0):>13,}{flops(name) / 1e9:>11.3f}"
+                     f"{flops(name) / whole if whole else 0:>8.1%}")
+        if level < depth:
+            for child in sorted(children(name), key=lambda c: -flops(c))[:top or None]:
+                visit(child, level + 1)
+
+    if "" in count.forward:
+        visit("", 0)
     return lines
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import socket
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,14 +45,19 @@ logger = get_logger(__name__)
 __all__ = ["StepTimeline", "TimelineReport", "align_clocks", "traced_modules"]
 
 
-def align_clocks() -> list[int]:
-    """Every rank's wall clock minus rank 0's, in ns (collective): a barrier, then one all-gather of
-    the wall clock read as each rank leaves it ([Note: timeline clock] in zerodist/comm/timeline.py)."""
-    comm.barrier()
-    now = time.time_ns()
-    everyone: list[Any] = [None] * comm.get_world_size()
-    comm.all_gather_object(everyone, now)
-    return [int(t) - int(everyone[0]) for t in everyone]
+def align_clocks(rounds: int = 5) -> list[int]:
+    """Every rank's wall clock minus rank 0's, in ns (collective; [Note: timeline clock] in
+    zerodist/comm/timeline.py): ranks on rank 0's host share its clock (0); for the others, the median
+    over `rounds` of a barrier then an all-gather of the wall clock read as each rank leaves it."""
+    samples: list[list[int]] = []
+    for _ in range(rounds):
+        comm.barrier()
+        now = time.time_ns()
+        everyone: list[Any] = [None] * comm.get_world_size()
+        comm.all_gather_object(everyone, (socket.gethostname(), now))
+        samples.append([int(t) - int(everyone[0][1]) for _, t in everyone])
+    hosts = [host for host, _ in everyone]
+    return [0 if hosts[r] == hosts[0] else int(statistics.median(s[r] for s in samples)) for r in range(len(hosts))]
 
 
 def traced_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -161,7 +168,7 @@ class StepTimeline:
         if self.recorder is None:
             self._start()
         self.steps.append(step)
-        with timeline.span("step", f"step {step}", step=step), self._profiled(f"zerodist::step {step}"):
+        with timeline.span("step", f"step {step}", step=step), self._profiled(f"ProfilerStep#{step}"):
             yield
         if step == self.last:
             self._stop()
@@ -212,7 +219,7 @@ class StepTimeline:
             return report
         self.out_dir.mkdir(parents=True, exist_ok=True)
         report.merged = self.out_dir / "timeline.json"
-        info = {"steps": self.steps, "clock_offsets_ns": offsets, **(metadata or {})}
+        info = {"steps": self.steps, "clock_offsets_ns": offsets, "tracer_counts": tracer_counts, **(metadata or {})}
         report.merged.write_text(json.dumps(chrome_trace(recorders, offsets, info)), encoding="utf-8")
         if self.use_profiler:
             report.rank_traces = [self.out_dir / "traces" / f"rank{r.rank}.json" for r in recorders]

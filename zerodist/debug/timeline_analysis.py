@@ -218,3 +218,22 @@ def chrome_trace(recorders: Sequence[Recorder], offsets_ns: Sequence[int], metad
                  ) -> dict[str, Any]:
     return {"traceEvents": chrome_events(recorders, offsets_ns), "displayTimeUnit": "ms",
             "otherData": dict(metadata or {})}
+
+
+def step_window(recorders: Sequence[Recorder], offsets_ns: Sequence[int], step: int) -> Interval | None:
+    """The aligned interval from the first rank's start of step `step` to the last rank's end of it."""
+    bounds = [(s.start_ns + r.wall_offset_ns - o, s.end_ns + r.wall_offset_ns - o)
+              for r, o in zip(recorders, offsets_ns) for s in r.spans
+              if s.cat == "step" and (s.args or {}).get("step") == step]
+    if not bounds:
+        return None
+    return min(a for a, _ in bounds), max(b for _, b in bounds)
+
+
+def pipe_action_counts(recorder: Recorder) -> dict[str, int]:
+    """How many spans of each pipeline action kind (F, B, SEND_F, RECV_B, ...) a rank recorded."""
+    counts: dict[str, int] = {}
+    for s in recorder.spans:
+        if s.cat == "pipe" and s.args and "kind" in s.args:
+            counts[s.args["kind"]] = counts.get(s.args["kind"], 0) + 1
+    return counts
