@@ -200,19 +200,24 @@ def collective(op: str, tensor: torch.Tensor | None, numel: int, ticket: Any,
 
 
 def _on_completion(work: Any, entry: CollectiveSpan) -> None:
-    get_future = getattr(work, "get_future", None)
-    if get_future is None:
-        return
-    try:
-        future = get_future()
-    except RuntimeError:  # a backend without futures for this op
-        return
+    """Stamp `entry.done_ns` when `work` completes: its future's callback, or for several works waited
+    as one (gloo's all-gather by broadcasts: a `works` list) when the last of theirs runs."""
+    futures = []
+    for part in getattr(work, "works", None) or [work]:
+        get_future = getattr(part, "get_future", None)
+        if get_future is None:
+            return
+        try:
+            futures.append(get_future())
+        except RuntimeError:  # a backend without futures for this op
+            return
 
-    def done(_: Any) -> None:
-        if entry.done_ns is None:
+    def done(_: Any) -> None:  # runs on the backend's threads; the last to finish stamps the time
+        if entry.done_ns is None and all(future.done() for future in futures):
             entry.done_ns = now()
 
-    future.add_done_callback(done)
+    for future in futures:
+        future.add_done_callback(done)
 
 
 class _RecordedWork:

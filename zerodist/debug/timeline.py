@@ -225,7 +225,7 @@ class StepTimeline:
             report.rank_traces = [self.out_dir / "traces" / f"rank{r.rank}.json" for r in recorders]
         steps = f"step {self.first}" if self.first == self.last else f"steps {self.first}-{self.last}"
         report.lines = [f"timeline of {steps} on {len(recorders)} rank(s):",
-                        *format_overlap(overlap_by_kind(recorders), len(recorders)),
+                        *format_overlap(overlap_by_kind(recorders), len(recorders), recorders),
                         f"wrote {report.merged} (Chrome trace: open in ui.perfetto.dev)" + (
                             f" and {self.out_dir / 'traces'}/rank<r>.json (torch.profiler; Holistic Trace Analysis "
                             "reads the folder)" if self.use_profiler else "")]

@@ -120,13 +120,24 @@ def overlap_by_kind(recorders: Sequence[Recorder]) -> dict[str, KindOverlap]:
     return kinds
 
 
-def format_overlap(kinds: dict[str, KindOverlap], ranks: int) -> list[str]:
+def message_waits(recorders: Sequence[Recorder]) -> tuple[int, int]:
+    """(receives, ns) the ranks waited in pipeline receives (RECV_F / RECV_B) and for their sends."""
+    waits = [s for r in recorders for s in r.spans
+             if s.cat == "pipe" and ((s.args or {}).get("kind") in PIPE_WAITS or s.name == "wait sends")]
+    return len(waits), sum(s.end_ns - s.start_ns for s in waits)
+
+
+def format_overlap(kinds: dict[str, KindOverlap], ranks: int, recorders: Sequence[Recorder] = ()) -> list[str]:
     lines = [f"communication hidden under compute vs exposed, {ranks} rank(s) summed ([Note: measured overlap]):",
              f"  {'kind':<22}{'count':>7}{'MiB':>10}{'in flight ms':>14}{'hidden ms':>11}{'exposed ms':>12}"
              f"{'hidden':>8}"]
     for k in sorted(kinds.values(), key=lambda k: -k.in_flight_ns):
         lines.append(f"  {k.kind:<22}{k.count:>7}{k.num_bytes / 2**20:>10.2f}{k.in_flight_ns / 1e6:>14.2f}"
                      f"{k.hidden_ns / 1e6:>11.2f}{k.exposed_ns / 1e6:>12.2f}{k.hidden_share:>8.0%}")
+    count, waited = message_waits(recorders)
+    if count:
+        lines.append(f"  pipeline messages: {count} receive(s) and send waits took {waited / 1e6:.2f} ms of the ranks' "
+                     "time, exposed (the receives are posted ahead; what remains is waiting for the other stage)")
     return lines
 
 

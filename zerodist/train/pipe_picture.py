@@ -9,8 +9,6 @@ simulator's ([Note: measured overlap] and `idle_share` in zerodist/debug/timelin
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
 from zerodist.debug.timeline import TimelineReport
 from zerodist.debug.timeline_analysis import Bar, idle_share, pipeline_rows, step_window
 from zerodist.pipe.schedule_checks import SimulationResult
@@ -49,8 +47,3 @@ def pipeline_lines(report: TimelineReport, pipe_ranks: list[int], simulated: Sim
     lines.append(f"  wrote {path} (idle share drawn: {drawn[0]:.3f} as it ran, {drawn[1]:.3f} planned)")
     return lines
 
-
-def action_counts(report: TimelineReport) -> dict[int, Any]:
-    from zerodist.debug.timeline_analysis import pipe_action_counts
-
-    return {r.rank: pipe_action_counts(r) for r in report.recorders}
