@@ -48,6 +48,7 @@ class StepObserver:
         self.every = config.steps_per_print or 0
         self.module = module
         self.flops: FlopCount | None = None
+        self.counted_step = 0
         self.flops_table: list[str] = []
         self.phases: dict[str, float] = {}
         self.timeline_report: TimelineReport | None = None
@@ -63,9 +64,11 @@ class StepObserver:
             yield
 
     def run(self, step: int, fn: Callable[[], Any]) -> Any:
-        """`fn()`, under the FLOP counter at the profile step."""
-        if step != self.profiler.profile_step:
+        """`fn()`, under the FLOP counter at the profile step (or the first step after it that runs: a
+        resumed run starts later)."""
+        if self.flops is not None or step < self.profiler.profile_step:
             return fn()
+        self.counted_step = step
         self.flops, result = count_flops(fn, self.module)
         depth = self.profiler.module_depth
         self.flops_table = format_flops_table(self.flops, depth=depth if depth >= 0 else 99,
@@ -91,7 +94,7 @@ class StepObserver:
     def columns(self, step: int, seconds: float) -> dict[str, float | None]:
         """This step's metrics.csv columns: TFLOP/s of this rank, MFU, and the breakdown in ms."""
         achieved = self.flops.total / seconds if self.flops is not None and seconds > 0 else None
-        if self.flops is not None and step > self.profiler.profile_step:
+        if self.flops is not None and step > self.counted_step:
             self.busy_s += seconds
             self.busy_steps += 1
         if self.breakdown and self.every and step % self.every == 0 and self.phases:
@@ -111,8 +114,13 @@ class StepObserver:
         if comm.get_rank() != 0:
             return []
         lines = self._flops_lines(everyone)
+        if self.profiler.output_file:  # DeepSpeed's flops_profiler.output_file: the FLOPs report goes there
+            Path(self.profiler.output_file).write_text("\n".join(lines) + "\n", encoding="utf-8")
+            lines = [f"FLOPs report written to {self.profiler.output_file}"]
         if self.timeline_report is not None:
-            lines += self.timeline_report.lines
+            lines += self.timeline_report.lines or [
+                f"timeline: nothing recorded: steps {self.session.first}-{self.session.last} (zerodist.timeline) were "
+                "not run; choose steps this run reaches"] if self.session is not None else []
         return lines
 
     def _flops_lines(self, everyone: list[Any]) -> list[str]:
@@ -120,7 +128,7 @@ class StepObserver:
             return [f"FLOPs: not counted (flops_profiler.profile_step {self.profiler.profile_step} was not run)"]
         totals = [flops for flops, *_ in everyone]
         rates = [flops * steps / busy for flops, _, busy, steps in everyone if busy > 0]
-        lines = [f"FLOPs per step (step {self.profiler.profile_step}, matrix products, [Note: counting FLOPs]): "
+        lines = [f"FLOPs per step (step {self.counted_step}, matrix products, [Note: counting FLOPs]): "
                  f"{sum(totals) / 1e9:.2f} GFLOPs on all ranks, {totals[0] / 1e9:.2f} on rank 0"]
         if rates:
             peaks = [peak for _, peak, busy, _ in everyone if busy > 0]
