@@ -6,8 +6,9 @@ With no arguments: 2 ranks on a CPU machine (one per GPU where there are GPUs), 
 in this process. For many nodes: `zerodist run --nnodes ... -m zerodist train ...`.
 
 Rank 0 shows a progress bar, prints a summary (loss, tokens/s, model-state bytes per rank
-beside docs/design/zero.md's ZeRO formula, bytes per collective) and writes metrics.csv, loss.png,
-config.json and summary.txt to --out.
+beside docs/design/zero.md's ZeRO formula, bytes per collective, FLOPs and MFU) and writes metrics.csv,
+loss.png, config.json and summary.txt to --out. `--trace` records a step of every rank into
+OUT/timeline/ (docs/timeline.md).
 """
 
 from __future__ import annotations

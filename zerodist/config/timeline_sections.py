@@ -11,7 +11,8 @@ from zerodist.config.fields import Section
 class FlopsProfilerConfig(Section):
     enabled: bool = Field(
         False, description="Count the FLOPs of one step per module (torch's FLOP counter over matrix products) and "
-        "report FLOP/s and MFU against the device's peak; zerodist train always counts them."
+        "report FLOP/s and MFU against the device's peak. zerodist train always counts them (this section sets "
+        "which step and what is printed); in a loop of your own call zerodist.debug.flops.count_flops."
     )
     recompute_fwd_factor: float = Field(
         0.0, ge=0, description="Accepted for DeepSpeed compatibility: the FLOPs counted are the ones that ran, "
@@ -29,13 +30,13 @@ class FlopsProfilerConfig(Section):
 class ZerodistTimelineConfig(Section):
     enabled: bool = Field(
         False, description="Record a timeline of the chosen steps on every rank (compute spans, every collective "
-        "with issue/wait/completion, p2p messages, swap I/O, waits) and merge it on rank 0; `zerodist train --trace`."
+        "with issue/wait/completion, p2p messages, swap I/O, waits) and merge it on rank 0: what `zerodist train "
+        "--trace` sets; in a loop of your own use zerodist.debug.timeline.StepTimeline."
     )
     start_step: int = Field(2, ge=1, description="The first optimizer step recorded (the first is warm-up).")
     num_steps: int = Field(1, ge=1, description="How many consecutive steps are recorded.")
     output_dir: str | None = Field(
-        None, description="Where timeline.json and traces/rank<r>.json go; null: the run's output folder, "
-        "else ./timeline."
+        None, description="Where timeline.json and traces/rank<r>.json go; null: <zerodist train --out>/timeline."
     )
     torch_profiler: bool = Field(
         True, description="Also run torch.profiler over the recorded steps and keep each rank's trace "
