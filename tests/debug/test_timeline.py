@@ -151,3 +151,21 @@ def test_device_peak_on_cpu_is_measured():
     peak, source = device_peak(torch.device("cpu"), torch.float32)
     assert peak is not None and peak > 1e8 and "measured" in source
     assert GPU_PEAK_FLOPS["h100"]["bf16"] == pytest.approx(989.4e12)
+
+
+def test_config_sections_load_and_trace_flag_sets_the_window():
+    from zerodist.cli.train import _enable_trace
+    from zerodist.config import Config
+
+    config = Config.load({"train_micro_batch_size_per_gpu": 1, "flops_profiler": {"enabled": False, "profile_step": 2},
+                          "zerodist": {"timeline": {"enabled": True, "start_step": 3, "num_steps": 2}}})
+    assert config.flops_profiler.profile_step == 2 and config.zerodist.timeline.num_steps == 2
+    raw: dict = {}
+    _enable_trace(raw, "auto", 1)
+    assert raw["zerodist"]["timeline"] == {"enabled": True, "start_step": 1}
+    _enable_trace(raw, "2:3", 4)
+    assert raw["zerodist"]["timeline"]["num_steps"] == 3
+    with pytest.raises(ValueError, match="past the run's last step 3"):
+        _enable_trace({}, "2:3", 3)
+    with pytest.raises(ValueError, match="--trace 2 or --trace 2:3"):
+        _enable_trace({}, "x", 3)

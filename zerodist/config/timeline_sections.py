@@ -3,9 +3,14 @@ a step and where (zerodist/debug/timeline.py and flops.py do the work; docs/time
 
 from __future__ import annotations
 
-from pydantic import Field
+import logging
+
+from pydantic import Field, field_validator
 
 from zerodist.config.fields import Section
+from zerodist.utils import get_logger, log_rank0
+
+logger = get_logger(__name__)
 
 
 class FlopsProfilerConfig(Section):
@@ -19,6 +24,15 @@ class FlopsProfilerConfig(Section):
         "recomputation included."
     )
     profile_step: int = Field(1, ge=1, description="The optimizer step whose FLOPs are counted.")
+
+    @field_validator("enabled")
+    @classmethod
+    def _says_who_counts(cls, value: bool) -> bool:
+        if value:  # DeepSpeed's engine counts by itself; zerodist's engine does not (yet): say so once per load
+            log_rank0(logger, "flops_profiler.enabled: zerodist train counts FLOPs and reports MFU; an engine driven by "
+                      "a loop of your own does not: call zerodist.debug.flops.count_flops around a step "
+                      "(docs/timeline.md)", level=logging.WARNING)
+        return value
     module_depth: int = Field(-1, ge=-1, description="Deepest module level printed in the per-module table; -1: all.")
     top_modules: int = Field(1, ge=0, description="Modules printed per level of the table, largest first; 0: all.")
     detailed: bool = Field(True, description="Print the per-module table (false: the totals only).")
