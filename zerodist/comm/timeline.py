@@ -167,11 +167,12 @@ def pipe_action(kind: str, stage: int, microbatch: int) -> Any:
     return _span("pipe", f"{kind}{microbatch}", "main", {"kind": kind, "stage": stage, "microbatch": microbatch})
 
 
-def p2p_message(op: str, tensor: torch.Tensor, peer: int | None = None) -> None:
-    """One tensor of a point-to-point message as the tracer counts it (send, recv, p2p_header)."""
+def p2p_message(op: str, tensor: torch.Tensor) -> None:
+    """One tensor of a point-to-point message as the tracer counts it (send, recv, p2p_header): an
+    instant on the p2p track (the pipeline's SEND / RECV action spans carry the time it took)."""
     if recording:
         moment = now()
-        add("p2p", op, moment, moment, "p2p", {"bytes": tensor.numel() * tensor.element_size(), "peer": peer})
+        add("p2p", op, moment, moment, "p2p", {"bytes": tensor.numel() * tensor.element_size()})
 
 
 def collective(op: str, tensor: torch.Tensor | None, numel: int, ticket: Any,
