@@ -169,3 +169,22 @@ def test_config_sections_load_and_trace_flag_sets_the_window():
         _enable_trace({}, "2:3", 3)
     with pytest.raises(ValueError, match="--trace 2 or --trace 2:3"):
         _enable_trace({}, "x", 3)
+
+
+def test_swap_reads_and_writes_are_spans_on_the_swap_track(tmp_path):
+    from zerodist.offload.swap_files import SwapDirectory
+
+    swap = SwapDirectory(tmp_path, "run", 0)
+    data = torch.arange(16, dtype=torch.float32)
+    swap.write(0, data)  # not recording: nothing
+    recorder = timeline.start()
+    try:
+        swap.write(1, data)
+        back = torch.empty(16)
+        swap.read(1, back)
+    finally:
+        timeline.stop()
+        swap.close()
+    assert torch.equal(back, data)
+    assert [(s.cat, s.name, s.track, s.args) for s in recorder.spans] == [
+        ("swap", "swap write", "swap", {"bytes": 64}), ("swap", "swap read", "swap", {"bytes": 64})]

@@ -91,6 +91,10 @@ def test_zero3_trace_has_every_collective_the_tracer_counted(zero3):
     for rank in (0, 1):  # compute spans per module, forward and backward, and the step's phases
         names = {e["name"] for e in events if e["pid"] == rank and e.get("cat") in ("compute", "step")}
         assert {"forward blocks.0", "backward blocks.1", "forward", "backward", "step"} <= names
+    cats = {(e["pid"], e.get("cat")) for e in events}
+    assert {(0, "wait"), (1, "wait"), (0, "zero"), (1, "zero")} <= cats  # watchdog waits, ZeRO-3's unit gathers
+    gathers = [e for e in events if e.get("cat") == "collective" and e["name"] == "all_gather"]
+    assert all(e["dur"] > 0 and e["args"]["bytes"] > 0 and e["args"]["group_size"] == 2 for e in gathers)
     assert "communication hidden under compute vs exposed" in text and "all_gather" in text
     assert re.search(r"MFU \d+\.\d% of this CPU's measured fp32 matmul peak", text)
     header = (out / "metrics.csv").read_text().splitlines()[0]
