@@ -188,3 +188,18 @@ def test_swap_reads_and_writes_are_spans_on_the_swap_track(tmp_path):
     assert torch.equal(back, data)
     assert [(s.cat, s.name, s.track, s.args) for s in recorder.spans] == [
         ("swap", "swap write", "swap", {"bytes": 64}), ("swap", "swap read", "swap", {"bytes": 64})]
+
+
+def test_a_failed_step_stops_the_recording(tmp_path, monkeypatch):
+    from zerodist.debug import timeline as debug_timeline
+
+    monkeypatch.setattr(debug_timeline, "align_clocks", lambda: [0])
+    monkeypatch.setattr(debug_timeline.comm, "get_rank", lambda: 0)
+    session = debug_timeline.StepTimeline(tmp_path, start_step=1, num_steps=2, torch_profiler=False)
+    with session.step(0):
+        assert not timeline.recording  # outside the window
+    with pytest.raises(ZeroDivisionError):
+        with session.step(1):
+            assert timeline.recording
+            1 / 0
+    assert not timeline.recording and timeline.current() is None

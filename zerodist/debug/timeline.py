@@ -151,7 +151,8 @@ class StepTimeline:
         self.use_profiler = torch_profiler
         self.offsets: list[int] | None = None
         self.recorder: Recorder | None = None
-        self.trace: Any = None
+        self.trace: Any = None          # the communication tracer's context over the window
+        self.counts: Any = None         # ... and what it counts (per op, for the merged trace's metadata)
         self.profiler: Any = None
         self.module_spans: _ModuleSpans | None = None
         self.steps: list[int] = []
@@ -168,8 +169,12 @@ class StepTimeline:
         if self.recorder is None:
             self._start()
         self.steps.append(step)
-        with timeline.span("step", f"step {step}", step=step), self._profiled(f"ProfilerStep#{step}"):
-            yield
+        try:
+            with timeline.span("step", f"step {step}", step=step), self._profiled(f"ProfilerStep#{step}"):
+                yield
+        except BaseException:
+            self._stop()  # no recorder, hook or profiler outlives a failed step
+            raise
         if step == self.last:
             self._stop()
 
@@ -192,6 +197,8 @@ class StepTimeline:
         self.recorder = timeline.start(comm.get_rank())
 
     def _stop(self) -> None:
+        if timeline.current() is not self.recorder:
+            return  # stopped already
         timeline.stop()
         if self.module_spans is not None:
             self.module_spans.remove()
@@ -205,8 +212,8 @@ class StepTimeline:
 
     def finish(self, metadata: dict[str, Any] | None = None) -> TimelineReport:
         """Gather every rank's records to all ranks and write the merged trace on rank 0 (collective)."""
-        if timeline.current() is not None and self.recorder is not None:
-            self._stop()  # the run ended inside the window
+        if self.recorder is not None:
+            self._stop()  # the run ended inside the window (a no-op when it was stopped)
         counts = {op: s.count for op, s in self.counts.summary().items()} if self.recorder is not None else {}
         mine = (self.recorder, counts)
         everyone: list[Any] = [None] * comm.get_world_size()
