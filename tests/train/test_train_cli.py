@@ -29,7 +29,8 @@ def run_train(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[s
 def read_losses(out: Path) -> list[float]:
     with open(out / "metrics.csv", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == ["step", "loss", "lr", "tokens_per_s", "rss_mib"]
+    assert list(rows[0]) == ["step", "loss", "lr", "tokens_per_s", "rss_mib", "tflops", "mfu", "forward_ms", "backward_ms",
+                            "step_ms"]
     assert [int(r["step"]) for r in rows] == list(range(1, len(rows) + 1))
     return [float(r["loss"]) for r in rows]
 

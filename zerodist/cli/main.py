@@ -20,6 +20,7 @@ COMMANDS = [
     ("doctor", "zerodist.cli.doctor"),
     ("config", "zerodist.cli.config"),
     ("estimate", "zerodist.cli.estimate"),
+    ("pipe", "zerodist.cli.pipe"),
     ("bench", "zerodist.cli.bench"),
     ("checkpoint", "zerodist.cli.checkpoint"),
 ]

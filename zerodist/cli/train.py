@@ -6,8 +6,9 @@ With no arguments: 2 ranks on a CPU machine (one per GPU where there are GPUs), 
 in this process. For many nodes: `zerodist run --nnodes ... -m zerodist train ...`.
 
 Rank 0 shows a progress bar, prints a summary (loss, tokens/s, model-state bytes per rank
-beside docs/design/zero.md's ZeRO formula, bytes per collective) and writes metrics.csv, loss.png,
-config.json and summary.txt to --out.
+beside docs/design/zero.md's ZeRO formula, bytes per collective, FLOPs and MFU) and writes metrics.csv,
+loss.png, config.json and summary.txt to --out. `--trace` records a step of every rank into
+OUT/timeline/ (docs/timeline.md).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="pipeline parallelism: the GPT in P stages (its embedding tied to the head)")
     p.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved", "zb"),
                    help="pipeline schedule with --pp (default 1f1b; interleaved puts 2 stages on each rank)")
+    p.add_argument("--trace", nargs="?", const="auto", default=None, metavar="STEP[:N]",
+                   help="record a timeline of step STEP (default 2, or 1 for a one-step run) and N-1 after it on every "
+                        "rank: OUT/timeline/timeline.json (merged, Chrome format) and traces/rank<r>.json (torch.profiler)")
     p.set_defaults(handler=run)
 
 
@@ -110,6 +114,8 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
                           save_dir=str(out / "checkpoints"), tensor_parallel=args.tp, domino_chunks=args.domino,
                           sequence_parallel=getattr(args, "sp", None), sequence_method=getattr(args, "sp_method", None))
     config = merge_config(file_config, overrides, steps)
+    if getattr(args, "trace", None):
+        _enable_trace(config, args.trace, steps)
     if pipe > 1:  # micro-batches to fill the pipe (2 per stage), and the schedule
         config["gradient_accumulation_steps"] = max(config.get("gradient_accumulation_steps") or 1, 2 * pipe)
         config.setdefault("zerodist", {})["pipeline"] = {"schedule": schedule,
@@ -139,6 +145,24 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
                      pipe=pipe, pipe_schedule=schedule)
 
 
+def _enable_trace(config: dict[str, Any], spec: str, steps: int) -> None:
+    """`--trace [STEP[:N]]`: the `zerodist.timeline` section on (a file's settings kept where the flag says nothing)."""
+    section = config.setdefault("zerodist", {}).setdefault("timeline", {})
+    section["enabled"] = True
+    if spec == "auto":
+        section.setdefault("start_step", min(2, steps))
+    else:
+        first, _, count = spec.partition(":")
+        if not first.isdigit() or (count and not count.isdigit()) or int(first) < 1:
+            raise ValueError(f"--trace {spec!r}: give the first step to record and optionally how many, e.g. "
+                             "--trace 2 or --trace 2:3")
+        section["start_step"], section["num_steps"] = int(first), int(count or 1)
+    end = section.get("start_step", 2) + section.get("num_steps", 1) - 1
+    if isinstance(end, int) and end > steps:
+        raise ValueError(f"--trace: step {end} is past the run's last step {steps}; record earlier steps or "
+                         "raise --steps")
+
+
 def _check_sequence(config: Any, model: str, seq_len: int | None) -> None:
     """Heads and sequence length against the sequence-parallel degree, before any rank starts."""
     from zerodist.models import gpt_config
@@ -165,7 +189,8 @@ def worker_args(args: argparse.Namespace, out: Path) -> list[str]:
              "--save-interval": args.save_interval, "--keep-last": getattr(args, "keep_last", None), "--moe": args.moe,
              "--tp": args.tp, "--domino": args.domino, "--sp": getattr(args, "sp", None),
              "--sp-method": getattr(args, "sp_method", None), "--seq-len": getattr(args, "seq_len", None),
-             "--pp": getattr(args, "pp", None), "--schedule": getattr(args, "schedule", None)}
+             "--pp": getattr(args, "pp", None), "--schedule": getattr(args, "schedule", None),
+             "--trace": getattr(args, "trace", None)}
     for flag, value in flags.items():
         if value is not None:
             argv += [flag, str(value)]

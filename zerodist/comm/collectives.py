@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from zerodist import compat
-from zerodist.comm import tracer
+from zerodist.comm import timeline, tracer
 from zerodist.comm.init import ensure_initialized, get_global_rank
 from zerodist.comm.watchdog import Ticket, watchdog
 
@@ -95,6 +95,8 @@ def _issue(
         launch = _metered(launch)
     if not async_op:
         launch = _watched(launch, ticket)
+    if timeline.recording:  # [Note: timeline cost] in timeline.py
+        launch = timeline.collective(op_name, tensor, numel, ticket, launch)
     if not tracer.active_traces:
         # record_function costs ~90 us per call even with no profiler running (measured by
         # `zerodist bench comm`), so collectives are labelled only while a profiler records.

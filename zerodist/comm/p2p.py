@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerodist.comm import tracer
+from zerodist.comm import timeline, tracer
 from zerodist.comm.init import ensure_initialized
 from zerodist.comm.watchdog import CollectiveError, CollectiveTimeoutError, Ticket, watchdog
 
@@ -376,3 +376,5 @@ def _decode(message: torch.Tensor, src: int, describe: str) -> tuple[int, Label,
 def _record(op: str, tensor: torch.Tensor) -> None:
     if tracer.active_traces:
         tracer.record(op, tensor, tensor.numel(), 2, None)
+    if timeline.recording:
+        timeline.p2p_message(op, tensor)

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from zerodist import compat
+from zerodist.comm import timeline
 from zerodist.utils import get_logger
 
 logger = get_logger(__name__)
@@ -156,6 +157,7 @@ class Watchdog:
             return
         self._prepare()
         self._block = block = _Block(ticket, time.monotonic(), threading.get_ident())
+        began = timeline.mark()  # [Note: timeline cost] in timeline.py
         try:
             yield
         except RuntimeError as error:
@@ -165,6 +167,7 @@ class Watchdog:
             raise self._failure(block, error) from error
         finally:
             self._block = None
+            timeline.finish(began, "wait", ticket.op, "watchdog", group=ticket.group)
 
     # ------------------------------------------------------------ reporting
 

@@ -31,7 +31,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
     "": _keys("""
         activation_checkpointing aio amp autotuning comet communication_data_type
         compile compression_training curriculum_learning data_efficiency data_types
-        dump_state eigenvalue elasticity flops_profiler gradient_predivide_factor
+        dump_state eigenvalue elasticity gradient_predivide_factor
         graph_harvesting hybrid_engine nebula pipeline prescale_gradients
         progressive_layer_drop quantize_training seq_parallel_communication_data_type
         sparse_attention sparse_gradients timers torch_autocast wandb
@@ -136,7 +136,7 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("", "zero_force_ds_cpu_optimizer"): (_any_bool, "true or false (the torch optimizer steps offloaded state)"),
     ("", "activation_checkpointing"): (_all_off, "every setting false or null"),
     **{("", name): _OFF_SECTION for name in (
-        "amp", "flops_profiler", "wandb", "comet", "nebula", "elasticity", "autotuning", "curriculum_learning",
+        "amp", "wandb", "comet", "nebula", "elasticity", "autotuning", "curriculum_learning",
         "data_efficiency", "progressive_layer_drop", "eigenvalue", "hybrid_engine", "torch_autocast",
         "quantize_training")},
     ("zero_optimization", "allgather_partitions"): (_same(True), "true"),

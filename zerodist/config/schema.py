@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from zerodist.config.timeline_sections import FlopsProfilerConfig, ZerodistTimelineConfig
 from zerodist.config.auto import TrainerValues, resolve_auto, resolve_model_auto
 from zerodist.config.batch import BatchSizes, resolve_batch_sizes
 from zerodist.config.deepspeed_keys import drop_no_op_keys, unalias_zero_keys
@@ -340,6 +341,10 @@ class ZerodistConfig(Section):
         default_factory=ZerodistPipelineConfig,
         description="Pipeline parallelism settings for a zerodist.pipe.PipelineModule (its num_stages is the degree).",
     )
+    timeline: ZerodistTimelineConfig = Field(
+        default_factory=ZerodistTimelineConfig,
+        description="A timeline of chosen steps: every rank's compute and communication on one clock (docs/timeline.md).",
+    )
     stage3_unit_classes: list[str] = Field(
         default_factory=list,
         description="Stage 3: module class names that each form one gather unit; empty picks each "
@@ -411,6 +416,9 @@ class Config(Section):
     sequence_parallel_size: int = Field(
         1, ge=1, description="Sequence-parallel degree (DeepSpeed-Ulysses' key): ranks that split each sample's "
         "sequence; ZeRO shards and reduces over data x sequence. 1 turns it off."
+    )
+    flops_profiler: FlopsProfilerConfig = Field(
+        default_factory=FlopsProfilerConfig, description="FLOPs per step and module, FLOP/s and MFU (DeepSpeed's keys)."
     )
     zerodist: ZerodistConfig = Field(
         default_factory=ZerodistConfig, description="zerodist settings DeepSpeed has no key for."

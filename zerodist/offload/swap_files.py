@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from zerodist.comm import timeline
 from zerodist.offload.errors import SwapChecksumError, SwapFileError, SwapPathError, SwapSpaceError
 
 _BLOCK = 1 << 20  # bytes per checksum ([Note: swap checksums])
@@ -107,6 +108,7 @@ class SwapDirectory:
         self._write(index, data, offset, whole=False)
 
     def _write(self, index: int, data: torch.Tensor, offset: int, whole: bool) -> None:
+        began = timeline.mark()
         view = _bytes_of(data)
         name = self.file(index)
         sums = self._sums_after_write(index, view, offset, whole) if self.checksums else None
@@ -132,16 +134,19 @@ class SwapDirectory:
             self.counters.writes += 1
             if sums is not None:
                 self._sums[index], self._sizes[index] = sums
+        timeline.finish(began, "swap", "swap write", "swap", bytes=len(view))
 
     def read(self, index: int, out: torch.Tensor, offset: int = 0, whole: bool = True) -> None:
         """Fill `out` from sub-group `index`'s file at byte `offset`; `whole`: `out` is the whole
         file, whose size must then match exactly (a truncated or overlong file is an error). The
         blocks read are checked against their sums ([Note: swap checksums])."""
+        began = timeline.mark()
         view = _bytes_of(out)
         self._read(index, view, offset, whole)
         with self._lock:
             self.counters.bytes_read += len(view)
             self.counters.reads += 1
+        timeline.finish(began, "swap", "swap read", "swap", bytes=len(view))
 
     def _read(self, index: int, view: memoryview, offset: int, whole: bool) -> None:
         name = self.file(index)

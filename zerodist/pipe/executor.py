@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from zerodist.comm import p2p
+from zerodist.comm import p2p, timeline
 from zerodist.pipe.module import PipelineModule
 from zerodist.pipe.schedule import Action, Kind, stage_to_rank
 
@@ -134,9 +134,11 @@ class PipelineExecutor:
             run.inbox.post(actions)
             for action in actions:
                 run.inbox.poll()
-                run.do(action)
-            for handle in run.sends:
-                handle.wait(self.timeout_s, self.timeout_setting)
+                with timeline.pipe_action(action.kind.value, action.stage, action.microbatch):
+                    run.do(action)
+            with timeline.span("pipe", "wait sends"):
+                for handle in run.sends:
+                    handle.wait(self.timeout_s, self.timeout_setting)
         except BaseException as error:
             self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             for neighbour in self._neighbour_ranks():

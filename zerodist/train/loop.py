@@ -30,6 +30,7 @@ from zerodist.engine import Engine
 from zerodist.models import GPT, count_parameters, gpt_config
 from zerodist.tensor_parallel import schedule_log
 from zerodist.train.metrics import MetricsLog, StepRecord, plot_loss, read_csv, write_csv
+from zerodist.train.observe import StepObserver
 from zerodist.train.options import Progress, TrainOutcome, TrainPlan
 from zerodist.train.report import RankMemory, RunSummary, expected_bus_bytes, format_summary, loss_line
 from zerodist.train.seq_report import SavedActivations, SequenceReport, ring_formula, ulysses_formula
@@ -61,22 +62,28 @@ def endless(loader: Any) -> Iterator[Any]:
 
 def micro_steps(engine: Engine, batches: Iterator[Any], device: torch.device,
                 activations: SavedActivations | None = None,
-                before_step: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+                before_step: Callable[[torch.Tensor], None] | None = None,
+                observer: StepObserver | None = None) -> torch.Tensor:
     """One optimizer step (all its micro-steps); returns this rank's mean loss over them.
     `activations` measures the first micro-step's forward. `before_step(mean loss)` runs before the
-    last micro-step's `engine.step()`, the one that steps the optimizer and may save a checkpoint."""
+    last micro-step's `engine.step()`, the one that steps the optimizer and may save a checkpoint.
+    `observer` times each phase."""
     losses = []
     accumulation = engine.gradient_accumulation_steps()
+    phase = observer.phase if observer is not None else (lambda name: contextlib.nullcontext())
     for micro in range(accumulation):
         # (inputs, targets), or with a sequence axis this rank's slices and their position ids
         batch = next(batches)
         with activations.measure() if activations is not None and micro == 0 else contextlib.nullcontext():
-            loss = engine(*(t.to(device) for t in batch))
-        engine.backward(loss)
+            with phase("forward"):
+                loss = engine(*(t.to(device) for t in batch))
+        with phase("backward"):
+            engine.backward(loss)
         losses.append(loss.detach().float())
         if before_step is not None and micro == accumulation - 1:
             before_step(torch.stack(losses).mean())
-        engine.step()
+        with phase("step"):
+            engine.step()
     return torch.stack(losses).mean()
 
 
@@ -106,7 +113,8 @@ class ProgressBar:
 
 
 def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int, metrics: MetricsLog | None = None,
-              activations: SavedActivations | None = None) -> tuple[list[StepRecord], float, Any, Any]:
+              activations: SavedActivations | None = None,
+              observer: StepObserver | None = None) -> tuple[list[StepRecord], float, Any, Any]:
     """Train `steps` optimizer steps; returns (records, seconds, tracer of everything, bytes and
     bus bytes of the loss averaging alone). The loss averaging runs in a nested trace so the summary can
     tell the engine's traffic from the progress bar's. Each step's row goes to `metrics` before its
@@ -136,7 +144,8 @@ def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int, metrics: Me
         logging_traffic[1] += logging_trace.bus_bytes()
         now = time.perf_counter()
         seconds, mark[0] = now - mark[0], now
-        record = StepRecord(step, loss, lr, tokens / seconds, rss_bytes())
+        record = StepRecord(step, loss, lr, tokens / seconds, rss_bytes(),
+                            observer.columns(step, seconds) if observer is not None else {})
         records.append(record)
         if metrics is not None:
             metrics.append(record)
@@ -145,8 +154,13 @@ def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int, metrics: Me
     with comm.trace(keep_records=False) as everything, _logs_beside(bar):
         for step in range(first, steps + 1):
             lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves it on in engine.step()
-            micro_steps(engine, batches, device, activations if step == first else None,
-                        functools.partial(write_row, step, lr))
+            with observer.step(step) if observer is not None else contextlib.nullcontext():
+                run = functools.partial(micro_steps, engine, batches, device, activations if step == first else None,
+                                        functools.partial(write_row, step, lr), observer)
+                if observer is not None:
+                    observer.run(step, run)
+                else:
+                    run()
     bar.close()
     elapsed = time.perf_counter() - started
     return records, elapsed, everything, tuple(logging_traffic)
@@ -322,11 +336,13 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
     history = read_csv(plan.out / "metrics.csv", resumed) if resumed else []
     metrics = MetricsLog(plan.out / "metrics.csv", history) if rank0 else None
     activations = SavedActivations(engine.module) if engine.topology.size("sequence") > 1 else None
+    observer = StepObserver(engine.config, plan.out, engine.module, dtype=engine.policy.param_dtype)
     try:
         with schedule_log() as tensor_parallel_log:  # tensor-parallel bytes and Domino's schedule
             records, elapsed, everything, logging_traffic = run_steps(engine, loader, plan.steps, seq_len, metrics,
-                                                                      activations)
+                                                                      activations, observer)
         memory = gather_memory(engine)
+        observed = observer.finish({"model": plan.model, "stage": engine.config.zero_optimization.stage})
         sequence = _sequence_report(engine, everything, activations, len(records), seq_len)
         load = tracker.gather() if plan.moe_experts else None
     finally:
@@ -337,6 +353,7 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
     outcome = TrainOutcome(0, summary=summary)
     if rank0:
         outcome.lines.append(format_summary(summary))
+        outcome.lines += observed
         if load is not None:
             outcome.lines += _moe_lines(plan, engine, model, load, everything, len(records), seq_len)
         if engine.topology.size("tensor") > 1:

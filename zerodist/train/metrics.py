@@ -1,6 +1,7 @@
 """Per-step metrics of a training run and the files a run leaves behind (memory readers: zerodist.debug.memory).
 
-    metrics.csv   step, loss (averaged over ranks), lr, tokens_per_s (all ranks), rss_mib (rank 0)
+    metrics.csv   step, loss (averaged over ranks), lr, tokens_per_s (all ranks), rss_mib (rank 0), tflops and
+                  mfu (rank 0, from the step whose FLOPs were counted on), forward_ms, backward_ms, step_ms
     loss.png      the loss curve (matplotlib, a dependency, imported only here; skipped with a message
                   when an installation lacks it)
 """
@@ -11,7 +12,10 @@ import csv
 import dataclasses
 from pathlib import Path
 
-CSV_FIELDS = ("step", "loss", "lr", "tokens_per_s", "rss_mib")
+CSV_FIELDS = ("step", "loss", "lr", "tokens_per_s", "rss_mib", "tflops", "mfu", "forward_ms", "backward_ms", "step_ms")
+# Blank until known: TFLOP/s of rank 0 and its MFU from the counted step on (zerodist/train/observe.py),
+# the wall-clock breakdown of the step summed over its micro-steps.
+_OPTIONAL = ("tflops", "mfu", "forward_ms", "backward_ms", "step_ms")
 MIB = 1024 * 1024
 
 
@@ -27,10 +31,15 @@ class StepRecord:
     lr: float
     tokens_per_s: float
     rss_bytes: int
+    extra: dict[str, float | None] = dataclasses.field(default_factory=dict)  # _OPTIONAL's columns
 
     def csv_row(self) -> dict[str, str]:
-        return {"step": str(self.step), "loss": f"{self.loss:.6f}", "lr": f"{self.lr:.6g}",
-                "tokens_per_s": f"{self.tokens_per_s:.1f}", "rss_mib": f"{self.rss_bytes / MIB:.1f}"}
+        row = {"step": str(self.step), "loss": f"{self.loss:.6f}", "lr": f"{self.lr:.6g}",
+               "tokens_per_s": f"{self.tokens_per_s:.1f}", "rss_mib": f"{self.rss_bytes / MIB:.1f}"}
+        for name in _OPTIONAL:
+            value = self.extra.get(name)
+            row[name] = "" if value is None else f"{value:.6g}"
+        return row
 
 
 def write_csv(records: list[StepRecord], path: Path) -> None:
@@ -47,7 +56,8 @@ def read_csv(path: Path, up_to_step: int) -> list[StepRecord]:
         with open(path, newline="", encoding="utf-8") as f:
             rows = list(csv.DictReader(f))
         records = [StepRecord(int(r["step"]), float(r["loss"]), float(r["lr"]), float(r["tokens_per_s"]),
-                              int(float(r["rss_mib"]) * MIB)) for r in rows]
+                              int(float(r["rss_mib"]) * MIB),
+                              {name: float(r[name]) for name in _OPTIONAL if r.get(name)}) for r in rows]
     except (OSError, KeyError, ValueError, TypeError):
         return []
     return [r for r in records if r.step <= up_to_step]

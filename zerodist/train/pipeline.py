@@ -19,7 +19,9 @@ from zerodist.models import gpt_config
 from zerodist.models.gpt_pipe import gpt_loss, gpt_pipeline_layers
 from zerodist.pipe import PipelineModule
 from zerodist.train.loop import build_dataset
+from zerodist.train.observe import StepObserver
 from zerodist.train.options import Progress, TrainOutcome, TrainPlan
+from zerodist.train.pipe_picture import pipeline_lines
 
 __all__ = ["train_pipeline"]
 
@@ -44,18 +46,22 @@ def train_pipeline(plan: TrainPlan, progress: Progress | None = None) -> TrainOu
              f"{engine.batch.micro_batch_size}; layers per stage {model.parts}")
     every = plan.config.get("steps_per_print") or 100
     losses: list[float] = []
+    observer = StepObserver(engine.config, plan.out, model, dtype=engine.policy.param_dtype, module_spans=False)
     started = time.perf_counter()
     sent = 0.0
     try:
         for step in range(1, plan.steps + 1):
-            with comm.trace() as trace:
-                losses.append(engine.train_batch().item())
+            step_started = time.perf_counter()
+            with comm.trace() as trace, observer.step(step):
+                losses.append(observer.run(step, engine.train_batch).item())
+            observer.pipeline_step(engine.last_run, time.perf_counter() - step_started, step)
             if step == 1:
                 total = torch.tensor([float(trace.total_bytes("send"))])
                 comm.all_reduce(total)
                 sent = total.item()
             if show is not None and (step % every == 0 or step == plan.steps):
                 show(f"step {step}: loss {losses[-1]:.4f}")
+        observed = observer.finish({"model": plan.model, "schedule": plan.pipe_schedule})
     finally:
         engine.destroy()
     elapsed = time.perf_counter() - started
@@ -74,4 +80,11 @@ def train_pipeline(plan: TrainPlan, progress: Progress | None = None) -> TrainOu
             f"= {formula:.3f}",
             f"  p2p: {sent:.0f} bytes per step = {sent / boundaries / (2 * m * activation):.2f} x 2 m x "
             f"{activation} bytes (micro-batch activation) over each of {boundaries} stage boundaries"]
+        if observer.timeline_report is not None:
+            outcome.lines += pipeline_lines(
+                observer.timeline_report, engine.pipe_ranks, engine.simulated, formula,
+                "(p-1)/(v m+p-1)" if plan.pipe_schedule != "zb" else "for 1F1B (p-1)/(m+p-1)",
+                f"GPT {plan.model}, {plan.pipe_schedule}, {p * v} stages on {p} ranks, {m} micro-batches",
+                observer.timeline_report.merged.parent if observer.timeline_report.merged else plan.out)
+        outcome.lines += observed
     return outcome

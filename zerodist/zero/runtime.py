@@ -73,6 +73,7 @@ from typing import Any
 
 import torch
 
+from zerodist.comm import timeline
 from zerodist.comm.collectives import Group
 
 from zerodist.zero import sharded_access
@@ -262,12 +263,14 @@ class UnitRuntime:
     def gather_for(self, unit: Unit, kind: int, prefetch_step: int = 0) -> None:
         """Make `unit` gathered now: issue its gather (if no prefetch did) together with the
         prefetch of the units after (+1) or before (-1) it, and wait for it."""
+        began = timeline.mark()  # [Note: timeline cost] in zerodist/comm/timeline.py
         batch = [unit] if unit.state is UnitState.SHARDED else []
         if prefetch_step:
             batch += self._prefetch_candidates(unit, prefetch_step, self.live_numel + sum(u.numel for u in batch))
         if batch:
             self.unshard(batch, kind=kind)
         self.wait_unshard([unit])
+        timeline.finish(began, "zero", "gather unit", unit=unit.index, issued=len(batch))
 
     def _prefetch_candidates(self, unit: Unit, step: int, live: int) -> list[Unit]:
         """The units after (step=+1) or before (step=-1) `unit` (the root: from the first) to
