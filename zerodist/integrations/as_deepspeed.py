@@ -53,10 +53,10 @@ ENV_FLAG = "ZERODIST_AS_DEEPSPEED"
 
 # DeepSpeed's module paths whose zerodist module is elsewhere, or that zerodist adds for them. Any other
 # `deepspeed.A.B` is `zerodist.A.B` when `deepspeed.A` is served by a zerodist package.
-_TARGETS = {
+DEEPSPEED_MODULES = {
     "deepspeed": "zerodist.integrations.deepspeed_top",
     "deepspeed.comm": "zerodist.comm",
-    "deepspeed.zero": "zerodist.zero",
+    "deepspeed.zero": "zerodist.integrations.deepspeed_zero",
     "deepspeed.pipe": "zerodist.pipe",
     "deepspeed.moe": "zerodist.moe",
     "deepspeed.sequence": "zerodist.sequence",
@@ -90,8 +90,8 @@ def _target(fullname: str) -> str:
     for prefix, why in _NOT_PROVIDED.items():
         if fullname == prefix or fullname.startswith(prefix + "."):
             raise _missing(fullname, why)
-    if fullname in _TARGETS:
-        return _TARGETS[fullname]
+    if fullname in DEEPSPEED_MODULES:
+        return DEEPSPEED_MODULES[fullname]
     parent, _, child = fullname.rpartition(".")
     if parent in ("", "deepspeed"):
         raise _missing(fullname, "")

@@ -11,18 +11,17 @@ import importlib
 from typing import Any
 
 import zerodist
-from zerodist.integrations.as_deepspeed import served_version
+from zerodist.integrations.as_deepspeed import DEEPSPEED_MODULES, served_version
 
 __version__ = served_version()
 __path__: list[str] = []  # a package: `deepspeed.X` is served by the finder in as_deepspeed
 
-# Reached as attributes of `deepspeed` where zerodist's own attribute of that name is another module.
-_DEEPSPEED_MODULES = {"utils": "deepspeed.utils", "runtime": "deepspeed.runtime"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _DEEPSPEED_MODULES:
-        return importlib.import_module(_DEEPSPEED_MODULES[name])
+    # `deepspeed.zero` without an import of its own is what `import deepspeed.zero` gives.
+    if f"deepspeed.{name}" in DEEPSPEED_MODULES:
+        return importlib.import_module(f"deepspeed.{name}")
     try:
         return getattr(zerodist, name)
     except AttributeError:
