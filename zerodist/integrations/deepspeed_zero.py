@@ -25,15 +25,21 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
-from zerodist.zero import *  # noqa: F403 - the rest of deepspeed.zero is zerodist.zero's
-from zerodist.zero import GatheredParameters as _ZeroGatheredParameters
-from zerodist.zero import Init as _ZeroInit
+import zerodist.zero as _zero
 from zerodist.zero import registry
 
+_ZeroGatheredParameters = _zero.GatheredParameters
+_ZeroInit = _zero.Init
 
-def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> contextlib.AbstractContextManager[Any]:  # noqa: N802
+
+def Init(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[Any]:  # noqa: N802
     """zerodist's ``Init`` keywords and checks; the model is built eagerly ([Note: from_pretrained under the served zero.Init])."""
-    return _ZeroInit(*args, enabled=False, **kwargs)
+    kwargs["enabled"] = False
+    return _ZeroInit(*args, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    return getattr(_zero, name)  # the rest of deepspeed.zero is zerodist.zero's
 
 
 class GatheredParameters(_ZeroGatheredParameters):
