@@ -3,6 +3,8 @@ DeepSpeed's (they change nothing here), refused naming the section otherwise."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 import zerodist
@@ -15,9 +17,23 @@ AIO = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submi
        "use_gds": False}
 
 
-def test_deepspeeds_pipeline_and_aio_sections_load_with_one_info_line(capsys):
-    zerodist.Config.load({"train_batch_size": 2, "pipeline": PIPELINE, "aio": AIO})
-    lines = [line for line in capsys.readouterr().err.splitlines() if "change nothing in zerodist" in line]
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_deepspeeds_pipeline_and_aio_sections_load_with_one_info_line():
+    handler, root = _Lines(), logging.getLogger("zerodist")
+    root.addHandler(handler)
+    try:
+        zerodist.Config.load({"train_batch_size": 2, "pipeline": PIPELINE, "aio": AIO})
+    finally:
+        root.removeHandler(handler)
+    lines = [line for line in handler.lines if "change nothing in zerodist" in line]
     assert len(lines) == 1 and "pipeline=" in lines[0] and "aio=" in lines[0]
 
 
