@@ -139,3 +139,8 @@ _ACCELERATOR = Accelerator()
 def get_accelerator() -> Accelerator:
     """This process's accelerator (one object; it holds no state of its own)."""
     return _ACCELERATOR
+
+
+def is_current_accelerator_supported() -> bool:
+    """DeepSpeed asks whether its accelerator kind is one it supports; zerodist's (CUDA or the CPU) always is."""
+    return True

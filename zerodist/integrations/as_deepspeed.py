@@ -66,6 +66,8 @@ DEEPSPEED_MODULES = {
     "deepspeed.utils": "zerodist.runtime.deepspeed_utils",
     "deepspeed.utils.groups": "zerodist.runtime.groups",
     "deepspeed.utils.logging": "zerodist.runtime.deepspeed_utils",
+    "deepspeed.utils.torch": "zerodist.runtime.torch_version",
+    "deepspeed.checkpointing": "zerodist.runtime.activation_checkpointing.checkpointing",
 }
 
 # What a missing DeepSpeed module would have been used for, and the zerodist way.
