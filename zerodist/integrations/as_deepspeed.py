@@ -56,7 +56,7 @@ ENV_FLAG = "ZERODIST_AS_DEEPSPEED"
 DEEPSPEED_MODULES = {
     "deepspeed": "zerodist.integrations.deepspeed_top",
     "deepspeed.comm": "zerodist.comm",
-    "deepspeed.zero": "zerodist.integrations.deepspeed_zero",
+    "deepspeed.zero": "zerodist.runtime.zero",
     "deepspeed.pipe": "zerodist.pipe",
     "deepspeed.moe": "zerodist.moe",
     "deepspeed.sequence": "zerodist.sequence",

@@ -1,7 +1,15 @@
-"""``deepspeed.runtime.zero``: the served ``deepspeed.zero`` names under DeepSpeed's runtime path
-(``GatheredParameters``, ``Init``), and ``partition_parameters``."""
+"""``deepspeed.zero`` and ``deepspeed.runtime.zero`` when zerodist serves ``import deepspeed``: zerodist's
+``zero`` module with ``Init`` and ``GatheredParameters`` as served to transformers (served.py), and
+``partition_parameters``."""
 
-from zerodist.integrations.deepspeed_zero import GatheredParameters, Init
+from typing import Any
+
+import zerodist.zero as _zero
 from zerodist.runtime.zero import partition_parameters
+from zerodist.runtime.zero.served import GatheredParameters, Init
 
 __all__ = ["GatheredParameters", "Init", "partition_parameters"]
+
+
+def __getattr__(name: str) -> Any:
+    return getattr(_zero, name)  # the rest of deepspeed.zero is zerodist.zero's

@@ -2,7 +2,7 @@
 
 transformers' ``prevent_arange_dtype_change`` swaps ``zero_wrapper_for_fp_tensor_constructor``
 (DeepSpeed's ``zero.Init`` wraps torch's tensor constructors to cast them) around model construction;
-the served ``zero.Init`` builds eagerly and wraps nothing (zerodist/integrations/deepspeed_zero.py),
+the served ``zero.Init`` builds eagerly and wraps nothing (zerodist/runtime/zero/served.py),
 so the wrapper here hands the constructor back unchanged. ``ZeroParamStatus`` is DeepSpeed's enum;
 zerodist sets no such attribute on parameters (``zerodist.zero.is_sharded`` answers the question).
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from zerodist.integrations.deepspeed_zero import GatheredParameters, Init
+from zerodist.runtime.zero.served import GatheredParameters, Init
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "zero_wrapper_for_fp_tensor_constructor"]
 

@@ -1,5 +1,5 @@
-"""``deepspeed.zero`` when zerodist serves ``import deepspeed``: zerodist's ``zero`` module, with the
-two names transformers' ZeRO-3 loading calls given the outcome DeepSpeed gives it.
+"""``deepspeed.zero.Init`` and ``GatheredParameters`` when zerodist serves ``import deepspeed``: the
+two names transformers' ZeRO-3 loading calls, given the outcome DeepSpeed gives it.
 
 [Note: from_pretrained under the served zero.Init]
 Under ZeRO-3 transformers builds the model inside ``deepspeed.zero.Init(config_dict_or_path=...)``,
@@ -36,10 +36,6 @@ def Init(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[Any]:  
     """zerodist's ``Init`` keywords and checks; the model is built eagerly ([Note: from_pretrained under the served zero.Init])."""
     kwargs["enabled"] = False
     return _ZeroInit(*args, **kwargs)
-
-
-def __getattr__(name: str) -> Any:
-    return getattr(_zero, name)  # the rest of deepspeed.zero is zerodist.zero's
 
 
 class GatheredParameters(_ZeroGatheredParameters):
