@@ -113,3 +113,33 @@ def test_trainer_with_deepspeed_argument_trains_on_zerodist_with_ddps_losses(tmp
     assert ours.keys() == theirs.keys()
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-5
     assert all(torch.isfinite(v).all() for v in ours.values())
+
+
+@pytest.mark.unit
+def test_run_as_deepspeed_runs_a_program_on_path_without_python_and_exec_needs_the_switch(monkeypatch, tmp_path):
+    import argparse
+
+    from zerodist.cli import run
+
+    args = argparse.Namespace(nproc=2, nnodes="1", node_rank=None, master_addr=None, master_port=None,
+                              rdzv_endpoint=None, rdzv_id="zerodist", max_restarts=0)
+    assert "--no-python" in run.torchrun_argv(args, "python3", ["-c", "pass"])  # a program on PATH
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert "--no-python" not in run.torchrun_argv(args, str(script), [])
+    parser = argparse.ArgumentParser()
+    run.register(parser.add_subparsers())
+    parsed = parser.parse_args(["run", "--exec", "--", "accelerate", "launch", "train.py"])
+    with pytest.raises(SystemExit, match="--exec runs a launcher with --as-deepspeed"):
+        run.run(parsed)
+
+
+@pytest.mark.unit
+def test_the_switchs_environment_puts_its_directory_first_once():
+    from zerodist.integrations.as_deepspeed import alias_directory, environment
+
+    env = environment({"PYTHONPATH": "/a:/b"})
+    first = environment(env)
+    assert first["PYTHONPATH"] == os.pathsep.join([alias_directory(), "/a", "/b"])
+    assert first["ZERODIST_AS_DEEPSPEED"] == "1"
+    assert {p.name for p in Path(alias_directory()).iterdir()} >= {"deepspeed", "sitecustomize.py"}
