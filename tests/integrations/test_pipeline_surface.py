@@ -4,6 +4,7 @@ in DeepSpeed's order: `DistributedSampler(shuffle=False)`, repeated, the same or
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.harness import run_distributed
@@ -64,3 +65,29 @@ def test_pipeline_engine_surface_and_deepspeeds_data_order():
     # Stage 0 read the samples in dataset order, and again from the start on the second pass.
     assert results[0]["seen"] == list(range(SAMPLES)) + list(range(4))
     assert results[0]["seen_after_set"] == [100] * MICRO + [101] * MICRO
+
+
+def _set_dataiterator_without_training_data() -> float:
+    """DeepSpeed's gradient-accumulation test, in our words: two 1x1 layers at 1.0, SGD lr 0.1, GAS 2,
+    MSE of ones against zeros: the first weight becomes 1 - 2 x 0.1 (the gradient is scaled once)."""
+    import zerodist
+    from zerodist.pipe import PipelineModule
+    from zerodist.utils import RepeatingLoader
+
+    layers = [torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)]
+    for layer in layers:
+        torch.nn.init.ones_(layer.weight)
+    model = PipelineModule(layers=layers, num_stages=2, loss_fn=torch.nn.MSELoss())
+    config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "steps_per_print": 10**9}
+    engine, *_ = zerodist.initialize(model=model, config=config, model_parameters=model.parameters())
+    engine.set_dataiterator(RepeatingLoader([(torch.ones(1, 1), torch.zeros(1, 1))]))
+    engine.train_batch()
+    weight = float(next(engine.module.parameters()).item())
+    engine.destroy()
+    return weight
+
+
+def test_set_dataiterator_feeds_train_batch_without_training_data():
+    weights = run_distributed(_set_dataiterator_without_training_data, 2, timeout=120)
+    assert weights == [pytest.approx(1.0 - 2.0 * 0.1, abs=1e-6)] * 2

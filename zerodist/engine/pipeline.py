@@ -215,7 +215,7 @@ class PipelineEngine(PipelineEngineSurface, Engine):
         """The first and last stages read the micro-batches (DeepSpeed's way); the others read nothing."""
         if not (self.is_first_stage() or self.is_last_stage()):
             return None, None
-        if data_iter is None and self.training_dataloader is not None:
+        if data_iter is None and (self._own_data_iter is not None or self.training_dataloader is not None):
             # DeepSpeed's train_batch(): the loader initialize() made from training_data, repeated
             if self._own_data_iter is None:
                 self._own_data_iter = self._deepspeed_order_iterator()
