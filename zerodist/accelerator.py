@@ -32,6 +32,10 @@ class Accelerator:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         return comm_init.choose_backend(local_rank, None) == "nccl"
 
+    def random(self) -> Any:
+        """torch's RNG module (`get_accelerator().random().fork_rng(...)`, as DeepSpeed's tests call it)."""
+        return torch.random
+
     # ---------------------------------------------------------------- device
     def device_name(self, device_index: int | None = None) -> str:
         """``"cuda"`` / ``"cuda:N"`` on a GPU, ``"cpu"`` on the CPU (DeepSpeed's CPU accelerator ignores the index)."""
