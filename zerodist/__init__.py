@@ -23,6 +23,7 @@ _EXPORTS = {
     "Config": ("zerodist.config", "Config"),
     "ConfigError": ("zerodist.config", "ConfigError"),
     "ShardedParameterError": ("zerodist.zero", "ShardedParameterError"),
+    "get_accelerator": ("zerodist.accelerator", "get_accelerator"),
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -32,6 +32,10 @@ class Accelerator:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         return comm_init.choose_backend(local_rank, None) == "nccl"
 
+    def random(self) -> Any:
+        """torch's RNG module (`get_accelerator().random().fork_rng(...)`, as DeepSpeed's tests call it)."""
+        return torch.random
+
     # ---------------------------------------------------------------- device
     def device_name(self, device_index: int | None = None) -> str:
         """``"cuda"`` / ``"cuda:N"`` on a GPU, ``"cpu"`` on the CPU (DeepSpeed's CPU accelerator ignores the index)."""
@@ -139,3 +143,8 @@ _ACCELERATOR = Accelerator()
 def get_accelerator() -> Accelerator:
     """This process's accelerator (one object; it holds no state of its own)."""
     return _ACCELERATOR
+
+
+def is_current_accelerator_supported() -> bool:
+    """DeepSpeed asks whether its accelerator kind is one it supports; zerodist's (CUDA or the CPU) always is."""
+    return True

@@ -49,7 +49,9 @@ def one_process_losses() -> list[float]:
     set_random_seed(SEED)
     model = SmallAlexNet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    batches = iter(RepeatingLoader(EngineDataLoader(random_images(), batch_size=MICRO, num_replicas=1, rank=0)))
+    # DeepSpeed's pipeline engine reads training_data in order (DistributedSampler(shuffle=False)), repeated.
+    batches = iter(RepeatingLoader(EngineDataLoader(random_images(), batch_size=MICRO, num_replicas=1, rank=0,
+                                                    shuffle=False)))
     losses = []
     for _ in range(STEPS):
         total = 0.0

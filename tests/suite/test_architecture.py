@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2] / "zerodist"
 LAYERS = {
     "zerodist": 0,  # the lazy facade (`zerodist.initialize` ...): imports nothing at import time
     "utils": 1, "compat": 1,  # compat.py: every private torch API, importing only torch
-    "runtime": 1,  # DeepSpeed's `deepspeed.runtime.utils` helpers for scripts (set_random_seed)
+    "runtime": 8,  # DeepSpeed's module paths (deepspeed.runtime.*, .utils, .zero) over zerodist's layers
     "config": 2,
     "comm": 3,
     "precision": 4, "accelerator": 4,  # accelerator.py: DeepSpeed's get_accelerator(), over comm's device choice

@@ -4,11 +4,21 @@ We never write our own launcher: this builds torchrun's argument list from a sma
 one and hands over. One machine: `zerodist run --nproc 2 train.py`. Many machines: the same
 command on each node with `--nnodes N --rdzv-endpoint HOST:PORT` (elastic rendezvous) or
 `--nnodes N --node-rank R --master-addr HOST` (static).
+
+`--as-deepspeed` serves `import deepspeed` from zerodist in every rank, so a tool that trains through
+transformers' or accelerate's DeepSpeed path (llamafactory-cli, axolotl, trl, a Trainer with
+`deepspeed=`) trains on zerodist unchanged; a command that is not a `.py` file runs as a program
+(`zerodist run --as-deepspeed --nproc 2 -- llamafactory-cli train cfg.yaml`). With `--exec` the
+command runs once, not under torchrun, for launchers that start the ranks themselves
+(`zerodist run --as-deepspeed --exec -- accelerate launch ... train.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import subprocess
 import sys
 from typing import Any
 
@@ -24,6 +34,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_launch_arguments(p)
     p.add_argument("--module", "-m", action="store_true", help="run SCRIPT as a module (python -m)")
+    p.add_argument("--as-deepspeed", action="store_true",
+                   help="serve `import deepspeed` from zerodist in every rank (transformers/accelerate's DeepSpeed path "
+                        "trains on zerodist; an installed DeepSpeed is never used)")
+    p.add_argument("--exec", dest="exec_once", action="store_true",
+                   help="with --as-deepspeed: run the command once, not under torchrun (a launcher that starts ranks)")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(handler=run)
@@ -59,6 +74,8 @@ def torchrun_argv(args: argparse.Namespace, script: str, script_args: list[str],
         argv.append("--standalone")  # one node: torchrun picks a free port itself
     if module:
         argv.append("--module")
+    elif not script.endswith(".py") and not os.path.isfile(script) and shutil.which(script):
+        argv.append("--no-python")  # a program on PATH (llamafactory-cli, trl, axolotl), not a script
     return argv + [script] + list(script_args)
 
 
@@ -99,4 +116,15 @@ def describe_failures(failures: dict[int, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
+    if args.script == "--" and script_args:  # `zerodist run [options] -- command args`
+        args.script, script_args = script_args[0], script_args[1:]
+    if args.exec_once and not args.as_deepspeed:
+        raise SystemExit("zerodist run: --exec runs a launcher with --as-deepspeed; add --as-deepspeed")
+    if args.as_deepspeed:
+        from zerodist.integrations.as_deepspeed import environment
+
+        os.environ.update(environment())
+        if args.exec_once:
+            command = [sys.executable, "-m", args.script] if args.module else [args.script]
+            return subprocess.call(command + list(script_args))
     return launch(torchrun_argv(args, args.script, script_args, module=args.module))

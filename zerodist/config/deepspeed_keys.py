@@ -123,6 +123,24 @@ def _all_off(value: Any) -> bool:
 
 _OFF_SECTION = (_disabled_section, 'a section with "enabled": false')
 
+# DeepSpeed's "pipeline" section: `stages`, `partition` and `seed_layers` are PipelineModule's arguments (DeepSpeed's
+# engine reads none of them from the config); `pipe_partitioned` and `grad_partitioned` split the activations and
+# gradients a stage sends over the tensor-parallel ranks (the same values arrive); `activation_checkpoint_interval`
+# and `use_reentrant` make DeepSpeed's engine checkpoint the PipelineModule's activations, which zerodist's
+# PipelineModule does not do: the same values, with more activation memory (the info line names the section).
+PIPELINE_KEYS = frozenset(_keys("stages partition seed_layers activation_checkpoint_interval pipe_partitioned "
+                                "grad_partitioned use_reentrant"))
+# DeepSpeed's "aio" section tunes its libaio swap I/O (NVMe offload); zerodist's swap files are read and
+# written by its own pread/pwrite threads (docs/offload.md), whose results do not depend on these.
+AIO_KEYS = frozenset(_keys("block_size queue_depth intra_op_parallelism thread_count single_submit overlap_events "
+                           "use_gds"))
+
+
+def _section_of(keys: frozenset[str]) -> Callable[[Any], bool]:
+    def matches(value: Any) -> bool:
+        return isinstance(value, Mapping) and set(value) <= keys
+    return matches
+
 # (section, key) -> (the values that change nothing here, those values in words).
 NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("", "prescale_gradients"): (_same(False), "false"),
@@ -135,6 +153,10 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("", "zero_allow_untested_optimizer"): (_any_bool, "true or false"),
     ("", "zero_force_ds_cpu_optimizer"): (_any_bool, "true or false (the torch optimizer steps offloaded state)"),
     ("", "activation_checkpointing"): (_all_off, "every setting false or null"),
+    ("", "pipeline"): (_section_of(PIPELINE_KEYS), "DeepSpeed's pipeline keys (" + ", ".join(sorted(PIPELINE_KEYS))
+                       + "): the same values here; activation_checkpoint_interval > 0 does not checkpoint activations"),
+    ("", "aio"): (_section_of(AIO_KEYS), "DeepSpeed's aio keys (" + ", ".join(sorted(AIO_KEYS))
+                  + "): tuning of DeepSpeed's own swap I/O"),
     **{("", name): _OFF_SECTION for name in (
         "amp", "wandb", "comet", "nebula", "elasticity", "autotuning", "curriculum_learning",
         "data_efficiency", "progressive_layer_drop", "eigenvalue", "hybrid_engine", "torch_autocast",

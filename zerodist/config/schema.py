@@ -526,6 +526,11 @@ class Config(Section):
         """Every key with its value, defaults filled in, as JSON-compatible types."""
         return self.model_dump(mode="json")
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """A top-level key's JSON value: DeepSpeed's `engine.config` is the config dict, and callers such
+        as transformers' Trainer read it so (`engine.config.get("zero_optimization", {})`)."""
+        return self.to_dict().get(key, default)
+
 
 def _raw_enabled(raw: Mapping[str, Any], section: str) -> Any:
     value = raw.get(section)

@@ -124,6 +124,21 @@ class DeepSpeedEngineAPI:
         section = self.config.scheduler  # type: ignore[attr-defined]
         return None if section is None else section.type
 
+    # ------------------------------------------------------------------ whole weights, as the HF stack asks for them
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's `stage3_gather_16bit_weights_on_model_save` (accelerate's `get_state_dict` asks)."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)  # type: ignore[attr-defined]
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> dict[str, torch.Tensor] | None:
+        """DeepSpeed's name for the model's whole `state_dict()` in the training dtype, on rank 0 (None
+        elsewhere); every rank must call it (gathered one unit at a time at stage 3)."""
+        state = self.module_state_dict(rank0_only=True)  # type: ignore[attr-defined]
+        if state is not None and exclude_frozen_parameters:
+            frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+            state = {name: value for name, value in state.items() if name not in frozen}
+        return state
+
     # ------------------------------------------------------------------ attributes of the model
     def __getattr__(self, name: str) -> Any:
         # Called only when normal look-up failed: nn.Module's parameters, buffers and

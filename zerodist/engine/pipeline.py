@@ -31,12 +31,12 @@ import torch
 
 import zerodist.comm as comm
 from zerodist.engine.engine import Engine
+from zerodist.engine.pipeline_surface import PipelineEngineSurface
 from zerodist.pipe.executor import PipelineError, PipelineExecutor, RunResult
 from zerodist.pipe.module import PipelineModule
 from zerodist.pipe.schedule import Action, Kind, build_schedule
 from zerodist.pipe.schedule_checks import check_schedule
 from zerodist.pipe.tied import TiedGradients
-from zerodist.utils import RepeatingLoader
 from zerodist.zero import sharded_access
 
 __all__ = ["PipelineEngine", "PipelineError", "check_tied_layers_kept", "discard_pipeline", "pipeline_fingerprint",
@@ -91,7 +91,7 @@ def pipeline_fingerprint(model: torch.nn.Module) -> list[Any] | None:
             sorted((k, v) for k, v in model.tied_keys.items())]
 
 
-class PipelineEngine(Engine):
+class PipelineEngine(PipelineEngineSurface, Engine):
     """Made by `zerodist.initialize()` for a `PipelineModule`."""
 
     def __init__(self, module: torch.nn.Module, **kwargs: Any):
@@ -215,10 +215,10 @@ class PipelineEngine(Engine):
         """The first and last stages read the micro-batches (DeepSpeed's way); the others read nothing."""
         if not (self.is_first_stage() or self.is_last_stage()):
             return None, None
-        if data_iter is None and self.training_dataloader is not None:
+        if data_iter is None and (self._own_data_iter is not None or self.training_dataloader is not None):
             # DeepSpeed's train_batch(): the loader initialize() made from training_data, repeated
             if self._own_data_iter is None:
-                self._own_data_iter = iter(RepeatingLoader(self.training_dataloader))
+                self._own_data_iter = self._deepspeed_order_iterator()
             data_iter = self._own_data_iter
         if data_iter is None:
             raise ValueError("train_batch(data_iter) / eval_batch(data_iter): the first and last pipeline stages "

@@ -1,0 +1,128 @@
+"""Run DeepSpeed's own unit tests against zerodist: ``import deepspeed`` served by zerodist.
+
+    python tests/deepspeed_conformance/run.py                       # clones DeepSpeed (network)
+    python tests/deepspeed_conformance/run.py --deepspeed-repo PATH # a checkout or a bare git dir
+
+DeepSpeed's test files are fetched at run time (never stored in this repository) into a work
+directory laid out as DeepSpeed's ``tests/`` (``unit/...``), next to zerodist's own ``unit/common.py``
+(``DistributedTest``: each method on its world size, forked ranks on gloo) and ``unit/util.py``;
+DeepSpeed's helper modules the files import (``unit/alexnet_model.py``, ``unit/simple_model.py``)
+are fetched too. pytest then runs there with ``zerodist run --as-deepspeed``'s environment, and the
+pass counts by file are printed (README.md records the last run's). Not part of the default suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ElementTree
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+URL = "https://github.com/deepspeedai/DeepSpeed"
+
+FILES = [
+    "tests/unit/runtime/pipe/test_topology.py",
+    "tests/unit/runtime/pipe/test_pipe_schedule.py",
+    "tests/unit/pipe/test_pipe_module.py",
+    "tests/unit/runtime/pipe/test_pipe.py",
+    "tests/unit/sequence_parallelism/test_ulysses.py",
+]
+HELPERS = ["tests/unit/alexnet_model.py", "tests/unit/simple_model.py"]
+
+
+def read_from(source: Path, path: str) -> str | None:
+    """`path` from a checkout or a bare git directory, or None when it has none."""
+    if (source / path).is_file():
+        return (source / path).read_text()
+    result = subprocess.run(["git", "--git-dir", str(source), "show", f"HEAD:{path}"], capture_output=True, text=True)
+    return result.stdout if result.returncode == 0 else None
+
+
+def prepare(source: Path, work: Path, files: list[str]) -> list[Path]:
+    unit = work / "unit"
+    unit.mkdir(parents=True)
+    for package in {Path(f).parent for f in files + HELPERS}:
+        for level in [package, *package.parents]:
+            if level.parts[:2] == ("tests", "unit"):
+                (work / level.relative_to("tests") / "__init__.py").parent.mkdir(parents=True, exist_ok=True)
+                (work / level.relative_to("tests") / "__init__.py").touch()
+    for path in HELPERS:
+        text = read_from(source, path)
+        if text is not None:
+            (work / Path(path).relative_to("tests")).write_text(text)
+    shutil.copy(HERE / "common.py", unit / "common.py")
+    shutil.copy(HERE / "util.py", unit / "util.py")
+    shutil.copy(HERE / "conftest_template.py", work / "conftest.py")
+    (work / "pytest.ini").write_text("[pytest]\nmarkers =\n    sequential\n    nightly\n    world_size\n")
+    fetched = []
+    for path in files:
+        text = read_from(source, path)
+        if text is None:
+            print(f"{path}: not in the source", file=sys.stderr)
+            continue
+        target = work / Path(path).relative_to("tests")
+        target.write_text(text)
+        fetched.append(target)
+    return fetched
+
+
+def summarise(report: Path, work: Path) -> dict[str, Counter]:
+    counts: dict[str, Counter] = {}
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        name = case.get("classname", "").replace(".", "/")
+        file = next((f for f in FILES if name.startswith(f.removeprefix("tests/").removesuffix(".py"))), name)
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "failed"
+            elif child.tag == "skipped":
+                outcome = "skipped"
+        counts.setdefault(file, Counter())[outcome] += 1
+    return counts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--deepspeed-repo", type=Path, default=None, help="a DeepSpeed checkout or bare git dir")
+    parser.add_argument("--files", nargs="*", default=FILES)
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="zerodist-ds-conformance-"))
+    source = args.deepspeed_repo
+    if source is None:
+        source = work / "DeepSpeed"
+        subprocess.run(["git", "clone", "--depth", "1", URL, str(source)], check=True)
+    fetched = prepare(source, work / "tests", args.files)
+    sys.path.insert(0, str(REPO))
+    from zerodist.integrations.as_deepspeed import environment
+
+    env = environment({**os.environ, "PYTHONPATH": os.pathsep.join([str(work / "tests"), str(REPO)])})
+    counts: dict[str, Counter] = {}
+    for index, test_file in enumerate(fetched):  # one session each: a file that does not import stops only itself
+        report = work / f"report{index}.xml"
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
+                                 f"--junitxml={report}", str(test_file), *args.pytest_args], cwd=work / "tests",
+                                env=env, capture_output=True, text=True)
+        sys.stdout.write(result.stdout[-4000:])
+        if report.exists():
+            counts.update(summarise(report, work))
+    for file in args.files:
+        c = counts.get(file, Counter())
+        print(f"{file}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"work directory: {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``deepspeed.runtime.engine``: ``DeepSpeedEngine`` is zerodist's ``Engine`` (for ``isinstance``)."""
+
+from zerodist.engine import Engine
+
+DeepSpeedEngine = Engine
+
+__all__ = ["DeepSpeedEngine"]

@@ -1,0 +1,15 @@
+"""``deepspeed.zero`` and ``deepspeed.runtime.zero`` when zerodist serves ``import deepspeed``: zerodist's
+``zero`` module with ``Init`` and ``GatheredParameters`` as served to transformers (served.py), and
+``partition_parameters``."""
+
+from typing import Any
+
+import zerodist.zero as _zero
+from zerodist.runtime.zero import partition_parameters
+from zerodist.runtime.zero.served import GatheredParameters, Init
+
+__all__ = ["GatheredParameters", "Init", "partition_parameters"]
+
+
+def __getattr__(name: str) -> Any:
+    return getattr(_zero, name)  # the rest of deepspeed.zero is zerodist.zero's
