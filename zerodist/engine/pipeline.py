@@ -12,20 +12,26 @@ and broadcast over the pipe). `PipelineEngine` stays importable: `isinstance(eng
 PipelineEngine)` is true of an engine that runs a pipeline.
 
 [Note: pipeline under ZeRO] One batch is one `runtime.driven()` block of the unit runtime
-([Note: driving the runtime] in zerodist/zero/runtime.py): every unit of this rank's stages is
-gathered once (stage 3), every backward accumulates gradients locally (the reducer defers), and
-after the last micro-batch the gradients are reduced once over the stage's own data-parallel
-group (the flat groups hold only this stage's parameters, over groups that do not include the
-pipe axis) and the units freed. So ZeRO 0-3 compose with the pipeline the way torch's FSDP2
-does it (reduce-scatter deferred to the last micro-batch), and the sums are stage 0/1's local
-accumulation. The optimizer's step agrees on the gradient norm and overflow over the world, so
-every stage clips and skips alike. Tied layers (one module on several stages) have their reduced
-gradients summed over the tie group before the step (`TiedGradients`).
+([Note: driving the runtime] in zerodist/zero/runtime.py), and the schedule says when to gather,
+free and reduce: its UNSHARD, RESHARD and REDUCE_GRAD actions ([Note: sharding actions] in
+zerodist/pipe/schedule.py) reach `StageGathers`, which maps a stage to the units holding its
+parameters and calls the runtime's verbs. At stage 3 a stage's units are gathered before its first
+compute and freed after its last (or as `zerodist.pipeline.max_active_stages` bounds them), so a
+rank holds gathered only its stages in flight; every backward accumulates gradients locally (the
+reducer defers), and once every stage of the rank has passed its REDUCE_GRAD the gradients are
+reduced once over the stage's own data-parallel group (the flat groups hold only this rank's
+parameters, over groups without the pipe axis: one flat layout per part, so one reduction). So
+ZeRO 0-3 compose with the pipeline the way torch's FSDP2 does it (reduce-scatter deferred to the
+last micro-batch), and the sums are stage 0/1's local accumulation. The optimizer's step agrees
+on the gradient norm and overflow over the world, so every stage clips and skips alike. Tied
+layers (one module on several stages) have their gradients summed over the tie group right
+before that reduction (`TiedGradients`); their units stay gathered until it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import collections
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,7 +41,9 @@ from zerodist.engine.engine import Engine, _cast_floating
 from zerodist.engine.runners import data_iterator
 from zerodist.pipe.apply import PipelineState
 from zerodist.pipe.executor import PipelineError, RunResult
-from zerodist.zero import sharded_access
+from zerodist.pipe.schedule import Action, Kind
+from zerodist.zero import UnitRuntime, sharded_access
+from zerodist.zero.units import Unit
 
 __all__ = ["PipelineEngine", "PipelineError", "PipelineRunner"]
 
@@ -54,19 +62,14 @@ class PipelineRunner:
         schedule, reduce once, step; the batch's mean loss on every rank."""
         pipeline, count = self.pipeline, self.pipeline.micro_batches
         inputs, labels = self._pull(engine, data_iter, count)
-        engine.finish_param_gathers()
         runtime, schedule = engine.units, engine.zero_state.schedule
+        runtime.finish_gathers(release=True)  # the schedule gathers what each stage needs, when
+        gathers = StageGathers(runtime, pipeline, schedule.end_backward)
         with sharded_access.suspended(), runtime.driven():
-            runtime.unshard()  # stage 3: each unit once for the batch; no-op otherwise
-            runtime.wait_unshard()
             pipeline.last_run = pipeline.executor.run(
                 pipeline.actions(), inputs=inputs, labels=labels, loss_scale=engine.optimizer.scaler.scale / count,
-                after_backward=schedule.end_backward)
-            if pipeline.tied is not None and pipeline.tied.active:
-                pipeline.tied.reduce()  # the tie sum, before the data-parallel reduction averages it
-                schedule.end_backward()
-            runtime.reduce_gradients()
-            runtime.reshard()
+                after_backward=schedule.end_backward, sharding=gathers)
+            gathers.finish()
         loss = self._agreed_loss(engine, pipeline.last_run)
         engine.agg_train_loss = loss
         engine.apply_batch([loss], count)
@@ -81,15 +84,14 @@ class PipelineRunner:
         actions = pipeline.actions(count, train=False)
         comm.barrier()  # DeepSpeed's: no rank starts an eval while another still trains
         inputs, labels = self._pull(engine, data_iter, count)
-        engine.finish_param_gathers()
+        engine.units.finish_gathers(release=True)
+        gathers = StageGathers(engine.units, pipeline, lambda: None)
         engine.module.eval()
         try:
             with sharded_access.suspended(), engine.units.driven(), torch.no_grad():
-                engine.units.unshard()
-                engine.units.wait_unshard()
                 result = pipeline.executor.run(actions, inputs=inputs, labels=labels, train=False,
-                                               keep_outputs=return_logits)
-                engine.units.reshard()
+                                               keep_outputs=return_logits, sharding=gathers)
+                gathers.finish()
         finally:
             engine.module.train()
         loss = self._agreed_loss(engine, result) if compute_loss else None
@@ -135,6 +137,59 @@ class PipelineRunner:
             comm.broadcast(loss, src=pipe_ranks[-1], group=topology.group("pipe"))
         # fp32 as before; an fp64 model's loss stays fp64 (its parity with one process is 1e-12)
         return loss if engine.policy.param_dtype == torch.float64 else loss.float()
+
+
+class StageGathers:
+    """The schedule's sharding actions on this rank, done with the unit runtime's verbs ([Note:
+    pipeline under ZeRO]). A unit belongs to every stage of this rank whose modules hold one of its
+    parameters (the root unit: those outside every other unit); it is gathered while any of them
+    is, and freed when none is (a unit with tied parameters: after the tie sum)."""
+
+    def __init__(self, runtime: UnitRuntime, pipeline: PipelineState, end_backward: Callable[[], None]):
+        self.runtime, self.pipeline, self.end_backward = runtime, pipeline, end_backward
+        module = pipeline.module
+        params = {u.index: {id(p) for p in u.module.parameters()} for u in runtime.units[1:]}
+        params[runtime.root.index] = {id(p) for p in module.parameters()}.difference(*params.values())
+        self.units_of: dict[int, list[Unit]] = {}
+        for stage in module.local_stages:
+            held = {id(p) for m in module.stage_modules(stage) for p in m.parameters()}
+            self.units_of[stage] = [u for u in runtime.units if params[u.index] & held]
+        tied = pipeline.tied
+        tied_ids = {id(p) for ps in tied.parameters_by_key.values() for p in ps} if tied is not None else set()
+        self.pinned = {u.index for u in runtime.units if params[u.index] & tied_ids}
+        self.holders: collections.Counter[int] = collections.Counter()  # unit -> stages holding it gathered
+        self.to_reduce = set(module.local_stages)
+        self.reduced = False
+
+    def __call__(self, action: Action) -> None:
+        units = self.units_of.get(action.stage, [])
+        if action.kind is Kind.UNSHARD:
+            fresh = [u for u in units if not self.holders[u.index]]
+            self.holders.update(u.index for u in units)
+            self.runtime.unshard(fresh)  # collective over the stage's data-parallel ranks, which run alike
+            self.runtime.wait_unshard(units)
+        elif action.kind is Kind.RESHARD:
+            self.holders.subtract(u.index for u in units)
+            self.runtime.reshard([u for u in units if not self.holders[u.index]
+                                  and (u.index not in self.pinned or self.reduced)])
+        elif action.kind is Kind.REDUCE_GRAD:
+            self.to_reduce.discard(action.stage)
+            if not self.to_reduce:
+                self._reduce()
+
+    def _reduce(self) -> None:
+        """Every stage's gradients are complete: the tie sum, then the one reduction of the part."""
+        tied = self.pipeline.tied
+        if tied is not None and tied.active:
+            tied.reduce()  # the tie sum, before the data-parallel reduction averages it
+            self.end_backward()
+        self.runtime.reduce_gradients()
+        self.reduced = True
+        self.runtime.reshard([u for u in self.runtime.units if u.index in self.pinned and not self.holders[u.index]])
+
+    def finish(self) -> None:
+        """After the run: what a hook gathered outside the schedule (a root without parameters) is freed."""
+        self.runtime.reshard()
 
 
 class _RunsAPipeline(type(Engine)):  # type: ignore[misc]

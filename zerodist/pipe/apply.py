@@ -25,7 +25,7 @@ from zerodist.comm.parts import Part, split_parts
 from zerodist.comm.topology import axis_partition
 from zerodist.pipe.executor import PipelineError, PipelineExecutor, RunResult
 from zerodist.pipe.module import PipelineModule
-from zerodist.pipe.schedule import Schedule, build_schedule, forward_only, stage_to_rank
+from zerodist.pipe.schedule import Action, Schedule, add_sharding, build_schedule, forward_only, stage_to_rank
 from zerodist.pipe.schedule_checks import SimulationResult, check_schedule
 from zerodist.pipe.tied import TiedGradients
 
@@ -51,8 +51,7 @@ class PipelineSettings:
             timeout, setting = config.zerodist.timeout, "zerodist.timeout (zerodist.pipeline.timeout unset)"
         if timeout is None:
             setting = "ZERODIST_TIMEOUT, else 600 s (zerodist.pipeline.timeout and zerodist.timeout unset)"
-        return cls(section.schedule, section.stages_per_rank, timeout, setting,
-                   getattr(section, "max_active_stages", None))
+        return cls(section.schedule, section.stages_per_rank, timeout, setting, section.max_active_stages)
 
 
 def pipe_degree_of(model: torch.nn.Module) -> int:
@@ -89,7 +88,7 @@ class PipelineState:
     topology: comm.Topology
     settings: PipelineSettings
     micro_batches: int
-    schedule: Schedule  # every pipe rank's actions
+    schedule: Schedule  # every pipe rank's actions, sharding actions included
     simulated: SimulationResult  # the schedule's bubble and stashed activations (F=I=W=1, B=2)
     executor: PipelineExecutor
     tied: TiedGradients | None
@@ -114,16 +113,16 @@ class PipelineState:
     def is_last_stage(self) -> bool:
         return self.pipe_rank == self.module.num_stages - 1
 
-    def actions(self, micro_batches: int | None = None, train: bool = True) -> list[Any]:
-        """This rank's actions for a batch of `micro_batches` (default the training batch's); the
-        forwards and their messages only when not training."""
+    def actions(self, micro_batches: int | None = None, train: bool = True) -> list[Action]:
+        """This rank's actions for a batch of `micro_batches` (default the training batch's), with
+        its stages' UNSHARD / RESHARD / REDUCE_GRAD ([Note: sharding actions] in schedule.py); the
+        forwards, their messages and their gathers only when not training."""
         count = micro_batches or self.micro_batches
-        schedule = self.schedule if count == self.micro_batches else self._build(count)
-        return (schedule if train else forward_only(schedule))[self.pipe_rank]
-
-    def _build(self, micro_batches: int) -> Schedule:
-        return build_schedule(self.settings.schedule, num_ranks=self.module.num_stages, num_microbatches=micro_batches,
-                              stages_per_rank=self.module.stages_per_rank)
+        if train and count == self.micro_batches:
+            return self.schedule[self.pipe_rank]
+        plain = _build(self.module, self.settings, count, sharding=False)
+        return add_sharding(plain if train else forward_only(plain),
+                            max_active_stages=self.settings.max_active_stages)[self.pipe_rank]
 
     def check_tied_layers_kept(self) -> None:
         """After tensor parallelism: a tied layer its plan swapped for a parallel one would leave the tie's
@@ -156,6 +155,12 @@ class PipelineState:
             self.tied.remove_hooks()
 
 
+def _build(module: PipelineModule, settings: PipelineSettings, micro_batches: int, *, sharding: bool) -> Schedule:
+    return build_schedule(settings.schedule, num_ranks=module.num_stages, num_microbatches=micro_batches,
+                          stages_per_rank=module.stages_per_rank, with_sharding=sharding,
+                          max_active_stages=settings.max_active_stages)
+
+
 def apply_pipeline(model: torch.nn.Module, topology: comm.Topology, settings: PipelineSettings,
                    micro_batches: int) -> PipelineState | None:
     """A PipelineModule's pipeline on this rank (None for any other model): its tie groups made and
@@ -173,8 +178,7 @@ def apply_pipeline(model: torch.nn.Module, topology: comm.Topology, settings: Pi
         raise ValueError(f"zerodist.pipeline.stages_per_rank is {settings.stages_per_rank} but the "
                          f"PipelineModule was built with stages_per_rank={model.stages_per_rank}; give the "
                          "same number to both (the module needs it to place its layers)")
-    schedule = build_schedule(settings.schedule, num_ranks=model.num_stages, num_microbatches=micro_batches,
-                              stages_per_rank=model.stages_per_rank)
+    schedule = _build(model, settings, micro_batches, sharding=True)
     simulated = check_schedule(schedule, num_microbatches=micro_batches, num_stages=model.total_stages)
     executor = PipelineExecutor(model, topology.ranks("pipe"), timeout_s=settings.timeout_s,
                                 timeout_setting=settings.timeout_setting)

@@ -21,7 +21,7 @@ optimizer step), so results are bitwise those of the hooks before this runtime e
 can drive them instead ([Note: driving the runtime]).
 
 [Note: driving the runtime] Inside `with runtime.driven():` the hooks still gather what is
-sharded when a unit runs, but free nothing, and backward accumulates every gradient locally in
+sharded when a unit runs, but prefetch nothing and free nothing, and backward accumulates every gradient locally in
 full-size buffers instead of reducing it (the gradient reducer defers: reducer.py). The caller
 decides when: a pipeline schedule unshards a part's units once, runs several micro-batches'
 forwards and backwards, then calls `reduce_gradients()` once and `reshard()`. At stages 2/3
@@ -139,6 +139,9 @@ class UnitRuntime:
         self.runs = RunCheck(units, group)
         self.live_numel = 0
         self.peak_live_numel = 0
+        # parameter bytes gathered by `unshard` and not yet freed (stage 3), and their high-water mark
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
         self.driving = False  # inside `driven()`: [Note: driving the runtime]
         self._early: list[Unit] = []  # issued after a step for the next forward ([Note: early gather])
         self._bucket_owner = {id(b): u for u in units for g in u.groups for b in g.buckets}
@@ -192,7 +195,9 @@ class UnitRuntime:
         for unit in batch:
             unit.start_unshard()
             self.live_numel += unit.numel
+            self.live_bytes += unit.nbytes
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
 
     @staticmethod
     def _read_offloaded_shards(batch: Sequence[Unit]) -> None:
@@ -241,6 +246,12 @@ class UnitRuntime:
             if unit.state is not UnitState.SHARDED:
                 unit.reshard()
                 self.live_numel -= unit.numel
+                self.live_bytes -= unit.nbytes
+
+    def reset_peak(self) -> None:
+        """Start the gathered high-water marks (`peak_live_numel`, `peak_live_bytes`) from what is
+        gathered now."""
+        self.peak_live_numel, self.peak_live_bytes = self.live_numel, self.live_bytes
 
     def reduce_gradients(self) -> None:
         """Reduce the gradients backward accumulated without reducing ([Note: driving the
@@ -263,7 +274,7 @@ class UnitRuntime:
         """Make `unit` gathered now: issue its gather (if no prefetch did) together with the
         prefetch of the units after (+1) or before (-1) it, and wait for it."""
         batch = [unit] if unit.state is UnitState.SHARDED else []
-        if prefetch_step:
+        if prefetch_step and not self.driving:  # a driving caller gathers ahead itself (a pipeline's UNSHARDs)
             batch += self._prefetch_candidates(unit, prefetch_step, self.live_numel + sum(u.numel for u in batch))
         if batch:
             self.unshard(batch, kind=kind)
