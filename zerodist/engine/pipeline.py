@@ -147,6 +147,7 @@ class StageGathers:
 
     def __init__(self, runtime: UnitRuntime, pipeline: PipelineState, end_backward: Callable[[], None]):
         self.runtime, self.pipeline, self.end_backward = runtime, pipeline, end_backward
+        runtime.early_gathers = False  # the schedule gathers each stage when it needs it
         module = pipeline.module
         params = {u.index: {id(p) for p in u.module.parameters()} for u in runtime.units[1:]}
         params[runtime.root.index] = {id(p) for p in module.parameters()}.difference(*params.values())

@@ -143,6 +143,9 @@ class UnitRuntime:
         self.live_bytes = 0
         self.peak_live_bytes = 0
         self.driving = False  # inside `driven()`: [Note: driving the runtime]
+        # False when a caller's schedule gathers every unit when it needs it (a pipeline's UNSHARD
+        # actions): the step then issues no early gathers ([Note: early gather]), which it would drop unused
+        self.early_gathers = True
         self._early: list[Unit] = []  # issued after a step for the next forward ([Note: early gather])
         self._bucket_owner = {id(b): u for u in units for g in u.groups for b in g.buckets}
         # The post-step gathers of full parameters ([Note: overlapped parameter gather]), by the unit whose
@@ -391,5 +394,5 @@ class UnitRuntime:
             group.start_unshard()
         if not self.overlap:
             self.wait_updated()
-        if self.shards_parameters and self.overlap:
+        if self.shards_parameters and self.overlap and self.early_gathers:
             self.start_early_gathers()  # after the persistent groups': the order the forward waits
