@@ -18,12 +18,12 @@ VOCAB, SEQ, MICRO, GAS, STEPS, LR = 64, 8, 2, 4, 5, 0.1
 def build(family: str) -> torch.nn.Module:
     """A tiny model of `family`, the same on every rank (seeded)."""
     torch.manual_seed(0)
-    if family in ("gpt", "gpt-deep"):
+    if family in ("gpt", "gpt-deep", "gpt-untied"):
         from zerodist.models import GPTConfig
         from zerodist.models.gpt import GPT
 
         return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=16, n_layers=4 if family == "gpt-deep" else 2,
-                             n_heads=2, tie_embeddings=True))
+                             n_heads=2, tie_embeddings=family != "gpt-untied"))
     import transformers
 
     transformers.logging.set_verbosity_error()  # the tiny vocabulary's warning about GPT-2's token ids

@@ -36,6 +36,7 @@ from zerodist.moe.layer import routing_lines
 from zerodist.moe.parallel import ExpertParallelState, apply_expert_parallel_part, restore_routing_clock
 from zerodist.offload import OffloadSettings, SwappedOptimizer, close_offload, offloaded_build
 from zerodist.pipe.apply import PipelineSettings, PipelineState, apply_pipeline, pipe_degree_of, pipeline_fingerprint
+from zerodist.pipe.split import SplitPipelineModule
 from zerodist.sequence.apply import SequenceParallelState, SequenceSettings, apply_sequence_parallel
 from zerodist.sequence.data import SequenceShardLoader
 from zerodist.tensor_parallel.apply import (TENSOR_PARALLEL_LAYERS, TensorParallelSettings, TensorParallelState,
@@ -203,7 +204,10 @@ def _apply_tensor_parallel(part: Part, topology: comm.Topology, config: Config) 
     # A model built under zerodist.zero.Init() is still on the meta device: its layers are sliced
     # there, in its record, and ZeRO materialises each slice from its own replayed full weight
     # ([Note: recording continued] in zerodist/zero/partition.py).
-    state = apply_tensor_parallel(part.module, topology, settings, conversion=continue_recording(part.module))
+    # A stage cut from the user's model by split_model keeps its names: the model's own plan applies
+    source = part.module.source_model() if isinstance(part.module, SplitPipelineModule) else None
+    state = apply_tensor_parallel(part.module, topology, settings, conversion=continue_recording(part.module),
+                                  plan_for=source)
     _check_sliced_layers_materialisable(state.module)
     return state
 

@@ -225,6 +225,7 @@ class SplitPipelineModule(PipelineModule):
         for name in sorted(local, key=order.__getitem__):  # in the model's order, as its state_dict() walks
             self._register(name, model.get_submodule(name))
         view._stage = self
+        self._view = view  # not a module: the user's model stays unregistered (`source_model`)
         self._keep_ties(ties)
 
     def _partition(self, layers: Sequence[Any], partition_method: str) -> list[int]:
@@ -249,6 +250,11 @@ class SplitPipelineModule(PipelineModule):
             raise SplitError(f"the model's top-level module {leaf!r} cannot be registered on a PipelineModule (a layer "
                              "index or one of its attributes has that name)")
         parent.add_module(leaf, module)
+
+    def source_model(self) -> nn.Module:
+        """The model this stage module was cut from (whole on every rank: its config, its class), for
+        what picks a plan by the model, as tensor parallelism does; the names match this module's."""
+        return self._view._model
 
     def stage_modules(self, stage: int) -> list[nn.Module]:
         """The modules of `stage`'s parts, as registered now (after any swap by name)."""
