@@ -34,7 +34,7 @@ def pipe_tensor_body(family: str, stage: int, split_points: list[str] | None):
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-@pytest.mark.parametrize("family, split_points", [("gpt-untied", None), ("llama", ["model.layers.1"])])
+@pytest.mark.parametrize("family, split_points", [("gpt-untied", None), ("llama-kv2", ["model.layers.1"])])
 def test_split_model_pipe2_tensor2_equals_one_process(family, split_points, stage):
     (ref_losses, ref_states), = run_distributed(reference_body, 1, family, 1)
     results = run_distributed(pipe_tensor_body, 4, family, stage, split_points, timeout=240)

@@ -72,6 +72,16 @@ class _StageView:
         child = compat.registered_child(self._stage, name) if self._stage is not None else None
         return child if child is not None else getattr(self._model, name)
 
+    def get_submodule(self, target: str) -> nn.Module:
+        """A dotted name of the stage module first: a module a technique swapped there (tensor
+        parallelism's slices) is the one that runs, not the user's original under the same name."""
+        if self._stage is not None:
+            try:
+                return self._stage.get_submodule(target)
+            except AttributeError:
+                pass
+        return self._model.get_submodule(target)
+
 
 class _Container(nn.Module):
     """A stage's own node on the path to a part (`model` in `model.layers.3`); no forward."""
