@@ -45,3 +45,19 @@ def test_split_model_pipe2_tensor2_equals_one_process(family, split_points, stag
             for key, value in state.items():
                 assert value.shape == ref_states[step][key].shape, key
                 assert torch.allclose(value, ref_states[step][key], rtol=0, atol=1e-6), (family, step, key)
+
+
+def tied_refused_body():
+    module = split_model(build("gpt"), num_stages=2)  # the head tied to the vocab-parallel embedding
+    settings = config(1)
+    settings["tensor_parallel"] = {"autotp_size": 2}
+    try:
+        zerodist.initialize(model=module, config=settings)
+    except Exception as error:  # noqa: BLE001 - the test reads its type and message
+        return type(error).__name__, str(error)
+    return None
+
+
+def test_a_tied_head_that_the_plan_slices_is_refused_by_name_on_every_rank():
+    for result in run_distributed(tied_refused_body, 4, timeout=120):
+        assert result is not None and result[0] == "PipelineError" and "tok_emb.weight" in result[1], result

@@ -1,13 +1,15 @@
 """Parts: the pieces of the model this rank holds, and the surface every technique's state shares.
 
 `initialize()` splits the model into parts before it applies anything (validate -> topology ->
-split -> per part: tensor parallel -> expert parallel -> ZeRO -> engine), because pipeline
-parallelism gives each rank some layers only, and tensor, expert and ZeRO parallelism then
-apply to those layers, not to the model. Without a pipeline there is one part, the whole model.
+split -> per part: tensor parallel -> sequence parallel -> expert parallel -> ZeRO -> engine),
+because pipeline parallelism gives each rank some layers only (`zerodist.pipe.apply_pipeline`),
+and tensor, expert and ZeRO parallelism then apply to those layers, not to the model. Without a
+pipeline there is one part, the whole model.
 
 A technique's front door (`zerodist.zero.apply_zero`, ...) takes a `Part` and returns a part
 state with one small surface (`PartState`), so the engine loops over parts without knowing how
-each technique keeps its state. Parts live here, beside the topology whose `pipe` axis decides
+each technique keeps its state. The engine keeps the states by name in a `PartStates`, with the
+`PartRoles` each plays for it (loader, random streams, resume, step log, close). Parts live here, beside the topology whose `pipe` axis decides
 them, so that every layer-5 package can take one without importing another.
 """
 
