@@ -60,5 +60,6 @@ def tied_refused_body():
 
 def test_a_tied_head_that_the_plan_slices_is_refused_by_name_on_every_rank():
     for result in run_distributed(tied_refused_body, 4, timeout=120):
-        # the plan's own tie check (the head shares the embedding that the plan would slice), on each rank
-        assert result is not None and result[0] == "PlanError" and "tok_emb.weight" in result[1], result
+        # the plan's own tie check (the head shares the embedding the plan would slice) or the pipeline's
+        # (a tied layer swapped), whichever sees it first on the rank: named either way
+        assert result is not None and result[0] in ("PlanError", "PipelineError") and "tok_emb.weight" in result[1], result

@@ -109,7 +109,7 @@ def _make_layers(plan: SplitPlan, num_blocks: int, view: _StageView) -> list[Spl
         name = f"{plan.blocks}.{index}"
         layers.append(SplitLayer(name, (name,), _block_runner(plan, name), view))
     for name in ([plan.norm] if plan.norm else []) + [plan.head]:
-        layers.append(SplitLayer(name, (name,), _module_runner(name), view))
+        layers.append(SplitLayer(name, (name,), _module_runner(plan, name), view))
     return layers
 
 
@@ -120,10 +120,10 @@ def _block_runner(plan: SplitPlan, name: str) -> Callable[[_StageView, Any], Any
     return run
 
 
-def _module_runner(name: str) -> Callable[[_StageView, Any], Any]:
+def _module_runner(plan: SplitPlan, name: str) -> Callable[[_StageView, Any], Any]:
     def run(view: _StageView, hidden: Any) -> Any:
         assert view._stage is not None
-        return view._stage.get_submodule(name)(hidden)
+        return plan.run_layer(view._stage.get_submodule(name), hidden)
     return run
 
 
@@ -326,6 +326,8 @@ def split_model(model: nn.Module, num_stages: int | None = None, split_points: S
     layers = _make_layers(plan, num_blocks, view)
     bounds = (_balanced_cuts(layers, plan, total) if split_points is None
               else _cuts_from_points(layers, split_points, total))
+    if loss_fn is token_cross_entropy and plan.loss_for is not None:  # the default: the model's own loss
+        loss_fn = plan.loss_for(model)
     return SplitPipelineModule(model, plan, layers, view, bounds, num_stages=degree, loss_fn=loss_fn,
                                stages_per_rank=stages_per_rank,
                                activation_checkpoint_interval=activation_checkpoint_interval)
