@@ -12,17 +12,35 @@ as DeepSpeed's `PipelineEngine` does.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
+import zerodist.comm as comm
+from zerodist.config import BatchSizes
 from zerodist.debug import reduce_loss
 from zerodist.utils import RepeatingLoader
 
-if TYPE_CHECKING:
-    from zerodist.engine.engine import Engine
-
 __all__ = ["AccumulationRunner", "BatchRunner", "data_iterator"]
+
+
+class Engine(Protocol):
+    """What the plain loop uses of `zerodist.engine.engine.Engine` (described, not imported: the
+    engine imports this module)."""
+
+    training_dataloader: Any
+    own_data_iter: Iterator[Any] | None
+    batch: BatchSizes
+    module: torch.nn.Module
+    topology: comm.Topology
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self) -> None: ...
+
+
 
 
 class BatchRunner(Protocol):
@@ -31,11 +49,12 @@ class BatchRunner(Protocol):
     # True: the engine's forward / backward / step are refused (pipeline mode: only train_batch)
     only_train_batch: bool
 
-    def train_batch(self, engine: Engine, data_iter: Iterator[Any] | None) -> torch.Tensor:
-        """Forwards and backwards of one batch, then `engine.apply_batch(...)`; the batch's mean loss."""
+    def train_batch(self, engine: Any, data_iter: Iterator[Any] | None) -> torch.Tensor:
+        """Forwards and backwards of one batch, then `engine.apply_batch(...)` (the `Engine`'s); the
+        batch's mean loss."""
         ...
 
-    def eval_batch(self, engine: Engine, data_iter: Iterator[Any] | None, *, return_logits: bool,
+    def eval_batch(self, engine: Any, data_iter: Iterator[Any] | None, *, return_logits: bool,
                    compute_loss: bool, num_micro_batches: int | None) -> Any:
         """Forwards only; the mean loss (and the outputs with `return_logits`)."""
         ...
