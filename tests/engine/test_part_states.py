@@ -26,7 +26,9 @@ def body() -> list[str]:
         "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 3}, "tensor_parallel": {"autotp_size": 2}})
-    tensor, sequence, experts, zero = engine.part_states
+    parts = engine.part_states  # by name, in the order applied
+    assert list(parts) == ["tensor", "sequence", "expert", "zero"]
+    tensor, sequence, experts, zero = (parts[name] for name in parts)
     assert isinstance(tensor, TensorParallelState) and isinstance(experts, ExpertParallelState)
     assert isinstance(sequence, SequenceParallelState) and sequence.report() == []  # sequence degree 1
     assert isinstance(zero, ZeroState) and zero.runtime is engine.units
@@ -40,7 +42,9 @@ def body() -> list[str]:
     assert back.keys() == held.keys()
     for key in held:
         assert torch.equal(back[key], held[key]), key
-    reports = tensor.report() + experts.report() + zero.report()
+        assert torch.equal(parts.from_logical(logical)[key], held[key]), key  # the container's loop, in reverse
+    reports = parts.report()
+    assert reports == tensor.report() + experts.report() + zero.report()
     engine.destroy()
     return reports
 

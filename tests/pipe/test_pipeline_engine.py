@@ -188,7 +188,7 @@ def test_data_parallel_reduction_covers_the_stage_only_once_per_batch(stage):
         assert counts["reduced"] == counts["padded"], counts  # its flat groups (bucket padding included)
 
 
-@pytest.mark.parametrize("stage", [1])
+@pytest.mark.parametrize("stage", [1, 3])
 def test_pipe2_tensor2(stage):
     results = run_distributed(pipeline_body, 4, 2, stage, "1f1b", "float32", 1, 2)
     check_against_reference(results, 1, "float32")

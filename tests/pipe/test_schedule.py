@@ -56,7 +56,9 @@ def test_action_is_a_frozen_value_spelled_like_torch():
     assert action == Action(Kind.SEND_F, 2, 3) and len({action, Action(Kind.SEND_F, 2, 3)}) == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         action.stage = 1  # type: ignore[misc]
-    assert [k.value for k in Kind] == ["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+    assert [k.value for k in Kind] == ["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B",
+                                       "UNSHARD", "RESHARD", "REDUCE_GRAD"]  # torch's IR names
+    assert str(Action(Kind.UNSHARD, 3, -1)) == "3UNSHARD"
 
 
 def test_stage_to_rank_loops_and_v_goes_down_then_up():

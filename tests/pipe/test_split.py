@@ -18,19 +18,21 @@ VOCAB, SEQ, MICRO, GAS, STEPS, LR = 64, 8, 2, 4, 5, 0.1
 def build(family: str) -> torch.nn.Module:
     """A tiny model of `family`, the same on every rank (seeded)."""
     torch.manual_seed(0)
-    if family in ("gpt", "gpt-deep"):
+    if family in ("gpt", "gpt-deep", "gpt-untied"):
         from zerodist.models import GPTConfig
         from zerodist.models.gpt import GPT
 
         return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=16, n_layers=4 if family == "gpt-deep" else 2,
-                             n_heads=2, tie_embeddings=True))
+                             n_heads=2, tie_embeddings=family != "gpt-untied"))
     import transformers
 
     transformers.logging.set_verbosity_error()  # the tiny vocabulary's warning about GPT-2's token ids
-    if family == "llama":  # separate q/k/v, gate/up, untied head; grouped-query attention
+    if family in ("llama", "llama-kv2"):  # separate q/k/v, gate/up, untied head; grouped-query attention
+        # (llama-kv2: 4 query heads over 2 key/value heads, which tensor degree 2 splits)
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=SEQ, tie_word_embeddings=False))
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2 if family == "llama" else 4, num_key_value_heads=1 if family == "llama" else 2,
+            max_position_embeddings=SEQ, tie_word_embeddings=False))
     if family == "gpt2":  # Conv1D, the head tied to wte
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,

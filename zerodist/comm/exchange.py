@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -61,20 +62,26 @@ def _get_store(timeout_s: float) -> Any:
     return _store
 
 
-def exchange_with_deadline(name: str, value: str, timeout_s: float) -> list[str]:
+def exchange_with_deadline(name: str, value: str, timeout_s: float,
+                           ranks: Sequence[int] | None = None) -> list[str]:
     """Every rank's `value` for this call of `name`, in rank order; raises `ExchangeTimeoutError`
-    when a rank has not made the same call within `timeout_s` seconds."""
+    when a rank has not made the same call within `timeout_s` seconds. `ranks`: only among those
+    global ranks (this one included; values in their order), e.g. one pipeline stage's expert
+    group, whose peers on other stages reach the call at another time."""
     ensure_initialized()
     rank, world = dist.get_rank(), dist.get_world_size()
+    members = list(range(world)) if ranks is None else list(ranks)
+    if ranks is not None:
+        name = f"{name}@{'-'.join(str(r) for r in members)}"  # each group counts its own calls
     call = _calls.get(name, 0)
     _calls[name] = call + 1
-    if world == 1:
+    if len(members) == 1:
         return [value]
     store = _get_store(timeout_s)
     store.set(_key(name, call, rank), json.dumps({"value": value}))
-    peers = [r for r in range(world) if r != rank]
+    peers = [r for r in members if r != rank]
     # The hang watchdog names this wait like a collective's: who has not come, and where they are.
-    ticket = Ticket(f"exchange '{name}'", f"exchange:{name}", tuple(range(world)), call)
+    ticket = Ticket(f"exchange '{name}'", f"exchange:{name}", tuple(members), call)
     try:
         with watchdog.blocked(ticket):
             if _store_waits:
@@ -96,4 +103,4 @@ def exchange_with_deadline(name: str, value: str, timeout_s: float) -> list[str]
         store.delete_key(_key(name, call - 1, rank))
     values = {r: d["value"] for r, d in decoded.items()}
     values[rank] = value
-    return [values[r] for r in range(world)]
+    return [values[r] for r in members]

@@ -301,6 +301,11 @@ class ZerodistPipelineConfig(Section):
         None, description="Seconds a pipeline stage waits for a neighbour's message before a named error; null "
         "means zerodist.timeout, else 600 s."
     )
+    max_active_stages: int | None = Field(
+        None, ge=1, description="ZeRO-3 with a pipeline: the most of a rank's stages gathered at once (the next ones its "
+        "schedule computes; a stage may be gathered again later); null gathers each stage before its first compute "
+        "and frees it after its last."
+    )
 
 
 class ZerodistSequenceParallelConfig(Section):

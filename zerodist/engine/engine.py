@@ -11,6 +11,15 @@ engine's own training state (counters, scheduler, loss scale) is not part of `st
 `step()` is called every micro-step; it steps the optimizer only at the gradient
 accumulation boundary, which `is_gradient_accumulation_boundary()` states and
 `set_gradient_accumulation_boundary()` can override.
+
+`train_batch(data_iter)` runs a whole batch (gradient_accumulation_steps micro-batches and the
+step) through the engine's batch runner (zerodist/engine/runners.py): the plain accumulation loop
+by default, the schedule executor for a pipeline (zerodist/engine/pipeline.py), which also
+refuses `forward` / `backward` / `step` as DeepSpeed's `PipelineEngine` does.
+
+The techniques' states are kept by name in `part_states` (`zerodist.comm.parts.PartStates`):
+the engine loops over it for the logical state dict, the loader, random streams, the step log,
+hooks and close, and reads ZeRO's state (`part_states["zero"]`) under the names below.
 """
 
 from __future__ import annotations
@@ -24,14 +33,15 @@ import torch
 
 import zerodist.checkpoint as checkpoint
 import zerodist.comm as comm
-from zerodist.comm.parts import PartState
+from zerodist.comm.parts import PartStates
 from zerodist.config import BatchSizes, Config
 from zerodist.debug import MemoryMonitor, NanHunter, NonFiniteError, reduce_loss
 from zerodist.engine import training_state
 from zerodist.engine.deepspeed_surface import DeepSpeedEngineAPI
 from zerodist.engine.monitor import Monitors
-from zerodist.moe.layer import routing_lines
-from zerodist.offload import close_offload
+from zerodist.engine.pipeline_surface import PipelineEngineSurface
+from zerodist.engine.runners import AccumulationRunner, BatchRunner
+from zerodist.pipe.executor import PipelineError
 from zerodist.precision import PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import StepResult, UnitRuntime, ZeroState, sharded_access
@@ -39,24 +49,28 @@ from zerodist.zero import StepResult, UnitRuntime, ZeroState, sharded_access
 logger = get_logger(__name__)
 
 
-class Engine(DeepSpeedEngineAPI, torch.nn.Module):
+class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
     """Made by `zerodist.initialize()`; wraps the user's module without changing its attributes.
     DeepSpeed's accessors (`train_batch_size()`, `local_rank`, ...) come from `DeepSpeedEngineAPI`."""
 
     # The loader initialize() returned, if any: checkpoints record and restore its position.
     training_dataloader: Any = None
+    # train_batch()'s own iterator over that loader (repeated), made at its first call without data_iter
+    own_data_iter: Iterator[Any] | None = None
 
     def __init__(self, module: torch.nn.Module, *, config: Config, batch: BatchSizes,
-                 part_states: tuple[PartState, ...], lr_scheduler: Any, training_dataloader: Any = None):
+                 part_states: PartStates, lr_scheduler: Any, training_dataloader: Any = None,
+                 runner: BatchRunner | None = None):
         super().__init__()  # nn.Module's bookkeeping first; `self.module = module` then registers the submodule
         self.module, self.config, self.batch, self.lr_scheduler = module, config, batch, lr_scheduler
-        # One part today (zerodist/comm/parts.py): what each technique made of it, in the order applied
-        # (tensor parallel, expert parallel, ZeRO last), and ZeRO's state under the names the rest of
-        # the engine reads it by.
+        # One part today (zerodist/comm/parts.py): what each technique made of it, by name, and ZeRO's
+        # state under the names the rest of the engine reads it by.
         self.part_states = part_states
-        zero = part_states[-1]
-        assert isinstance(zero, ZeroState), "ZeRO is applied last"
+        zero = part_states["zero"]
+        assert isinstance(zero, ZeroState), "every part has a ZeRO state"
         self.zero_state = zero
+        self.runner: BatchRunner = runner or AccumulationRunner()
+        self.agg_train_loss: torch.Tensor | None = None  # the last train_batch()'s loss (DeepSpeed's name)
         self.policy, self.topology, self.sharding = zero.precision, zero.topology, zero.sharding
         self.groups, self.reducer, self.optimizer = zero.groups, zero.reducer, zero.optimizer
         self.units: UnitRuntime = zero.runtime  # the verbs a schedule calls: unshard, wait_unshard, reshard, ...
@@ -108,6 +122,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     # forward, backward and step run without the stage-3 access check: they gather what they use,
     # and a torch-function mode would cost every op (see [Note: sharded access check]).
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_in_pipeline_mode()
         # Right after a step (stages 1/2) the forward waits for each unit's gather in its pre-hook, and
         # a stray read of a buffer still being gathered waits too ([Note: overlapped parameter gather]).
         with sharded_access.suspended(waiting=True):
@@ -118,6 +133,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """Backward of `loss` scaled for accumulation (and fp16 loss scaling); gradients are
         reduced as buckets fill when this micro-step syncs."""
+        self._refuse_in_pipeline_mode()
         # Autograd reads the parameters its graph saved: a graph kept from before the last step
         # (retain_graph) would otherwise read buffers still being gathered.
         self.finish_param_gathers()
@@ -146,6 +162,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """One micro-step done; at the accumulation boundary, the optimizer steps."""
+        self._refuse_in_pipeline_mode()
         with sharded_access.suspended():
             self._step(lr_kwargs or {})
 
@@ -157,8 +174,40 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self._step_applied = False
-        if not boundary:
-            return
+        if boundary:
+            self._optimizer_step(lr_kwargs)
+
+    def _refuse_in_pipeline_mode(self) -> None:
+        if self.runner.only_train_batch:
+            raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    # ------------------------------------------------------------------ whole batches
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """One optimizer step over `gradient_accumulation_steps` micro-batches from `data_iter` (by
+        default the loader of `initialize(training_data=...)`, repeated); the batch's mean loss,
+        the same on every rank. A pipeline's micro-batches are `(inputs, labels)`; otherwise each
+        is the model's arguments (a dict as keywords, a tuple as positions) and its forward returns
+        the loss (or an output with `.loss`)."""
+        return self.runner.train_batch(self, data_iter)
+
+    def eval_batch(self, data_iter: Iterator[Any] | None = None, return_logits: bool = False,
+                   compute_loss: bool = True, reduce_output: str = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None) -> Any:
+        """Forwards only over `num_micro_batches` (default gradient_accumulation_steps) micro-batches:
+        the mean loss on every rank, and the outputs with `return_logits` (DeepSpeed's signature)."""
+        return self.runner.eval_batch(self, data_iter, return_logits=return_logits, compute_loss=compute_loss,
+                                      num_micro_batches=num_micro_batches)
+
+    def apply_batch(self, losses: list[torch.Tensor], micro_batches: int) -> None:
+        """A batch runner ran `micro_batches` forwards and backwards and reduced their gradients: count
+        them and step the optimizer (the accumulation boundary); `losses` go to the step log."""
+        self._micro_losses = list(losses)
+        self.micro_steps += micro_batches
+        self._step_applied = False
+        with sharded_access.suspended():
+            self._optimizer_step({})
+
+    def _optimizer_step(self, lr_kwargs: dict[str, Any]) -> None:
         result = self.optimizer.step()
         self.last_step = result
         self._step_applied = not result.overflow
@@ -213,7 +262,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         log_rank0(logger, "step %d: loss %.6g (mean over ranks), lr %s, grad norm %.4g, loss scale %g",
                   self.global_steps, loss, self.get_lr(), self.get_global_grad_norm() or 0.0,
                   self.optimizer.scaler.scale)
-        for line in routing_lines(self.module):  # MoE load balance, rank 0's last forward
+        for line in self.part_states.step_lines():  # MoE load balance, rank 0's last forward
             log_rank0(logger, "step %d: %s", self.global_steps, line)
         if self._trace is not None:
             log_rank0(logger, "communication so far:\n%s", self.comms_trace.format_summary())
@@ -230,6 +279,27 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         that reads or writes parameters calls this first ([Note: overlapped parameter gather] in
         zerodist/zero/runtime.py)."""
         self.units.finish_gathers()
+
+    @property
+    def pipeline(self) -> Any:
+        """The pipeline's state (`zerodist.pipe.apply.PipelineState`), None without a pipeline."""
+        return self.part_states.get("pipe")
+
+    @property
+    def simulated(self) -> Any:
+        """The pipeline schedule's simulation (bubble, stashed activations), None without a pipeline."""
+        return None if self.pipeline is None else self.pipeline.simulated
+
+    @property
+    def last_run(self) -> Any:
+        """The pipeline executor's last run (losses, peak stashed micro-batches, trace), if any."""
+        return None if self.pipeline is None else self.pipeline.last_run
+
+    def is_first_stage(self) -> bool:
+        return self.pipeline is None or self.pipeline.is_first_stage()
+
+    def is_last_stage(self) -> bool:
+        return self.pipeline is None or self.pipeline.is_last_stage()
 
     @property
     def stage3(self) -> UnitRuntime | None:
@@ -304,8 +374,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         expert groups under global ids, so the result loads into the same model built with
         `ep_size=1` (all ranks must call it together)."""
         state = self.zero_state.logical_state_dict()  # whole parameters (gathered at stage 3), cloned
-        for part_state in self.part_states[:-1]:  # tensor slices gathered, then experts under global ids
-            state = part_state.to_logical(state)
+        state = self.part_states.to_logical(state)  # tensor slices gathered, experts under global ids
         if rank0_only and comm.get_rank() != 0:
             return None
         return state
@@ -318,14 +387,13 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """Finish the last step's parameter gathers, remove hooks and stop the comms trace; the module
         keeps working as a plain module."""
         self.units.finish_gathers(release=True)
-        for state in self.part_states:
-            state.remove_hooks()  # ZeRO's hooks, MoE's routing clock
+        self.part_states.remove_hooks()  # ZeRO's hooks, MoE's routing clock, the pipeline's tie hooks
         if self.nan_hunter is not None:
             self.nan_hunter.close()
         self.monitors.close()
         for group in self.groups:
             group.release_pooled_buffers()  # stage 3's idle gathered/staging buffers ([Note: buffer pool])
-        close_offload(self.zero_state.inner_optimizer)  # swap files are scratch: removed here
+        self.part_states.close()  # offload's swap files are scratch: removed here
         if self._trace is not None:
             self._trace.__exit__(None, None, None)
             self._trace = None

@@ -2,11 +2,12 @@
 
 One short ordered recipe, each step a function with a typed input and output:
 
-    validate -> topology -> split into parts (one without a pipeline: zerodist/comm/parts.py)
-             -> per part: apply tensor parallel -> apply expert parallel
+    validate -> topology -> split into parts (`zerodist.pipe.apply_pipeline` for a PipelineModule:
+                            its stages on this rank; else the whole model: zerodist/comm/parts.py)
+             -> per part: apply tensor parallel -> sequence parallel -> expert parallel
                           -> apply ZeRO (`zerodist.zero.apply_zero`: flat groups per domain,
                              reducer, unit runtime, sharded optimizer, default schedule)
-             -> scheduler -> engine (+ data loader)
+             -> scheduler -> engine (its part states by name, its batch runner) (+ data loader)
 """
 
 from __future__ import annotations
@@ -23,23 +24,25 @@ import torch
 
 import zerodist.comm as comm
 from zerodist.comm.domains import expert_parallel_degree
-from zerodist.comm.parts import Part, split_parts
+from zerodist.comm.parts import Part, PartRoles, PartStates, split_parts
 from zerodist.config import BatchSizes, Config
 from zerodist.engine.dataloader import EngineDataLoader
 from zerodist.engine.deepspeed_args import DEFAULT_PORT, resolve_initialize_arguments, update_args_local_rank
 from zerodist.engine.engine import Engine
 from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
-from zerodist.engine.pipeline import (PipelineEngine, check_tied_layers_kept, discard_pipeline, pipeline_fingerprint,
-                                      pipeline_split, prepare_pipeline)
+from zerodist.engine.pipeline import PipelineRunner
 from zerodist.engine.schedulers import build_scheduler
-from zerodist.pipe.module import PipelineModule
-from zerodist.moe.parallel import ExpertParallelState, apply_expert_parallel_part
-from zerodist.offload import OffloadSettings, SwappedOptimizer, offloaded_build
+from zerodist.moe.layer import routing_lines
+from zerodist.moe.parallel import ExpertParallelState, apply_expert_parallel_part, restore_routing_clock
+from zerodist.offload import OffloadSettings, SwappedOptimizer, close_offload, offloaded_build
+from zerodist.pipe.apply import PipelineSettings, PipelineState, apply_pipeline, pipe_degree_of, pipeline_fingerprint
+from zerodist.pipe.split import SplitPipelineModule
 from zerodist.sequence.apply import SequenceParallelState, SequenceSettings, apply_sequence_parallel
 from zerodist.sequence.data import SequenceShardLoader
 from zerodist.tensor_parallel.apply import (TENSOR_PARALLEL_LAYERS, TensorParallelSettings, TensorParallelState,
                                             apply_tensor_parallel)
 from zerodist.tensor_parallel.plan import PlanError
+from zerodist.tensor_parallel.random import rng_tracker_of
 from zerodist.tensor_parallel.domino import DominoConfig
 from zerodist.utils import get_logger, log_rank0
 from zerodist.utils.differences import differing_entries, flatten
@@ -101,26 +104,58 @@ def _initialize(model: torch.nn.Module | None, model_parameters: Iterable[Any] |
     validated = _validate(model, config)
     assert isinstance(model, torch.nn.Module)  # _validate refused anything else, by name
     topology = _build_topology(validated, model)
-    prepare_pipeline(model, topology.world_size)  # a PipelineModule's tie groups, before ZeRO flattens
+    world = validated.world
+    batch = validated.config.batch_sizes(topology.num_batch_shards,
+                                         world_size_source=f"{world.source}, WORLD_SIZE={world.world_size}")
+    # A PipelineModule: its tie groups made and synced (before ZeRO flattens), its schedule and executor
+    pipeline = apply_pipeline(model, topology, PipelineSettings.from_config(validated.config),
+                              batch.gradient_accumulation_steps)
+    parts = PartStates()
     try:
-        (part,) = split_parts(model, *pipeline_split(model))  # a PipelineModule: the stages this rank built
-        tensor = _apply_tensor_parallel(part, topology, validated.config)
-        part = dataclasses.replace(part, module=tensor.module)
-        check_tied_layers_kept(model)
-        sequence = apply_sequence_parallel(part, topology, SequenceSettings.from_config(validated.config))
-        world = validated.world
-        batch = validated.config.batch_sizes(topology.num_batch_shards,
-                                             world_size_source=f"{world.source}, WORLD_SIZE={world.world_size}")
-        # MoE layers get their expert group and routing keys; random routing is keyed by micro-batch
-        experts = apply_expert_parallel_part(part.module, topology, batch.gradient_accumulation_steps)
-        zero = _apply_zero(part, model_parameters, optimizer, topology, validated.config)
+        (part,) = pipeline.parts if pipeline is not None else split_parts(model)
+        if pipeline is not None:
+            parts.add("pipe", pipeline)
+        part = _apply_techniques(part, parts, model_parameters, optimizer, topology, validated.config, batch,
+                                 pipeline)
+        zero: ZeroState = parts["zero"]
         scheduler = build_scheduler(validated.config, zero.optimizer.inner, lr_scheduler)
-        engine, loader = _build_engine(part.module, (tensor, sequence, experts, zero), batch, scheduler, validated,
-                                       training_data, collate_fn)
+        engine, loader = _build_engine(part.module, parts, batch, scheduler, validated, training_data, collate_fn)
     except BaseException:
-        discard_pipeline(model)  # the tie hooks off the user's parameters (nothing when no PipelineModule)
+        parts.remove_hooks()  # e.g. the tie hooks off the user's parameters
         raise
     return engine, zero.optimizer, loader, scheduler
+
+
+def _apply_techniques(part: Part, parts: PartStates, model_parameters: Iterable[Any] | None, optimizer: Any,
+                      topology: comm.Topology, config: Config, batch: BatchSizes,
+                      pipeline: PipelineState | None) -> Part:
+    """Per part: tensor -> sequence -> expert -> ZeRO, each state added to `parts` by name with the
+    roles the engine calls it for (zerodist/comm/parts.py `PartRoles`)."""
+    tensor = _apply_tensor_parallel(part, topology, config)
+    part = dataclasses.replace(part, module=tensor.module)
+    module = part.module
+    parts.add("tensor", tensor, PartRoles(
+        rng_key="tensor_parallel", rng_state=lambda: _tracker(module).state_dict(),
+        load_rng_state=lambda state: _tracker(module).load_state_dict(state)) if rng_tracker_of(module) else None)
+    if pipeline is not None:
+        pipeline.check_tied_layers_kept()
+    sequence = apply_sequence_parallel(part, topology, SequenceSettings.from_config(config))
+    parts.add("sequence", sequence, PartRoles(
+        # each sequence rank keeps its slice of every sample
+        wrap_loader=lambda loader: SequenceShardLoader(loader, sequence.layout)) if sequence.layout.size > 1 else None)
+    # MoE layers get their expert group and routing keys; random routing is keyed by micro-batch
+    experts = apply_expert_parallel_part(module, topology, batch.gradient_accumulation_steps)
+    parts.add("expert", experts, PartRoles(resume=lambda micro_steps: restore_routing_clock(module, micro_steps),
+                                           step_lines=lambda: routing_lines(module)))
+    zero = _apply_zero(part, model_parameters, optimizer, topology, config)
+    parts.add("zero", zero, PartRoles(close=lambda: close_offload(zero.inner_optimizer)))
+    return part
+
+
+def _tracker(module: torch.nn.Module) -> Any:
+    tracker = rng_tracker_of(module)
+    assert tracker is not None, "tensor parallelism's random streams went missing"
+    return tracker
 
 
 def _validate(model: torch.nn.Module | None, config: Config | dict[str, Any] | str | None) -> Validated:
@@ -152,7 +187,7 @@ def _build_topology(validated: Validated, model: torch.nn.Module) -> comm.Topolo
     # ([Note: gradient groups] in zerodist/comm/topology.py).
     sharding = ShardingPolicy.from_stage(validated.config.zero_optimization.stage)
     return comm.Topology(expert=expert_parallel_degree(model), tensor=validated.config.tensor_degree,
-                         sequence=validated.config.sequence_parallel_size, pipe=pipeline_split(model)[0],
+                         sequence=validated.config.sequence_parallel_size, pipe=pipe_degree_of(model),
                          gradient_groups=sharding.shard_parameters)
 
 
@@ -169,7 +204,10 @@ def _apply_tensor_parallel(part: Part, topology: comm.Topology, config: Config) 
     # A model built under zerodist.zero.Init() is still on the meta device: its layers are sliced
     # there, in its record, and ZeRO materialises each slice from its own replayed full weight
     # ([Note: recording continued] in zerodist/zero/partition.py).
-    state = apply_tensor_parallel(part.module, topology, settings, conversion=continue_recording(part.module))
+    # A stage cut from the user's model by split_model keeps its names: the model's own plan applies
+    source = part.module.source_model() if isinstance(part.module, SplitPipelineModule) else None
+    state = apply_tensor_parallel(part.module, topology, settings, conversion=continue_recording(part.module),
+                                  plan_for=source)
     _check_sliced_layers_materialisable(state.module)
     return state
 
@@ -211,22 +249,19 @@ def _apply_zero(part: Part, model_parameters: Iterable[Any] | None, optimizer: A
     return zero
 
 
-def _build_engine(model: torch.nn.Module,
-                  states: tuple[TensorParallelState, SequenceParallelState, ExpertParallelState, ZeroState],
-                  batch: BatchSizes, scheduler: Any, validated: Validated, training_data: torch.utils.data.Dataset | None,
+def _build_engine(model: torch.nn.Module, parts: PartStates, batch: BatchSizes, scheduler: Any, validated: Validated,
+                  training_data: torch.utils.data.Dataset | None,
                   collate_fn: Callable[..., Any] | None) -> tuple[Engine, EngineDataLoader | None]:
-    config, world, zero = validated.config, validated.world, states[-1]
+    config, world, zero = validated.config, validated.world, parts["zero"]
     topology = zero.topology
-    loader: Any = None  # an EngineDataLoader, wrapped in a SequenceShardLoader with a sequence axis
+    loader: Any = None  # an EngineDataLoader, wrapped by the techniques that read batches their own way
     if training_data is not None:  # dealt by batch shard: tensor- and sequence-parallel peers read the same samples
-        loader = EngineDataLoader(training_data, batch_size=batch.micro_batch_size,
-                                  num_replicas=topology.num_batch_shards, rank=topology.batch_rank,
-                                  collate_fn=collate_fn)
-        if states[1].layout.size > 1:  # each sequence rank keeps its slice of every sample
-            loader = SequenceShardLoader(loader, states[1].layout)
-    engine_class = PipelineEngine if isinstance(model, PipelineModule) else Engine
-    engine = engine_class(model, config=config, batch=batch, part_states=states, lr_scheduler=scheduler,
-                    training_dataloader=loader)
+        loader = parts.wrap_loader(EngineDataLoader(training_data, batch_size=batch.micro_batch_size,
+                                                    num_replicas=topology.num_batch_shards, rank=topology.batch_rank,
+                                                    collate_fn=collate_fn))
+    pipeline = parts.get("pipe")
+    engine = Engine(model, config=config, batch=batch, part_states=parts, lr_scheduler=scheduler,
+                    training_dataloader=loader, runner=PipelineRunner(pipeline) if pipeline is not None else None)
     _INITIALIZED.add(model)
     _log_summary(engine, world)
     if config.checkpoint.auto_resume:  # e.g. after the elastic agent restarted the job
@@ -289,3 +324,5 @@ def _log_summary(engine: Engine, info: comm.WorldInfo) -> None:
             ", updated parameters all-gathered " + ("during the next forward" if zero.overlap_comm
                                                     else "at the end of step() (overlap_comm false)")),
     )
+    for line in engine.part_states.report():  # what each technique did to this rank's part
+        log_rank0(logger, "  %s", line)

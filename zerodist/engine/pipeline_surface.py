@@ -66,23 +66,23 @@ class PipelineGridView:
 
 
 class PipelineEngineSurface:
-    """Mixed into ``PipelineEngine``; expects its ``pipeline_module``, ``pipe_rank``, ``topology``,
-    ``training_dataloader`` and ``_own_data_iter``."""
+    """Mixed into ``Engine`` (one class for every model, zerodist/engine/pipeline.py); expects its
+    ``pipeline`` (a ``PipelineState``, or None without a pipeline), ``topology``,
+    ``training_dataloader`` and ``own_data_iter``. Without a pipeline the engine is one stage."""
 
-    pipeline_module: Any
-    pipe_rank: int
+    pipeline: Any
     topology: Any
     training_dataloader: Any
-    _own_data_iter: Iterator[Any] | None
+    own_data_iter: Iterator[Any] | None
 
     @property
     def stage_id(self) -> int:
         """This rank's pipeline stage."""
-        return int(self.pipe_rank)
+        return 0 if self.pipeline is None else int(self.pipeline.pipe_rank)
 
     @property
     def num_stages(self) -> int:
-        return int(self.pipeline_module.num_stages)
+        return 1 if self.pipeline is None else int(self.pipeline.module.num_stages)
 
     @property
     def grid(self) -> PipelineGridView:
@@ -90,12 +90,13 @@ class PipelineEngineSurface:
 
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         """The iterator ``train_batch()`` / ``eval_batch()`` read when called without ``data_iter``
-        (DeepSpeed's; only the first and last stages read)."""
-        self._own_data_iter = iterator
+        (DeepSpeed's; under a pipeline only the first and last stages read)."""
+        self.own_data_iter = iterator
 
-    def _deepspeed_order_iterator(self) -> Iterator[Any]:
-        """The engine's own loader in DeepSpeed's order ([Note: the pipeline engine's own data order])."""
+    def deepspeed_order_iterator(self) -> Iterator[Any]:
+        """The engine's own loader, repeated; under a pipeline in DeepSpeed's order ([Note: the pipeline
+        engine's own data order])."""
         loader = self.training_dataloader
-        if isinstance(loader, EngineDataLoader):
+        if self.pipeline is not None and isinstance(loader, EngineDataLoader):
             loader.sampler.shuffle = False
         return iter(RepeatingLoader(loader))

@@ -18,8 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from zerodist.checkpoint.state import capture_rng, restore_rng
-from zerodist.moe.parallel import restore_routing_clock
-from zerodist.tensor_parallel.random import rng_tracker_of
+from zerodist.comm.parts import PartStates
 from zerodist.config import BatchSizes
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import ZeroOptimizer
@@ -37,6 +36,7 @@ class Engine(Protocol):
     optimizer: ZeroOptimizer
     lr_scheduler: Any
     training_dataloader: Any
+    part_states: PartStates  # the techniques' random streams and resume, by name
 
 logger = get_logger(__name__)
 COUNTERS = ("global_steps", "micro_steps", "skipped_steps")
@@ -66,7 +66,7 @@ def load_training_state_dict(engine: Engine, state: dict[str, Any]) -> None:
         # Saved at another accumulation (another world size dealing the same global batch), or not
         # said: resume at this run's boundary of the saved step, not at the saved micro-step count.
         engine.micro_steps = engine.global_steps * accumulation
-    restore_routing_clock(engine.module, engine.micro_steps)  # MoE random routing continues where it was
+    engine.part_states.resume(engine.micro_steps)  # MoE random routing continues where it was
     if state.get("loss_scaler") is not None:
         engine.optimizer.scaler.load_state_dict(state["loss_scaler"])
     if state.get("lr_scheduler") is not None:
@@ -80,15 +80,11 @@ def load_training_state_dict(engine: Engine, state: dict[str, Any]) -> None:
         loader.load_state_dict(state["data"])
     if state.get("rng") is not None:
         restore_rng(state["rng"])
-        tracker = rng_tracker_of(engine.module)
-        if tracker is not None and "tensor_parallel" in state["rng"]:
-            tracker.load_state_dict(state["rng"]["tensor_parallel"])
+        engine.part_states.load_rng_states(state["rng"])  # tensor parallelism's dropout streams
 
 
 def _capture_rng(engine: Engine) -> dict[str, Any]:
     """This process's streams, and tensor parallelism's dropout streams (replicated / sharded)."""
     rng = capture_rng()
-    tracker = rng_tracker_of(engine.module)
-    if tracker is not None:
-        rng["tensor_parallel"] = tracker.state_dict()
+    rng.update(engine.part_states.rng_states())  # under each technique's key ("tensor_parallel")
     return rng

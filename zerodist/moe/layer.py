@@ -171,8 +171,9 @@ class MOELayer(nn.Module):
             signature = (mode, None if capacity is None else tokens.shape[0], capacity, tokens.shape[1], str(tokens.dtype))
             timeout = resolve_timeout(None)
             timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else _DEFAULT_SHAPE_CHECK_TIMEOUT_S
-            values = comm.exchange_with_deadline("moe-shapes", repr(signature), timeout_s)
-            _raise_if_different({rank: values[rank] for rank in context.expert_ranks})
+            # among the expert group only: a pipeline's other stages reach their layers at other times
+            values = comm.exchange_with_deadline("moe-shapes", repr(signature), timeout_s, ranks=context.expert_ranks)
+            _raise_if_different(dict(zip(context.expert_ranks, values)))
             self._shapes_agreed = True
             return
         if capacity is None:

@@ -22,8 +22,10 @@ zerodist/comm/p2p.py for the messages):
   baseline).
 
 `after_backward()` is called after every backward that wrote weight gradients (B, W): the engine
-hands them to ZeRO's reducer, which defers them until the batch's one reduction. The executor
-knows nothing of ZeRO, optimizers or data parallelism. Any failure sends an abort to both pipe
+hands them to ZeRO's reducer, which defers them until the batch's one reduction. UNSHARD, RESHARD
+and REDUCE_GRAD ([Note: sharding actions] in schedule.py) go to `sharding(action)`, the engine's
+(it gathers, frees and reduces through ZeRO's unit runtime). The executor knows nothing of ZeRO,
+optimizers or data parallelism. Any failure sends an abort to both pipe
 neighbours, so every stage stops by name instead of waiting for a message that never comes.
 """
 
@@ -124,12 +126,13 @@ class PipelineExecutor:
 
     def run(self, actions: Sequence[Action], *, inputs: Sequence[Any] | None, labels: Sequence[Any] | None,
             loss_scale: float = 1.0, train: bool = True, after_backward: Callable[[], None] | None = None,
-            keep_outputs: bool = False) -> RunResult:
+            keep_outputs: bool = False, sharding: Callable[[Action], None] | None = None) -> RunResult:
         if self.failed is not None:
             raise PipelineError(f"this pipeline's earlier run failed ({self.failed}); messages between its stages are "
                                 "out of step now and its receives posted ahead still pending, so it cannot run again: restart "
                                 "the processes (zerodist run --max-restarts resumes from the last checkpoint)")
-        run = _Run(self, inputs, labels, loss_scale, train, after_backward or (lambda: None), keep_outputs)
+        run = _Run(self, inputs, labels, loss_scale, train, after_backward or (lambda: None), keep_outputs,
+                   sharding or (lambda action: None))
         try:
             run.inbox.post(actions)
             for action in actions:
@@ -151,10 +154,12 @@ class _Run:
     """One run's state: received tensors, stashed activations, pending sends."""
 
     def __init__(self, executor: PipelineExecutor, inputs: Sequence[Any] | None, labels: Sequence[Any] | None,
-                 loss_scale: float, train: bool, after_backward: Callable[[], None], keep_outputs: bool):
+                 loss_scale: float, train: bool, after_backward: Callable[[], None], keep_outputs: bool,
+                 sharding: Callable[[Action], None]):
         self.x, self.data, self.labels = executor, inputs, labels
         self.loss_scale, self.train, self.after_backward, self.keep_outputs = (loss_scale, train, after_backward,
                                                                               keep_outputs)
+        self.sharding = sharding
         self.received: dict[tuple[int, int], tuple[list[torch.Tensor], bool]] = {}  # (stage, mb) -> input
         self.grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}               # output gradients
         self.grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}              # input gradients
@@ -181,6 +186,8 @@ class _Run:
         elif kind is Kind.SEND_B:
             self.sends.append(p2p.send_message(self.grads_out.pop(key), self.x._global_rank(stage - 1),
                                                label=(_GRADIENT, stage - 1, mb)))
+        elif kind.is_sharding:
+            self.sharding(action)
         else:
             start = self.x.clock()
             {Kind.F: self._forward, Kind.B: self._backward, Kind.I: self._input_grad,

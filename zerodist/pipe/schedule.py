@@ -44,6 +44,7 @@ __all__ = [
     "ScheduleArgumentError",
     "SCHEDULE_NAMES",
     "add_communication",
+    "add_sharding",
     "build_schedule",
     "compute_order",
     "format_schedule",
@@ -62,10 +63,19 @@ class Kind(enum.Enum):
     RECV_F = "RECV_F"  # receive the forward input of (stage, microbatch) from stage-1
     SEND_B = "SEND_B"  # send the input gradient of (stage, microbatch) to stage-1
     RECV_B = "RECV_B"  # receive the output gradient of (stage, microbatch) from stage+1
+    UNSHARD = "UNSHARD"          # gather the stage's parameters (ZeRO-3's all-gather; stages 1/2: wait
+                                 # for the last step's gathers)
+    RESHARD = "RESHARD"          # free the stage's gathered parameters
+    REDUCE_GRAD = "REDUCE_GRAD"  # the stage's gradients are complete for the batch: reduce them
 
     @property
     def is_compute(self) -> bool:
         return self in _COMPUTE
+
+    @property
+    def is_sharding(self) -> bool:
+        """UNSHARD, RESHARD and REDUCE_GRAD: local to a rank's stage, no micro-batch, no message."""
+        return self in _SHARDING
 
     @property
     def is_send(self) -> bool:
@@ -77,6 +87,8 @@ class Kind(enum.Enum):
 
 
 _COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
+_SHARDING = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD})
+NO_MICROBATCH = -1  # the micro-batch of a sharding action, which is for the whole batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +98,8 @@ class Action:
     microbatch: int
 
     def __str__(self) -> str:
-        # torch's `_Action` spelling ("2F0", "1SEND_B3"), so the two print the same.
-        return f"{self.stage}{self.kind.value}{self.microbatch}"
+        # torch's `_Action` spelling ("2F0", "1SEND_B3", "0UNSHARD"), so the two print the same.
+        return f"{self.stage}{self.kind.value}{'' if self.kind.is_sharding else self.microbatch}"
 
 
 Schedule = list[list[Action]]   # one list per pipe rank, in execution order
@@ -130,6 +142,8 @@ def build_schedule(
     num_microbatches: int,
     stages_per_rank: int = 1,
     with_communication: bool = True,
+    with_sharding: bool = False,
+    max_active_stages: int | None = None,
 ) -> Schedule:
     """The per-rank action lists of schedule `name`.
 
@@ -137,14 +151,15 @@ def build_schedule(
     TrainSchedule and Megatron's default), "interleaved" (Megatron's interleaved 1F1B with
     `stages_per_rank` >= 2 stages per rank, placed round-robin) or "zb" (zero-bubble ZB-H1: the
     backward split into an input-gradient I and a weight-gradient W, the W's deferred into what
-    would be 1F1B's bubble). With `with_communication=False` only the compute actions come back.
+    would be 1F1B's bubble). With `with_communication=False` only the compute actions come back;
+    `with_sharding` adds each stage's UNSHARD, RESHARD and REDUCE_GRAD (`add_sharding`).
     """
     order = compute_order(
         name, num_ranks=num_ranks, num_microbatches=num_microbatches,
         stages_per_rank=stages_per_rank)
-    if not with_communication:
-        return order
-    return add_communication(order, num_ranks=num_ranks, stages_per_rank=stages_per_rank)
+    if with_communication:
+        order = add_communication(order, num_ranks=num_ranks, stages_per_rank=stages_per_rank)
+    return add_sharding(order, max_active_stages=max_active_stages) if with_sharding else order
 
 
 def _validate(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int) -> None:
@@ -302,6 +317,68 @@ def add_communication(order: Schedule, *, num_ranks: int, stages_per_rank: int =
                 with_messages.append(Action(after, stage, microbatch))
         result.append(with_messages)
     return result
+
+
+def add_sharding(schedule: Schedule, *, max_active_stages: int | None = None) -> Schedule:
+    """Each rank's list with its stages' UNSHARD, RESHARD and REDUCE_GRAD placed (torch pipelining's
+    `_add_unshard_reshard` and `_add_reduce_grad` lowering passes).
+
+    [Note: sharding actions] A stage's parameters are gathered (UNSHARD) right before its first
+    compute on the rank and freed (RESHARD) right after its last one; its gradients are complete
+    after its last weight-gradient action (B, or W of a split backward), where REDUCE_GRAD goes,
+    before the RESHARD. So a rank holds gathered only the stages in flight: started and not
+    finished. With interleaved stages the rank's first chunk is in flight from the first forward
+    to the last backward, so `max_active_stages = k` bounds them instead, as torch's lowering does:
+    before each compute, the next k distinct stages of the rank's remaining computes are the ones
+    wanted; a gathered stage not among them is freed, a wanted one not gathered is gathered (a
+    stage may so be gathered several times per batch; its REDUCE_GRAD stays once, after its last
+    weight gradient). A forward-only schedule gets no REDUCE_GRAD.
+    """
+    if max_active_stages is not None and max_active_stages < 1:
+        raise ScheduleArgumentError(f"max_active_stages must be a positive int or None, got {max_active_stages!r}")
+    return [_add_sharding_rank(actions, max_active_stages) for actions in schedule]
+
+
+def _add_sharding_rank(actions: list[Action], window: int | None) -> list[Action]:
+    computes = [(index, a) for index, a in enumerate(actions) if a.kind.is_compute]
+    last_use = {a.stage: index for index, a in computes}
+    last_weight = {a.stage: index for index, a in computes if a.kind in (Kind.B, Kind.W)}
+    active: list[int] = []
+    result: list[Action] = []
+    after: list[Action] = []  # marks that follow a compute, placed after the sends right behind it
+
+    def wanted_at(position: int, stage: int) -> list[int]:
+        if window is None:  # every stage in flight: nothing freed before its last use
+            return active + ([stage] if stage not in active else [])
+        wanted: list[int] = []
+        for _, upcoming in (c for c in computes if c[0] >= position):
+            if upcoming.stage not in wanted:
+                wanted.append(upcoming.stage)
+            if len(wanted) == window:
+                break
+        return wanted
+
+    for position, action in enumerate(actions):
+        if not action.kind.is_send:
+            result.extend(after)
+            after = []
+        if action.kind.is_compute:
+            wanted = wanted_at(position, action.stage)
+            before = [Action(Kind.RESHARD, s, NO_MICROBATCH) for s in active if s not in wanted]
+            before += [Action(Kind.UNSHARD, s, NO_MICROBATCH) for s in wanted if s not in active]
+            active = [s for s in active if s in wanted] + [s for s in wanted if s not in active]
+            # ahead of the receives this compute waits for, so the gather overlaps the wait
+            at = len(result)
+            while at > 0 and result[at - 1].kind.is_recv:
+                at -= 1
+            result[at:at] = before
+        result.append(action)
+        if last_weight.get(action.stage) == position:
+            after.append(Action(Kind.REDUCE_GRAD, action.stage, NO_MICROBATCH))
+        if last_use.get(action.stage) == position and action.stage in active:
+            active.remove(action.stage)
+            after.append(Action(Kind.RESHARD, action.stage, NO_MICROBATCH))
+    return result + after
 
 
 def forward_only(schedule: Schedule) -> Schedule:

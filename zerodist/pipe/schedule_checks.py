@@ -12,7 +12,13 @@ what is wrong and where:
   the producer on the peer rank);
 - `UnmatchedMessageError`: a SEND without its RECV on the peer rank, or the other way round;
 - `MessageOrderError`: two ranks' messages received in another order than sent;
-- `DeadlockError`: the simulator finds every unfinished rank blocked on a receive.
+- `DeadlockError`: the simulator finds every unfinished rank blocked on a receive;
+- `ShardingError` (only for a schedule with sharding actions, `schedule.add_sharding`): a compute
+  of a stage that is not gathered, an UNSHARD of a gathered stage or a RESHARD of a freed one, a
+  stage left gathered at the end, a REDUCE_GRAD missing, repeated, or before a weight gradient.
+
+`peak_gathered` gives, per rank, the most parameter bytes a sharding schedule holds gathered at
+once, for given bytes per stage: what the engine's counter measures (zerodist/zero/runtime.py).
 
 Timing model of `simulate` (the executor's benchmark compares wall time against it): every rank
 starts at time 0 and runs its list in order; a compute action takes `costs.of(action)` (by kind,
@@ -39,6 +45,7 @@ __all__ = [
     "MessageOrderError",
     "PlacementError",
     "ScheduleError",
+    "ShardingError",
     "SimulationResult",
     "TimedAction",
     "UnmatchedMessageError",
@@ -48,10 +55,12 @@ __all__ = [
     "check_messages",
     "check_placement",
     "check_schedule",
+    "check_sharding",
     "measure_timeline",
     "message_counts",
     "peak_activations",
     "peak_activations_by_rank",
+    "peak_gathered",
     "simulate",
 ]
 
@@ -78,6 +87,10 @@ class UnmatchedMessageError(ScheduleError):
 
 class MessageOrderError(ScheduleError):
     pass
+
+
+class ShardingError(ScheduleError):
+    """A sharding action (UNSHARD, RESHARD, REDUCE_GRAD) is missing, repeated or out of place."""
 
 
 class DeadlockError(ScheduleError):
@@ -211,7 +224,7 @@ def check_message_order(schedule: Schedule) -> None:
     received: dict[tuple[int, int], list[_MessageKey]] = collections.defaultdict(list)
     for rank, actions in enumerate(schedule):
         for action in actions:
-            if action.kind.is_compute:
+            if not (action.kind.is_send or action.kind.is_recv):
                 continue
             key = _message_key(action)
             peer_stage = _peer_stage(action)
@@ -463,6 +476,63 @@ def simulate(
     return measure_timeline(timeline)
 
 
+def check_sharding(schedule: Schedule) -> None:
+    """A schedule with sharding actions ([Note: sharding actions] in schedule.py) gathers each stage
+    before every compute of it, frees only what is gathered and everything by the end, and reduces
+    each stage's gradients once, after its last weight gradient (none in a forward-only one)."""
+    for rank, actions in enumerate(schedule):
+        gathered: set[int] = set()
+        reduced: dict[int, int] = {}
+        last_weight: dict[int, int] = {}
+        for index, action in enumerate(actions):
+            where = f"rank {rank}, position {index}: {action}"
+            if action.kind is Kind.UNSHARD:
+                if action.stage in gathered:
+                    raise ShardingError(f"{where} gathers a stage that is gathered already")
+                gathered.add(action.stage)
+            elif action.kind is Kind.RESHARD:
+                if action.stage not in gathered:
+                    raise ShardingError(f"{where} frees a stage that is not gathered")
+                gathered.discard(action.stage)
+            elif action.kind is Kind.REDUCE_GRAD:
+                if action.stage in reduced:
+                    raise ShardingError(f"{where} reduces the stage's gradients a second time")
+                reduced[action.stage] = index
+            elif action.kind.is_compute:
+                if action.stage not in gathered:
+                    raise ShardingError(f"{where} runs while its stage's parameters are not gathered (no UNSHARD "
+                                        "before it since the last RESHARD)")
+                if action.kind in (Kind.B, Kind.W):
+                    last_weight[action.stage] = index
+        if gathered:
+            raise ShardingError(f"rank {rank} ends with stage(s) {sorted(gathered)} still gathered (no RESHARD)")
+        for stage, index in sorted(last_weight.items()):
+            if stage not in reduced:
+                raise ShardingError(f"rank {rank}: stage {stage} has no REDUCE_GRAD after its last weight gradient")
+            if reduced[stage] < index:
+                raise ShardingError(f"rank {rank}: stage {stage}'s REDUCE_GRAD (position {reduced[stage]}) comes "
+                                    f"before its last weight gradient (position {index})")
+        extra = sorted(set(reduced) - set(last_weight))
+        if extra:
+            raise ShardingError(f"rank {rank}: REDUCE_GRAD for stage(s) {extra}, which compute no weight gradient")
+
+
+def peak_gathered(schedule: Schedule, stage_bytes: dict[int, int]) -> tuple[int, ...]:
+    """Per rank, the most bytes gathered at once under the schedule's UNSHARD / RESHARD actions,
+    `stage_bytes[s]` counted while stage s is gathered (0 for a stage not listed)."""
+    peaks = []
+    for actions in schedule:
+        live = peak = 0
+        for action in actions:
+            if action.kind is Kind.UNSHARD:
+                live += stage_bytes.get(action.stage, 0)
+                peak = max(peak, live)
+            elif action.kind is Kind.RESHARD:
+                live -= stage_bytes.get(action.stage, 0)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
 def check_schedule(
     schedule: Schedule, *, num_microbatches: int, num_stages: int | None = None,
     costs: Costs | None = None, forward_only: bool = False,
@@ -477,4 +547,6 @@ def check_schedule(
     check_messages(schedule)
     check_dependencies(schedule, stages)
     check_message_order(schedule)
+    if any(action.kind.is_sharding for actions in schedule for action in actions):
+        check_sharding(schedule)
     return simulate(schedule, costs)

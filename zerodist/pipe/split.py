@@ -72,6 +72,16 @@ class _StageView:
         child = compat.registered_child(self._stage, name) if self._stage is not None else None
         return child if child is not None else getattr(self._model, name)
 
+    def get_submodule(self, target: str) -> nn.Module:
+        """A dotted name of the stage module first: a module a technique swapped there (tensor
+        parallelism's slices) is the one that runs, not the user's original under the same name."""
+        if self._stage is not None:
+            try:
+                return self._stage.get_submodule(target)
+            except AttributeError:
+                pass
+        return self._model.get_submodule(target)
+
 
 class _Container(nn.Module):
     """A stage's own node on the path to a part (`model` in `model.layers.3`); no forward."""
@@ -99,7 +109,7 @@ def _make_layers(plan: SplitPlan, num_blocks: int, view: _StageView) -> list[Spl
         name = f"{plan.blocks}.{index}"
         layers.append(SplitLayer(name, (name,), _block_runner(plan, name), view))
     for name in ([plan.norm] if plan.norm else []) + [plan.head]:
-        layers.append(SplitLayer(name, (name,), _module_runner(name), view))
+        layers.append(SplitLayer(name, (name,), _module_runner(plan, name), view))
     return layers
 
 
@@ -110,10 +120,10 @@ def _block_runner(plan: SplitPlan, name: str) -> Callable[[_StageView, Any], Any
     return run
 
 
-def _module_runner(name: str) -> Callable[[_StageView, Any], Any]:
+def _module_runner(plan: SplitPlan, name: str) -> Callable[[_StageView, Any], Any]:
     def run(view: _StageView, hidden: Any) -> Any:
         assert view._stage is not None
-        return view._stage.get_submodule(name)(hidden)
+        return plan.run_layer(view._stage.get_submodule(name), hidden)
     return run
 
 
@@ -225,6 +235,7 @@ class SplitPipelineModule(PipelineModule):
         for name in sorted(local, key=order.__getitem__):  # in the model's order, as its state_dict() walks
             self._register(name, model.get_submodule(name))
         view._stage = self
+        self._view = view  # not a module: the user's model stays unregistered (`source_model`)
         self._keep_ties(ties)
 
     def _partition(self, layers: Sequence[Any], partition_method: str) -> list[int]:
@@ -249,6 +260,11 @@ class SplitPipelineModule(PipelineModule):
             raise SplitError(f"the model's top-level module {leaf!r} cannot be registered on a PipelineModule (a layer "
                              "index or one of its attributes has that name)")
         parent.add_module(leaf, module)
+
+    def source_model(self) -> nn.Module:
+        """The model this stage module was cut from (whole on every rank: its config, its class), for
+        what picks a plan by the model, as tensor parallelism does; the names match this module's."""
+        return self._view._model
 
     def stage_modules(self, stage: int) -> list[nn.Module]:
         """The modules of `stage`'s parts, as registered now (after any swap by name)."""
@@ -310,6 +326,8 @@ def split_model(model: nn.Module, num_stages: int | None = None, split_points: S
     layers = _make_layers(plan, num_blocks, view)
     bounds = (_balanced_cuts(layers, plan, total) if split_points is None
               else _cuts_from_points(layers, split_points, total))
+    if loss_fn is token_cross_entropy and plan.loss_for is not None:  # the default: the model's own loss
+        loss_fn = plan.loss_for(model)
     return SplitPipelineModule(model, plan, layers, view, bounds, num_stages=degree, loss_fn=loss_fn,
                                stages_per_rank=stages_per_rank,
                                activation_checkpoint_interval=activation_checkpoint_interval)

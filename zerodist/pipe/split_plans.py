@@ -33,6 +33,8 @@ class UnknownModelError(ValueError):
 
 EmbedFn = Callable[[nn.Module, Any], torch.Tensor]
 BlockFn = Callable[[nn.Module, nn.Module, torch.Tensor], torch.Tensor]
+LayerFn = Callable[[nn.Module, Any], Any]  # (the norm or head module, what the previous layer returned)
+LossFor = Callable[[nn.Module], Callable[..., torch.Tensor]]  # the user's model -> loss_fn(output, labels)
 
 
 def _first_embedding(model: nn.Module, plan: SplitPlan, inputs: Any) -> torch.Tensor:
@@ -54,6 +56,10 @@ class SplitPlan:
     - `norm`: the final norm applied to the last block's output (None if the model has none).
     - `head`: the output layer, applied to the norm's output: its result goes to `loss_fn`.
     - `shared`: parameterless modules the glue uses on every stage (rotary embeddings).
+    - `layer_fn(module, value)`: how the norm and the head apply to what the previous layer
+      returned (default `module(value)`); `loss_for(model)`: the loss `split_model` uses by default
+      (default next-token cross-entropy). A model that carries more than the hidden states between
+      its blocks (an MoE model's summed balance loss) passes a tuple and sets both.
     `model` is the user's whole model, for reading its config and modules (never written)."""
 
     embed: tuple[str, ...]
@@ -64,6 +70,8 @@ class SplitPlan:
     embed_fn: EmbedFn | None = None
     block_fn: BlockFn | None = None
     name: str = "a user's plan"
+    layer_fn: LayerFn | None = None
+    loss_for: LossFor | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.embed, str):
@@ -80,6 +88,9 @@ class SplitPlan:
 
     def run_block(self, model: nn.Module, block: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return (self.block_fn or _plain_block)(model, block, hidden)
+
+    def run_layer(self, module: nn.Module, value: Any) -> Any:
+        return module(value) if self.layer_fn is None else self.layer_fn(module, value)
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -99,6 +110,36 @@ def _gpt_embed(model: Any, idx: torch.Tensor) -> torch.Tensor:  # zerodist.model
 
 GPT_SPLIT_PLAN = SplitPlan(embed=("tok_emb", "pos_emb", "emb_dropout"), blocks="blocks", norm="ln_f",
                            head="lm_head", embed_fn=_gpt_embed, name="the built-in demo GPT plan")
+
+
+# ---------------------------------------------------------------------------------------- the demo MoE GPT
+# [Note: MoE balance loss across stages] MoEGPT's blocks return (hidden, l_aux) and its loss adds
+# aux_loss_coef times their sum: the stages pass (hidden, summed l_aux so far), and the last one's
+# loss is the model's own.
+def _moe_gpt_embed(model: Any, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden = model.tok_emb(idx.long()) + model.pos_emb(_positions(idx))
+    return hidden, hidden.new_zeros((), dtype=torch.float32)
+
+
+def _moe_gpt_block(model: Any, block: nn.Module, carried: Any) -> Any:
+    hidden, aux = carried
+    hidden, l_aux = block(hidden)
+    return hidden, aux + l_aux
+
+
+def _moe_gpt_loss(model: nn.Module) -> Callable[..., torch.Tensor]:
+    coefficient = model.moe_config.aux_loss_coef  # type: ignore[union-attr]
+
+    def loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+        logits, aux = output
+        return token_cross_entropy(logits, labels) + coefficient * aux
+    return loss
+
+
+MOE_GPT_SPLIT_PLAN = SplitPlan(embed=("tok_emb", "pos_emb"), blocks="blocks", norm="ln_f", head="lm_head",
+                               embed_fn=_moe_gpt_embed, block_fn=_moe_gpt_block,  # type: ignore[arg-type]
+                               layer_fn=lambda module, carried: (module(carried[0]), carried[1]),
+                               loss_for=_moe_gpt_loss, name="the built-in demo MoE GPT plan")
 
 
 # ---------------------------------------------------------------------------------------- Hugging Face
@@ -152,6 +193,8 @@ def _model_type(model: nn.Module) -> Any:
 # causal-LM class (the one with the head), by its config's model_type.
 BUILTIN_PLANS: list[tuple[str, Callable[[nn.Module], bool], SplitPlan]] = [
     ("zerodist.models.gpt.GPT", lambda m: _class_path(m) == "zerodist.models.gpt.GPT", GPT_SPLIT_PLAN),
+    ("zerodist.models.moe_gpt.MoEGPT", lambda m: _class_path(m) == "zerodist.models.moe_gpt.MoEGPT",
+     MOE_GPT_SPLIT_PLAN),
     ("Hugging Face Llama (LlamaForCausalLM)", lambda m: _model_type(m) == "llama" and hasattr(m, "lm_head"),
      HF_LLAMA_SPLIT_PLAN),
     ("Hugging Face GPT-2 (GPT2LMHeadModel)", lambda m: _model_type(m) == "gpt2" and hasattr(m, "lm_head"),

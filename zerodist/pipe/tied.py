@@ -12,7 +12,8 @@ hands autograd zeros instead. After the batch's last backward, `reduce()` sums t
 over the tie group (one all-reduce per key) and feeds the sum to the parameter as one more
 backward, which the reducer adds to its buckets like any other; the data-parallel reduction that
 follows then averages the tie sum over the data ranks, as it does every gradient. The tie group
-pairs the ranks of the stages holding the key that share every other coordinate (data, tensor, ...).
+pairs the ranks of the stages holding the key that share every other coordinate (data, tensor, ...):
+`Topology`'s pipe groups, picked by `zerodist.pipe.apply.tie_group_ranks`.
 
 The global gradient norm counts each tied parameter once: only on the tie group's first stage. The
 copies on the others are declared `declare_counted_elsewhere` ([Note: copies counted elsewhere] in
@@ -29,7 +30,6 @@ import torch
 import zerodist.comm as comm
 from zerodist.comm.domains import declare_counted_elsewhere
 from zerodist.pipe.module import PipelineModule
-from zerodist.pipe.schedule import stage_to_rank
 
 __all__ = ["TiedGradients"]
 
@@ -37,17 +37,15 @@ __all__ = ["TiedGradients"]
 class TiedGradients:
     """The tie groups of a PipelineModule's tied keys, and the gradient path described above."""
 
-    def __init__(self, module: PipelineModule, world_size: int):
+    def __init__(self, module: PipelineModule, tie_ranks: dict[str, list[list[int]]]):
+        """`tie_ranks`: for each tied key held by two pipe ranks or more, every tie group's global
+        ranks (one per coordinate of the other axes), as the topology gives them
+        (`zerodist.pipe.apply.tie_group_ranks`); every rank makes every group, in this order."""
         self.module = module
-        inner = world_size // module.num_stages  # ranks per pipe rank (pipe is the outermost axis)
         me = comm.get_rank()
         self.groups: dict[str, tuple[Any, int]] = {}  # key -> (group, source rank) for the keys this rank holds
-        for key in sorted(module.tied_keys):  # every rank makes every group, in one order
-            pipe_ranks = sorted({stage_to_rank(s, module.num_stages) for s in module.tied_keys[key]})
-            if len(pipe_ranks) < 2:
-                continue
-            for offset in range(inner):
-                ranks = [r * inner + offset for r in pipe_ranks]
+        for key in sorted(tie_ranks):
+            for ranks in tie_ranks[key]:
                 group = comm.new_group(ranks)
                 if me in ranks:
                     self.groups[key] = (group, ranks[0])

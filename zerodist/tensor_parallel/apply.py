@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 from typing import Any
 
 import torch
@@ -138,12 +139,15 @@ class TensorParallelState:
 
 
 def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: TensorParallelSettings, *,
-                          conversion: contextlib.AbstractContextManager[Any] | None = None) -> TensorParallelState:
+                          conversion: contextlib.AbstractContextManager[Any] | None = None,
+                          plan_for: nn.Module | None = None) -> TensorParallelState:
     """Parallelize `model` over `topology`'s tensor axis (in place); its part state (`.module`).
 
     `conversion` surrounds the swapping of layers (and nothing else): the engine passes ZeRO's
     `continue_recording(model)` so that a model built under `zerodist.zero.Init()` has its slices
-    cut on the meta device and recorded, to be replayed when ZeRO materialises it."""
+    cut on the meta device and recorded, to be replayed when ZeRO materialises it. `plan_for`: the
+    model whose plan to pick when `model` is a part of it that keeps its names (a pipeline stage
+    that `zerodist.pipe.split_model` cut from it); the plan's names then match the part's."""
     existing = _existing_degree(model)
     if existing is not None:
         if existing != topology.size("tensor"):
@@ -159,7 +163,10 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
     # seeded from this process's torch seed, which every rank sets alike to build the same model.
     rng = tensor_parallel_rng(topology, seed=torch.initial_seed())
     attach_rng_tracker(model, rng)
-    plan, source = choose_plan(model, settings, rng)
+    plan, source = choose_plan(plan_for if plan_for is not None else model, settings, rng)
+    if plan_for is not None:  # the part holds some of the model's modules: the entries for the others stay out
+        names = [name for name, _ in model.named_modules() if name]
+        plan = {pattern: entry for pattern, entry in plan.items() if any(fnmatch.fnmatchcase(n, pattern) for n in names)}
     with conversion if conversion is not None else contextlib.nullcontext():
         parallelize(model, plan, topology, sequence_parallel=settings.sequence_parallel)
     if settings.domino is not None:

@@ -21,7 +21,7 @@ optimizer step), so results are bitwise those of the hooks before this runtime e
 can drive them instead ([Note: driving the runtime]).
 
 [Note: driving the runtime] Inside `with runtime.driven():` the hooks still gather what is
-sharded when a unit runs, but free nothing, and backward accumulates every gradient locally in
+sharded when a unit runs, but prefetch nothing and free nothing, and backward accumulates every gradient locally in
 full-size buffers instead of reducing it (the gradient reducer defers: reducer.py). The caller
 decides when: a pipeline schedule unshards a part's units once, runs several micro-batches'
 forwards and backwards, then calls `reduce_gradients()` once and `reshard()`. At stages 2/3
@@ -140,7 +140,13 @@ class UnitRuntime:
         self.runs = RunCheck(units, group)
         self.live_numel = 0
         self.peak_live_numel = 0
+        # parameter bytes gathered by `unshard` and not yet freed (stage 3), and their high-water mark
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
         self.driving = False  # inside `driven()`: [Note: driving the runtime]
+        # False when a caller's schedule gathers every unit when it needs it (a pipeline's UNSHARD
+        # actions): the step then issues no early gathers ([Note: early gather]), which it would drop unused
+        self.early_gathers = True
         self._early: list[Unit] = []  # issued after a step for the next forward ([Note: early gather])
         self._bucket_owner = {id(b): u for u in units for g in u.groups for b in g.buckets}
         # The post-step gathers of full parameters ([Note: overlapped parameter gather]), by the unit whose
@@ -193,7 +199,9 @@ class UnitRuntime:
         for unit in batch:
             unit.start_unshard()
             self.live_numel += unit.numel
+            self.live_bytes += unit.nbytes
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
 
     @staticmethod
     def _read_offloaded_shards(batch: Sequence[Unit]) -> None:
@@ -242,6 +250,12 @@ class UnitRuntime:
             if unit.state is not UnitState.SHARDED:
                 unit.reshard()
                 self.live_numel -= unit.numel
+                self.live_bytes -= unit.nbytes
+
+    def reset_peak(self) -> None:
+        """Start the gathered high-water marks (`peak_live_numel`, `peak_live_bytes`) from what is
+        gathered now."""
+        self.peak_live_numel, self.peak_live_bytes = self.live_numel, self.live_bytes
 
     def reduce_gradients(self) -> None:
         """Reduce the gradients backward accumulated without reducing ([Note: driving the
@@ -265,7 +279,7 @@ class UnitRuntime:
         prefetch of the units after (+1) or before (-1) it, and wait for it."""
         began = timeline.mark()  # [Note: timeline cost] in zerodist/comm/timeline.py
         batch = [unit] if unit.state is UnitState.SHARDED else []
-        if prefetch_step:
+        if prefetch_step and not self.driving:  # a driving caller gathers ahead itself (a pipeline's UNSHARDs)
             batch += self._prefetch_candidates(unit, prefetch_step, self.live_numel + sum(u.numel for u in batch))
         if batch:
             self.unshard(batch, kind=kind)
@@ -383,5 +397,5 @@ class UnitRuntime:
             group.start_unshard()
         if not self.overlap:
             self.wait_updated()
-        if self.shards_parameters and self.overlap:
+        if self.shards_parameters and self.overlap and self.early_gathers:
             self.start_early_gathers()  # after the persistent groups': the order the forward waits

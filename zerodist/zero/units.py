@@ -35,6 +35,8 @@ class Unit:
         self.index, self.name, self.module, self.groups = index, name or "<root>", module, groups
         self.state = UnitState.SHARDED
         self.numel = sum(g.layout.total_numel for g in groups)
+        # bytes of the unit's parameters when gathered (the runtime's gathered-bytes counter)
+        self.nbytes = sum(g.layout.total_numel * g.param_dtype.itemsize for g in groups)
 
     def start_unshard(self) -> None:
         """Issue the all-gathers (async); a unit without parameters is gathered at once."""
