@@ -4,9 +4,10 @@
     meta-built part unit by unit) -> untrained state synced -> gradient reducer -> unit runtime ->
     sharded optimizer -> default schedule (the hooks that drive the runtime)
 
-The config is read once, by `ZeroSettings.from_config` (settings.py): the stage is a `ShardingPolicy`
-there, and nothing here branches on its number. The engine resolves the optimizer (DeepSpeed's config, a torch optimizer or a factory)
-and hands in an `OptimizerRecipe`; the scheduler and the data loader stay the engine's.
+The config is read once, by `ZeroSettings.from_config` (settings.py): the stage is a
+`ShardingPolicy` there, and nothing here branches on its number. The engine resolves the
+optimizer (DeepSpeed's config, a torch optimizer or a factory) and hands in an
+`OptimizerRecipe`; the scheduler and the data loader stay the engine's.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from zerodist.zero.plan import FlatPlan, plan_groups
 from zerodist.zero.policy import DomainGroup
 from zerodist.zero.reducer import GradReducer
 from zerodist.zero.runtime import UnitRuntime
-from zerodist.zero.settings import ZeroSettings
 from zerodist.zero.schedule import DefaultSchedule
+from zerodist.zero.settings import ZeroSettings
 from zerodist.zero.state import ZeroState
 from zerodist.zero.stepped_store import SteppedStore
 from zerodist.zero.units import Unit

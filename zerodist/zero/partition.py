@@ -159,8 +159,9 @@ def build_groups(model: torch.nn.Module, plan: FlatPlan, names: dict[int, str], 
     """Materialise `model` (if meta-built) and flatten it by `plan`: one group per planned group,
     in plan order, at every stage ([Note: one plan for every stage]). Each group reduces and
     shards over its domain's group (`domain_groups`: every domain of the plan; `placements`:
-    id(param) -> its declared placement, zerodist.comm.domains); with sharded parameters the unit groups are sharded and the
-    persistent ones keep full parameters (`ShardingPolicy.for_persistent`).
+    id(param) -> its declared placement, zerodist.comm.domains); with sharded parameters the
+    unit groups are sharded and the persistent ones keep full parameters
+    (`ShardingPolicy.for_persistent`).
 
     A unit's groups are built as soon as its last module is materialised, so at stage 3 the
     peak is the shards plus about one unit; the root's and the persistent groups come last."""
