@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import os
 import re
-import subprocess
 import sys
 import time
 
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 import zerodist
 import zerodist.comm as comm
 from zerodist.models import GPT, gpt_config, make_mlp
-from zerodist.zero import (GatheredParameters, Init, ShardedParameterError, UnitControlFlowError, full_shape,
+from zerodist.zero import (GatheredParameters, Init, ShardedParameterError, full_shape,
                            is_sharded, sharded_access)
 from tests.engine_helpers import (assert_close_relative, base_config, global_batch, train_distributed,
                                   train_reference)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerodist.config import Fp16Config
+
 
 class LossScaler:
     """`scale` multiplies the loss before backward; `update(overflow)` after each step."""
@@ -35,7 +37,8 @@ class LossScaler:
         self.num_overflows = 0
 
     @classmethod
-    def from_fp16_config(cls, fp16: Any) -> LossScaler:
+    def from_fp16_config(cls, fp16: Fp16Config) -> LossScaler:
+        """The config's `fp16` section, sliced for the scaler (ZeroSettings.from_config hands it in)."""
         if fp16.loss_scale and fp16.loss_scale > 0:
             return cls(dynamic=False, init_scale=fp16.loss_scale)
         return cls(

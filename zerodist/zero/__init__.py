@@ -6,7 +6,7 @@ buffers are full or sharded and when gradients are reduced. The front door is `a
 the verbs a schedule calls (`unshard`, `wait_unshard`, `reshard`, `reduce_gradients`).
 """
 
-from zerodist.zero.apply import OptimizerRecipe, ZeroSettings, apply_zero
+from zerodist.zero.apply import OptimizerRecipe, apply_zero
 from zerodist.zero.bucket import Bucket, BucketState, GradSyncPlan
 from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.layout import FlatLayout, plan_layout
@@ -15,6 +15,7 @@ from zerodist.zero.partition import Init
 from zerodist.zero.reducer import GradReducer
 from zerodist.zero.registry import GatheredParameters, full_shape, is_sharded
 from zerodist.zero.runtime import UnitRuntime, UnitSettings
+from zerodist.zero.settings import ZeroSettings
 from zerodist.zero.sharded_access import ShardedParameterError
 from zerodist.zero.state import ZeroState
 from zerodist.zero.unit_checks import Stage3ControlFlowError, UnitControlFlowError

@@ -4,9 +4,10 @@
     meta-built part unit by unit) -> untrained state synced -> gradient reducer -> unit runtime ->
     sharded optimizer -> default schedule (the hooks that drive the runtime)
 
-The stage is a `ShardingPolicy`, decided once from the config; nothing here branches on its
-number. The engine resolves the optimizer (DeepSpeed's config, a torch optimizer or a factory)
-and hands in an `OptimizerRecipe`; the scheduler and the data loader stay the engine's.
+The config is read once, by `ZeroSettings.from_config` (settings.py): the stage is a
+`ShardingPolicy` there, and nothing here branches on its number. The engine resolves the
+optimizer (DeepSpeed's config, a torch optimizer or a factory) and hands in an
+`OptimizerRecipe`; the scheduler and the data loader stay the engine's.
 """
 
 from __future__ import annotations
@@ -22,17 +23,16 @@ import zerodist.comm as comm
 from zerodist.comm.topology import PARAMETER_AXES
 from zerodist.comm.domains import buffer_placements, parameter_placements
 from zerodist.comm.parts import Part
-from zerodist.config import Config
-from zerodist.precision import LossScaler, PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.optimizer import ZeroOptimizer
-from zerodist.zero.partition import FlattenSettings, build_groups
-from zerodist.zero.plan import FlatPlan, bucket_capacity, plan_groups
-from zerodist.zero.policy import DomainGroup, ShardingPolicy
+from zerodist.zero.partition import build_groups
+from zerodist.zero.plan import FlatPlan, plan_groups
+from zerodist.zero.policy import DomainGroup
 from zerodist.zero.reducer import GradReducer
-from zerodist.zero.runtime import UnitRuntime, UnitSettings
+from zerodist.zero.runtime import UnitRuntime
 from zerodist.zero.schedule import DefaultSchedule
+from zerodist.zero.settings import ZeroSettings
 from zerodist.zero.state import ZeroState
 from zerodist.zero.stepped_store import SteppedStore
 from zerodist.zero.units import Unit
@@ -55,40 +55,12 @@ class OptimizerRecipe:
     build: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 
-@dataclasses.dataclass(frozen=True)
-class ZeroSettings:
-    """What ZeRO takes from the config (`from_config`): the config sliced for this layer."""
-
-    sharding: ShardingPolicy
-    precision: PrecisionPolicy
-    unit_classes: tuple[str, ...]
-    persistence_threshold: int  # zero_optimization.stage3_param_persistence_threshold
-    bucket_numel: int  # reduce_bucket_size / allgather_bucket_size
-    use_reduce_scatter: bool  # zero_optimization.reduce_scatter
-    overlap: bool  # zero_optimization.overlap_comm
-    units: UnitSettings
-    gradient_clipping: float
-    loss_scaler: Callable[[], LossScaler]
-
-    @classmethod
-    def from_config(cls, config: Config) -> ZeroSettings:
-        zero = config.zero_optimization
-        precision = PrecisionPolicy.from_config(config)
-        scaler = ((lambda: LossScaler.from_fp16_config(config.fp16)) if precision.loss_scaling
-                  else LossScaler.disabled)
-        return cls(sharding=ShardingPolicy.from_stage(zero.stage), precision=precision,
-                   unit_classes=tuple(config.zerodist.stage3_unit_classes),
-                   persistence_threshold=zero.stage3_param_persistence_threshold,
-                   bucket_numel=bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
-                   use_reduce_scatter=zero.reduce_scatter, overlap=zero.overlap_comm,
-                   units=UnitSettings.from_config(config), gradient_clipping=config.gradient_clipping,
-                   loss_scaler=scaler)
-
-
 def apply_zero(part: Part, topology: comm.Topology, settings: ZeroSettings, optimizer: OptimizerRecipe) -> ZeroState:
     """Flatten the part's trained parameters into one group per (unit, param group, domain), each
     reducing over its domain's group, and build the reducer, the unit runtime, the sharded
     optimizer and the default schedule that drives them."""
+    # An all-fp64 model trains in fp64 when the config asks for neither bf16 nor fp16 (PrecisionPolicy.for_model).
+    settings = dataclasses.replace(settings, precision=settings.precision.for_model(part.module))
     model, precision, sharding = part.module, settings.precision, settings.sharding
     device = comm.device_for_rank()
     if device.type != "cpu" and not any(p.is_meta for p in model.parameters()):
@@ -134,10 +106,8 @@ def _flatten(part: Part, specs: list[ParamGroupLike], topology: comm.Topology, s
                        persistence_threshold=settings.persistence_threshold, bucket_numel=settings.bucket_numel,
                        domains=domains)
     domain_groups = {g.domain: DomainGroup.of(topology, g.domain) for g in plan.groups}
-    flatten = FlattenSettings(policy=settings.sharding, domain_groups=domain_groups, placements=placements,
-                              use_reduce_scatter=settings.use_reduce_scatter,
-                              param_dtype=settings.precision.param_dtype, device=device)
-    return plan, build_groups(model, plan, part.names, flatten)
+    return plan, build_groups(model, plan, part.names, settings, domain_groups=domain_groups, placements=placements,
+                              device=device)
 
 
 def _sync_untrained_state(model: torch.nn.Module, trained: set[int], topology: comm.Topology) -> None:

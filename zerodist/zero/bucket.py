@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 

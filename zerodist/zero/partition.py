@@ -16,7 +16,6 @@ the current RNG state; a module without one is an error.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -31,8 +30,9 @@ from zerodist.zero.buffer_pool import BufferPool
 from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.init_keywords import check_init_keywords
 from zerodist.zero.plan import FlatPlan
-from zerodist.zero.policy import DomainGroup, ShardingPolicy
+from zerodist.zero.policy import DomainGroup
 from zerodist.zero.replay_init import InitLog, Recording, Replayer
+from zerodist.zero.settings import ZeroSettings
 
 
 # Keyed by module, not parameter: swap_tensors (used to materialise) refuses weakly-referenced tensors.
@@ -153,47 +153,38 @@ def _materialise_recorded(module: torch.nn.Module, name: str, log: InitLog, devi
     del _INIT_LOGS[module]  # the log (RNG states, copied inputs) goes when its last module is materialised
 
 
-@dataclasses.dataclass(frozen=True)
-class FlattenSettings:
-    """What the flat groups of one engine share, and where each domain reduces."""
-
-    policy: ShardingPolicy
-    domain_groups: Mapping[Domain, DomainGroup]  # every domain of the plan
-    placements: Mapping[int, Placement]  # id(param) -> its declared placement (zerodist.comm.domains)
-    use_reduce_scatter: bool
-    param_dtype: torch.dtype
-    device: torch.device
-
-
-def build_groups(model: torch.nn.Module, plan: FlatPlan, names: dict[int, str],
-                 settings: FlattenSettings) -> list[FlatParamGroup]:
+def build_groups(model: torch.nn.Module, plan: FlatPlan, names: dict[int, str], settings: ZeroSettings, *,
+                 domain_groups: Mapping[Domain, DomainGroup], placements: Mapping[int, Placement],
+                 device: torch.device) -> list[FlatParamGroup]:
     """Materialise `model` (if meta-built) and flatten it by `plan`: one group per planned group,
     in plan order, at every stage ([Note: one plan for every stage]). Each group reduces and
-    shards over its domain's group; with sharded parameters the unit groups are sharded and the
-    persistent ones keep full parameters (`ShardingPolicy.for_persistent`).
+    shards over its domain's group (`domain_groups`: every domain of the plan; `placements`:
+    id(param) -> its declared placement, zerodist.comm.domains); with sharded parameters the
+    unit groups are sharded and the persistent ones keep full parameters
+    (`ShardingPolicy.for_persistent`).
 
     A unit's groups are built as soon as its last module is materialised, so at stage 3 the
     peak is the shards plus about one unit; the root's and the persistent groups come last."""
     built: dict[int, FlatParamGroup] = {}
     # Stage 3: one pool of gathered and staging buffers for every group ([Note: buffer pool]).
-    pool = BufferPool() if settings.policy.shard_parameters else None
+    policy = settings.sharding
+    pool = BufferPool() if policy.shard_parameters else None
 
     def flatten(indices: list[int]) -> None:
         for i in indices:
             planned = plan.groups[i]
-            policy = settings.policy.for_persistent() if planned.persistent else settings.policy
-            built[i] = FlatParamGroup(list(planned.params), [names[id(p)] for p in planned.params], policy=policy,
-                                      domain_group=settings.domain_groups[planned.domain],
-                                      bucket_numel=plan.bucket_numel, use_reduce_scatter=settings.use_reduce_scatter,
-                                      param_dtype=settings.param_dtype,
-                                      placements=[settings.placements[id(p)] for p in planned.params],
-                                      buffer_pool=pool)
+            built[i] = FlatParamGroup(list(planned.params), [names[id(p)] for p in planned.params],
+                                      policy=policy.for_persistent() if planned.persistent else policy,
+                                      domain_group=domain_groups[planned.domain], bucket_numel=plan.bucket_numel,
+                                      use_reduce_scatter=settings.use_reduce_scatter,
+                                      param_dtype=settings.precision.param_dtype,
+                                      placements=[placements[id(p)] for p in planned.params], buffer_pool=pool)
 
     last_module = {id(list(module.modules())[-1]): unit
                    for unit, (_, module) in enumerate(plan.unit_modules, start=1)}
     with _replayed_rng(model):
         for name, module in model.named_modules():
-            _materialise(module, name, settings.device)
+            _materialise(module, name, device)
             if id(module) in last_module:
                 flatten(plan.unit_groups(last_module[id(module)]))
     flatten(plan.unit_groups(0))

@@ -19,7 +19,6 @@ zerodist/comm/topology.py) and whether this rank counts the group in the global 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from zerodist.comm import Group
 from zerodist.comm.topology import Domain, Topology

@@ -88,7 +88,7 @@ FORWARD, BACKWARD = 0, 1  # what a gather is for, in the order check's fingerpri
 
 @dataclasses.dataclass(frozen=True)
 class UnitSettings:
-    """What the runtime takes from the config (`from_config`)."""
+    """What the runtime takes from the config (built by `ZeroSettings.from_config`, settings.py)."""
 
     prefetch_numel: int  # zero_optimization.stage3_prefetch_bucket_size
     max_live_numel: int  # zero_optimization.stage3_max_live_parameters
@@ -96,12 +96,6 @@ class UnitSettings:
     order_check: bool  # zerodist.debug.unit_order_check
     access_check: bool  # zerodist.debug.sharded_access_check
     overlap: bool = True  # zero_optimization.overlap_comm: post-step gathers waited for at first use
-
-    @classmethod
-    def from_config(cls, config: Any) -> UnitSettings:
-        zero, debug = config.zero_optimization, config.zerodist.debug
-        return cls(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters, zero.stage3_max_reuse_distance,
-                   debug.unit_order_check, debug.sharded_access_check, zero.overlap_comm)
 
 
 def _unchecked(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,7 +1,7 @@
 """Sharded parameters outside a gather: a named error instead of silently reading NaN.
 
 [Note: sharded access check] A ZeRO-3 parameter outside a gather keeps its full shape but has
-no values: its data is a placeholder (see [Note: sharded placeholder] in flat_group.py). torch
+no values: its data is a placeholder (see [Note: sharded placeholder] in param_storage.py). torch
 lets a CPU parameter's data be neither a meta tensor nor a tensor subclass, and zerodist never
 replaces, re-classes or sets attributes on the user's parameters, so the parameter object
 itself cannot refuse to be read. What can is a `TorchFunctionMode`: it sees every torch call
