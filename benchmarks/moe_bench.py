@@ -111,7 +111,6 @@ class AllToAllCounter:
 
 
 def train(run: Run, preset: str, experts: int, steps: int) -> dict[str, Any]:
-    import torch
     import torch.distributed as dist
 
     import zerodist.comm as comm

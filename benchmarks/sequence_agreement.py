@@ -86,7 +86,7 @@ def main() -> None:
     command = [sys.executable, "-m", "zerodist", "run", "--nproc", "2", __file__, "--seq-len", str(args.seq_len),
                "--rounds", str(args.rounds), WORKER_FLAG]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((row for row in done.stdout.splitlines() if row.startswith("RESULT ")), None)
     if line is None:
         print(f"failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
         return

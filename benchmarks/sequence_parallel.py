@@ -90,7 +90,7 @@ def main() -> None:
         command = [sys.executable, "-m", "zerodist", "run", "--nproc", str(degree), __file__, "--seq-len",
                    str(args.seq_len), "--method", args.method, WORKER_FLAG]
         done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-        line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+        line = next((row for row in done.stdout.splitlines() if row.startswith("RESULT ")), None)
         if line is None:
             print(f"degree {degree} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
             continue

@@ -126,7 +126,6 @@ def test_dead_rank_is_restarted_and_training_resumes_by_itself(tmp_path):
     """`zerodist run --max-restarts 1` + `checkpoint.auto_resume`: rank 1 dies after step 5; the
     agent restarts the group, initialize() loads step 4 (the newest committed), the job ends
     by itself with the uninterrupted run's parameters."""
-    import subprocess
     import sys
 
     from tests import checkpoint_restart_script as script

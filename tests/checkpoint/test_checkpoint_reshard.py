@@ -38,7 +38,7 @@ def _engine(stage: int, precision: str = "fp32", seed: int = 0):
 
 
 def _train(engine, stop: int) -> None:
-    n, rank, micro = comm.get_world_size(), comm.get_rank(), engine.batch.micro_batch_size
+    rank, micro = comm.get_rank(), engine.batch.micro_batch_size
     for step in range(engine.global_steps, stop):
         x, y = global_batch(step, GLOBAL_BATCH)
         rows = slice(rank * micro, (rank + 1) * micro)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import zerodist.comm as comm
-from zerodist.comm.topology import DENSE, Domain, axis_partition, coords_of, rank_of, resolve_degrees
+from zerodist.comm.topology import axis_partition, coords_of, rank_of, resolve_degrees
 from tests.harness import DistributedTestFailure, distributed_test, run_distributed
 
 

@@ -86,7 +86,7 @@ def test_ranks_that_disagree_name_each_other_then_fail_by_name(case, disagreeing
     # rank 0 names rank 1 and where it is: inside its extra step's gradient reduction
     assert re.search(rf"rank 0: waiting \d+ s for rank\(s\) \[1\] at {rank0_at}", rank0), rank0[-3000:]
     assert re.search(r"rank 1 is at reduce_scatter #\d+ on group .* (step|start_grad_sync|finish)", rank0), rank0[-3000:]
-    assert re.search(rf"rank 1: waiting \d+ s for rank\(s\) \[0\] at reduce_scatter #\d+", rank1), rank1[-3000:]
+    assert re.search(r"rank 1: waiting \d+ s for rank\(s\) \[0\] at reduce_scatter #\d+", rank1), rank1[-3000:]
     # (rank 0 reaches its barrier only after rank 1's warning in the rank0-late case)
     assert re.search(r"rank 0 (is at|failed \d+ s ago in) (barrier|exchange)", rank1), rank1[-3000:]
     # a timeout by name on rank 0 even where it found rank 1's connection closed first (rank 1 had

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import sys
 import time
 import traceback
 

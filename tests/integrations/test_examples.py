@@ -27,7 +27,7 @@ def test_hf_trainer_example_trains_llamafactorys_zero3_template_and_saves_for_fr
     pytest.importorskip("accelerate")
     transformers = pytest.importorskip("transformers")
     stdout = launch("hf_trainer.py", tmp_path)
-    assert f"trained 20 steps as Engine (ZeRO 3); logged losses [" in stdout
+    assert "trained 20 steps as Engine (ZeRO 3); logged losses [" in stdout
     losses = json.loads(stdout.split("logged losses ")[1].split("];")[0] + "]")
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-10",

@@ -4,7 +4,6 @@ nvme_path while it trains, the bytes each step moves equal to the formula, and e
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

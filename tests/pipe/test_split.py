@@ -10,7 +10,7 @@ import torch
 
 import zerodist
 from tests.harness import run_distributed
-from zerodist.pipe import SplitPipelineModule, split_model, token_cross_entropy
+from zerodist.pipe import split_model, token_cross_entropy
 
 VOCAB, SEQ, MICRO, GAS, STEPS, LR = 64, 8, 2, 4, 5, 0.1
 

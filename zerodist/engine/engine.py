@@ -42,7 +42,6 @@ from zerodist.engine.monitor import Monitors
 from zerodist.engine.pipeline_surface import PipelineEngineSurface
 from zerodist.engine.runners import AccumulationRunner, BatchRunner
 from zerodist.pipe.executor import PipelineError
-from zerodist.precision import PrecisionPolicy
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import StepResult, UnitRuntime, ZeroState, sharded_access
 

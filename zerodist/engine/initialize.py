@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -33,11 +32,11 @@ from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimiz
 from zerodist.engine.pipeline import PipelineRunner
 from zerodist.engine.schedulers import build_scheduler
 from zerodist.moe.layer import routing_lines
-from zerodist.moe.parallel import ExpertParallelState, apply_expert_parallel_part, restore_routing_clock
+from zerodist.moe.parallel import apply_expert_parallel_part, restore_routing_clock
 from zerodist.offload import OffloadSettings, SwappedOptimizer, close_offload, offloaded_build
 from zerodist.pipe.apply import PipelineSettings, PipelineState, apply_pipeline, pipe_degree_of, pipeline_fingerprint
 from zerodist.pipe.split import SplitPipelineModule
-from zerodist.sequence.apply import SequenceParallelState, SequenceSettings, apply_sequence_parallel
+from zerodist.sequence.apply import SequenceSettings, apply_sequence_parallel
 from zerodist.sequence.data import SequenceShardLoader
 from zerodist.tensor_parallel.apply import (TENSOR_PARALLEL_LAYERS, TensorParallelSettings, TensorParallelState,
                                             apply_tensor_parallel)
@@ -65,6 +64,7 @@ class Validated:
 
     config: Config
     world: comm.WorldInfo
+    zero: ZeroSettings  # ZeRO's settings, read from the config once (the policy derived there)
 
 
 def initialize(
@@ -115,7 +115,7 @@ def _initialize(model: torch.nn.Module | None, model_parameters: Iterable[Any] |
         (part,) = pipeline.parts if pipeline is not None else split_parts(model)
         if pipeline is not None:
             parts.add("pipe", pipeline)
-        part = _apply_techniques(part, parts, model_parameters, optimizer, topology, validated.config, batch,
+        part = _apply_techniques(part, parts, model_parameters, optimizer, topology, validated, batch,
                                  pipeline)
         zero: ZeroState = parts["zero"]
         scheduler = build_scheduler(validated.config, zero.optimizer.inner, lr_scheduler)
@@ -127,11 +127,12 @@ def _initialize(model: torch.nn.Module | None, model_parameters: Iterable[Any] |
 
 
 def _apply_techniques(part: Part, parts: PartStates, model_parameters: Iterable[Any] | None, optimizer: Any,
-                      topology: comm.Topology, config: Config, batch: BatchSizes,
+                      topology: comm.Topology, validated: Validated, batch: BatchSizes,
                       pipeline: PipelineState | None) -> Part:
     """Per part: tensor -> sequence -> expert -> ZeRO, each state added to `parts` by name with the
     roles the engine calls it for (zerodist/comm/parts.py `PartRoles`)."""
-    tensor = _apply_tensor_parallel(part, topology, config)
+    config = validated.config
+    tensor = _apply_tensor_parallel(part, topology, validated)
     part = dataclasses.replace(part, module=tensor.module)
     module = part.module
     parts.add("tensor", tensor, PartRoles(
@@ -147,7 +148,7 @@ def _apply_techniques(part: Part, parts: PartStates, model_parameters: Iterable[
     experts = apply_expert_parallel_part(module, topology, batch.gradient_accumulation_steps)
     parts.add("expert", experts, PartRoles(resume=lambda micro_steps: restore_routing_clock(module, micro_steps),
                                            step_lines=lambda: routing_lines(module)))
-    zero = _apply_zero(part, model_parameters, optimizer, topology, config)
+    zero = _apply_zero(part, model_parameters, optimizer, topology, validated)
     parts.add("zero", zero, PartRoles(close=lambda: close_offload(zero.inner_optimizer)))
     return part
 
@@ -176,7 +177,7 @@ def _validate(model: torch.nn.Module | None, config: Config | dict[str, Any] | s
 
         enable_collective_guard()
     _check_ranks_agree(model, config)
-    return Validated(config, world)
+    return Validated(config, world, ZeroSettings.from_config(config))
 
 
 def _build_topology(validated: Validated, model: torch.nn.Module) -> comm.Topology:
@@ -185,21 +186,21 @@ def _build_topology(validated: Validated, model: torch.nn.Module) -> comm.Topolo
     (`tensor_parallel.autotp_size` or `zerodist.tensor_parallel.size`), data the rest."""
     # Stage 3 reduces gradients on groups of their own, beside the gathers its hooks issue
     # ([Note: gradient groups] in zerodist/comm/topology.py).
-    sharding = ShardingPolicy.from_stage(validated.config.zero_optimization.stage)
     return comm.Topology(expert=expert_parallel_degree(model), tensor=validated.config.tensor_degree,
                          sequence=validated.config.sequence_parallel_size, pipe=pipe_degree_of(model),
-                         gradient_groups=sharding.shard_parameters)
+                         gradient_groups=validated.zero.sharding.shard_parameters)
 
 
-def _apply_tensor_parallel(part: Part, topology: comm.Topology, config: Config) -> TensorParallelState:
+def _apply_tensor_parallel(part: Part, topology: comm.Topology, validated: Validated) -> TensorParallelState:
     """Converts the model's layers to tensor-parallel ones by its plan and declares their slices'
     placements (zerodist.comm.domains); Domino when configured."""
+    config = validated.config
     section = config.zerodist.tensor_parallel
     partition = config.tensor_parallel.partition_config
     settings = TensorParallelSettings(
         degree=config.tensor_degree, partition_config=partition.model_dump() if partition is not None else None,
         sequence_parallel=section.sequence_parallel,
-        sharded_parameters=ShardingPolicy.from_stage(config.zero_optimization.stage).shard_parameters,
+        sharded_parameters=validated.zero.sharding.shard_parameters,
         domino=DominoConfig(section.domino.chunks, section.domino.overlap) if section.domino is not None else None)
     # A model built under zerodist.zero.Init() is still on the meta device: its layers are sliced
     # there, in its record, and ZeRO materialises each slice from its own replayed full weight
@@ -227,9 +228,10 @@ def _check_sliced_layers_materialisable(model: torch.nn.Module) -> None:
 
 
 def _apply_zero(part: Part, model_parameters: Iterable[Any] | None, optimizer: Any, topology: comm.Topology,
-                config: Config) -> ZeroState:
+                validated: Validated) -> ZeroState:
     """The optimizer's param groups (DeepSpeed's config, a torch optimizer or a factory), checked to
     cover the part; then ZeRO's front door."""
+    config = validated.config
     specs, build_optimizer = resolve_optimizer(part.module, model_parameters, optimizer, config)
     check_groups_cover_model(part.module, specs)
     # Offload wraps the optimizer zero steps its shards with (zerodist/offload): zero never knows.
@@ -238,10 +240,8 @@ def _apply_zero(part: Part, model_parameters: Iterable[Any] | None, optimizer: A
     # stage's shard reads (zero/runtime.py) are not matched by theirs.
     build_optimizer = offloaded_build(build_optimizer, offload, topology.group(*topology.stage_axes),
                                       comm.device_for_rank())
-    settings = ZeroSettings.from_config(config)
-    # An all-fp64 model trains in fp64 (no bf16/fp16 section): PrecisionPolicy.for_model
-    settings = dataclasses.replace(settings, precision=settings.precision.for_model(part.module))
-    zero = apply_zero(part, topology, settings, OptimizerRecipe(specs, build_optimizer))
+    # apply_zero makes an all-fp64 model train in fp64 (no bf16/fp16 section): PrecisionPolicy.for_model
+    zero = apply_zero(part, topology, validated.zero, OptimizerRecipe(specs, build_optimizer))
     if isinstance(zero.optimizer.inner, SwappedOptimizer):
         # The fp32 master (bf16/fp16) and, with offload_param nvme, the stage-3 parameter shards move into
         # the swap files too ([Note: stepped values elsewhere] in zerodist/zero/stepped_store.py).

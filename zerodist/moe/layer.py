@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import weakref
-from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -23,6 +23,7 @@ import torch
 import zerodist.comm as comm
 from zerodist.comm.parts import Part, split_parts
 from zerodist.comm.topology import axis_partition
+from zerodist.config import Config
 from zerodist.pipe.executor import PipelineError, PipelineExecutor, RunResult
 from zerodist.pipe.module import PipelineModule
 from zerodist.pipe.schedule import Action, Schedule, add_sharding, build_schedule, forward_only, stage_to_rank
@@ -44,7 +45,7 @@ class PipelineSettings:
     max_active_stages: int | None = None  # stage 3: virtual stages gathered at once (None: every one in flight)
 
     @classmethod
-    def from_config(cls, config: Any) -> PipelineSettings:
+    def from_config(cls, config: Config) -> PipelineSettings:
         section = config.zerodist.pipeline
         timeout, setting = section.timeout, "zerodist.pipeline.timeout"
         if timeout is None:

@@ -38,6 +38,7 @@ import torch
 import zerodist.comm as comm
 from zerodist.comm import Group
 from zerodist.comm.parts import Part
+from zerodist.config import Config
 from zerodist.comm.topology import Topology
 from zerodist.sequence import hf
 from zerodist.sequence.agreement import agree_call_shapes
@@ -61,7 +62,7 @@ class SequenceSettings:
             raise SequenceParallelError(f"unknown sequence-parallel method {self.method!r}; choose one of {METHODS}")
 
     @classmethod
-    def from_config(cls, config: Any) -> SequenceSettings:
+    def from_config(cls, config: Config) -> SequenceSettings:
         return cls(config.sequence_parallel_size, config.zerodist.sequence_parallel.method)
 
 

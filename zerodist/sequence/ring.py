@@ -130,7 +130,7 @@ class _RingCore(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         query, kv, out, lse = ctx.saved_tensors
-        layout, causal, chunk = ctx.layout, ctx.causal, ctx.chunk
+        layout, causal = ctx.layout, ctx.causal
         ring = _Ring(ctx.group, layout)
         grad_out = grads[0]
         grad_query = torch.zeros_like(query)

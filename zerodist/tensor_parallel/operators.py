@@ -21,7 +21,6 @@ region of one rank makes every operator the identity and issues nothing.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 

@@ -18,7 +18,7 @@ is then not shown.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from zerodist.tensor_parallel import ScheduleLog
 from zerodist.utils import format_bytes
