@@ -293,7 +293,7 @@ def _table() -> tuple[PrivateApi, ...]:
          "(zero.Init)", _PYTREE_FLATTEN is not None and _PYTREE_MAP is not None, "error"),
         ("torch.utils._pytree.register_pytree_node", "Domino's chunked block outputs seen by ZeRO-3's hooks",
          pytree_registration_available, "initialize() refuses Domino inter-layer overlap at stage 3"),
-        ("torch.utils._python_dispatch.TorchDispatchMode", "record meta-device initialisation (zero.Init)",
+        ("torch.utils._python_dispatch.TorchDispatchMode", "record meta-device initialisation (zero.Init); count FLOPs (flops_profiler, zerodist train)",
          _DISPATCH_MODE is not None, "error in zero.Init"),
         ("OpOverload._schema", "which arguments an op writes (zero.Init)",
          hasattr(torch.ops.aten.add_.Tensor, "_schema"), "error in zero.Init"),

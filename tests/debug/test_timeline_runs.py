@@ -106,9 +106,12 @@ def test_pipeline_trace_has_every_action_of_the_schedule_in_order(pipe):
 
     out, text = pipe
     trace = _check_files_and_counts(out)
-    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=4)  # --pp 2: 2 micro-batches per stage
+    # --pp 2: 4 micro-batches; the gathers, frees and reductions are actions too (UNSHARD / RESHARD / REDUCE_GRAD)
+    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=4, with_sharding=True)
     for rank in (0, 1):
-        ran = [f"{e['args']['stage']}{e['args']['kind']}{e['args']['microbatch']}" for e in
+        # a sharding action has no micro-batch (recorded as -1; its name has none)
+        ran = [f"{e['args']['stage']}{e['args']['kind']}{e['args']['microbatch'] if e['args']['microbatch'] >= 0 else ''}"
+               for e in
                sorted((e for e in trace["traceEvents"] if e["pid"] == rank and e.get("cat") == "pipe"
                        and "kind" in e.get("args", {})), key=lambda e: e["ts"])]
         assert ran == [str(action) for action in schedule[rank]]

@@ -29,8 +29,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
+
+from zerodist.compat import TorchDispatchMode
 
 __all__ = ["FlopCount", "GPU_PEAK_FLOPS", "count_flops", "device_peak", "format_flops_table", "measure_matmul_peak"]
 

@@ -82,7 +82,7 @@ def train_pipeline(plan: TrainPlan, progress: Progress | None = None) -> TrainOu
             f"{activation} bytes (micro-batch activation) over each of {boundaries} stage boundaries"]
         if observer.timeline_report is not None:
             outcome.lines += pipeline_lines(
-                observer.timeline_report, engine.pipe_ranks, engine.simulated, formula,
+                observer.timeline_report, engine.pipeline.pipe_ranks, engine.simulated, formula,
                 "(p-1)/(v m+p-1)" if plan.pipe_schedule != "zb" else "for 1F1B (p-1)/(m+p-1)",
                 f"GPT {plan.model}, {plan.pipe_schedule}, {p * v} stages on {p} ranks, {m} micro-batches",
                 observer.timeline_report.merged.parent if observer.timeline_report.merged else plan.out)
