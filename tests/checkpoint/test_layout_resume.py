@@ -17,6 +17,8 @@ Adam moments equal the saved ones bitwise (the reshard itself moves values, neve
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -48,51 +50,80 @@ def _llama(scramble: bool = False) -> torch.nn.Module:
     return model
 
 
-# ---------------------------------------------------------------- pipe 2 x tensor 2 -> data 4, sequence 2 x data 2
+# ---------------------------------------------------------------- the Llama under (pipe, tensor, sequence, stage)
 
-def pipe_tensor_save_body(path: str):
-    """Saves at step 3, then trains on: the uninterrupted run (each rank's stage, logical names)."""
-    module = split_model(_llama(), num_stages=2, split_points=["model.layers.1"])
-    config = _config(1, GAS, tensor_parallel={"autotp_size": 2}, zerodist={"pipeline": {"schedule": "1f1b"}})
-    engine = zerodist.initialize(model=module, config=config)[0]
-    assert dict(engine.topology.degrees) == {"pipe": 2, "data": 1, "expert": 1, "sequence": 1, "tensor": 2}
-    states = []
-    for step in range(SAVE_AT + AFTER):
-        if step == SAVE_AT:
-            engine.save_checkpoint(path)
-        engine.train_batch(iter([micro_batch(step, m, 0) for m in range(GAS)]))
-        states.append(engine.module_state_dict())
-    engine.destroy()
-    return states
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """4 ranks: data is what pipe x tensor x sequence leaves; `offload`: the optimizer in swap files."""
+
+    pipe: int = 1
+    tensor: int = 1
+    sequence: int = 1
+    stage: int = 1
+    offload: bool = False
+
+    @property
+    def data(self) -> int:
+        return 4 // (self.pipe * self.tensor * self.sequence)
+
+    def config(self, swap_dir: str) -> dict:
+        extra: dict = {}
+        if self.tensor > 1:
+            extra["tensor_parallel"] = {"autotp_size": self.tensor}
+        if self.sequence > 1:
+            extra["sequence_parallel_size"] = self.sequence
+        if self.pipe > 1:
+            extra["zerodist"] = {"pipeline": {"schedule": "1f1b"}}
+        config = _config(self.stage, GAS // self.data, **extra)
+        if self.offload:
+            config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": swap_dir}
+        return config
 
 
 def _hf_batch(step: int, micro: int) -> dict[str, torch.Tensor]:
-    """Micro-batch `micro` of the pipeline's global batch, for the model's own loss: the next tokens
-    as `shift_labels` (so that a sequence slice needs no shifting), the same token mean."""
+    """Micro-batch `micro` of the step's global batch for the model's own loss: the next tokens as
+    `shift_labels` (a sequence slice then needs no shifting), the pipeline's token mean."""
     inputs, targets = micro_batch(step, micro, 0)
     targets = targets.contiguous()  # Hugging Face's loss views them flat
     return {"input_ids": inputs, "labels": targets, "shift_labels": targets}
 
 
-def plain_resume_body(path: str, again: str, sequence: int, stage: int):
-    """data 4 (sequence 1) or sequence 2 x data 2: micro-batch g * data + d on data rank d."""
+def _llama_step(engine, layout: Layout, step: int) -> None:
+    """One step over the global batch: micro-batch g * data + d on data rank d, g < GAS / data."""
     from zerodist.sequence import SequenceLayout
     from zerodist.sequence.data import shard_batch
 
-    data = 4 // sequence
-    extra = {"sequence_parallel_size": sequence} if sequence > 1 else {}
-    engine = zerodist.initialize(model=_llama(scramble=True), config=_config(stage, GAS // data, **extra))[0]
-    assert engine.topology.degrees["data"] == data and engine.topology.degrees["sequence"] == sequence
-    engine.load_checkpoint(path)
-    assert engine.global_steps == SAVE_AT
-    engine.save_checkpoint(again)
-    layout = SequenceLayout(engine.topology.axis_rank("sequence"), sequence) if sequence > 1 else None
-    shard, states = engine.topology.batch_rank, []
-    for step in range(SAVE_AT, SAVE_AT + AFTER):
-        for g in range(GAS // data):
-            batch = _hf_batch(step, g * data + shard)
-            engine.backward(engine(**(shard_batch(batch, layout) if layout else batch)).loss)
-            engine.step()
+    shard, micros = engine.topology.batch_rank, range(GAS // layout.data)
+    if layout.pipe > 1:
+        engine.train_batch(iter([micro_batch(step, g * layout.data + shard, 0) for g in micros]))
+        return
+    sliced = SequenceLayout(engine.topology.axis_rank("sequence"), layout.sequence) if layout.sequence > 1 else None
+    for g in micros:
+        batch = _hf_batch(step, g * layout.data + shard)
+        engine.backward(engine(**(shard_batch(batch, sliced) if sliced else batch)).loss)
+        engine.step()
+
+
+def llama_body(layout: Layout, path: str, swap_dir: str, again: str | None) -> list[dict[str, torch.Tensor]]:
+    """Without `again`: trains 3 steps, saves at `path`, trains 3 more (the uninterrupted run); with
+    it: loads `path` into other weights, saves at `again` at once, trains the 3 steps after.
+    Each step's state as this rank holds it (the logical model's names; its stage's under a pipeline)."""
+    model = _llama(scramble=again is not None)
+    if layout.pipe > 1:
+        model = split_model(model, num_stages=layout.pipe, split_points=["model.layers.1"])
+    engine = zerodist.initialize(model=model, config=layout.config(swap_dir))[0]
+    degrees = {"pipe": layout.pipe, "data": layout.data, "expert": 1, "sequence": layout.sequence,
+               "tensor": layout.tensor}
+    assert dict(engine.topology.degrees) == degrees
+    states = []
+    if again is not None:
+        engine.load_checkpoint(path)
+        assert engine.global_steps == SAVE_AT
+        engine.save_checkpoint(again)
+    for step in range(engine.global_steps, SAVE_AT + AFTER):
+        if step == SAVE_AT and again is None:
+            engine.save_checkpoint(path)
+        _llama_step(engine, layout, step)
         states.append(engine.module_state_dict())
     engine.destroy()
     return states
@@ -116,31 +147,56 @@ def _assert_same_state(path, again) -> None:
 
 
 def _assert_resumed(resumed: list[dict[str, torch.Tensor]], uninterrupted: list[dict[str, torch.Tensor]]) -> None:
+    """`resumed`: one rank's states after each step resumed; `uninterrupted`: the whole model's."""
     assert len(resumed) == AFTER
     for step, (state, expected) in enumerate(zip(resumed, uninterrupted[SAVE_AT:])):
-        assert state.keys() == expected.keys()
-        for key, value in expected.items():
-            assert torch.allclose(state[key], value, rtol=0, atol=1e-6), (SAVE_AT + step, key,
-                                                                           (state[key] - value).abs().max().item())
+        for key, value in state.items():
+            assert torch.allclose(value, expected[key], rtol=0, atol=1e-6), (SAVE_AT + step, key,
+                                                                             (value - expected[key]).abs().max().item())
     moved = max((uninterrupted[-1][k] - uninterrupted[SAVE_AT - 1][k]).abs().max().item() for k in uninterrupted[-1])
     assert moved > 1e-3  # the steps compared did train
 
 
-@pytest.fixture(scope="module")
-def pipe_tensor_checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pipe2-tensor2")
-    uninterrupted = _merged(run_distributed(pipe_tensor_save_body, 4, str(path), timeout=240))
-    assert set(uninterrupted[0]) == set(build("llama-kv2").state_dict())
-    return path, uninterrupted
-
-
-@pytest.mark.parametrize("sequence,stage", [(1, 3), (2, 2)], ids=["data4-zero3", "sequence2-data2-zero2"])
-def test_pipe_tensor_checkpoint_resumes_without_pipeline_or_tensor(pipe_tensor_checkpoint, tmp_path, sequence, stage):
-    path, uninterrupted = pipe_tensor_checkpoint
-    results = run_distributed(plain_resume_body, 4, str(path), str(tmp_path), sequence, stage, timeout=240)
-    for states in results:  # every rank holds the whole logical model
+def _resume(saved: tuple, target: Layout, tmp_path) -> None:
+    path, uninterrupted = saved
+    (tmp_path / "swap").mkdir()
+    results = run_distributed(llama_body, 4, target, str(path), str(tmp_path / "swap"), str(tmp_path / "again"),
+                              timeout=240)
+    for states in results:
         _assert_resumed(states, uninterrupted)
-    _assert_same_state(path, tmp_path)
+    assert set(_merged(results)[0]) == set(uninterrupted[0])  # the ranks together hold the whole model
+    _assert_same_state(path, tmp_path / "again")
+
+
+@pytest.fixture(scope="module")
+def saved_at(tmp_path_factory):
+    """The checkpoint and the uninterrupted run of a layout, made on first use."""
+    made: dict[Layout, tuple] = {}
+
+    def get(layout: Layout) -> tuple:
+        if layout not in made:
+            path, swap = tmp_path_factory.mktemp("saved"), tmp_path_factory.mktemp("swap")
+            uninterrupted = _merged(run_distributed(llama_body, 4, layout, str(path), str(swap), None, timeout=240))
+            assert set(uninterrupted[0]) == set(build("llama-kv2").state_dict())
+            made[layout] = (path, uninterrupted)
+        return made[layout]
+    return get
+
+
+PIPE_TENSOR = Layout(pipe=2, tensor=2, stage=1)
+
+
+@pytest.mark.parametrize("target", [Layout(stage=3), Layout(sequence=2, stage=2)],
+                         ids=["data4-zero3", "sequence2-data2-zero2"])
+def test_pipe_tensor_checkpoint_resumes_without_pipeline_or_tensor(saved_at, tmp_path, target):
+    """Issue 31's acceptance: saved at pipe 2 x tensor 2 x data 1, ZeRO 1."""
+    _resume(saved_at(PIPE_TENSOR), target, tmp_path)
+
+
+def test_sequence_tensor_checkpoint_resumes_into_a_pipeline_with_offload(saved_at, tmp_path):
+    """The other way: saved at sequence 2 x tensor 2 x data 1, ZeRO 3; resumed at pipe 2 x data 2,
+    ZeRO 2, its optimizer state in swap files."""
+    _resume(saved_at(Layout(sequence=2, tensor=2, stage=3)), Layout(pipe=2, stage=2, offload=True), tmp_path)
 
 
 # ---------------------------------------------------------------- expert 2 x data 2 -> expert 1 x data 1
@@ -198,3 +254,38 @@ def test_expert2_data2_checkpoint_resumes_on_one_process(tmp_path):
     resumed = run_distributed(moe_body, 1, str(saved), 1, 1, True, str(again), timeout=240)[0]
     _assert_resumed(resumed, uninterrupted)
     _assert_same_state(saved, again)
+
+
+# ---------------------------------------------------------------- random streams belong to a rank's place in the mesh
+
+def tp_save_body(path: str):
+    from tests.tensor_parallel.test_tp_checkpoint import _engine, _steps
+
+    engine = _engine(1, tensor=2)  # data 2 x tensor 2
+    _steps(engine, 0, 1)
+    engine.save_checkpoint(path)
+    engine.destroy()
+
+
+def tp_load_body(path: str):
+    """At tensor 4 on the same 4 ranks: rank 2 was tensor rank 0 and is now 2."""
+    from tests.tensor_parallel.test_tp_checkpoint import _engine
+
+    engine = _engine(1, tensor=4)
+    fresh = engine.part_states.rng_states()["tensor_parallel"]["sharded"][0].clone()
+    torch.manual_seed(100 + torch.distributed.get_rank())
+    default = torch.get_rng_state()
+    engine.load_checkpoint(path)
+    after = engine.part_states.rng_states()["tensor_parallel"]["sharded"][0]
+    same = torch.equal(after, fresh), torch.equal(torch.get_rng_state(), default)
+    engine.destroy()
+    return same
+
+
+def test_random_streams_are_not_restored_into_another_layout_of_the_same_world_size(tmp_path):
+    """Tensor parallelism's `sharded` stream is seeded by the tensor rank: restoring saved rank r's
+    into a rank whose tensor rank differs would give two ranks of one tensor group the same
+    dropout masks. Another layout starts the streams afresh, as another world size does."""
+    run_distributed(tp_save_body, 4, str(tmp_path), timeout=120)
+    for tracker_fresh, default_untouched in run_distributed(tp_load_body, 4, str(tmp_path), timeout=120):
+        assert tracker_fresh and default_untouched
