@@ -193,10 +193,14 @@ def test_pipe_tensor_checkpoint_resumes_without_pipeline_or_tensor(saved_at, tmp
     _resume(saved_at(PIPE_TENSOR), target, tmp_path)
 
 
-def test_sequence_tensor_checkpoint_resumes_into_a_pipeline_with_offload(saved_at, tmp_path):
-    """The other way: saved at sequence 2 x tensor 2 x data 1, ZeRO 3; resumed at pipe 2 x data 2,
-    ZeRO 2, its optimizer state in swap files."""
-    _resume(saved_at(Layout(sequence=2, tensor=2, stage=3)), Layout(pipe=2, stage=2, offload=True), tmp_path)
+@pytest.mark.parametrize("source,target", [
+    (Layout(sequence=2, tensor=2, stage=3), Layout(pipe=2, stage=2, offload=True)),
+    (Layout(stage=0), Layout(pipe=2, tensor=2, stage=3)),
+], ids=["sequence2-tensor2-zero3-to-pipe2-data2-zero2-offload", "data4-zero0-to-pipe2-tensor2-zero3"])
+def test_checkpoint_resumes_into_a_pipeline(saved_at, tmp_path, source, target):
+    """The other way: into a pipeline, from sequence x tensor parallelism (its optimizer state
+    then in swap files) and from plain data parallelism (into pipe x tensor at ZeRO 3)."""
+    _resume(saved_at(source), target, tmp_path)
 
 
 # ---------------------------------------------------------------- expert 2 x data 2 -> expert 1 x data 1
