@@ -3,11 +3,12 @@
     rank 0 picks the tag (skipping uncommitted ones, with a warning naming each) -> every rank
     checks the files it will read against the manifest's sizes and checksums, and the ranks
     agree on the result -> each rank copies the elements it owns -> optimizer, scheduler,
-    scaler, steps; RNG and data position too when the world size is the one saved
+    scaler, steps; each rank's RNG too when the layout (world size and mesh) is the one saved
 
-Same world size and stage: training continues bitwise as if it had never stopped. Another
-world size or stage: parameters and optimizer state are exact (they are elementwise); the
-continued run matches the uninterrupted one to fp32 rounding (reductions add in another order).
+Same layout and stage: training continues bitwise as if it had never stopped. Another world
+size, mesh (pipe, data, expert, sequence, tensor degrees) or stage: parameters and optimizer
+state are exact (they are elementwise); the continued run matches the uninterrupted one to fp32
+rounding (reductions add in another order).
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def training_state(zero: ZeroState, manifest: Manifest, common: dict[str, Any], 
                    load_lr_scheduler_states: bool) -> dict[str, Any]:
     """The training state to hand to `load_training_state_dict`: the saved counters and scaler,
     the scheduler's state remapped onto this engine's param groups ([Note: param groups by name]),
-    and this rank's RNG streams and data position when the world size is the one saved (rank 0's
+    and this rank's RNG streams and data position when the layout is the one saved (rank 0's
     data position otherwise)."""
     state = {key: common[key] for key in ("global_steps", "micro_steps", "skipped_steps", "loss_scaler")}
     state["gradient_accumulation_steps"] = common.get("gradient_accumulation_steps")  # absent in older checkpoints
@@ -158,10 +159,35 @@ def training_state(zero: ZeroState, manifest: Manifest, common: dict[str, Any], 
     state["data"] = source.get("data") if source is not None else None
     state["rng"] = own["rng"] if own is not None else None  # None too when imported from DeepSpeed (no RNG saved)
     if state["rng"] is None:
-        log_rank0(logger, "checkpoint %s (saved by %d ranks) has no random number streams for this run's %d: they "
-                  "start afresh (parameters, optimizer and data position are restored)", manifest.tag,
-                  manifest.world_size, comm.get_world_size())
+        log_rank0(logger, "checkpoint %s (saved by %d rank(s)%s) has no random number streams for this run's %d "
+                  "rank(s)%s: they start afresh (parameters, optimizer and data position are restored)", manifest.tag,
+                  manifest.world_size, _mesh(manifest.degrees), comm.get_world_size(), _mesh(zero.topology.degrees))
     return state
+
+
+def _axes(degrees: Any) -> dict[str, int]:
+    """The axes of degree > 1 (an axis of degree 1 changes no rank's place)."""
+    return {axis: n for axis, n in (degrees or {}).items() if n > 1}
+
+
+def _mesh(degrees: Any) -> str:
+    """' as pipe 2 x tensor 2', '' when unknown or every degree is 1."""
+    named = [f"{axis} {n}" for axis, n in _axes(degrees).items()]
+    return f" as {' x '.join(named)}" if named else ""
+
+
+def own_state_file(zero: ZeroState, manifest: Manifest) -> bool:
+    """Whether this rank's saved state file (its random streams: torch's, and each technique's such
+    as tensor parallelism's, seeded by the rank's place in the mesh) is its own: the same world
+    size and, where the manifest records it, the same mesh. Another layout of as many ranks puts
+    rank r elsewhere in the mesh (pipe 2 x tensor 2 -> tensor 4: saved tensor rank 0 would
+    become tensor rank 2, sharing rank 0's dropout masks), so its streams start afresh as at another
+    world size."""
+    if manifest.world_size != comm.get_world_size():
+        return False
+    if manifest.degrees is None:  # saved before degrees were recorded
+        return True
+    return _axes(manifest.degrees) == _axes(zero.topology.degrees)
 
 
 def _all_shapes(zero: ZeroState) -> dict[str, tuple[int, ...]]:
@@ -209,8 +235,8 @@ def _older(load_dir: Path, than: Manifest) -> Manifest | None:
 
 def _needed(zero: ZeroState, manifest: Manifest, with_optimizer: bool) -> set[str]:
     needed = files_needed(zero.groups, manifest, with_optimizer) | {i["file"] for i in manifest.extra.values()}
-    same_world = manifest.world_size == comm.get_world_size()
-    return needed | {manifest.state_files[0]} | ({manifest.state_files[comm.get_rank()]} if same_world else set())
+    own = own_state_file(zero, manifest)
+    return needed | {manifest.state_files[0]} | ({manifest.state_files[comm.get_rank()]} if own else set())
 
 
 def _agreed_problems(zero: ZeroState, load_dir: Path, manifest: Manifest, with_optimizer: bool) -> list[str]:
@@ -268,7 +294,7 @@ def load_checkpoint(zero: ZeroState, resumable: Resumable, load_dir: str | Path,
         return None, None
     tag_dir = load_dir / manifest.tag
     rank, world = comm.get_rank(), comm.get_world_size()
-    same_world = manifest.world_size == world
+    own_file = own_state_file(zero, manifest)
     reader = RangeReader(tag_dir)
     try:
         elementwise = load_groups(zero.groups, manifest, reader, with_optimizer)
@@ -281,7 +307,7 @@ def load_checkpoint(zero: ZeroState, resumable: Resumable, load_dir: str | Path,
     if with_optimizer:
         restore_optimizer(zero.groups, zero.inner_optimizer, common["optimizer"], elementwise)
     if not load_module_only:
-        own = (rank0 if rank == 0 else _read_state(tag_dir, manifest, rank)) if same_world else None
+        own = (rank0 if rank == 0 else _read_state(tag_dir, manifest, rank)) if own_file else None
         resumable.load_training_state_dict(training_state(zero, manifest, common, own, load_lr_scheduler_states))
     log_rank0(logger, "loaded checkpoint %s (step %d, saved by %d rank(s) at ZeRO stage %d) into %d rank(s) at "
               "stage %d", tag_dir, manifest.global_steps, manifest.world_size, manifest.stage, world, zero.sharding.stage)

@@ -64,6 +64,10 @@ class Manifest:
     extra: dict[str, dict[str, Any]]  # buffers, frozen params: name -> {"shape", "dtype", "file", "offset"}
     aliases: dict[str, str]  # tied weights: state_dict key -> the parameter name stored
     state_dict_keys: list[str]
+    # The mesh's degrees by axis (pipe, data, expert, sequence, tensor): a rank's state file (its
+    # random streams) is restored only into the same place in the same mesh. None: a checkpoint
+    # from before degrees were recorded (or an import), where the world size alone decides.
+    degrees: dict[str, int] | None = None
 
     def slices(self, name: str, kind: str) -> tuple[str, list[Slice]]:
         entry = self.params[name]["kinds"][kind]

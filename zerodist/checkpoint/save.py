@@ -242,6 +242,7 @@ def build_manifest(zero: ZeroState, global_steps: int, tag: str, reports: list[R
         files={k: {kk: vv for kk, vv in v.items() if kk != "state"} for k, v in files.items()},
         state_files={v["rank"]: k for k, v in files.items() if v.get("state")},
         params=params, extra=extra, aliases=aliases, state_dict_keys=keys,
+        degrees=dict(zero.topology.degrees),
     )
 
 
