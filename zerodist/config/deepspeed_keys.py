@@ -112,8 +112,12 @@ def _any_bool(value: Any) -> bool:
     return isinstance(value, bool)
 
 
-def _anything(value: Any) -> bool:
-    return True
+def _stages(value: Any) -> bool:
+    return value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+
+
+def _partition(value: Any) -> bool:
+    return isinstance(value, str) and (value in ("best", "uniform", "parameters") or value.startswith("type:"))
 
 
 def _disabled_section(value: Any) -> bool:
@@ -132,7 +136,6 @@ _OFF_SECTION = (_disabled_section, 'a section with "enabled": false')
 # engine reads none of them from the config); `pipe_partitioned` and `grad_partitioned` split the activations and
 # gradients a stage sends over the tensor-parallel ranks (the same values arrive): accepted with the info line.
 # `activation_checkpoint_interval` and `use_reentrant` mean what they do in DeepSpeed (Config.pipeline).
-PIPELINE_NO_OP_KEYS = frozenset(_keys("stages partition seed_layers pipe_partitioned grad_partitioned"))
 # DeepSpeed's "aio" section tunes its libaio swap I/O (NVMe offload); zerodist's swap files are read and
 # written by its own pread/pwrite threads (docs/offload.md), whose results do not depend on these.
 AIO_KEYS = frozenset(_keys("block_size queue_depth intra_op_parallelism thread_count single_submit overlap_events "
@@ -156,8 +159,12 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("", "zero_allow_untested_optimizer"): (_any_bool, "true or false"),
     ("", "zero_force_ds_cpu_optimizer"): (_any_bool, "true or false (the torch optimizer steps offloaded state)"),
     ("", "activation_checkpointing"): (_all_off, "every setting false or null"),
-    **{("pipeline", name): (_anything, "any value (the same results here)")
-       for name in PIPELINE_NO_OP_KEYS},
+    ("pipeline", "stages"): (_stages, '"auto" or a positive int (the PipelineModule\'s num_stages decides)'),
+    ("pipeline", "partition"): (_partition, '"best", "uniform", "parameters" or "type:<regex>" (the '
+                                'PipelineModule\'s partition_method decides)'),
+    ("pipeline", "seed_layers"): (_any_bool, "true or false (the PipelineModule's seed_layers decides)"),
+    ("pipeline", "pipe_partitioned"): (_any_bool, "true or false (the same activations arrive)"),
+    ("pipeline", "grad_partitioned"): (_any_bool, "true or false (the same gradients arrive)"),
     ("", "aio"): (_section_of(AIO_KEYS), "DeepSpeed's aio keys (" + ", ".join(sorted(AIO_KEYS))
                   + "): tuning of DeepSpeed's own swap I/O"),
     **{("", name): _OFF_SECTION for name in (
