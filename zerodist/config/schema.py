@@ -209,7 +209,7 @@ class CheckpointConfig(Section):
 
 class MonitorConfig(Section):
     enabled: bool = Field(
-        False, description="Write loss, learning rate and loss scale with this monitor."
+        False, description="Write loss, learning rate and (under fp16) loss scale with this monitor."
     )
     output_path: str = Field(
         "", description="Directory the monitor writes under; empty means the working directory."
