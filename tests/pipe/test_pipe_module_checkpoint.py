@@ -3,7 +3,7 @@
 batches whose shapes change between steps (`dynamic_shape`).
 
 The bar: on 2 pipe ranks, training with checkpointing (reentrant, from the config; non-reentrant,
-from the module's arguments) gives bitwise the parameters of training without it, and the
+from the module's arguments; at ZeRO 0 and 3) gives bitwise the parameters of training without it, and the
 checkpointed blocks really are recomputed (their forward runs twice per micro-batch); micro-batches
 of changing sizes train to one process' gradient accumulation's parameters within 1e-6."""
 
@@ -30,9 +30,10 @@ def batch(step: int, micro: int, rows: int = MICRO) -> tuple[torch.Tensor, torch
     return torch.randn(rows, WIDTH, generator=g), torch.randn(rows, WIDTH, generator=g)
 
 
-def config(pipeline: dict | None = None) -> dict:
+def config(pipeline: dict | None = None, stage: int = 0) -> dict:
     settings = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-                "steps_per_print": 10**9, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+                "steps_per_print": 10**9, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "zero_optimization": {"stage": stage}}
     if pipeline is not None:
         settings["pipeline"] = pipeline
     return settings
@@ -86,14 +87,15 @@ def test_one_stage_gradients_equal_without_checkpointing(function):
 
 
 # ---------------------------------------------------------------------------- two pipe ranks
-def train_body(interval: int, pipeline: dict | None, function_name: str | None) -> tuple[list, int, bool]:
+def train_body(interval: int, pipeline: dict | None, function_name: str | None,
+               stage: int = 0) -> tuple[list, int, bool]:
     function = None if function_name is None else getattr(checkpointing, function_name)
     module = PipelineModule(layers(), num_stages=2, loss_fn=torch.nn.functional.mse_loss, partition_method="uniform",
                             activation_checkpoint_interval=interval, activation_checkpoint_func=function)
     calls = [0]
     first = next(m for m in module.modules() if isinstance(m, torch.nn.Linear))
     first.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    engine, *_ = zerodist.initialize(model=module, config=config(pipeline))
+    engine, *_ = zerodist.initialize(model=module, config=config(pipeline, stage))
     for step in range(STEPS):
         engine.train_batch(iter([batch(step, micro) for micro in range(GAS)]))
     state = [(k, v.clone()) for k, v in engine.module_state_dict().items()]
@@ -116,6 +118,15 @@ def test_pipe2_checkpointing_gives_bitwise_the_parameters_without_it(interval, p
         assert all(torch.equal(v, r) for (_, v), (_, r) in zip(state, ref_state, strict=True))
         assert ref_calls == STEPS * GAS and calls == 2 * STEPS * GAS  # recomputed in the backward pass
     assert [r[2] for r in checkpointed] == [reentrant, reentrant]
+
+
+def test_pipe2_zero3_checkpointing_gives_bitwise_the_parameters_without_it():
+    """ZeRO-3 gathers a checkpointed block's parameters again for its recomputation."""
+    plain = run_distributed(train_body, 2, 0, None, None, 3)
+    checkpointed = run_distributed(train_body, 2, 0, {"activation_checkpoint_interval": 2}, None, 3)
+    for (state, calls, reentrant), (ref_state, ref_calls, _) in zip(checkpointed, plain, strict=True):
+        assert all(torch.equal(v, r) for (_, v), (_, r) in zip(state, ref_state, strict=True))
+        assert reentrant and calls == 2 * ref_calls
 
 
 # ---------------------------------------------------------------------------- changing shapes
