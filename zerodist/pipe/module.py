@@ -53,7 +53,7 @@ import torch
 import zerodist.comm as comm
 from zerodist import compat
 from zerodist.runtime.activation_checkpointing import checkpointing
-from zerodist.utils import get_logger
+from zerodist.utils import get_logger, log_rank0
 
 __all__ = ["LayerSpec", "PartitionError", "PipelineModule", "TiedLayerSpec", "partition_balanced",
            "partition_uniform"]
@@ -388,7 +388,7 @@ class PipelineModule(torch.nn.Module):
         non-reentrant function (whatever the interval), an interval > 0 replaces the module's."""
         if use_reentrant is False:
             self.activation_checkpoint_func = checkpointing.non_reentrant_checkpoint
-            logger.info("config: pipeline.use_reentrant=false: activation_checkpoint_func=non_reentrant_checkpoint")
+            log_rank0(logger, "config: pipeline.use_reentrant=false: activation_checkpoint_func=non_reentrant_checkpoint")
         if interval > 0:
             self.activation_checkpoint_interval = _interval(interval)
         self._precompute_checkpointable_values()
