@@ -32,7 +32,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
         activation_checkpointing aio amp autotuning comet communication_data_type
         compile compression_training curriculum_learning data_efficiency data_types
         dump_state eigenvalue elasticity gradient_predivide_factor
-        graph_harvesting hybrid_engine nebula pipeline prescale_gradients
+        graph_harvesting hybrid_engine nebula prescale_gradients
         progressive_layer_drop quantize_training seq_parallel_communication_data_type
         sparse_attention sparse_gradients timers torch_autocast wandb
         weight_quantization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer
@@ -55,6 +55,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
     "bf16": _keys("bf16_master_weights_and_grads bf16_optimizer_states check_grad_overflow immediate_grad_update"),
     "comms_logger": _keys("debug"),
     "checkpoint": _keys("load_universal parallel_write use_node_local_storage"),
+    "pipeline": _keys("stages partition seed_layers pipe_partitioned grad_partitioned"),
 }
 
 # Old DeepSpeed spellings of keys zerodist does implement: (section, old name) -> new name.
@@ -111,6 +112,14 @@ def _any_bool(value: Any) -> bool:
     return isinstance(value, bool)
 
 
+def _stages(value: Any) -> bool:
+    return value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+
+
+def _partition(value: Any) -> bool:
+    return isinstance(value, str) and (value in ("best", "uniform", "parameters") or value.startswith("type:"))
+
+
 def _disabled_section(value: Any) -> bool:
     """A feature section switched off: `{"enabled": false, ...}` (its other keys then do nothing)."""
     return isinstance(value, Mapping) and value.get("enabled", None) is False
@@ -125,11 +134,8 @@ _OFF_SECTION = (_disabled_section, 'a section with "enabled": false')
 
 # DeepSpeed's "pipeline" section: `stages`, `partition` and `seed_layers` are PipelineModule's arguments (DeepSpeed's
 # engine reads none of them from the config); `pipe_partitioned` and `grad_partitioned` split the activations and
-# gradients a stage sends over the tensor-parallel ranks (the same values arrive); `activation_checkpoint_interval`
-# and `use_reentrant` make DeepSpeed's engine checkpoint the PipelineModule's activations, which zerodist's
-# PipelineModule does not do: the same values, with more activation memory (the info line names the section).
-PIPELINE_KEYS = frozenset(_keys("stages partition seed_layers activation_checkpoint_interval pipe_partitioned "
-                                "grad_partitioned use_reentrant"))
+# gradients a stage sends over the tensor-parallel ranks (the same values arrive): accepted with the info line.
+# `activation_checkpoint_interval` and `use_reentrant` mean what they do in DeepSpeed (Config.pipeline).
 # DeepSpeed's "aio" section tunes its libaio swap I/O (NVMe offload); zerodist's swap files are read and
 # written by its own pread/pwrite threads (docs/offload.md), whose results do not depend on these.
 AIO_KEYS = frozenset(_keys("block_size queue_depth intra_op_parallelism thread_count single_submit overlap_events "
@@ -153,8 +159,12 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("", "zero_allow_untested_optimizer"): (_any_bool, "true or false"),
     ("", "zero_force_ds_cpu_optimizer"): (_any_bool, "true or false (the torch optimizer steps offloaded state)"),
     ("", "activation_checkpointing"): (_all_off, "every setting false or null"),
-    ("", "pipeline"): (_section_of(PIPELINE_KEYS), "DeepSpeed's pipeline keys (" + ", ".join(sorted(PIPELINE_KEYS))
-                       + "): the same values here; activation_checkpoint_interval > 0 does not checkpoint activations"),
+    ("pipeline", "stages"): (_stages, '"auto" or a positive int (the PipelineModule\'s num_stages decides)'),
+    ("pipeline", "partition"): (_partition, '"best", "uniform", "parameters" or "type:<regex>" (the '
+                                'PipelineModule\'s partition_method decides)'),
+    ("pipeline", "seed_layers"): (_any_bool, "true or false (the PipelineModule's seed_layers decides)"),
+    ("pipeline", "pipe_partitioned"): (_any_bool, "true or false (the same activations arrive)"),
+    ("pipeline", "grad_partitioned"): (_any_bool, "true or false (the same gradients arrive)"),
     ("", "aio"): (_section_of(AIO_KEYS), "DeepSpeed's aio keys (" + ", ".join(sorted(AIO_KEYS))
                   + "): tuning of DeepSpeed's own swap I/O"),
     **{("", name): _OFF_SECTION for name in (

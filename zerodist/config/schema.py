@@ -209,12 +209,27 @@ class CheckpointConfig(Section):
 
 class MonitorConfig(Section):
     enabled: bool = Field(
-        False, description="Write loss, learning rate and loss scale with this monitor."
+        False, description="Write loss, learning rate and (under fp16) loss scale with this monitor."
     )
     output_path: str = Field(
         "", description="Directory the monitor writes under; empty means the working directory."
     )
     job_name: str = Field("DeepSpeedJobName", description="Subdirectory for this run.")
+
+
+class PipelineSectionConfig(Section):
+    """DeepSpeed's "pipeline" section (its other keys change nothing here: deepspeed_keys.py)."""
+
+    activation_checkpoint_interval: int = Field(
+        0, ge=0, description="A PipelineModule recomputes its activations in the backward pass, every this many "
+        "layers of a stage's forward (DeepSpeed's meaning; > 0 overrides the module's own interval); 0 leaves the "
+        "module's."
+    )
+    use_reentrant: bool | None = Field(
+        None, description="false: the PipelineModule checkpoints with the non-reentrant function "
+        "(deepspeed.checkpointing.non_reentrant_checkpoint); true or null: the module's (by default the reentrant "
+        "deepspeed.checkpointing.checkpoint)."
+    )
 
 
 class DebugConfig(Section):
@@ -417,6 +432,10 @@ class Config(Section):
     )
     tensor_parallel: TensorParallelConfig = Field(
         default_factory=TensorParallelConfig, description="Tensor parallelism (DeepSpeed AutoTP's keys)."
+    )
+    pipeline: PipelineSectionConfig = Field(
+        default_factory=PipelineSectionConfig, description="DeepSpeed's pipeline section: a PipelineModule's "
+        "activation checkpointing."
     )
     sequence_parallel_size: int = Field(
         1, ge=1, description="Sequence-parallel degree (DeepSpeed-Ulysses' key): ranks that split each sample's "

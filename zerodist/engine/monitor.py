@@ -2,7 +2,7 @@
 
 Event names and file layout follow DeepSpeed's monitors, so existing tooling keeps working:
 `Train/Samples/train_loss`, `Train/Samples/lr` and `Train/Samples/loss_scale`, with the number
-of samples seen as the step; the CSV monitor writes one file per event,
+of samples seen as the step (`loss_scale` only under fp16, as DeepSpeed writes it); the CSV monitor writes one file per event,
 `<output_path>/<job_name>/Train_Samples_train_loss.csv` with a `step,<event>` header.
 """
 
@@ -61,6 +61,7 @@ class Monitors:
 
     def __init__(self, config: Config):
         self.monitors: list[Any] = []
+        self.loss_scaling = bool(config.fp16.enabled)  # DeepSpeed writes loss_scale only under fp16
         if config.csv_monitor.enabled:
             self.monitors.append(CsvMonitor(config.csv_monitor.output_path, config.csv_monitor.job_name))
         if config.tensorboard.enabled:
@@ -70,7 +71,9 @@ class Monitors:
         return bool(self.monitors)
 
     def write(self, samples: int, *, loss: float, lr: float, loss_scale: float) -> None:
-        scalars = {"Train/Samples/train_loss": loss, "Train/Samples/lr": lr, "Train/Samples/loss_scale": loss_scale}
+        scalars = {"Train/Samples/train_loss": loss, "Train/Samples/lr": lr}
+        if self.loss_scaling:
+            scalars["Train/Samples/loss_scale"] = loss_scale
         for monitor in self.monitors:
             monitor.write(samples, scalars)
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from zerodist.engine.dataloader import EngineDataLoader
+from zerodist.runtime.activation_checkpointing import checkpointing
 from zerodist.utils import RepeatingLoader
 
 
@@ -92,6 +93,14 @@ class PipelineEngineSurface:
         """The iterator ``train_batch()`` / ``eval_batch()`` read when called without ``data_iter``
         (DeepSpeed's; under a pipeline only the first and last stages read)."""
         self.own_data_iter = iterator
+
+    def _reentrant_activation_checkpointing(self) -> bool:
+        """DeepSpeed's (private, read by its tests): whether the PipelineModule checkpoints activations
+        with the reentrant function (zerodist/pipe/module.py, [Note: activation checkpoints])."""
+        module = None if self.pipeline is None else self.pipeline.module
+        if module is None or module.activation_checkpoint_interval <= 0:
+            return False
+        return module.activation_checkpoint_func is not checkpointing.non_reentrant_checkpoint
 
     def deepspeed_order_iterator(self) -> Iterator[Any]:
         """The engine's own loader, repeated; under a pipeline in DeepSpeed's order ([Note: the pipeline

@@ -43,6 +43,8 @@ class PipelineSettings:
     timeout_s: float | None = None  # the wait for a neighbour's message; None: the process group's
     timeout_setting: str = "zerodist.pipeline.timeout"  # named by a timeout's error
     max_active_stages: int | None = None  # stage 3: virtual stages gathered at once (None: every one in flight)
+    activation_checkpoint_interval: int = 0  # DeepSpeed's "pipeline" section: > 0 overrides the module's
+    use_reentrant: bool | None = None  # False: the module checkpoints with non_reentrant_checkpoint
 
     @classmethod
     def from_config(cls, config: Config) -> PipelineSettings:
@@ -52,7 +54,8 @@ class PipelineSettings:
             timeout, setting = config.zerodist.timeout, "zerodist.timeout (zerodist.pipeline.timeout unset)"
         if timeout is None:
             setting = "ZERODIST_TIMEOUT, else 600 s (zerodist.pipeline.timeout and zerodist.timeout unset)"
-        return cls(section.schedule, section.stages_per_rank, timeout, setting, section.max_active_stages)
+        return cls(section.schedule, section.stages_per_rank, timeout, setting, section.max_active_stages,
+                   config.pipeline.activation_checkpoint_interval, config.pipeline.use_reentrant)
 
 
 def pipe_degree_of(model: torch.nn.Module) -> int:
@@ -179,6 +182,7 @@ def apply_pipeline(model: torch.nn.Module, topology: comm.Topology, settings: Pi
         raise ValueError(f"zerodist.pipeline.stages_per_rank is {settings.stages_per_rank} but the "
                          f"PipelineModule was built with stages_per_rank={model.stages_per_rank}; give the "
                          "same number to both (the module needs it to place its layers)")
+    model.configure_checkpointing(settings.activation_checkpoint_interval, settings.use_reentrant)
     schedule = _build(model, settings, micro_batches, sharding=True)
     simulated = check_schedule(schedule, num_microbatches=micro_batches, num_stages=model.total_stages)
     executor = PipelineExecutor(model, topology.ranks("pipe"), timeout_s=settings.timeout_s,

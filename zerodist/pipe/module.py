@@ -22,6 +22,19 @@ first layer's index as well, before its own. So `named_parameters` names it as o
 name, and the checkpoint holds it once (equal copies from several stages are written once), so
 it loads at any pipe degree, pipe 1 included. The extra key is one that `nn.Sequential` has too.
 
+[Note: activation checkpoints] With `activation_checkpoint_interval=k > 0` a stage's forward in
+training runs its layers in blocks of k, and a block is recomputed in the backward pass
+(`activation_checkpoint_func(run_block, *inputs)`) when DeepSpeed's rule says so: every layer's
+class is in `checkpointable_layers` when given, else some layer of the block has parameters. The
+default function is DeepSpeed's, `deepspeed.checkpointing.checkpoint` (torch's reentrant
+checkpoint); the config's `pipeline.use_reentrant: false` sets `non_reentrant_checkpoint`, and
+`pipeline.activation_checkpoint_interval` > 0 sets the interval (zerodist/pipe/apply.py). Reentrant
+recomputation gives a block's parameters gradients only if an input requires grad, which the first
+stage's batch does not: DeepSpeed's engine marks it; here the block gets a detached copy that
+requires grad (and a block whose inputs hold no floating tensor, token ids, runs under the
+non-reentrant checkpoint). The gradients are those without checkpointing (tests/pipe/
+test_pipe_module_checkpoint.py).
+
 Stage placement: with `p` pipe ranks and `v = stages_per_rank`, the layers are cut into `p * v`
 stages and stage s lives on pipe rank `s % p` (the schedules' "loop" placement,
 `zerodist.pipe.schedule.stage_to_rank`). The pipe axis is outermost in `Topology`, so the pipe
@@ -39,7 +52,8 @@ import torch
 
 import zerodist.comm as comm
 from zerodist import compat
-from zerodist.utils import get_logger
+from zerodist.runtime.activation_checkpointing import checkpointing
+from zerodist.utils import get_logger, log_rank0
 
 __all__ = ["LayerSpec", "PartitionError", "PipelineModule", "TiedLayerSpec", "partition_balanced",
            "partition_uniform"]
@@ -170,6 +184,13 @@ def _pipe_degree(num_stages: int | None, topology: Any) -> int:
     return num_stages
 
 
+def _interval(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"PipelineModule: activation_checkpoint_interval takes an int >= 0 (0: no activation "
+                         f"checkpointing), got {value!r}")
+    return value
+
+
 class PipelineModule(torch.nn.Module):
     """`layers` cut into `num_stages` pipe ranks' stages; this rank builds and holds its own."""
 
@@ -178,7 +199,8 @@ class PipelineModule(torch.nn.Module):
                  seed_fn: Callable[[int], Any] | None = None, base_seed: int = 1234,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Callable[..., Any] | None = None,
-                 checkpointable_layers: Sequence[str] | None = None, stages_per_rank: int = 1):
+                 checkpointable_layers: Sequence[str] | None = None, stages_per_rank: int = 1,
+                 dynamic_shape: bool = False):
         super().__init__()
         layers = list(layers)
         self.num_stages = _pipe_degree(num_stages, topology)
@@ -188,10 +210,17 @@ class PipelineModule(torch.nn.Module):
         self.total_stages = self.num_stages * stages_per_rank
         self.loss_fn = loss_fn
         self.partition_method = partition_method
-        self.activation_checkpoint_interval = activation_checkpoint_interval
-        self._checkpoint = activation_checkpoint_func or functools.partial(torch.utils.checkpoint.checkpoint,
-                                                                           use_reentrant=False)
-        self._checkpointable = None if checkpointable_layers is None else set(checkpointable_layers)
+        self.activation_checkpoint_interval = _interval(activation_checkpoint_interval)
+        # DeepSpeed's default: its reentrant `checkpointing.checkpoint` ([Note: activation checkpoints])
+        self.activation_checkpoint_func = activation_checkpoint_func or checkpointing.checkpoint
+        if checkpointable_layers is not None and not isinstance(checkpointable_layers, (list, tuple)):
+            raise TypeError("PipelineModule(checkpointable_layers=...) takes a list of layer class names, got "
+                            f"{type(checkpointable_layers).__name__}")
+        self.checkpointable_layers = None if checkpointable_layers is None else list(checkpointable_layers)
+        # Every message carries its tensors' shapes ([Note: p2p headers]): shapes may change between
+        # batches whatever this says; kept for DeepSpeed's scripts, which read it back.
+        self.dynamic_shape = bool(dynamic_shape)
+        self._checkpointable_cache: dict[tuple[int, int], list[bool]] = {}
         self.num_layers = len(layers)
         self.layer_classes = [_class_name(layer) for layer in layers]  # every rank's, for agreement checks
         self.parts = self._partition(layers, partition_method)
@@ -279,14 +308,28 @@ class PipelineModule(torch.nn.Module):
         interval = self.activation_checkpoint_interval
         if not interval or not torch.is_grad_enabled():
             return self._run(indices, inputs)
-        for start in range(0, len(indices), interval):
-            chunk = indices[start:start + interval]
-            if self._checkpoints(chunk):
-                run = functools.partial(self._run_unpacked, chunk, isinstance(inputs, tuple))
-                inputs = self._checkpoint(run, *(inputs if isinstance(inputs, tuple) else (inputs,)))
+        for block, checkpointed in zip(range(0, len(indices), interval), self._checkpointable_blocks(stage)):
+            chunk = indices[block:block + interval]
+            if checkpointed:
+                inputs = self._run_checkpointed(chunk, inputs)
             else:
                 inputs = self._run(chunk, inputs)
         return inputs
+
+    def _run_checkpointed(self, chunk: Sequence[int], inputs: Any) -> Any:
+        """`chunk` under `activation_checkpoint_func` ([Note: activation checkpoints])."""
+        was_tuple = isinstance(inputs, tuple)
+        args = list(inputs) if was_tuple else [inputs]
+        function = self.activation_checkpoint_func
+        run = functools.partial(self._run_unpacked, chunk, was_tuple)
+        if function is checkpointing.checkpoint and not any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            floating = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            if not floating:  # reentrant recomputation would give the chunk's parameters no gradient
+                return checkpointing.non_reentrant_checkpoint(run, *args)
+            for i in floating:
+                args[i] = args[i].detach().requires_grad_(True)
+        return function(run, *args)
 
     def _run(self, indices: Sequence[int], inputs: Any) -> Any:
         for index in indices:
@@ -303,11 +346,57 @@ class PipelineModule(torch.nn.Module):
     def _run_unpacked(self, indices: Sequence[int], was_tuple: bool, *inputs: Any) -> Any:
         return self._run(indices, inputs if was_tuple else inputs[0])
 
-    def _checkpoints(self, indices: Sequence[int]) -> bool:
-        if self._checkpointable is None:
-            return True
-        modules = [compat.registered_child(self, str(i)) for i in indices]
-        return any(type(m).__name__ in self._checkpointable for m in modules if m is not None)
+    # ------------------------------------------------------------------ activation checkpoints
+    def _layer(self, index: int) -> Any:
+        module = compat.registered_child(self, str(index))
+        return module if module is not None else self._forward_funcs.get(index)
+
+    def _is_checkpointable(self, layers: Sequence[Any]) -> bool:
+        """DeepSpeed's rule: with `checkpointable_layers`, a block every layer of which is one of those
+        classes; without, a block with a layer that has parameters."""
+        if self.checkpointable_layers is not None:
+            return all(type(layer).__name__ in self.checkpointable_layers for layer in layers)
+        return any(isinstance(layer, torch.nn.Module) and any(True for _ in layer.parameters()) for layer in layers)
+
+    def _checkpointable_blocks(self, stage: int) -> list[bool]:
+        """Whether each block of `activation_checkpoint_interval` layers of `stage` is checkpointed."""
+        interval = self.activation_checkpoint_interval
+        key = (stage, interval)
+        if key not in self._checkpointable_cache:
+            indices = list(self.stage_layers(stage))
+            self._checkpointable_cache[key] = [
+                self._is_checkpointable([self._layer(i) for i in indices[start:start + interval]])
+                for start in range(0, len(indices), interval)]
+        return self._checkpointable_cache[key]
+
+    def _precompute_checkpointable_values(self) -> None:
+        """DeepSpeed's name: work out which blocks are checkpointed at the current interval."""
+        if self.activation_checkpoint_interval > 0:
+            for stage in self.local_stages:
+                self._checkpointable_blocks(stage)
+
+    @property
+    def is_checkpointable_results(self) -> list[bool]:
+        """DeepSpeed's list: for each block of this rank's layers, whether it is checkpointed (empty
+        when the interval is 0)."""
+        if not self.activation_checkpoint_interval:
+            return []
+        return [result for stage in self.local_stages for result in self._checkpointable_blocks(stage)]
+
+    def configure_checkpointing(self, interval: int, use_reentrant: bool | None) -> None:
+        """DeepSpeed's "pipeline" section, as its engine applies it: `use_reentrant=False` picks the
+        non-reentrant function (whatever the interval), an interval > 0 replaces the module's."""
+        if use_reentrant is False:
+            self.activation_checkpoint_func = checkpointing.non_reentrant_checkpoint
+            log_rank0(logger, "config: pipeline.use_reentrant=false: activation_checkpoint_func=non_reentrant_checkpoint")
+        if interval > 0:
+            self.activation_checkpoint_interval = _interval(interval)
+        self._precompute_checkpointable_values()
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        """Checkpoint every `interval` layers of a stage's forward from now on (0: none)."""
+        self.activation_checkpoint_interval = _interval(interval)
+        self._precompute_checkpointable_values()
 
     # ------------------------------------------------------------------ tied layers
     def tied_parameters(self) -> dict[str, list[torch.nn.Parameter]]:
