@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from zerodist.engine.dataloader import EngineDataLoader
-from zerodist.runtime.activation_checkpointing import checkpointing
+from zerodist.pipe import checkpointing
 from zerodist.utils import RepeatingLoader
 
 

@@ -52,7 +52,7 @@ import torch
 
 import zerodist.comm as comm
 from zerodist import compat
-from zerodist.runtime.activation_checkpointing import checkpointing
+from zerodist.pipe import checkpointing
 from zerodist.utils import get_logger, log_rank0
 
 __all__ = ["LayerSpec", "PartitionError", "PipelineModule", "TiedLayerSpec", "partition_balanced",
