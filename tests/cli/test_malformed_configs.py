@@ -65,6 +65,8 @@ CASES: list[tuple[str, object, list[str], str]] = [
     ("tp-not-dividing", None, ["--tp", "3"], "--tp"),
     ("tp-times-sp", None, ["--tp", "2", "--sp", "2"], "--sp"),
     ("moe-not-dividing", None, ["--moe", "3"], "--moe"),
+    ("pp-more-stages-than-blocks", None, ["--model", "tiny", "--pp", "2", "--schedule", "interleaved"],
+     "4 pipeline stages for the 2 blocks"),
     ("pp-moe-not-dividing", None, ["--nproc", "4", "--pp", "2", "--moe", "3"], "a pipeline stage"),
 ]
 

@@ -109,6 +109,15 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     if pipe > 1 and (getattr(args, "sp", None) or 1) > 1:
         raise ValueError(f"--pp {pipe} with --sp {args.sp}: sequence parallelism does not compose with the pipeline "
                          "yet (a stage's sequence slices are not passed between stages); use --pp or --sp, not both")
+    if pipe > 1:  # split_model gives each stage at least one block
+        from zerodist.models import gpt_config
+
+        stages, blocks = pipe * (2 if schedule == "interleaved" else 1), gpt_config(model).n_layers
+        if stages > blocks:
+            raise ValueError(f"--pp {pipe}{' --schedule interleaved (2 stages per rank)' if stages > pipe else ''}: "
+                             f"{stages} pipeline stages for the {blocks} blocks of --model {model}; each stage needs "
+                             "a block: use fewer stages or a larger --model (small has "
+                             f"{gpt_config('small').n_layers} blocks)")
     if pipe > 1 and args.domino is not None:
         raise ValueError(f"--pp {pipe} with --domino: Domino's overlap is not composed with the pipeline's "
                          "schedule yet; use --pp --tp without --domino")

@@ -263,9 +263,11 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
         comm_bus_bytes=everything.bus_bytes(),
         logging_bytes=logging_traffic[0],
         logging_bus_bytes=logging_traffic[1],
-        expected_bus_bytes_per_step=expected_bus_bytes(
-            stage=zero.stage, psi=psi, world_size=world, accumulation_steps=syncs,
-            reduce_scatter=zero.reduce_scatter, element_bytes=engine.policy.param_dtype.itemsize),
+        # the dense groups over the N ranks, the narrow ones (MoE experts) over their own ranks
+        expected_bus_bytes_per_step=sum(expected_bus_bytes(
+            stage=zero.stage, psi=count, world_size=ranks, accumulation_steps=syncs,
+            reduce_scatter=zero.reduce_scatter, element_bytes=engine.policy.param_dtype.itemsize)
+            for count, ranks in [(sum(psi_by_stage.values()), world), *((n, r) for _, n, r in narrow)]),
         narrow_groups=tuple(narrow),
         tensor_degree=engine.topology.size("tensor"),
         sequence_degree=engine.topology.size("sequence"),
@@ -345,8 +347,11 @@ def _moe_lines(plan: TrainPlan, engine: Engine, model: Any, load: Any, everythin
     from zerodist.train import moe_report
 
     measured = everything.total_bytes("all_to_all") / max(1, steps)
+    from zerodist.moe import MoE
+
     formula = moe_report.all_to_all_formula_bytes(model, engine.batch.micro_batch_size * seq_len,
-                                                  engine.batch.gradient_accumulation_steps, engine.policy.param_dtype.itemsize)
+                                                  engine.batch.gradient_accumulation_steps, engine.policy.param_dtype.itemsize,
+                                                  layers=sum(isinstance(m, MoE) for m in engine.module.modules()))
     lines = moe_report.load_lines(load, measured_bytes_per_step=measured, formula_bytes_per_step=formula)
     plan.out.mkdir(parents=True, exist_ok=True)
     path = plan.out / "expert_load.png"
