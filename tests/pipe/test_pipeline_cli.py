@@ -1,8 +1,9 @@
 """`zerodist train --pp 2` on 4 ranks: the plain demo's loop over the GPT cut by `split_model`, so the
 same metrics.csv, summary.txt, loss.png, checkpoints and `--resume`; the summary shows the bubble
 measured beside the simulator's and the formula's, and the p2p and tensor-parallel bytes against
-their formulas. `--pp 2 --tp 2`: a `--resume` from the step-2 checkpoint of a `--save-interval 2`
-run repeats the uninterrupted run's losses and parameters."""
+their formulas. `--pp 2 --tp 2`: the losses are the plain demo's in one process on the same global
+batch, and a `--resume` from the step-2 checkpoint of a `--save-interval 2` run repeats the
+uninterrupted run's losses and parameters."""
 
 from __future__ import annotations
 
@@ -71,6 +72,14 @@ def test_pp2_tp2_trains_saves_and_resumes_like_the_plain_demo(tmp_path: Path) ->
     assert (tmp_path / "whole" / "loss.png").is_file() or "loss curve not written" in whole.stdout
     assert sorted(p.name for p in (tmp_path / "whole" / "checkpoints").iterdir()) == ["global_step2", "global_step4",
                                                                                        "latest"]
+
+    # the plain demo in one process on the same global batch (micro 2 x accumulation 4) and data order
+    (tmp_path / "gas4.json").write_text('{"gradient_accumulation_steps": 4}')
+    plain = run_train("--nproc", "1", "--config", str(tmp_path / "gas4.json"), "--model", "tiny", "--steps", "4",
+                      "--micro-batch", "2", "--out", str(tmp_path / "plain"))
+    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
+    assert [float(r["loss"]) for r in rows] == pytest.approx([float(r["loss"]) for r in _rows(tmp_path / "plain")],
+                                                             abs=2e-6)
 
     (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "whole" / "checkpoints" / "global_step2",

@@ -103,11 +103,12 @@ class _RowFirst:
         return getattr(self.saves, name)
 
 
-def pipeline_batch(engine: Engine, before_step: Callable[[torch.Tensor], None],
+def pipeline_batch(engine: Engine, batches: Iterator[Any], before_step: Callable[[torch.Tensor], None],
                    observer: StepObserver | None = None) -> torch.Tensor:
-    """One pipeline optimizer step (`engine.train_batch()` over the engine's own loader, DeepSpeed's
-    way); `before_step(agreed loss)` runs after the schedule and before the optimizer step's interval
-    save, the executor's timed actions then in the observer's breakdown."""
+    """One pipeline optimizer step: `engine.train_batch(batches)`, the plain loop's micro-batches in the
+    plain loop's (shuffled) order, so a pipeline trains on the plain run's data (the first and last
+    stages read them). `before_step(agreed loss)` runs after the schedule and before the optimizer
+    step's interval save, the executor's timed actions then in the observer's breakdown."""
     written: list[bool] = []
 
     def row() -> None:
@@ -120,7 +121,7 @@ def pipeline_batch(engine: Engine, before_step: Callable[[torch.Tensor], None],
     saves = engine.interval_saves
     engine.interval_saves = cast(Any, _RowFirst(saves, row))
     try:
-        loss = engine.train_batch()
+        loss = engine.train_batch(batches)
     finally:
         engine.interval_saves = saves
     row()  # an engine that stepped without asking its saves: the row all the same
@@ -198,7 +199,8 @@ def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int, metrics: Me
             lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves it on in engine.step()
             with observer.step(step) if observer is not None else contextlib.nullcontext():
                 if pipelined:
-                    run = functools.partial(pipeline_batch, engine, functools.partial(write_row, step, lr), observer)
+                    run = functools.partial(pipeline_batch, engine, batches, functools.partial(write_row, step, lr),
+                                            observer)
                 else:
                     run = functools.partial(micro_steps, engine, batches, device,
                                             activations if step == first else None,
