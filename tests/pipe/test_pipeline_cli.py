@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import csv
 import io
+import re
 import shutil
 from pathlib import Path
 
@@ -95,6 +96,19 @@ def test_pp2_tp2_trains_saves_and_resumes_like_the_plain_demo(tmp_path: Path) ->
     assert set(final[0]) == set(final[1])
     for key in final[0]:
         assert torch.allclose(final[0][key], final[1][key], rtol=0, atol=1e-6), key
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pp2_moe2_reports_the_stage_s_all_to_all_against_its_formula(tmp_path: Path) -> None:
+    done = run_train("--pp", "2", "--moe", "2", "--nproc", "4", "--model", "tiny", "--steps", "2", "--micro-batch", "2",
+                     "--out", str(tmp_path), timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "pipeline: 2 stages on 2 pipe ranks x 1 data x 2 expert" in done.stdout
+    measured = re.search(r"all-to-all per step on this rank: (\S+ \S+) measured, (\S+ \S+) by", done.stdout)
+    assert measured is not None and measured.group(1) == measured.group(2), done.stdout[-3000:]
+    assert "matches" in done.stdout and "differs" not in done.stdout
+    assert [r["step"] for r in _rows(tmp_path)] == ["1", "2"]
 
 
 def test_pp_that_does_not_divide_the_ranks_is_refused():
