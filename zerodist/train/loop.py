@@ -391,11 +391,12 @@ def _pipeline_lines(plan: TrainPlan, engine: Engine, model: Any, everything: Any
                             float(everything.total_bytes("send")), steps, title, observer, plan.out)
 
 
-def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
-    """Train on this rank. Rank 0's header goes to `progress` before the first step; the outcome
-    carries the exit code (0 when the run finished with a finite loss, 1 otherwise) and rank 0's
-    report, which the CLI shows (zerodist/cli/train.py)."""
+def build_model(plan: TrainPlan) -> tuple[GPT | MoEGPT, torch.nn.Module, Any]:
+    """(the demo GPT, what initialize() takes: the GPT or, with a pipeline, this rank's stages of it
+    cut by `split_model` under the model's own names, so its checkpoints are the plain run's; the MoE
+    load tracker or None)."""
     torch.manual_seed(plan.seed)  # every rank builds the same weights (rank 0's are broadcast anyway)
+    tracker = None
     if plan.moe_experts:
         from zerodist.train import moe_report
 
@@ -405,14 +406,21 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
         tracker = moe_report.LoadTracker(model)
     else:
         model = GPT(gpt_config(plan.model, **({"seq_len": plan.seq_len} if plan.seq_len else {})))
+    if plan.pipe == 1:
+        return model, model, tracker
+    from zerodist.pipe import split_model
+
+    return model, split_model(model, num_stages=plan.pipe,
+                              stages_per_rank=2 if plan.pipe_schedule == "interleaved" else 1), tracker
+
+
+def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
+    """Train on this rank. Rank 0's header goes to `progress` before the first step; the outcome
+    carries the exit code (0 when the run finished with a finite loss, 1 otherwise) and rank 0's
+    report, which the CLI shows (zerodist/cli/train.py)."""
+    model, module, tracker = build_model(plan)
     seq_len = model.config.seq_len
     dataset = build_dataset(plan, seq_len)
-    module: torch.nn.Module = model
-    if plan.pipe > 1:  # this rank's stages, under the model's own names (its checkpoints are the plain run's)
-        from zerodist.pipe import split_model
-
-        module = split_model(model, num_stages=plan.pipe,
-                             stages_per_rank=2 if plan.pipe_schedule == "interleaved" else 1)
     engine, _, loader, _ = zerodist.initialize(model=module, config=plan.config, training_data=dataset)
     rank0 = comm.get_rank() == 0
     resumed = engine.global_steps  # the step of the checkpoint resumed from; 0 for a fresh run
@@ -440,7 +448,7 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
         memory = gather_memory(engine)
         observed = observer.finish({"model": plan.model, "stage": engine.config.zero_optimization.stage})
         sequence = _sequence_report(engine, everything, activations, len(records), seq_len)
-        load = tracker.gather() if plan.moe_experts else None
+        load = tracker.gather() if tracker is not None else None
         pipe_lines = _pipeline_lines(plan, engine, model, everything, len(records), observer)
     finally:
         engine.destroy()
