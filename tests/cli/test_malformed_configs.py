@@ -58,12 +58,16 @@ CASES: list[tuple[str, object, list[str], str]] = [
     ("auto-lr", {"optimizer": {"type": "AdamW", "params": {"lr": AUTO}}}, [], "optimizer.params"),
     ("auto-stage", {"zero_optimization": {"stage": AUTO}}, [], "zero_optimization.stage"),
     # incompatible axes and flags
-    ("pp-with-tp", None, ["--nproc", "4", "--pp", "2", "--tp", "2"], "--pp 2 with tensor-parallel degree 2"),
-    ("pp-with-autotp", {"tensor_parallel": {"autotp_size": 2}}, ["--nproc", "4", "--pp", "2"], "autotp_size"),
+    ("pp-with-sp", None, ["--nproc", "4", "--pp", "2", "--sp", "2"], "--pp 2 with --sp 2"),
+    ("pp-with-sp-file", {"sequence_parallel_size": 2}, ["--nproc", "4", "--pp", "2"], "sequence_parallel_size"),
+    ("pp-with-domino", None, ["--nproc", "4", "--pp", "2", "--tp", "2", "--domino", "2"], "--domino"),
+    ("pp-tp-not-dividing", None, ["--nproc", "4", "--pp", "2", "--tp", "4"], "--pp"),
     ("tp-not-dividing", None, ["--tp", "3"], "--tp"),
     ("tp-times-sp", None, ["--tp", "2", "--sp", "2"], "--sp"),
     ("moe-not-dividing", None, ["--moe", "3"], "--moe"),
-    ("pp-with-save", None, ["--pp", "2", "--save-interval", "2"], "--pp"),
+    ("pp-more-stages-than-blocks", None, ["--model", "tiny", "--pp", "2", "--schedule", "interleaved"],
+     "4 pipeline stages for the 2 blocks"),
+    ("pp-moe-not-dividing", None, ["--nproc", "4", "--pp", "2", "--moe", "3"], "a pipeline stage"),
 ]
 
 
@@ -93,6 +97,35 @@ def test_malformed_config_or_flags_end_before_spawn_naming_the_key(tmp_path, mon
     assert code == 2, (name, err)
     assert expected in err, (name, err)
     assert "Traceback" not in err and err.startswith("zerodist train: "), err
+
+
+# Combinations that once ended here and now pass the pre-spawn checks (they train: tests/pipe/test_pipeline_cli.py).
+NOW_PASSING = [
+    ("pp-with-tp", None, ["--nproc", "4", "--pp", "2", "--tp", "2"]),
+    ("pp-with-autotp", {"tensor_parallel": {"autotp_size": 2}}, ["--nproc", "4", "--pp", "2"]),
+    ("pp-with-save-and-resume", None, ["--pp", "2", "--save-interval", "2", "--resume"]),
+    ("pp-with-moe", None, ["--nproc", "4", "--pp", "2", "--moe", "2"]),
+]
+
+
+@pytest.mark.parametrize("name,config,flags", NOW_PASSING, ids=[c[0] for c in NOW_PASSING])
+def test_composed_pipeline_flags_pass_the_pre_spawn_checks(tmp_path, monkeypatch, capsys, name, config, flags):
+    from zerodist.cli import run as run_module
+    from zerodist.cli.main import main
+
+    launched: list[object] = []
+    monkeypatch.setattr(run_module, "launch", lambda *args, **kwargs: launched.append(args) or 0)
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(variable, raising=False)
+    argv = ["train", "--out", str(tmp_path / "out"), "--steps", "4", "--model", "tiny"]
+    if config is not None:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(config))
+        argv += ["--config", str(path)]
+    if "--nproc" not in flags:
+        argv += ["--nproc", "2"]
+    code = main(argv + flags)
+    assert code == 0 and launched, (name, capsys.readouterr().err)
 
 
 def test_there_are_at_least_31_cases():

@@ -102,14 +102,14 @@ def test_zero3_trace_has_every_collective_the_tracer_counted(zero3):
 
 
 def test_pipeline_trace_has_every_action_of_the_schedule_in_order(pipe):
-    from zerodist.pipe.schedule import build_schedule
+    from zerodist.pipe.schedule import add_sharding, build_schedule
 
     out, text = pipe
     trace = _check_files_and_counts(out)
-    # --pp 2: 4 micro-batches; the gathers, frees and reductions are actions too (UNSHARD / RESHARD / REDUCE_GRAD)
-    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=4, with_sharding=True)
+    # --pp 2: 2 micro-batches per stage; the executor also runs (and the timeline shows) its gathers and reductions
+    schedule = add_sharding(build_schedule("1f1b", num_ranks=2, num_microbatches=4))
     for rank in (0, 1):
-        # a sharding action has no micro-batch (recorded as -1; its name has none)
+        # a sharding action has no micro-batch (recorded as -1; its str() leaves it out)
         ran = [f"{e['args']['stage']}{e['args']['kind']}{e['args']['microbatch'] if e['args']['microbatch'] >= 0 else ''}"
                for e in
                sorted((e for e in trace["traceEvents"] if e["pid"] == rank and e.get("cat") == "pipe"

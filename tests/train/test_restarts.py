@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.processes import run_group
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,7 +83,8 @@ def test_failed_interval_saves_let_the_run_finish_then_exit_1(tmp_path):
     assert "zerodist train: the run ended with its last interval save failed" in done.stdout
 
 
-def test_a_kill_right_after_the_final_save_keeps_every_row_and_the_restart_writes_the_summary(tmp_path):
+@pytest.mark.parametrize("layout", [("--nproc", "1"), ("--nproc", "2", "--pp", "2")], ids=["plain", "pipe2"])
+def test_a_kill_right_after_the_final_save_keeps_every_row_and_the_restart_writes_the_summary(tmp_path, layout):
     """Killed (SIGKILL) at the end of the final save, inside the last step: metrics.csv has every
     step's row (it was written before the step's save) and config.json (written before the first
     step); the restart, finding nothing left to train, writes summary.txt from metrics.csv."""
@@ -90,7 +93,7 @@ def test_a_kill_right_after_the_final_save_keeps_every_row_and_the_restart_write
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
-    command = [sys.executable, "-m", "zerodist", "train", "--model", "tiny", "--nproc", "1", "--save-interval", "3",
+    command = [sys.executable, "-m", "zerodist", "train", "--model", "tiny", *layout, "--save-interval", "3",
                "--steps", "3", "--out", str(out)]
     killed = run_group(command, cwd=REPO, env={**env, KILL_ENV: "save-done"}, timeout=150)
     assert killed.returncode != 0 and (out / "checkpoints" / "global_step3").is_dir(), killed.stderr[-3000:]

@@ -56,7 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--domino", type=_positive_int, default=None, metavar="K",
                    help="Domino: split each block's batch into K >= 2 chunks to overlap tensor-parallel all-reduces")
     p.add_argument("--pp", type=_positive_int, default=None, metavar="P",
-                   help="pipeline parallelism: the GPT in P stages (its embedding tied to the head)")
+                   help="pipeline parallelism: the GPT cut into P stages by zerodist.pipe.split_model; composes "
+                        "with --tp, --moe, checkpoints and --resume (not yet with --sp or --domino)")
     p.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved", "zb"),
                    help="pipeline schedule with --pp (default 1f1b; interleaved puts 2 stages on each rank)")
     p.add_argument("--trace", nargs="?", const="auto", default=None, metavar="STEP[:N]",
@@ -96,15 +97,9 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
                          "use one of them")
     if args.moe is not None and (args.sp or 1) > 1:
         raise ValueError("--moe with --sp: the demo does not combine expert and sequence parallelism yet; use one")
-    if args.moe is not None and args.moe % world_size:
-        raise ValueError(f"--moe {args.moe}: the experts are spread over the {world_size} rank(s), so their number "
-                         f"must be a multiple of {world_size}")
     pipe = getattr(args, "pp", None) or 1  # absent from hand-made Namespaces
     schedule = getattr(args, "schedule", None) or "1f1b"
-    if pipe > 1 and (args.moe is not None or args.resume or args.save_interval or getattr(args, "sp", None)):
-        raise ValueError("--pp: the pipeline demo does not combine with --moe, --sp, --resume or --save-interval yet")
-    if pipe > 1 and world_size % pipe:
-        raise ValueError(f"--nproc {world_size} is not divisible by the pipeline degree {pipe} (--pp)")
+    _check_pipeline_flags(args, model, pipe, schedule, world_size)
     steps = args.steps or DEFAULT_STEPS
     file_config = read_json_file(Path(args.config)) if args.config else None
     out = Path(args.out or default_out()).resolve()
@@ -127,9 +122,9 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
         if world_size % (tensor * sequence * pipe):
             raise ValueError(f"--nproc {world_size} is not divisible by the tensor-parallel degree {tensor} (--tp) x "
                              f"the sequence-parallel degree {sequence} (--sp) x the pipeline degree {pipe} (--pp)")
-        if pipe > 1 and tensor > 1:  # else every rank fails in apply_tensor_parallel with a PlanError traceback
-            raise ValueError(f"--pp {pipe} with tensor-parallel degree {tensor} (--tp or tensor_parallel.autotp_size): "
-                             "the pipeline demo's stages have no tensor-parallel plan yet; use --pp or --tp, not both")
+        if pipe > 1 and sequence > 1:  # a config file's sequence_parallel_size
+            raise ValueError(f"--pp {pipe} with sequence-parallel degree {sequence} (sequence_parallel_size): "
+                             "sequence parallelism does not compose with the pipeline yet; use one of them")
         _check_sequence(checked, model, getattr(args, "seq_len", None))
         checked.batch_sizes(world_size // (tensor * sequence * pipe),
                             world_size_source=f"{world_size} rank(s) / tensor {tensor} / sequence {sequence} "
@@ -143,6 +138,33 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     return TrainPlan(model=model, steps=steps, seed=DEFAULT_SEED if args.seed is None else args.seed, out=out,
                      config=config, moe_experts=args.moe or 0, seq_len=getattr(args, "seq_len", None),
                      pipe=pipe, pipe_schedule=schedule)
+
+
+def _check_pipeline_flags(args: argparse.Namespace, model: str, pipe: int, schedule: str, world_size: int) -> None:
+    """--pp against the ranks, the preset's blocks and the flags it does not compose with yet (and --moe
+    against one stage's ranks)."""
+    if pipe > 1 and world_size % pipe:
+        raise ValueError(f"--nproc {world_size} is not divisible by the pipeline degree {pipe} (--pp)")
+    stage_ranks = world_size // pipe  # the ranks of one pipeline stage
+    if args.moe is not None and args.moe % stage_ranks:
+        raise ValueError(f"--moe {args.moe}: the experts are spread over the {stage_ranks} rank(s) of "
+                         f"{'a pipeline stage' if pipe > 1 else 'the run'}, so their number must be a multiple of "
+                         f"{stage_ranks}")
+    if pipe > 1 and (getattr(args, "sp", None) or 1) > 1:
+        raise ValueError(f"--pp {pipe} with --sp {args.sp}: sequence parallelism does not compose with the pipeline "
+                         "yet (a stage's sequence slices are not passed between stages); use --pp or --sp, not both")
+    if pipe > 1:  # split_model gives each stage at least one block
+        from zerodist.models import gpt_config
+
+        stages, blocks = pipe * (2 if schedule == "interleaved" else 1), gpt_config(model).n_layers
+        if stages > blocks:
+            raise ValueError(f"--pp {pipe}{' --schedule interleaved (2 stages per rank)' if stages > pipe else ''}: "
+                             f"{stages} pipeline stages for the {blocks} blocks of --model {model}; each stage needs "
+                             "a block: use fewer stages or a larger --model (small has "
+                             f"{gpt_config('small').n_layers} blocks)")
+    if pipe > 1 and args.domino is not None:
+        raise ValueError(f"--pp {pipe} with --domino: Domino's overlap is not composed with the pipeline's "
+                         "schedule yet; use --pp --tp without --domino")
 
 
 def _enable_trace(config: dict[str, Any], spec: str, steps: int) -> None:

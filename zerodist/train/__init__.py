@@ -12,11 +12,8 @@ __all__ = ["Overrides", "Progress", "TrainOutcome", "TrainPlan", "default_config
 
 def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
     """Run `plan` on this rank (imports torch and the engine only when called); rank 0's lines
-    that belong before or during the run go to `progress`."""
-    if plan.pipe > 1:
-        from zerodist.train.pipeline import train_pipeline
-
-        return train_pipeline(plan, progress)
+    that belong before or during the run go to `progress`. A pipeline (`plan.pipe > 1`) is the
+    same loop over the GPT cut by `zerodist.pipe.split_model`."""
     from zerodist.train.loop import train as run
 
     return run(plan, progress)

@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -32,7 +32,8 @@ from zerodist.tensor_parallel import schedule_log
 from zerodist.train.metrics import MetricsLog, StepRecord, plot_loss, read_csv, write_csv
 from zerodist.train.observe import StepObserver
 from zerodist.train.options import Progress, TrainOutcome, TrainPlan
-from zerodist.train.report import RankMemory, RunSummary, expected_bus_bytes, format_summary, loss_line
+from zerodist.train.report import (RankMemory, RunSummary, expected_bus_bytes, expected_state_bytes, format_summary,
+                                   loss_line)
 from zerodist.train.seq_report import SavedActivations, SequenceReport, ring_formula, ulysses_formula
 from zerodist.train.seq_report import report_lines as sequence_report_lines
 from zerodist.train.tp_report import measure_from_log, report_lines
@@ -87,6 +88,46 @@ def micro_steps(engine: Engine, batches: Iterator[Any], device: torch.device,
     return torch.stack(losses).mean()
 
 
+class _RowFirst:
+    """The engine's interval saves with `first()` run before each: the engine calls `after_step` once per
+    optimizer step, right before it may save ([Note: rows before the save])."""
+
+    def __init__(self, saves: Any, first: Callable[[], None]):
+        self.saves, self.first = saves, first
+
+    def after_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.first()
+        return self.saves.after_step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.saves, name)
+
+
+def pipeline_batch(engine: Engine, batches: Iterator[Any], before_step: Callable[[torch.Tensor], None],
+                   observer: StepObserver | None = None) -> torch.Tensor:
+    """One pipeline optimizer step: `engine.train_batch(batches)`, the plain loop's micro-batches in the
+    plain loop's (shuffled) order, so a pipeline trains on the plain run's data (the first and last
+    stages read them). `before_step(agreed loss)` runs after the schedule and before the optimizer
+    step's interval save, the executor's timed actions then in the observer's breakdown."""
+    written: list[bool] = []
+
+    def row() -> None:
+        if not written and engine.agg_train_loss is not None:
+            written.append(True)
+            if observer is not None:
+                observer.pipeline_phases(engine.last_run)
+            before_step(engine.agg_train_loss)
+
+    saves = engine.interval_saves
+    engine.interval_saves = cast(Any, _RowFirst(saves, row))
+    try:
+        loss = engine.train_batch(batches)
+    finally:
+        engine.interval_saves = saves
+    row()  # an engine that stepped without asking its saves: the row all the same
+    return loss
+
+
 class ProgressBar:
     """tqdm on rank 0 (nothing elsewhere): loss, tokens/s over the last 10 steps, RSS."""
 
@@ -135,11 +176,13 @@ def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int, metrics: Me
     # Totals only, not a record per collective: memory stays flat however long the run.
     mark = [started]  # when the previous step's row was written
 
+    pipelined = engine.pipeline is not None  # train_batch's loss is already agreed over the ranks
+
     def write_row(step: int, lr: float, local_loss: torch.Tensor) -> None:
         # Before the step's engine.step(), which may save the run's last checkpoint: a kill right
         # after that save keeps every row ([Note: rows before the save]).
         with comm.trace(keep_records=False) as logging_trace:
-            loss = float(reduce_loss(local_loss))
+            loss = float(local_loss) if pipelined else float(reduce_loss(local_loss))
         logging_traffic[0] += logging_trace.total_bytes()
         logging_traffic[1] += logging_trace.bus_bytes()
         now = time.perf_counter()
@@ -155,8 +198,13 @@ def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int, metrics: Me
         for step in range(first, steps + 1):
             lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves it on in engine.step()
             with observer.step(step) if observer is not None else contextlib.nullcontext():
-                run = functools.partial(micro_steps, engine, batches, device, activations if step == first else None,
-                                        functools.partial(write_row, step, lr), observer)
+                if pipelined:
+                    run = functools.partial(pipeline_batch, engine, batches, functools.partial(write_row, step, lr),
+                                            observer)
+                else:
+                    run = functools.partial(micro_steps, engine, batches, device,
+                                            activations if step == first else None,
+                                            functools.partial(write_row, step, lr), observer)
                 if observer is not None:
                     observer.run(step, run)
                 else:
@@ -178,15 +226,18 @@ def _logs_beside(bar: ProgressBar) -> Any:
 def gather_memory(engine: Engine) -> list[RankMemory]:
     """Every rank's model-state bytes and peak RSS (a collective: every rank calls it)."""
     everyone: list[Any] = [None] * comm.get_world_size()
-    comm.all_gather_object(everyone, RankMemory(comm.get_rank(), engine.model_state_bytes(), peak_rss_bytes()))
+    expected = None
+    if engine.pipeline is not None:  # each stage's ranks hold their own Ψ: each rank's own formula
+        world = engine.topology.size(*engine.topology.dense_axes)
+        _, psi_by_stage, narrow = _psi(engine, world)
+        expected = expected_state_bytes(psi_by_stage, narrow, engine.policy.name != "fp32", world)
+    comm.all_gather_object(everyone, RankMemory(comm.get_rank(), engine.model_state_bytes(), peak_rss_bytes(),
+                                                expected))
     return everyone
 
 
-def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everything: Any, logging_traffic: tuple,
-              memory: list[RankMemory], seq_len: int) -> RunSummary:
-    zero = engine.config.zero_optimization
-    # the ranks dense parameters are sharded over: the batch shards, times the sequence degree
-    world = engine.topology.size(*engine.topology.dense_axes)
+def _psi(engine: Engine, world: int) -> tuple[int, dict[int, int], list[tuple[int, int, int]]]:
+    """This rank's padded Ψ: in all, by the stage its group runs, and its groups sharded over fewer ranks."""
     psi = sum(g.layout.total_numel for g in engine.groups)
     psi_by_stage: dict[int, int] = {}
     narrow: list[tuple[int, int, int]] = []  # MoE experts: sharded over their data group only
@@ -195,6 +246,17 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
             narrow.append((group.policy.stage, group.layout.total_numel, group.domain_group.size))
             continue
         psi_by_stage[group.policy.stage] = psi_by_stage.get(group.policy.stage, 0) + group.layout.total_numel
+    return psi, psi_by_stage, narrow
+
+
+def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everything: Any, logging_traffic: tuple,
+              memory: list[RankMemory], seq_len: int) -> RunSummary:
+    zero = engine.config.zero_optimization
+    # the ranks dense parameters are sharded over: the batch shards, times the sequence degree
+    world = engine.topology.size(*engine.topology.dense_axes)
+    psi, psi_by_stage, narrow = _psi(engine, world)
+    # a pipeline reduces its gradients once per batch, after the schedule ([Note: pipeline under ZeRO])
+    syncs = 1 if engine.pipeline is not None else engine.gradient_accumulation_steps()
     tokens = len(records) * engine.batch.train_batch_size * seq_len
     return RunSummary(
         steps=len(records), world_size=world, stage=zero.stage, precision=engine.policy.name, elapsed_s=elapsed,
@@ -203,12 +265,15 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
         comm_bus_bytes=everything.bus_bytes(),
         logging_bytes=logging_traffic[0],
         logging_bus_bytes=logging_traffic[1],
-        expected_bus_bytes_per_step=expected_bus_bytes(
-            stage=zero.stage, psi=psi, world_size=world, accumulation_steps=engine.gradient_accumulation_steps(),
-            reduce_scatter=zero.reduce_scatter, element_bytes=engine.policy.param_dtype.itemsize),
+        # the dense groups over the N ranks, the narrow ones (MoE experts) over their own ranks
+        expected_bus_bytes_per_step=sum(expected_bus_bytes(
+            stage=zero.stage, psi=count, world_size=ranks, accumulation_steps=syncs,
+            reduce_scatter=zero.reduce_scatter, element_bytes=engine.policy.param_dtype.itemsize)
+            for count, ranks in [(sum(psi_by_stage.values()), world), *((n, r) for _, n, r in narrow)]),
         narrow_groups=tuple(narrow),
         tensor_degree=engine.topology.size("tensor"),
         sequence_degree=engine.topology.size("sequence"),
+        pipe_degree=engine.topology.size("pipe"),
     )
 
 
@@ -221,12 +286,14 @@ def header_lines(plan: TrainPlan, engine: Engine, model: GPT | MoEGPT) -> list[s
             "config:\n" + json.dumps(plan.config, indent=2)]
 
 
-def write_outputs(plan: TrainPlan, records: list[StepRecord], summary: RunSummary) -> list[str]:
-    """Rank 0's files; returns the lines that say what was written (or skipped)."""
+def write_outputs(plan: TrainPlan, records: list[StepRecord], summary: RunSummary,
+                  sections: list[str] | None = None) -> list[str]:
+    """Rank 0's files (summary.txt: the summary and the axes' `sections`); returns the lines that say
+    what was written (or skipped)."""
     plan.out.mkdir(parents=True, exist_ok=True)
     write_csv(records, plan.out / "metrics.csv")
     write_config(plan)
-    text = format_summary(summary)
+    text = "\n".join([format_summary(summary), *(sections or [])])
     (plan.out / "summary.txt").write_text(text + "\n", encoding="utf-8")
     lines = [f"wrote {plan.out / 'metrics.csv'}, {plan.out / 'config.json'}, {plan.out / 'summary.txt'}"]
     skipped = plot_loss(records, plan.out / "loss.png", f"GPT {plan.model}, ZeRO stage {summary.stage}, "
@@ -282,8 +349,11 @@ def _moe_lines(plan: TrainPlan, engine: Engine, model: Any, load: Any, everythin
     from zerodist.train import moe_report
 
     measured = everything.total_bytes("all_to_all") / max(1, steps)
+    from zerodist.moe import MoE
+
     formula = moe_report.all_to_all_formula_bytes(model, engine.batch.micro_batch_size * seq_len,
-                                                  engine.batch.gradient_accumulation_steps, engine.policy.param_dtype.itemsize)
+                                                  engine.batch.gradient_accumulation_steps, engine.policy.param_dtype.itemsize,
+                                                  layers=sum(isinstance(m, MoE) for m in engine.module.modules()))
     lines = moe_report.load_lines(load, measured_bytes_per_step=measured, formula_bytes_per_step=formula)
     plan.out.mkdir(parents=True, exist_ok=True)
     path = plan.out / "expert_load.png"
@@ -308,21 +378,50 @@ def _sequence_report(engine: Engine, everything: Any, activations: SavedActivati
                           ring_formula(engine, seq_len) if method == "ring" else None)
 
 
+def _pipeline_lines(plan: TrainPlan, engine: Engine, model: Any, everything: Any, steps: int,
+                    observer: StepObserver) -> list[str]:
+    """The pipeline section (a collective); empty without a pipeline."""
+    if engine.pipeline is None:
+        return []
+    from zerodist.train.pipe_report import pipeline_section
+
+    title = (f"GPT {plan.model}, {plan.pipe_schedule}, {plan.pipe} pipe ranks, "
+             f"{engine.pipeline.micro_batches} micro-batches")
+    return pipeline_section(engine, plan.pipe_schedule, model.config.seq_len, model.config.d_model,
+                            float(everything.total_bytes("send")), steps, title, observer, plan.out)
+
+
+def build_model(plan: TrainPlan) -> tuple[GPT | MoEGPT, torch.nn.Module, Any]:
+    """(the demo GPT, what initialize() takes: the GPT or, with a pipeline, this rank's stages of it
+    cut by `split_model` under the model's own names, so its checkpoints are the plain run's; the MoE
+    load tracker or None)."""
+    torch.manual_seed(plan.seed)  # every rank builds the same weights (rank 0's are broadcast anyway)
+    tracker = None
+    if plan.moe_experts:
+        from zerodist.train import moe_report
+
+        # the experts spread over one stage's ranks
+        model: GPT | MoEGPT = moe_report.build_moe_model(plan.model, plan.moe_experts,
+                                                         comm.get_world_size() // plan.pipe)
+        tracker = moe_report.LoadTracker(model)
+    else:
+        model = GPT(gpt_config(plan.model, **({"seq_len": plan.seq_len} if plan.seq_len else {})))
+    if plan.pipe == 1:
+        return model, model, tracker
+    from zerodist.pipe import split_model
+
+    return model, split_model(model, num_stages=plan.pipe,
+                              stages_per_rank=2 if plan.pipe_schedule == "interleaved" else 1), tracker
+
+
 def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
     """Train on this rank. Rank 0's header goes to `progress` before the first step; the outcome
     carries the exit code (0 when the run finished with a finite loss, 1 otherwise) and rank 0's
     report, which the CLI shows (zerodist/cli/train.py)."""
-    torch.manual_seed(plan.seed)  # every rank builds the same weights (rank 0's are broadcast anyway)
-    if plan.moe_experts:
-        from zerodist.train import moe_report
-
-        model: GPT | MoEGPT = moe_report.build_moe_model(plan.model, plan.moe_experts, comm.get_world_size())
-        tracker = moe_report.LoadTracker(model)
-    else:
-        model = GPT(gpt_config(plan.model, **({"seq_len": plan.seq_len} if plan.seq_len else {})))
+    model, module, tracker = build_model(plan)
     seq_len = model.config.seq_len
     dataset = build_dataset(plan, seq_len)
-    engine, _, loader, _ = zerodist.initialize(model=model, config=plan.config, training_data=dataset)
+    engine, _, loader, _ = zerodist.initialize(model=module, config=plan.config, training_data=dataset)
     rank0 = comm.get_rank() == 0
     resumed = engine.global_steps  # the step of the checkpoint resumed from; 0 for a fresh run
     if resumed >= plan.steps:
@@ -331,12 +430,17 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
     if rank0 and progress is not None:
         for line in header_lines(plan, engine, model):
             progress(line)
+        if engine.pipeline is not None:
+            from zerodist.train.pipe_report import header_line
+
+            progress(header_line(engine, plan.pipe_schedule))
     if rank0:
         write_config(plan)
     history = read_csv(plan.out / "metrics.csv", resumed) if resumed else []
     metrics = MetricsLog(plan.out / "metrics.csv", history) if rank0 else None
     activations = SavedActivations(engine.module) if engine.topology.size("sequence") > 1 else None
-    observer = StepObserver(engine.config, plan.out, engine.module, dtype=engine.policy.param_dtype)
+    observer = StepObserver(engine.config, plan.out, engine.module, dtype=engine.policy.param_dtype,
+                            module_spans=engine.pipeline is None)
     try:
         with schedule_log() as tensor_parallel_log:  # tensor-parallel bytes and Domino's schedule
             records, elapsed, everything, logging_traffic = run_steps(engine, loader, plan.steps, seq_len, metrics,
@@ -344,7 +448,8 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
         memory = gather_memory(engine)
         observed = observer.finish({"model": plan.model, "stage": engine.config.zero_optimization.stage})
         sequence = _sequence_report(engine, everything, activations, len(records), seq_len)
-        load = tracker.gather() if plan.moe_experts else None
+        load = tracker.gather() if tracker is not None else None
+        pipe_lines = _pipeline_lines(plan, engine, model, everything, len(records), observer)
     finally:
         engine.destroy()
         if metrics is not None:
@@ -352,16 +457,17 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
     summary = summarize(engine, records, elapsed, everything, logging_traffic, memory, seq_len)
     outcome = TrainOutcome(0, summary=summary)
     if rank0:
-        outcome.lines.append(format_summary(summary))
-        outcome.lines += observed
+        sections = list(pipe_lines)  # each axis' bytes against its formula: on screen and in summary.txt
+        if engine.topology.size("tensor") > 1:
+            report = measure_from_log(engine, model.config, tensor_parallel_log,
+                                      len(records) * engine.batch.gradient_accumulation_steps)
+            sections.append("\n".join("  " + line for line in report_lines(report)))
+        if sequence is not None:
+            sections.append("\n".join("  " + line for line in sequence_report_lines(sequence)))
+        outcome.lines += [format_summary(summary), *observed, *sections]
         if load is not None:
             outcome.lines += _moe_lines(plan, engine, model, load, everything, len(records), seq_len)
-        if engine.topology.size("tensor") > 1:
-            report = measure_from_log(engine, tensor_parallel_log, len(records) * engine.batch.gradient_accumulation_steps)
-            outcome.lines.append("\n".join("  " + line for line in report_lines(report)))
-        if sequence is not None:
-            outcome.lines.append("\n".join("  " + line for line in sequence_report_lines(sequence)))
-        outcome.lines += write_outputs(plan, history + records, summary)
+        outcome.lines += write_outputs(plan, history + records, summary, sections)
     if engine.interval_saves.last_error is not None:  # the same on every rank: a save's outcome is agreed
         outcome.code = 1
         if rank0:

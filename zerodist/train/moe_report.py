@@ -79,12 +79,13 @@ class LoadTracker:
 
 
 def all_to_all_formula_bytes(model: MoEGPT, tokens_per_micro_batch: int, accumulation_steps: int,
-                             element_bytes: int) -> int:
-    """Capacity mode: 4 all-to-alls of E * C * M elements per MoE layer and micro-step."""
+                             element_bytes: int, layers: int | None = None) -> int:
+    """Capacity mode: 4 all-to-alls of E * C * M elements per MoE layer and micro-step; `layers`: the
+    MoE layers this rank runs (a pipeline stage's), by default all of the model's."""
     config = model.moe_config
     slots = capacity(tokens_per_micro_batch, config.num_experts, config.k, config.capacity_factor, config.min_capacity)
     per_layer = 4 * config.num_experts * slots * model.config.d_model * element_bytes
-    return per_layer * len(model.moe_layers()) * accumulation_steps
+    return per_layer * (len(model.moe_layers()) if layers is None else layers) * accumulation_steps
 
 
 def load_lines(load: ExpertLoad, *, measured_bytes_per_step: float, formula_bytes_per_step: int) -> list[str]:

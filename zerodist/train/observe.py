@@ -82,13 +82,12 @@ class StepObserver:
             yield
         self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
 
-    def pipeline_step(self, run: Any, seconds: float, step: int) -> None:
-        """A pipeline step's breakdown from its executor's timed actions (F; B, I and W), logged like
-        `columns` (the pipeline demo writes no metrics.csv)."""
+    def pipeline_phases(self, run: Any) -> None:
+        """A pipeline step's breakdown from its executor's timed actions (F; B, I and W), for the
+        row `columns` writes next."""
         if run is not None:
             for name, kinds in (("forward", {"F"}), ("backward", {"B", "I", "W"})):
                 self.phases[name] = sum(a.end - a.start for a in run.trace if a.action.kind.value in kinds)
-        self.columns(step, seconds)
 
     def columns(self, step: int, seconds: float) -> dict[str, float | None]:
         """This step's metrics.csv columns: TFLOP/s of this rank, MFU, and the breakdown in ms of the

@@ -83,7 +83,7 @@ class TrainPlan:
     corpus_bytes: int = CORPUS_BYTES
     moe_experts: int = 0  # > 0: every block's MLP is an MoE layer of this many experts, expert parallel
     seq_len: int | None = None  # --seq-len: the GPT's sequence length (None: the preset's)
-    pipe: int = 1  # > 1: the GPT in this many pipeline stages (zerodist/train/pipeline.py)
+    pipe: int = 1  # > 1: the GPT cut into this many pipeline stages by split_model (zerodist/train/loop.py)
     pipe_schedule: str = "1f1b"
 
 

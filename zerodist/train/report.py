@@ -60,6 +60,7 @@ class RankMemory:
     rank: int
     state: dict[str, int]
     peak_rss: int
+    expected: int | None = None  # this rank's own formula bytes (a pipeline: each stage holds its own Ψ)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,7 @@ class RunSummary:
     narrow_groups: tuple[tuple[int, int, int], ...] = ()
     tensor_degree: int = 1  # world_size counts batch shards (the N of the formulas); ranks = N x tensor
     sequence_degree: int = 1  # > 1: world_size is data x sequence, the ranks dense parameters are sharded over
+    pipe_degree: int = 1  # > 1: Ψ is rank 0's stages'; each rank is set beside its own stages' formula
 
 
 def loss_line(losses: list[float]) -> str:
@@ -93,6 +95,13 @@ def loss_line(losses: list[float]) -> str:
     fell = 100.0 * (1.0 - last / first) if first else 0.0
     return (f"loss {first:.3f} -> {last:.3f} (mean of the last {len(tail)} steps {sum(tail) / len(tail):.3f}; "
             f"fell {fell:.0f}%)")
+
+
+def expected_state_bytes(psi_by_stage: dict[int, int], narrow: list[tuple[int, int, int]] | tuple[
+        tuple[int, int, int], ...], mixed: bool, world_size: int) -> int:
+    """The formula's model-state bytes of one rank: its groups by stage over N, plus the narrow ones over theirs."""
+    return (sum(state_formula_bytes(stage, mixed, psi, world_size) for stage, psi in psi_by_stage.items())
+            + sum(state_formula_bytes(stage, mixed, psi, ranks) for stage, psi, ranks in narrow))
 
 
 def memory_lines(summary: RunSummary) -> list[str]:
@@ -113,10 +122,13 @@ def memory_lines(summary: RunSummary) -> list[str]:
         experts = sum(psi for _, psi, _ in summary.narrow_groups)
         ranks = sorted({r for _, _, r in summary.narrow_groups})
         described += f"; plus MoE experts' Ψ = {experts:,} sharded over N = {', '.join(map(str, ranks))}"
+    if summary.pipe_degree > 1:
+        described = f"rank 0's stages: {described}; each rank against its own stages' Ψ"
     lines = [f"model state per rank ({described} = {format_bytes(expected)}):"]
     for m in summary.memory:
-        total = m.state["total"]
-        verdict = "matches" if total == expected else f"differs by {format_bytes(total - expected)}"
+        total, own = m.state["total"], m.expected if m.expected is not None else expected
+        verdict = ("matches" if total == own else f"differs by {format_bytes(total - own)}") + (
+            f" its stages' formula {format_bytes(own)}" if own != expected else "")
         lines.append(f"  rank {m.rank}: params {format_bytes(m.state['params'])} + grads {format_bytes(m.state['grads'])}"
                      f" + optimizer {format_bytes(m.state['optimizer'])} = {format_bytes(total)} ({verdict}); "
                      f"peak RSS {format_bytes(m.peak_rss)}")
@@ -134,6 +146,7 @@ def comm_lines(summary: RunSummary) -> list[str]:
                  f"training; docs/design/zero.md expects {expected} bus bytes for "
                  "gradients and parameters (plus a few bytes of norm/overflow all_reduce)"
                  + ("; the rest is tensor-parallel traffic (below)" if summary.tensor_degree > 1 else "")
+                 + ("; the pipeline's sends are its p2p (below)" if summary.pipe_degree > 1 else "")
                  + ("; the rest is sequence-parallel traffic (below) and the loss's token counts"
                     if summary.sequence_degree > 1 else ""))
     lines.append(f"  loss averaging for the progress bar adds {format_bytes(summary.logging_bytes / steps)} per step "
@@ -142,10 +155,14 @@ def comm_lines(summary: RunSummary) -> list[str]:
 
 
 def _ranks(summary: RunSummary) -> str:
-    if summary.tensor_degree == 1:
+    if summary.tensor_degree == 1 and summary.pipe_degree == 1:
         return f"{summary.world_size} rank(s)"
-    return (f"{summary.world_size * summary.tensor_degree} ranks (data {summary.world_size} x tensor "
-            f"{summary.tensor_degree}; Ψ below is each rank's tensor-local count)")
+    if summary.pipe_degree == 1:
+        return (f"{summary.world_size * summary.tensor_degree} ranks (data {summary.world_size} x tensor "
+                f"{summary.tensor_degree}; Ψ below is each rank's tensor-local count)")
+    return (f"{summary.world_size * summary.tensor_degree * summary.pipe_degree} ranks (pipe {summary.pipe_degree} x "
+            f"data {summary.world_size} x tensor {summary.tensor_degree}; Ψ below is rank 0's stages' "
+            f"{'tensor-local ' if summary.tensor_degree > 1 else ''}count)")
 
 
 def format_summary(summary: RunSummary) -> str:

@@ -18,14 +18,14 @@ is then not shown.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from zerodist.tensor_parallel import ScheduleLog
 from zerodist.utils import format_bytes
 
 if TYPE_CHECKING:
     from zerodist.engine import Engine
-    from zerodist.models.gpt import GPT
+    from zerodist.models.gpt import GPTConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,22 +40,30 @@ class TensorParallelReport:
     backward_overlap: float | None
 
 
-def gpt_formula(*, tokens: int, hidden: int, vocab: int, layers: int, element_bytes: int) -> tuple[int, int]:
-    """(forward, backward) payload bytes of one micro-batch (module docstring)."""
-    per_direction = (2 * layers + 1) * tokens * hidden * element_bytes
-    return per_direction + tokens * vocab * element_bytes, per_direction
+def gpt_formula(*, tokens: int, hidden: int, vocab: int, layers: int, element_bytes: int, first: bool = True,
+                last: bool = True) -> tuple[int, int]:
+    """(forward, backward) payload bytes of one micro-batch (module docstring). Under a pipeline a
+    rank counts its own stages' `layers`, the embedding's all-reduce only on the `first` stage and
+    the head's all-gather and all-reduce only on the `last`."""
+    forward = (2 * layers + first) * tokens * hidden * element_bytes + last * tokens * vocab * element_bytes
+    return forward, (2 * layers + last) * tokens * hidden * element_bytes
 
 
-def measure_from_log(engine: Engine, log: ScheduleLog, micro_steps: int) -> TensorParallelReport:
-    """Per micro-batch bytes and overlap from the schedule log of a training run."""
+def measure_from_log(engine: Engine, gpt: GPTConfig, log: ScheduleLog, micro_steps: int) -> TensorParallelReport:
+    """Per micro-batch bytes and overlap from the schedule log of a training run of the demo GPT
+    shaped `gpt` (rank 0's stages under a pipeline)."""
     settings = engine.config.zerodist.tensor_parallel
     chunks = settings.domino.chunks if settings.domino is not None else None
-    gpt = cast("GPT", engine.module).config  # the demo GPT: `zerodist train` builds it
+    layers, first, last = gpt.n_layers, True, True
+    if engine.pipeline is not None:
+        from zerodist.train.pipe_report import rank_blocks
+
+        layers, first, last = rank_blocks(engine), engine.is_first_stage(), engine.is_last_stage()
     expected: tuple[int | None, int | None] = (None, None)
     if not settings.sequence_parallel:
         expected = gpt_formula(tokens=engine.batch.micro_batch_size * gpt.seq_len, hidden=gpt.d_model,
-                               vocab=gpt.vocab_size, layers=gpt.n_layers,
-                               element_bytes=engine.policy.param_dtype.itemsize)
+                               vocab=gpt.vocab_size, layers=layers, element_bytes=engine.policy.param_dtype.itemsize,
+                               first=first, last=last)
     overlap = (log.overlap_fraction("forward"), log.overlap_fraction("backward")) if chunks else (None, None)
     steps = max(1, micro_steps)
     return TensorParallelReport(engine.topology.size("tensor"), chunks, log.all_bytes("forward") // steps,
