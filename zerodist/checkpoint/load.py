@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import tempfile
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -202,28 +203,31 @@ def _all_shapes(zero: ZeroState) -> dict[str, tuple[int, ...]]:
 def _pick(load_dir: Path, tag: Any, skip_damaged: bool) -> Manifest | None:
     """Rank 0 chooses and reads the manifest; every rank gets the same (never different tags),
     or raises the same error."""
-    choice: list[Any] = [None]
-    if comm.get_rank() == 0:
-        chosen, error = choose_tag(load_dir, tag, skip_damaged)
-        try:
-            choice[0] = (read_manifest(load_dir / chosen) if chosen else None, error)
-        except CheckpointError as err:
-            choice[0] = (None, err)
-    comm.broadcast_object_list(choice, src=0)
-    manifest, error = choice[0]
-    if error is not None:
-        raise error
-    return manifest
+    def choose() -> tuple[str | None, CheckpointError | None]:
+        return choose_tag(load_dir, tag, skip_damaged)
+
+    return _read_on_rank0(load_dir, choose)
 
 
 def _older(load_dir: Path, than: Manifest) -> Manifest | None:
     """The committed checkpoint before `than` (rank 0 reads it, every rank gets it)."""
-    choice: list[Any] = [None]
-    if comm.get_rank() == 0:
+    def choose() -> tuple[str | None, CheckpointError | None]:
         older = sorted((m for m in list_checkpoints(load_dir).committed if m.committed_at < than.committed_at),
                        key=lambda m: m.committed_at)
+        return (older[-1].tag if older else None), None
+
+    return _read_on_rank0(load_dir, choose)
+
+
+def _read_on_rank0(load_dir: Path, choose: Callable[[], tuple[str | None, CheckpointError | None]]
+                   ) -> Manifest | None:
+    """Rank 0 picks a tag with `choose()` and reads its manifest; every rank returns the same manifest
+    (None when there is none) or raises the same error."""
+    choice: list[Any] = [None]
+    if comm.get_rank() == 0:
+        chosen, error = choose()
         try:
-            choice[0] = (read_manifest(load_dir / older[-1].tag) if older else None, None)
+            choice[0] = (read_manifest(load_dir / chosen) if chosen else None, error)
         except CheckpointError as err:
             choice[0] = (None, err)
     comm.broadcast_object_list(choice, src=0)
