@@ -47,11 +47,11 @@ def test_restart_after_a_truncated_newest_shard_resumes_from_the_intact_tag(tmp_
     """`zerodist run --max-restarts 2` with `auto_resume` and `skip_damaged: true`: rank 1 truncates
     its shard of global_step6 and dies after step 7; the restart loads global_step4 and the job
     ends with the uninterrupted run's parameters and loss."""
-    from tests.checkpoint import damaged_resume_script as script
+    from tests import checkpoint_restart_script as script
 
     out = tmp_path / "final.pt"
     command = [sys.executable, "-m", "zerodist", "run", "--nproc", "2", "--max-restarts", "2",
-               script.__file__, str(tmp_path / "ckpt"), str(out), "6"]
+               script.__file__, str(tmp_path / "ckpt"), str(out), "7", "damage"]
     done = run_group(command, timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "final.pt.log").read_text().splitlines() == ["attempt 0 started at step 0",
