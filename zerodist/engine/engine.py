@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -80,6 +80,7 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self.interval_saves = checkpoint.IntervalSaves(config.checkpoint)  # a failed one warns; training goes on
+        self._before_save: list[Callable[[], None]] = []  # before_interval_save()'s callbacks
         self.last_step: StepResult | None = None
         self._boundary_override: bool | None = None
         self._no_sync = False
@@ -351,7 +352,20 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
         self.finish_param_gathers()
         training_state.load_training_state_dict(self, state)
 
+    @contextlib.contextmanager
+    def before_interval_save(self, callback: Callable[[], None]) -> Iterator[None]:
+        """Inside: `callback()` runs after each optimizer step's update and before the interval save
+        that step may make (every step, saving or not), e.g. to write a metrics row that a kill right
+        after the save must not lose ([Note: rows before the save] in zerodist/train/loop.py)."""
+        self._before_save.append(callback)
+        try:
+            yield
+        finally:
+            self._before_save.remove(callback)
+
     def _save_at_interval(self) -> None:
+        for callback in list(self._before_save):
+            callback()
         save_dir = self.config.checkpoint.save_dir  # the config requires it with save_interval
         self.interval_saves.after_step(self.global_steps, lambda: self.save_checkpoint(str(save_dir)))
 

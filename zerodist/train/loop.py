@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -88,21 +88,6 @@ def micro_steps(engine: Engine, batches: Iterator[Any], device: torch.device,
     return torch.stack(losses).mean()
 
 
-class _RowFirst:
-    """The engine's interval saves with `first()` run before each: the engine calls `after_step` once per
-    optimizer step, right before it may save ([Note: rows before the save])."""
-
-    def __init__(self, saves: Any, first: Callable[[], None]):
-        self.saves, self.first = saves, first
-
-    def after_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.first()
-        return self.saves.after_step(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.saves, name)
-
-
 def pipeline_batch(engine: Engine, batches: Iterator[Any], before_step: Callable[[torch.Tensor], None],
                    observer: StepObserver | None = None) -> torch.Tensor:
     """One pipeline optimizer step: `engine.train_batch(batches)`, the plain loop's micro-batches in the
@@ -118,12 +103,8 @@ def pipeline_batch(engine: Engine, batches: Iterator[Any], before_step: Callable
                 observer.pipeline_phases(engine.last_run)
             before_step(engine.agg_train_loss)
 
-    saves = engine.interval_saves
-    engine.interval_saves = cast(Any, _RowFirst(saves, row))
-    try:
+    with engine.before_interval_save(row):
         loss = engine.train_batch(batches)
-    finally:
-        engine.interval_saves = saves
     row()  # an engine that stepped without asking its saves: the row all the same
     return loss
 
