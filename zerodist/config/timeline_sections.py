@@ -3,21 +3,17 @@ a step and where (zerodist/debug/timeline.py and flops.py do the work; docs/time
 
 from __future__ import annotations
 
-import logging
-
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from zerodist.config.fields import Section
-from zerodist.utils import get_logger, log_rank0
-
-logger = get_logger(__name__)
 
 
 class FlopsProfilerConfig(Section):
     enabled: bool = Field(
-        False, description="Count the FLOPs of one step per module (torch's FLOP counter over matrix products) and "
-        "report FLOP/s and MFU against the device's peak. zerodist train always counts them (this section sets "
-        "which step and what is printed); in a loop of your own call zerodist.debug.flops.count_flops."
+        False, description="Count the FLOPs of step profile_step per module (torch's FLOP counter over matrix "
+        "products, every forward and backward of the step) and log the profile on rank 0 with FLOP/s (and MFU on a "
+        "GPU of the table); the engine does it in a loop of your own. zerodist train always counts them (this "
+        "section sets which step and what is printed) and reports MFU against a CPU's measured peak too."
     )
     recompute_fwd_factor: float = Field(
         0.0, ge=0, description="Accepted for DeepSpeed compatibility: the FLOPs counted are the ones that ran, "
@@ -25,19 +21,12 @@ class FlopsProfilerConfig(Section):
     )
     profile_step: int = Field(1, ge=1, description="The optimizer step whose FLOPs are counted.")
 
-    @field_validator("enabled")
-    @classmethod
-    def _says_who_counts(cls, value: bool) -> bool:
-        if value:  # DeepSpeed's engine counts by itself; zerodist's engine does not (yet): say so once per load
-            log_rank0(logger, "flops_profiler.enabled: zerodist train counts FLOPs and reports MFU; an engine driven by "
-                      "a loop of your own does not: call zerodist.debug.flops.count_flops around a step "
-                      "(docs/timeline.md)", level=logging.WARNING)
-        return value
-    module_depth: int = Field(-1, ge=-1, description="Deepest module level printed in the per-module table; -1: all.")
+    module_depth: int = Field(-1, ge=-1, description="Deepest module level printed in the per-module table (the "
+                              "model is 0); -1: all.")
     top_modules: int = Field(1, ge=0, description="Modules printed per level of the table, largest first; 0: all.")
     detailed: bool = Field(True, description="Print the per-module table (false: the totals only).")
     output_file: str | None = Field(
-        None, description="Write the report to this file instead of the log (rank 0)."
+        None, description="Write the profile to this file instead of the log (rank 0)."
     )
 
 
@@ -45,12 +34,14 @@ class ZerodistTimelineConfig(Section):
     enabled: bool = Field(
         False, description="Record a timeline of the chosen steps on every rank (compute spans, every collective "
         "with issue/wait/completion, p2p messages, swap I/O, waits) and merge it on rank 0: what `zerodist train "
-        "--trace` sets; in a loop of your own use zerodist.debug.timeline.StepTimeline."
+        "--trace` sets; in a loop of your own the engine records them around its forward/backward/step and writes "
+        "the same files right after the last chosen step."
     )
     start_step: int = Field(2, ge=1, description="The first optimizer step recorded (the first is warm-up).")
     num_steps: int = Field(1, ge=1, description="How many consecutive steps are recorded.")
     output_dir: str | None = Field(
-        None, description="Where timeline.json and traces/rank<r>.json go; null: <zerodist train --out>/timeline."
+        None, description="Where timeline.json and traces/rank<r>.json go; null: <zerodist train --out>/timeline, "
+        "or ./timeline in a loop of your own."
     )
     torch_profiler: bool = Field(
         True, description="Also run torch.profiler over the recorded steps and keep each rank's trace "

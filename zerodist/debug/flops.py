@@ -23,9 +23,11 @@ every rank does the same (`measure_matmul_peak`), so it is the share of the mach
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,7 +35,7 @@ from torch.utils.flop_counter import flop_registry
 
 from zerodist.compat import TorchDispatchMode
 
-__all__ = ["FlopCount", "GPU_PEAK_FLOPS", "count_flops", "device_peak", "format_flops_table", "measure_matmul_peak"]
+__all__ = ["FlopCount", "FlopSession", "GPU_PEAK_FLOPS", "count_flops", "device_peak", "format_flops_table", "measure_matmul_peak"]
 
 TERA = 1e12
 
@@ -59,6 +61,7 @@ class FlopCount:
     total: int
     forward: dict[str, int]                # "blocks.0.attn" -> forward FLOPs; "" is the whole model
     params: dict[str, int]                 # the same names -> parameters (this rank's)
+    latency: dict[str, float] = dataclasses.field(default_factory=dict)  # the same names -> forward seconds
 
 
 class _Counter(TorchDispatchMode):
@@ -77,38 +80,76 @@ class _Counter(TorchDispatchMode):
         return out
 
 
+class FlopSession:
+    """A FLOP count spread over several calls (an engine's forwards and backwards of one step):
+    `counting()` around each, `finish()` for the `FlopCount`. Each module of `module` gets its
+    forwards' FLOPs and wall time from forward hooks (removed by `finish()`)."""
+
+    def __init__(self, module: torch.nn.Module | None = None):
+        self.counter = _Counter()
+        self.forward: dict[str, int] = {}
+        self.latency: dict[str, float] = {}
+        self.module = module
+        self._begun: dict[int, list[tuple[int, float]]] = {}
+        self._handles: list[Any] = []
+        self._depth = 0
+        for name, child in (module.named_modules() if module is not None else ()):
+            self._handles += [child.register_forward_pre_hook(self._pre),
+                              child.register_forward_hook(functools.partial(self._post, name=name))]
+
+    def _pre(self, m: torch.nn.Module, args: Any) -> None:
+        if self._depth:
+            self._begun.setdefault(id(m), []).append((self.counter.total, time.perf_counter()))
+
+    def _post(self, m: torch.nn.Module, args: Any, output: Any, name: str) -> None:
+        if self._depth and self._begun.get(id(m)):
+            flops, started = self._begun[id(m)].pop()
+            self.forward[name] = self.forward.get(name, 0) + self.counter.total - flops
+            self.latency[name] = self.latency.get(name, 0.0) + time.perf_counter() - started
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count the FLOPs run inside (re-entrant: a nested block counts nothing twice)."""
+        if self._depth:
+            yield
+            return
+        self._depth += 1
+        try:
+            with self.counter:
+                yield
+        finally:
+            self._depth -= 1
+
+    def finish(self, params: dict[str, int] | None = None) -> FlopCount:
+        """The count so far; removes the hooks. `params` overrides the modules' parameter counts
+        (a stage-3 shard holds a slice of each parameter: the engine passes the full sizes)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if params is None:
+            params = {name: sum(p.numel() for p in child.parameters()) for name, child in self.module.named_modules()} \
+                if self.module is not None else {}
+        return FlopCount(self.counter.total, dict(self.forward), params, dict(self.latency))
+
+
 def count_flops(run: Callable[[], Any], module: torch.nn.Module | None = None) -> tuple[FlopCount, Any]:
     """Run `run()` once under the FLOP counter ([Note: counting FLOPs]); returns (count, its result).
     Each module of `module` gets its forward's FLOPs from hooks that read the running total."""
-    counter = _Counter()
-    forward: dict[str, int] = {}
-    begun: dict[int, list[int]] = {}
-    handles = []
-    for name, child in (module.named_modules() if module is not None else ()):
-        def pre(m: torch.nn.Module, args: Any) -> None:
-            begun.setdefault(id(m), []).append(counter.total)
-
-        def post(m: torch.nn.Module, args: Any, output: Any, name: str = name) -> None:
-            if begun.get(id(m)):
-                forward[name] = forward.get(name, 0) + counter.total - begun[id(m)].pop()
-
-        handles += [child.register_forward_pre_hook(pre), child.register_forward_hook(post)]
+    session = FlopSession(module)
     try:
-        with counter:
+        with session.counting():
             result = run()
     finally:
-        for handle in handles:
-            handle.remove()
-    params = {name: sum(p.numel() for p in child.parameters()) for name, child in module.named_modules()} \
-        if module is not None else {}
-    return FlopCount(counter.total, forward, params), result
+        count = session.finish()
+    return count, result
 
 
 def format_flops_table(count: FlopCount, *, depth: int = 2, top: int = 0) -> list[str]:
     """Per module to `depth` (the model is depth 0), the largest `top` per parent (0: all), as
     DeepSpeed's flops profiler lists them: parameters, forward FLOPs, share of the model's forward."""
     whole = count.forward.get("", 0)
-    lines = [f"  {'module (forward)':<40}{'params':>13}{'GFLOPs':>11}{'share':>8}"]
+    timed = bool(count.latency)  # a FlopSession's count: each module's forward time too
+    lines = [f"  {'module (forward)':<40}{'params':>13}{'GFLOPs':>11}{'share':>8}" + (f"{'fwd ms':>10}" if timed else "")]
 
     names = list(count.params) or list(count.forward)
 
@@ -119,10 +160,14 @@ def format_flops_table(count: FlopCount, *, depth: int = 2, top: int = 0) -> lis
     def flops(name: str) -> int:  # a container that is never called (a ModuleList): its items' sum
         return count.forward[name] if name in count.forward else sum(flops(c) for c in children(name))
 
+    def latency(name: str) -> float:
+        return count.latency[name] if name in count.latency else sum(latency(c) for c in children(name))
+
     def visit(name: str, level: int) -> None:
         label = ("  " * level + (name.rsplit(".", 1)[-1] if name else "model"))[:39]
         lines.append(f"  {label:<40}{count.params.get(name, 0):>13,}{flops(name) / 1e9:>11.3f}"
-                     f"{flops(name) / whole if whole else 0:>8.1%}")
+                     f"{flops(name) / whole if whole else 0:>8.1%}"
+                     + (f"{latency(name) * 1e3:>10.2f}" if timed else ""))
         if level < depth:
             for child in sorted(children(name), key=lambda c: -flops(c))[:top or None]:
                 visit(child, level + 1)

@@ -25,7 +25,6 @@ hooks and close, and reads ZeRO's state (`part_states["zero"]`) under the names 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,6 +38,7 @@ from zerodist.debug import MemoryMonitor, NanHunter, NonFiniteError, reduce_loss
 from zerodist.engine import training_state
 from zerodist.engine.deepspeed_surface import DeepSpeedEngineAPI
 from zerodist.engine.monitor import Monitors
+from zerodist.engine.phase_timing import PhaseTiming
 from zerodist.engine.pipeline_surface import PipelineEngineSurface
 from zerodist.engine.runners import AccumulationRunner, BatchRunner
 from zerodist.pipe.executor import PipelineError
@@ -86,7 +86,6 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
         self._no_sync = False
         self._backward_pending = False
         self._trace = None
-        self._step_started = time.perf_counter()
         self._micro_losses: list[torch.Tensor] = []  # this optimizer step's losses, for the logged mean
         self.nan_hunter = NanHunter(self) if config.zerodist.debug.nan_check else None
         self.memory_monitor = MemoryMonitor(self) if config.memory_breakdown else None
@@ -95,6 +94,8 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
             ops = None if config.comms_logger.prof_all else config.comms_logger.prof_ops
             self._trace = comm.trace(ops=ops, verbose=config.comms_logger.verbose)
             self.comms_trace = self._trace.__enter__()
+        # wall_clock_breakdown, flops_profiler, zerodist.timeline in the user's own loop (zerodist/engine/phase_timing.py)
+        self.phase_timing = PhaseTiming(self)
 
     # ------------------------------------------------------------------ accumulation boundary
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -125,7 +126,7 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
         self._refuse_in_pipeline_mode()
         # Right after a step (stages 1/2) the forward waits for each unit's gather in its pre-hook, and
         # a stray read of a buffer still being gathered waits too ([Note: overlapped parameter gather]).
-        with sharded_access.suspended(waiting=True):
+        with self.phase_timing.phase("forward"), sharded_access.suspended(waiting=True):
             if self.policy.needs_master_copy:
                 args, kwargs = _cast_floating((args, kwargs), self.policy.param_dtype)
             return self.module(*args, **kwargs)
@@ -136,9 +137,10 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
         self._refuse_in_pipeline_mode()
         # Autograd reads the parameters its graph saved: a graph kept from before the last step
         # (retain_graph) would otherwise read buffers still being gathered.
-        self.finish_param_gathers()
-        with sharded_access.suspended():
-            self._backward(loss, retain_graph, scale_wrt_gas)
+        with self.phase_timing.phase("backward"):
+            self.finish_param_gathers()
+            with sharded_access.suspended():
+                self._backward(loss, retain_graph, scale_wrt_gas)
 
     def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -163,7 +165,7 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """One micro-step done; at the accumulation boundary, the optimizer steps."""
         self._refuse_in_pipeline_mode()
-        with sharded_access.suspended():
+        with self.phase_timing.phase("step"), sharded_access.suspended():
             self._step(lr_kwargs or {})
 
     def _step(self, lr_kwargs: dict[str, Any]) -> None:
@@ -188,7 +190,8 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
         the same on every rank. A pipeline's micro-batches are `(inputs, labels)`; otherwise each
         is the model's arguments (a dict as keywords, a tuple as positions) and its forward returns
         the loss (or an output with `.loss`)."""
-        return self.runner.train_batch(self, data_iter)
+        with self.phase_timing.phase("train_batch"):
+            return self.runner.train_batch(self, data_iter)
 
     def eval_batch(self, data_iter: Iterator[Any] | None = None, return_logits: bool = False,
                    compute_loss: bool = True, reduce_output: str = "avg", bcast_loss: bool = True,
@@ -204,7 +207,7 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
         self._micro_losses = list(losses)
         self.micro_steps += micro_batches
         self._step_applied = False
-        with sharded_access.suspended():
+        with self.phase_timing.phase("step"), sharded_access.suspended():
             self._optimizer_step({})
 
     def _optimizer_step(self, lr_kwargs: dict[str, Any]) -> None:
@@ -255,10 +258,6 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
                                 loss_scale=self.optimizer.scaler.scale)
         if not printing:
             return
-        elapsed = time.perf_counter() - self._step_started
-        self._step_started = time.perf_counter()
-        if self.config.wall_clock_breakdown:
-            log_rank0(logger, "step %d: %.1f ms per step over the last %d", self.global_steps, elapsed * 1e3 / every, every)
         log_rank0(logger, "step %d: loss %.6g (mean over ranks), lr %s, grad norm %.4g, loss scale %g",
                   self.global_steps, loss, self.get_lr(), self.get_global_grad_norm() or 0.0,
                   self.optimizer.scaler.scale)
@@ -404,6 +403,7 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
         if self.nan_hunter is not None:
             self.nan_hunter.close()
         self.monitors.close()
+        self.phase_timing.close()
         for group in self.groups:
             group.release_pooled_buffers()  # stage 3's idle gathered/staging buffers ([Note: buffer pool])
         self.part_states.close()  # offload's swap files are scratch: removed here

@@ -22,10 +22,9 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
-from zerodist.comm import timeline
 from zerodist.debug.flops import FlopCount, count_flops, device_peak, format_flops_table
 from zerodist.debug.timeline import StepTimeline, TimelineReport
-from zerodist.utils import get_logger, log_rank0
+from zerodist.utils import get_logger
 
 logger = get_logger(__name__)
 
@@ -44,8 +43,6 @@ class StepObserver:
                                         num_steps=settings.num_steps, torch_profiler=settings.torch_profiler,
                                         module=module if settings.module_spans and module_spans else None)
         self.profiler = config.flops_profiler
-        self.breakdown = bool(config.wall_clock_breakdown)
-        self.every = config.steps_per_print or 0
         self.module = module
         self.flops: FlopCount | None = None
         self.counted_step = 0
@@ -76,10 +73,9 @@ class StepObserver:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time one phase of the step (summed over its micro-steps); a span while the timeline records."""
+        """Time one phase of the step (summed over its micro-steps), for metrics.csv's columns."""
         start = time.perf_counter()
-        with timeline.span("step", name):
-            yield
+        yield  # the engine records the phase's span itself (zerodist/engine/phase_timing.py)
         self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
 
     def pipeline_phases(self, run: Any) -> None:
@@ -99,9 +95,7 @@ class StepObserver:
         if self.flops is not None and step > self.counted_step:
             self.busy_s += seconds
             self.busy_steps += 1
-        if self.breakdown and self.every and step % self.every == 0 and phases:
-            log_rank0(logger, "step %d: time (ms) | %s", step,
-                      " | ".join(f"{name}: {s * 1e3:.2f}" for name, s in phases.items()))
+        # wall_clock_breakdown's log line is the engine's (zerodist/engine/phase_timing.py)
         return {"tflops": achieved / 1e12 if achieved is not None else None,
                 "mfu": achieved / self.peak if achieved is not None and self.peak else None,
                 **{f"{name}_ms": s * 1e3 for name, s in phases.items()}}
