@@ -44,7 +44,7 @@ def zerodist_log() -> Iterator[list[str]]:
 
 @pytest.mark.unit
 def test_no_op_deepspeed_values_load_with_one_info_line():
-    raw = {"prescale_gradients": False, "wandb": {"enabled": False, "project": "p"},
+    raw = {"prescale_gradients": False, "nebula": {"enabled": False, "persistent_storage_path": "p"},
            "fp16": {"fp16_master_weights_and_grads": False},
            "zero_optimization": {"stage": 2, "cpu_offload": False, "allgather_partitions": True,
                                  "offload_optimizer": {"device": "none"}, "sub_group_size": 1e9}}
@@ -52,7 +52,7 @@ def test_no_op_deepspeed_values_load_with_one_info_line():
         config = Config.load(raw)
     assert config.zero_optimization.stage == 2 and config.zero_optimization.offload_optimizer.device == "none"
     assert len(messages) == 1
-    for named in ("prescale_gradients=false", "wandb=", "fp16.fp16_master_weights_and_grads=false",
+    for named in ("prescale_gradients=false", "nebula=", "fp16.fp16_master_weights_and_grads=false",
                   "zero_optimization.cpu_offload=false", "zero_optimization.allgather_partitions=true"):
         assert named in messages[0], named
     with zerodist_log() as messages:

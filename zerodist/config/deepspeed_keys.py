@@ -29,12 +29,12 @@ def _keys(names: str) -> tuple[str, ...]:
 
 NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
     "": _keys("""
-        activation_checkpointing aio amp autotuning comet communication_data_type
+        activation_checkpointing aio amp autotuning communication_data_type
         compile compression_training curriculum_learning data_efficiency data_types
         dump_state eigenvalue elasticity gradient_predivide_factor
         graph_harvesting hybrid_engine nebula prescale_gradients
         progressive_layer_drop quantize_training seq_parallel_communication_data_type
-        sparse_attention sparse_gradients timers torch_autocast wandb
+        sparse_attention sparse_gradients timers torch_autocast
         weight_quantization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer
         """),
     "zero_optimization": _keys("""
@@ -81,7 +81,7 @@ ZERO_ALIASES: dict[str, str] = {
 # either; LLaMA-Factory's templates write both. A top-level key starting with "_" is a comment.
 IGNORED_BY_DEEPSPEED: dict[str, str] = {
     "comms_config": "the collective tracer is 'comms_logger'",
-    "monitor_config": "monitors are the top-level 'csv_monitor' and 'tensorboard' sections",
+    "monitor_config": "monitors are the top-level 'csv_monitor', 'tensorboard', 'wandb' and 'comet' sections",
 }
 
 
@@ -168,7 +168,7 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("", "aio"): (_section_of(AIO_KEYS), "DeepSpeed's aio keys (" + ", ".join(sorted(AIO_KEYS))
                   + "): tuning of DeepSpeed's own swap I/O"),
     **{("", name): _OFF_SECTION for name in (
-        "amp", "wandb", "comet", "nebula", "elasticity", "autotuning", "curriculum_learning",
+        "amp", "nebula", "elasticity", "autotuning", "curriculum_learning",
         "data_efficiency", "progressive_layer_drop", "eigenvalue", "hybrid_engine", "torch_autocast",
         "quantize_training")},
     ("zero_optimization", "allgather_partitions"): (_same(True), "true"),

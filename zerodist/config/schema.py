@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from zerodist.config.monitor_sections import CometConfig, WandbConfig
 from zerodist.config.timeline_sections import FlopsProfilerConfig, ZerodistTimelineConfig
 from zerodist.config.auto import TrainerValues, resolve_auto, resolve_model_auto
 from zerodist.config.batch import BatchSizes, resolve_batch_sizes
@@ -430,6 +431,8 @@ class Config(Section):
     tensorboard: MonitorConfig = Field(
         default_factory=MonitorConfig, description="Training metrics as TensorBoard events."
     )
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Training metrics to Weights & Biases.")
+    comet: CometConfig = Field(default_factory=CometConfig, description="Training metrics to Comet.")
     tensor_parallel: TensorParallelConfig = Field(
         default_factory=TensorParallelConfig, description="Tensor parallelism (DeepSpeed AutoTP's keys)."
     )

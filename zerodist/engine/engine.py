@@ -89,7 +89,7 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
         self._micro_losses: list[torch.Tensor] = []  # this optimizer step's losses, for the logged mean
         self.nan_hunter = NanHunter(self) if config.zerodist.debug.nan_check else None
         self.memory_monitor = MemoryMonitor(self) if config.memory_breakdown else None
-        self.monitors = Monitors(config)  # csv_monitor / tensorboard, written by rank 0
+        self.monitors = Monitors(config, comm.get_rank())  # csv_monitor / tensorboard / wandb / comet, by rank 0
         if config.comms_logger.enabled:
             ops = None if config.comms_logger.prof_all else config.comms_logger.prof_ops
             self._trace = comm.trace(ops=ops, verbose=config.comms_logger.verbose)
