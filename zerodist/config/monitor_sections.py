@@ -11,15 +11,9 @@ from __future__ import annotations
 import importlib.util
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from zerodist.config.fields import Section
-
-
-def _needs(package: str, key: str, install: str) -> None:
-    if importlib.util.find_spec(package) is None:
-        raise ValueError(f"'{key}.enabled' needs the {package} package, which is not installed here: pip install "
-                         f"{install} (or pip install 'zerodist[monitors]'), or set '{key}.enabled' to false")
 
 
 class WandbConfig(Section):
@@ -31,12 +25,6 @@ class WandbConfig(Section):
     team: str | None = Field(None, description="The W&B team (wandb.init's entity).")
     project: str = Field("deepspeed", description="The W&B project.")
 
-    @field_validator("enabled")
-    @classmethod
-    def _installed(cls, value: bool) -> bool:
-        if value:
-            _needs("wandb", "wandb", "wandb")
-        return value
 
 
 class CometConfig(Section):
@@ -63,9 +51,10 @@ class CometConfig(Section):
         None, description="comet_ml.start's mode: get, create or get_or_create (default)."
     )
 
-    @field_validator("enabled")
-    @classmethod
-    def _installed(cls, value: bool) -> bool:
-        if value:
-            _needs("comet_ml", "comet", "comet_ml")
-        return value
+
+def check_monitor_packages(wandb: WandbConfig, comet: CometConfig) -> None:
+    """The config's check (a model validator of Config): an enabled section's package is importable."""
+    for key, section, package in (("wandb", wandb, "wandb"), ("comet", comet, "comet_ml")):
+        if section.enabled and importlib.util.find_spec(package) is None:
+            raise ValueError(f"'{key}.enabled' needs the {package} package, which is not installed here: pip install "
+                             f"{package} (or pip install 'zerodist[monitors]'), or set '{key}.enabled' to false")

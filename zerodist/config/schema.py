@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from zerodist.config.monitor_sections import CometConfig, WandbConfig
+from zerodist.config.monitor_sections import CometConfig, WandbConfig, check_monitor_packages
 from zerodist.config.timeline_sections import FlopsProfilerConfig, ZerodistTimelineConfig
 from zerodist.config.auto import TrainerValues, resolve_auto, resolve_model_auto
 from zerodist.config.batch import BatchSizes, resolve_batch_sizes
@@ -460,6 +460,11 @@ class Config(Section):
     @classmethod
     def _auto_means_absent(cls, value: Any) -> Any:
         return None if isinstance(value, str) and value == "auto" else value
+
+    @model_validator(mode="after")
+    def _monitor_packages_installed(self) -> Config:
+        check_monitor_packages(self.wandb, self.comet)
+        return self
 
     @model_validator(mode="after")
     def _one_precision(self) -> Config:
