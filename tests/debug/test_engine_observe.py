@@ -49,7 +49,7 @@ def _user_loop(out: str, stage: int) -> dict:
     ds_config = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage},
-        "steps_per_print": 2, "wall_clock_breakdown": True,
+        "steps_per_print": 2, "wall_clock_breakdown": True, "csv_monitor": {"enabled": True, "output_path": f"{out}/csv"},
         "flops_profiler": {"enabled": True, "profile_step": 2, "module_depth": 2, "top_modules": 1,
                            "output_file": f"{out}/flops.txt"},
         "zerodist": {"timeline": {"enabled": True, "start_step": 3, "output_dir": f"{out}/timeline",
@@ -104,6 +104,20 @@ def test_wall_clock_breakdown_logs_phase_times_within_the_step_wall_time(ranks):
     for result in results:  # the unrounded numbers, on every rank
         last = result["last"]
         assert last["fwd"] + last["bwd"] + last["step"] <= last["wall"]
+
+
+def test_wall_clock_breakdown_writes_deepspeeds_elapsed_time_events_to_the_monitors(ranks):
+    out, _ = ranks
+    folder = out / "csv" / "DeepSpeedJobName"
+    rows = {}
+    for event in ("forward", "backward", "backward_inner", "backward_allreduce", "step"):
+        lines = (folder / f"Train_Samples_elapsed_time_ms_{event}.csv").read_text().splitlines()
+        assert lines[0] == f"step,Train/Samples/elapsed_time_ms_{event}"
+        rows[event] = [(int(step), float(ms)) for step, ms in (line.split(",") for line in lines[1:])]
+        assert [step for step, _ in rows[event]] == [8, 16, 24, 32]  # samples seen, every step
+    for (_, bwd), (_, inner), (_, allreduce) in zip(rows["backward"], rows["backward_inner"],
+                                                    rows["backward_allreduce"]):
+        assert inner + allreduce == pytest.approx(bwd) and 0 <= allreduce <= bwd
 
 
 def test_flops_profile_counts_what_count_flops_counts_for_the_same_micro_batches(ranks):

@@ -129,6 +129,10 @@ class Monitors:
         scalars = {"Train/Samples/train_loss": loss, "Train/Samples/lr": lr}
         if self.loss_scaling:
             scalars["Train/Samples/loss_scale"] = loss_scale
+        self.write_scalars(samples, scalars)
+
+    def write_scalars(self, samples: int, scalars: dict[str, float]) -> None:
+        """Any events (wall_clock_breakdown's `Train/Samples/elapsed_time_ms_*`: engine/phase_timing.py)."""
         for monitor in self.monitors:
             monitor.write(samples, scalars)
 

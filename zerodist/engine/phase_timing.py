@@ -13,6 +13,8 @@ first from its first phase) holds all of its phases:
   reduction it did not overlap, [Note: blocked time] in zerodist/comm/tracer.py), `step` and
   `wall`, DeepSpeed's `time (ms) | fwd: ... | bwd: ... | step: ...` line; `PhaseTiming.last` holds
   the same numbers. A pipeline's `fwd` and `bwd` are its executor's timed actions (F; B, I, W).
+  The monitor sections get DeepSpeed's `Train/Samples/elapsed_time_ms_{forward, backward,
+  backward_inner, backward_allreduce, step}` events, each step's.
 - `flops_profiler`: the FLOPs of step `profile_step` (every forward and backward of it, on this
   rank) are counted ([Note: counting FLOPs] in zerodist/debug/flops.py), per module with each
   module's forward time; rank 0 logs the profile, or writes it to `output_file`.
@@ -139,6 +141,7 @@ class PhaseTiming:
                 log_rank0(logger, "%s", line)
         if self.breakdown:
             self._log_breakdown(step, phases)
+            self._write_monitors(step, phases)
 
     def _pipeline_phases(self, phases: dict[str, float]) -> None:
         run = self.engine.last_run
@@ -158,6 +161,19 @@ class PhaseTiming:
         log_rank0(logger, "step %d: time (ms) | %s (mean per optimizer step over the last %d)", step,
                   " | ".join(f"{name}: {ms:.3f}" for name, ms in self.last.items()), self.interval_steps)
         self.totals, self.interval_steps = {}, 0
+
+    def _write_monitors(self, step: int, phases: dict[str, float]) -> None:
+        """DeepSpeed's events for the monitor sections, this step's times in ms (rank 0 writes)."""
+        monitors = self.engine.monitors
+        if not monitors or comm.get_rank() != 0:
+            return
+        names = {"forward": "forward", "backward": "backward", "bwd_allreduce": "backward_allreduce", "step": "step"}
+        events = {f"Train/Samples/elapsed_time_ms_{event}": phases[name] * 1e3
+                  for name, event in names.items() if name in phases}
+        if "backward" in phases:
+            events["Train/Samples/elapsed_time_ms_backward_inner"] = (
+                phases["backward"] - phases.get("bwd_allreduce", 0.0)) * 1e3
+        monitors.write_scalars(step * self.engine.batch.train_batch_size, events)
 
     # ------------------------------------------------------------------ the FLOPs profile
     def _finish_profile(self, step: int, phases: dict[str, float]) -> None:
