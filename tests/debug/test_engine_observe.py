@@ -142,3 +142,33 @@ def test_timeline_section_writes_the_merged_trace_from_the_users_loop(ranks):
         assert any(e["pid"] == rank and e.get("cat") == "collective" for e in events)
     assert trace["otherData"]["steps"] == [3]
     assert not (out / "timeline" / "traces").exists()  # torch_profiler: false
+
+
+def _pipeline_loop(out: str) -> dict:
+    import zerodist
+    from tests.pipe.test_pipeline_engine import GAS as PIPE_GAS, config, micro_batch, mlp_layers
+    from zerodist.pipe import PipelineModule
+
+    module = PipelineModule(mlp_layers(), num_stages=2, loss_fn=torch.nn.functional.mse_loss,
+                            partition_method="uniform")
+    settings = {**config(0), "wall_clock_breakdown": True, "steps_per_print": 1,
+                "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": f"{out}/pipe_flops.txt"}}
+    engine, _, _, _ = zerodist.initialize(model=module, config=settings)
+    for step in range(2):
+        engine.train_batch(iter([micro_batch(step, micro, 0, torch.float32) for micro in range(PIPE_GAS)]))
+    result = {"last": dict(engine.phase_timing.last), "flops": engine.phase_timing.flops.total}
+    engine.destroy()
+    return result
+
+
+def test_a_pipelines_breakdown_comes_from_its_executors_actions(tmp_path):
+    results = run_distributed(_pipeline_loop, 2, str(tmp_path), timeout=120)
+    for result in results:  # train_batch: fwd and bwd are the schedule's F and B actions on this rank
+        last = result["last"]
+        assert set(last) == {"fwd", "bwd", "step", "wall"} and last["fwd"] > 0 and last["bwd"] > 0
+        assert last["fwd"] + last["bwd"] + last["step"] <= last["wall"]
+    # each stage's 4 linear layers (8 x 8, 4 rows, 4 micro-batches): 512 FLOPs forward, and backward's
+    # input and weight gradients, but for the input of stage 0's first layer, which needs none
+    micro = 2 * 4 * 8 * 8
+    assert [r["flops"] for r in results] == [4 * (4 * micro + 7 * micro), 4 * (4 * micro + 8 * micro)]
+    assert (tmp_path / "pipe_flops.txt").exists()
