@@ -172,3 +172,33 @@ def test_a_pipelines_breakdown_comes_from_its_executors_actions(tmp_path):
     micro = 2 * 4 * 8 * 8
     assert [r["flops"] for r in results] == [4 * (4 * micro + 7 * micro), 4 * (4 * micro + 8 * micro)]
     assert (tmp_path / "pipe_flops.txt").exists()
+
+
+def _counted_outside(out: str) -> tuple:
+    import zerodist
+    from zerodist.debug.flops import count_flops
+    from zerodist.models import GPT, gpt_config
+
+    config = gpt_config("tiny")
+    model, reference = GPT(config), GPT(config)
+    settings = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "steps_per_print": 10**9, "flops_profiler": {"enabled": True, "output_file": f"{out}/flops.txt"}}
+    engine, _, _, _ = zerodist.initialize(model=model, config=settings)
+    tokens = _batch(1, 0, 0, config.seq_len, config.vocab_size)
+
+    def step() -> None:
+        loss = engine(tokens, tokens)
+        engine.backward(loss)
+        engine.step()
+
+    outside, _ = count_flops(step, model)  # as zerodist train counts its profile step
+    own = engine.phase_timing.flops
+    engine.destroy()
+    expected, _ = count_flops(lambda: reference(tokens, tokens).backward(), reference)
+    return outside.total, expected.total, own
+
+
+def test_a_count_already_under_way_makes_the_engines_profile_stand_down(tmp_path):
+    [(outside, expected, own)] = run_distributed(_counted_outside, 1, str(tmp_path), timeout=60)
+    assert outside == expected  # counted once, not twice under two counters
+    assert own is None and not (tmp_path / "flops.txt").exists()

@@ -35,7 +35,7 @@ from torch.utils.flop_counter import flop_registry
 
 from zerodist.compat import TorchDispatchMode
 
-__all__ = ["FlopCount", "FlopSession", "GPU_PEAK_FLOPS", "count_flops", "device_peak", "format_flops_table", "measure_matmul_peak"]
+__all__ = ["FlopCount", "FlopSession", "session_open", "GPU_PEAK_FLOPS", "count_flops", "device_peak", "format_flops_table", "measure_matmul_peak"]
 
 TERA = 1e12
 
@@ -80,6 +80,15 @@ class _Counter(TorchDispatchMode):
         return out
 
 
+_open_sessions = [0]  # FlopSessions made and not finished, in this process
+
+
+def session_open() -> bool:
+    """Whether a FLOP count is under way in this process (`zerodist train`'s around its profile step),
+    so that another (the engine's own) does not count the same step twice."""
+    return _open_sessions[0] > 0
+
+
 class FlopSession:
     """A FLOP count spread over several calls (an engine's forwards and backwards of one step):
     `counting()` around each, `finish()` for the `FlopCount`. Each module of `module` gets its
@@ -93,6 +102,8 @@ class FlopSession:
         self._begun: dict[int, list[tuple[int, float]]] = {}
         self._handles: list[Any] = []
         self._depth = 0
+        self._open = True
+        _open_sessions[0] += 1
         for name, child in (module.named_modules() if module is not None else ()):
             self._handles += [child.register_forward_pre_hook(self._pre),
                               child.register_forward_hook(functools.partial(self._post, name=name))]
@@ -126,6 +137,9 @@ class FlopSession:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._open:
+            self._open = False
+            _open_sessions[0] -= 1
         if params is None:
             params = {name: sum(p.numel() for p in child.parameters()) for name, child in self.module.named_modules()} \
                 if self.module is not None else {}

@@ -36,7 +36,7 @@ from typing import Any
 
 import zerodist.comm as comm
 from zerodist.comm import timeline
-from zerodist.debug.flops import FlopCount, FlopSession, device_peak, format_flops_table
+from zerodist.debug.flops import FlopCount, FlopSession, device_peak, format_flops_table, session_open
 from zerodist.debug.timeline import StepTimeline
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero import full_shape
@@ -44,6 +44,8 @@ from zerodist.zero import full_shape
 logger = get_logger(__name__)
 
 __all__ = ["PhaseTiming"]
+
+_NOTHING = contextlib.nullcontext()  # what phase() is when nothing is observed: one attribute test a call
 
 # The phase names the engine passes -> DeepSpeed's timer names in the logged line.
 DEEPSPEED_NAMES = {"forward": "fwd", "backward": "bwd", "step": "step"}
@@ -65,7 +67,8 @@ class PhaseTiming:
             self.timeline = StepTimeline(Path(settings.output_dir or "timeline"), start_step=settings.start_step,
                                          num_steps=settings.num_steps, torch_profiler=settings.torch_profiler,
                                          module=module)
-        self.active = self.breakdown or self.profiler.enabled or self.timeline is not None
+        self.profiling = bool(self.profiler.enabled)  # until the profile step began
+        self.active = self.breakdown or self.profiling or self.timeline is not None
         self.totals: dict[str, float] = {}   # seconds per timer since the last logged line
         self.interval_steps = 0
         self.last: dict[str, float] = {}     # the last logged line's means per step, in ms
@@ -79,12 +82,12 @@ class PhaseTiming:
         self._window = contextlib.ExitStack()
 
     # ------------------------------------------------------------------ around each engine call
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Around one engine call (`forward`, `backward`, `step`, `train_batch`)."""
-        if not self.active:
-            yield
-            return
+        return self._phase(name) if self.active else _NOTHING
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
         outer = self._depth == 0
         if outer and not self._in_step:
             self._begin_step()
@@ -120,8 +123,13 @@ class PhaseTiming:
                 self.timeline = None
             else:
                 self._window.enter_context(self.timeline.step(step))
-        if self.profiler.enabled and self.flops is None and step >= self.profiler.profile_step:
-            self._flops_session = FlopSession(self.engine.module)
+        if self.profiling and step >= self.profiler.profile_step:
+            self.profiling = False  # one profile a run
+            if session_open():  # zerodist train counts this step itself and reports it
+                log_rank0(logger, "flops_profiler: a FLOP count is already under way (zerodist train's); the "
+                          "engine's stands down")
+            else:
+                self._flops_session = FlopSession(self.engine.module)
 
     def _end_step(self) -> None:
         now = time.perf_counter()
