@@ -29,6 +29,7 @@ Off, each phase costs one attribute test.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,7 +120,7 @@ class PhaseTiming:
         if self.timeline is not None and self.timeline.wants(step):
             if self.timeline.recorder is None and timeline.current() is not None:
                 log_rank0(logger, "zerodist.timeline: a recording is already running (zerodist train --trace's); "
-                          "the engine's stands down")
+                          "the engine's stands down", level=logging.DEBUG)
                 self.timeline = None
             else:
                 self._window.enter_context(self.timeline.step(step))
@@ -127,7 +128,7 @@ class PhaseTiming:
             self.profiling = False  # one profile a run
             if session_open():  # zerodist train counts this step itself and reports it
                 log_rank0(logger, "flops_profiler: a FLOP count is already under way (zerodist train's); the "
-                          "engine's stands down")
+                          "engine's stands down", level=logging.DEBUG)
             else:
                 self._flops_session = FlopSession(self.engine.module)
 
