@@ -65,6 +65,13 @@ class _StageView:
     def __init__(self, model: nn.Module) -> None:
         self._model = model
         self._stage: nn.Module | None = None
+        self._numbering: Callable[[int], torch.Tensor] | None = None  # [Note: sequence x pipe]
+
+    def token_positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """The places in the whole sequence of a stage's `length` tokens (`split_plans.token_positions`)."""
+        if self._numbering is None:
+            return torch.arange(length, device=device)
+        return self._numbering(length).to(device)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -236,6 +243,7 @@ class SplitPipelineModule(PipelineModule):
             self._register(name, model.get_submodule(name))
         view._stage = self
         self._view = view  # not a module: the user's model stays unregistered (`source_model`)
+        self._plain_loss_fn = loss_fn  # what `shard_sequence` weighs and gives back
         self._keep_ties(ties)
 
     def _partition(self, layers: Sequence[Any], partition_method: str) -> list[int]:
@@ -265,6 +273,17 @@ class SplitPipelineModule(PipelineModule):
         """The model this stage module was cut from (whole on every rank: its config, its class), for
         what picks a plan by the model, as tensor parallelism does; the names match this module's."""
         return self._view._model
+
+    def shard_sequence(self, positions_of: Callable[[int], torch.Tensor] | None,
+                       weigh_loss: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]] | None) -> None:
+        """[Note: sequence x pipe] Under sequence parallelism every stage of this rank holds a slice
+        of each sequence: the glue numbers its tokens with `positions_of(local_length)` (their places
+        in the whole sequence, not 0..n-1), and the loss is `weigh_loss(loss_fn)` (the token-weighted
+        mean over the sequence group). `shard_sequence(None, None)` gives back the plain ones.
+        zerodist/sequence/apply.py calls it; the messages between stages are then each rank's slice."""
+        self._view._numbering = positions_of
+        plain = self._plain_loss_fn
+        self.loss_fn = plain if weigh_loss is None or plain is None else weigh_loss(plain)
 
     def stage_modules(self, stage: int) -> list[nn.Module]:
         """The modules of `stage`'s parts, as registered now (after any swap by name)."""
