@@ -294,6 +294,7 @@ class SplitPipelineModule(PipelineModule):
         """Tied keys for pipe/tied.py: the stages holding each, and on this rank the module that owns
         it under its first name in the model (`anchor`), which must hold nothing else."""
         self._tied_params: dict[str, torch.nn.Parameter] = {}
+        self._tied_anchors: dict[str, str] = {}
         for key, (param, stages, anchor) in ties.items():
             self.tied_keys[key] = stages
             self._tied_attrs[key] = [key.rpartition(".")[2]]
@@ -306,10 +307,21 @@ class SplitPipelineModule(PipelineModule):
                                  "hold only it (as an embedding or a bias-free head does)")
             self._tied_modules[key] = owner
             self._tied_params[key] = param
+            self._tied_anchors[key] = anchor
 
     def tied_parameters(self) -> dict[str, list[torch.nn.Parameter]]:
-        """The tied parameters this rank holds, by key: exactly the shared one of each."""
-        return {key: [param] for key, param in self._tied_params.items() if param.requires_grad}
+        """The tied parameters this rank holds, by key: exactly the shared one of each, as its module
+        registered under the model's name holds it now ([Note: tied slices] in zerodist/pipe/apply.py)."""
+        result = {}
+        for key in self._tied_params:
+            param = getattr(self.tied_module(key), key.rpartition(".")[2], None)
+            if isinstance(param, torch.nn.Parameter) and param.requires_grad:
+                result[key] = [param]
+        return result
+
+    def tied_module(self, key: str) -> nn.Module:
+        """The module that owns tied `key` under its first name, as registered now (after any swap)."""
+        return self.get_submodule(self._tied_anchors[key])
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, plan={self.plan.name}, "
