@@ -7,7 +7,7 @@ in the whole sequence, and the loss is the token-weighted mean over the sequence
 pipe 2 x sequence 2 on 4 gloo ranks (a tiny Hugging Face Llama with grouped key/value heads, and
 the demo GPT), Ulysses and the ring, ZeRO 1 and 3, 5 steps of SGD with momentum: parameters
 within 1e-6 of the unsplit model in one process on the whole sequences of the same micro-batches,
-and the bytes of each axis equal their formulas (Ulysses' all-to-alls of the stage's one attention
+and `eval_batch`'s loss within 1e-6 of the unsplit model's; the bytes of each axis equal their formulas (Ulysses' all-to-alls of the stage's one attention
 layer; the pipeline's sends of [micro, seq/2, hidden] activations and gradients). The triple
 pipe 2 x tensor 2 x sequence 2 on 8 ranks is slow."""
 
@@ -19,7 +19,7 @@ import torch
 import zerodist
 import zerodist.comm as comm
 from tests.harness import run_distributed
-from tests.pipe.test_split import GAS, LR, MICRO, SEQ, STEPS, build, config, logits_of, micro_batch
+from tests.pipe.test_split import GAS, LR, MICRO, SEQ, STEPS, build, config, eval_batch, logits_of, micro_batch
 from zerodist.pipe import split_model, token_cross_entropy
 from zerodist.sequence.layout import ulysses_bytes
 
@@ -53,7 +53,11 @@ def reference_body(family: str):
         optimizer.zero_grad()
         losses.append(total / GAS)
         states.append({k: v.clone() for k, v in model.state_dict().items()})
-    return losses, states
+    model.eval()
+    with torch.no_grad():
+        evaluated = sum(token_cross_entropy(logits_of(model, eval_batch(m, 0)[0]), eval_batch(m, 0)[1]).item()
+                        for m in range(GAS)) / GAS
+    return losses, states, evaluated
 
 
 def pipe_sequence_body(family: str, stage: int, method: str, tensor: int = 1):
@@ -73,8 +77,9 @@ def pipe_sequence_body(family: str, stage: int, method: str, tensor: int = 1):
             losses.append(engine.train_batch(iter([micro_batch(step, m, 0) for m in range(GAS)])).item())
         traces.append((trace.bus_bytes("all_to_all"), trace.total_bytes("send")))
         states.append(engine.module_state_dict())
+    evaluated = engine.eval_batch(iter([eval_batch(m, 0) for m in range(GAS)])).item()  # sliced and weighted too
     engine.destroy()
-    return losses, states, reports, traces
+    return losses, states, reports, traces, evaluated
 
 
 def _expected_bytes(family: str, method: str, tensor: int) -> tuple[int, int] | None:
@@ -90,13 +95,14 @@ def _expected_bytes(family: str, method: str, tensor: int) -> tuple[int, int] | 
 
 
 def check(family: str, stage: int, method: str, tensor: int = 1) -> None:
-    (ref_losses, ref_states), = run_distributed(reference_body, 1, family)
+    (ref_losses, ref_states, ref_evaluated), = run_distributed(reference_body, 1, family)
     results = run_distributed(pipe_sequence_body, 4 * tensor, family, stage, method, tensor, timeout=300)
     expected = _expected_bytes(family, method, tensor)
     keys: set[str] = set()
-    for losses, states, reports, traces in results:
+    for losses, states, reports, traces, evaluated in results:
         assert any(line.startswith(f"sequence parallel: {method} over 2 ranks") for line in reports), reports
         assert losses == pytest.approx(ref_losses, rel=1e-6)
+        assert evaluated == pytest.approx(ref_evaluated, rel=1e-6)
         for step, state in enumerate(states):
             keys |= set(state)  # this stage's parameters, under the model's names
             for key, value in state.items():
