@@ -4,12 +4,13 @@ Every rank of a stage holds its slice of each sequence: the messages between sta
 (their bytes: the local sequence length), the stage glue numbers a slice's tokens by their places
 in the whole sequence, and the loss is the token-weighted mean over the sequence group.
 
-pipe 2 x sequence 2 on 4 gloo ranks (a tiny Hugging Face Llama with grouped key/value heads, and
-the demo GPT), Ulysses and the ring, ZeRO 1 and 3, 5 steps of SGD with momentum: parameters
-within 1e-6 of the unsplit model in one process on the whole sequences of the same micro-batches,
-and `eval_batch`'s loss within 1e-6 of the unsplit model's; the bytes of each axis equal their formulas (Ulysses' all-to-alls of the stage's one attention
-layer; the pipeline's sends of [micro, seq/2, hidden] activations and gradients). The triple
-pipe 2 x tensor 2 x sequence 2 on 8 ranks is slow."""
+pipe 2 x sequence 2 on 4 gloo ranks (a tiny Hugging Face Llama, 2 query heads over 1 key/value
+head, and the demo GPT), Ulysses and the ring, ZeRO 1 and 3, 5 steps of SGD with momentum:
+parameters within 1e-6 of the unsplit model in one process on the whole sequences of the same
+micro-batches, `eval_batch`'s loss within 1e-6 of the unsplit model's, and the bytes of each axis
+equal their formulas (Ulysses' all-to-alls of the stage's one attention layer; the pipeline's sends
+of [micro, seq/2, hidden] activations and gradients). Also the triple pipe 2 x tensor 2 x
+sequence 2 on 8 ranks (Llama, 4 query over 2 key/value heads). All slow (4-8 ranks each).""""""
 
 from __future__ import annotations
 
