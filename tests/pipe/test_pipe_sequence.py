@@ -10,7 +10,7 @@ parameters within 1e-6 of the unsplit model in one process on the whole sequence
 micro-batches, `eval_batch`'s loss within 1e-6 of the unsplit model's, and the bytes of each axis
 equal their formulas (Ulysses' all-to-alls of the stage's one attention layer; the pipeline's sends
 of [micro, seq/2, hidden] activations and gradients). Also the triple pipe 2 x tensor 2 x
-sequence 2 on 8 ranks (Llama, 4 query over 2 key/value heads). All slow (4-8 ranks each).""""""
+sequence 2 on 8 ranks (Llama, 4 query over 2 key/value heads). All slow (4-8 ranks each)."""
 
 from __future__ import annotations
 
