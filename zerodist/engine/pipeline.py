@@ -101,7 +101,8 @@ class PipelineRunner:
 
     def _pull(self, engine: Engine, data_iter: Iterator[Any] | None,
               count: int) -> tuple[list[Any] | None, list[Any] | None]:
-        """The first and last stages read the micro-batches (DeepSpeed's way); the others read nothing."""
+        """The first and last stages read the micro-batches (DeepSpeed's way); the others read nothing.
+        Under sequence parallelism each keeps its slice of the whole sequences it reads."""
         if not (self.pipeline.is_first_stage() or self.pipeline.is_last_stage()):
             return None, None
         if data_iter is None and engine.own_data_iter is None and engine.training_dataloader is None:
