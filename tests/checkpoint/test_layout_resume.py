@@ -30,7 +30,7 @@ from zerodist.pipe import split_model
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-SAVE_AT, AFTER = 3, 3
+SAVE_AT, AFTER = 3, 5
 KINDS = ("param", "optimizer.exp_avg", "optimizer.exp_avg_sq")
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6, "weight_decay": 0.01}}
 
@@ -105,8 +105,8 @@ def _llama_step(engine, layout: Layout, step: int) -> None:
 
 
 def llama_body(layout: Layout, path: str, swap_dir: str, again: str | None) -> list[dict[str, torch.Tensor]]:
-    """Without `again`: trains 3 steps, saves at `path`, trains 3 more (the uninterrupted run); with
-    it: loads `path` into other weights, saves at `again` at once, trains the 3 steps after.
+    """Without `again`: trains SAVE_AT steps, saves at `path`, trains AFTER more (the uninterrupted
+    run); with it: loads `path` into other weights, saves at `again` at once, trains the AFTER steps after.
     Each step's state as this rank holds it (the logical model's names; its stage's under a pipeline)."""
     model = _llama(scramble=again is not None)
     if layout.pipe > 1:
@@ -196,10 +196,13 @@ def test_pipe_tensor_checkpoint_resumes_without_pipeline_or_tensor(saved_at, tmp
 @pytest.mark.parametrize("source,target", [
     (Layout(sequence=2, tensor=2, stage=3), Layout(pipe=2, stage=2, offload=True)),
     (Layout(stage=0), Layout(pipe=2, tensor=2, stage=3)),
-], ids=["sequence2-tensor2-zero3-to-pipe2-data2-zero2-offload", "data4-zero0-to-pipe2-tensor2-zero3"])
+    (Layout(sequence=2, tensor=2, stage=3), Layout(pipe=2, sequence=2, stage=3)),
+], ids=["sequence2-tensor2-zero3-to-pipe2-data2-zero2-offload", "data4-zero0-to-pipe2-tensor2-zero3",
+        "sequence2-tensor2-zero3-to-pipe2-sequence2-zero3"])
 def test_checkpoint_resumes_into_a_pipeline(saved_at, tmp_path, source, target):
     """The other way: into a pipeline, from sequence x tensor parallelism (its optimizer state
-    then in swap files) and from plain data parallelism (into pipe x tensor at ZeRO 3)."""
+    then in swap files, or into pipe x sequence) and from plain data parallelism (into pipe x
+    tensor at ZeRO 3)."""
     _resume(saved_at(source), target, tmp_path)
 
 

@@ -2,7 +2,8 @@
 loss between stages: [Note: MoE balance loss across stages] in zerodist/pipe/split_plans.py), each
 stage's MoE layer over the expert group of that stage's ranks. pipe 2 x expert 2 on 4 gloo ranks,
 ZeRO 1 and 3, 5 steps of SGD: parameters (experts under their global ids) within 1e-6 of the
-unsplit model with every expert in one process, on the same global batch. Tokens are never
+unsplit model with every expert in one process, on the same global batch; and the triple pipe 2 x
+data 2 x expert 2 on 8 ranks (ZeRO 1). Tokens are never
 dropped and the balance loss has weight 0 here: capacity and the balance loss are statistics of
 each rank's own tokens (as in DeepSpeed), so they differ from one process's by design."""
 
@@ -46,11 +47,11 @@ def reference_body(shards: int):
     return losses, states
 
 
-def pipe_expert_body(stage: int):
+def pipe_expert_body(stage: int, data: int = 1):
     module = split_model(build(2), num_stages=2)
     engine, _, _, _ = zerodist.initialize(model=module, config=config(stage))
-    assert dict(engine.topology.degrees) | {} == dict(engine.topology.degrees)
-    assert engine.topology.degrees["pipe"] == 2 and engine.topology.degrees["expert"] == 2
+    degrees = dict(engine.topology.degrees)
+    assert degrees == {"pipe": 2, "data": data, "expert": 2, "sequence": 1, "tensor": 1}, degrees
     shard = engine.topology.batch_rank  # expert ranks read different samples
     reports = engine.part_states.report()
     losses, states = [], []
@@ -61,10 +62,12 @@ def pipe_expert_body(stage: int):
     return losses, states, reports
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_split_moe_gpt_pipe2_expert2_equals_one_process(stage):
-    (ref_losses, ref_states), = run_distributed(reference_body, 1, 2)
-    results = run_distributed(pipe_expert_body, 4, stage, timeout=240)
+@pytest.mark.parametrize("stage, data", [(1, 1), (3, 1), (1, 2)])
+def test_split_moe_gpt_pipe2_expert2_equals_one_process(stage, data):
+    """pipe 2 x expert 2 (4 ranks), and the triple pipe 2 x data 2 x expert 2 (8 ranks, ZeRO 1): the
+    batch is dealt over data x expert, so one process accumulates every shard's micro-batches."""
+    (ref_losses, ref_states), = run_distributed(reference_body, 1, 2 * data)
+    results = run_distributed(pipe_expert_body, 4 * data, stage, data, timeout=300)
     keys: set[str] = set()
     for losses, states, reports in results:
         assert any(line.startswith("expert parallel: 1 MoE layer(s), degree 2") for line in reports), reports

@@ -140,10 +140,12 @@ def _apply_techniques(part: Part, parts: PartStates, model_parameters: Iterable[
         load_rng_state=lambda state: _tracker(module).load_state_dict(state)) if rng_tracker_of(module) else None)
     if pipeline is not None:
         pipeline.check_tied_layers_kept()
-    sequence = apply_sequence_parallel(part, topology, SequenceSettings.from_config(config))
+    sequence = apply_sequence_parallel(part, topology, SequenceSettings.from_config(config),
+                                       stages=module if isinstance(module, SplitPipelineModule) else None)
     parts.add("sequence", sequence, PartRoles(
-        # each sequence rank keeps its slice of every sample
-        wrap_loader=lambda loader: SequenceShardLoader(loader, sequence.layout)) if sequence.layout.size > 1 else None)
+        # each sequence rank keeps its slice of every sample (a pipeline's runner slices its micro-batches)
+        wrap_loader=lambda loader: SequenceShardLoader(loader, sequence.layout))
+        if sequence.layout.size > 1 and pipeline is None else None)
     # MoE layers get their expert group and routing keys; random routing is keyed by micro-batch
     experts = apply_expert_parallel_part(module, topology, batch.gradient_accumulation_steps)
     parts.add("expert", experts, PartRoles(resume=lambda micro_steps: restore_routing_clock(module, micro_steps),

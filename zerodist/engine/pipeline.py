@@ -101,7 +101,8 @@ class PipelineRunner:
 
     def _pull(self, engine: Engine, data_iter: Iterator[Any] | None,
               count: int) -> tuple[list[Any] | None, list[Any] | None]:
-        """The first and last stages read the micro-batches (DeepSpeed's way); the others read nothing."""
+        """The first and last stages read the micro-batches (DeepSpeed's way); the others read nothing.
+        Under sequence parallelism each keeps its slice of the whole sequences it reads."""
         if not (self.pipeline.is_first_stage() or self.pipeline.is_last_stage()):
             return None, None
         if data_iter is None and engine.own_data_iter is None and engine.training_dataloader is None:
@@ -109,6 +110,7 @@ class PipelineRunner:
                              "need an iterator of (inputs, labels) micro-batches, e.g. "
                              "iter(zerodist.utils.RepeatingLoader(loader))")
         source = data_iterator(engine, data_iter, "train_batch()")
+        sequence = engine.part_states.get("sequence")  # [Note: sequence x pipe] in zerodist/sequence/apply.py
         inputs, labels = [], []
         for index in range(count):
             try:
@@ -119,9 +121,10 @@ class PipelineRunner:
             if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
                 raise ValueError(f"a pipeline micro-batch is (inputs, labels), got {type(batch).__name__}"
                                  f"{' of length ' + str(len(batch)) if isinstance(batch, (tuple, list)) else ''}")
-            inputs.append(_cast_floating(batch[0], engine.policy.param_dtype) if engine.policy.needs_master_copy
-                          else batch[0])
-            labels.append(batch[1])
+            local = sequence.local_micro_batch(*batch) if sequence is not None else batch  # its slice of each sequence
+            inputs.append(_cast_floating(local[0], engine.policy.param_dtype) if engine.policy.needs_master_copy
+                          else local[0])
+            labels.append(local[1])
         return inputs, labels
 
     def _agreed_loss(self, engine: Engine, result: RunResult) -> torch.Tensor:

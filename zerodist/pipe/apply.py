@@ -6,6 +6,14 @@
     pipeline.check_tied_layers_kept()   # after tensor parallelism swapped layers
     engine = Engine(..., runner=PipelineRunner(pipeline))
 
+[Note: tied slices] Tensor parallelism runs after the pipeline and may swap a tied layer for its
+slice: Hugging Face GPT-2's `wte` becomes a vocab-parallel embedding on the first stage and, on the
+last, the same (registered there under the tie's first name) with `lm_head` a head over its slice.
+The copies are then this tensor rank's rows of the vocabulary on both stages, and the tie groups
+pair exactly the ranks of one tensor index (the topology's pipe groups), so the tie holds on the
+slices: `check_tied_layers_kept` moves the tie's hooks to them (`TiedGradients.rebind`). They were
+made equal before the swap (`sync_weights` on the whole weights), so the slices start equal.
+
 It runs first in the recipe (validate -> topology -> split into parts -> per part the techniques)
 because a `PipelineModule` arrives already split: each rank built only the layers of its own
 stages. The state holds what the pipeline needs from then on: the tie groups (their ranks from the
@@ -129,14 +137,22 @@ class PipelineState:
                             max_active_stages=self.settings.max_active_stages)[self.pipe_rank]
 
     def check_tied_layers_kept(self) -> None:
-        """After tensor parallelism: a tied layer its plan swapped for a parallel one would leave the tie's
-        hooks on parameters nobody trains (the copies would drift apart unseen), so refuse it by name."""
+        """After tensor parallelism ([Note: tied slices]): a tied parameter its plan swapped for a
+        slice is tied again on the slice when the stage module holds it under the tie's name (a
+        model cut by `split_model`); one it cannot find would leave the tie's hooks on parameters
+        nobody trains (the copies would drift apart unseen), so that is refused by name."""
         if self.tied is None:
             return
         live = {id(p) for p in self.module.parameters()}
-        swapped = sorted(key for key, params in self.tied.parameters_by_key.items()
-                         if any(id(p) not in live for p in params))
-        if swapped:
+
+        def swapped() -> list[str]:
+            assert self.tied is not None
+            return sorted(key for key, params in self.tied.parameters_by_key.items()
+                          if any(id(p) not in live for p in params))
+        if not swapped():
+            return
+        self.tied.rebind()
+        if swapped():
             raise PipelineError(f"tensor parallelism replaced the tied layer(s) {swapped} of this PipelineModule; "
                                 "tied layers cannot be tensor-parallel yet: leave them out of the plan (or untie them)")
 

@@ -65,6 +65,13 @@ class _StageView:
     def __init__(self, model: nn.Module) -> None:
         self._model = model
         self._stage: nn.Module | None = None
+        self._numbering: Callable[[int], torch.Tensor] | None = None  # [Note: sequence x pipe]
+
+    def token_positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """The places in the whole sequence of a stage's `length` tokens (`split_plans.token_positions`)."""
+        if self._numbering is None:
+            return torch.arange(length, device=device)
+        return self._numbering(length).to(device)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -236,6 +243,7 @@ class SplitPipelineModule(PipelineModule):
             self._register(name, model.get_submodule(name))
         view._stage = self
         self._view = view  # not a module: the user's model stays unregistered (`source_model`)
+        self._plain_loss_fn = loss_fn  # what `shard_sequence` weighs and gives back
         self._keep_ties(ties)
 
     def _partition(self, layers: Sequence[Any], partition_method: str) -> list[int]:
@@ -266,6 +274,17 @@ class SplitPipelineModule(PipelineModule):
         what picks a plan by the model, as tensor parallelism does; the names match this module's."""
         return self._view._model
 
+    def shard_sequence(self, positions_of: Callable[[int], torch.Tensor] | None,
+                       weigh_loss: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]] | None) -> None:
+        """[Note: sequence x pipe] Under sequence parallelism every stage of this rank holds a slice
+        of each sequence: the glue numbers its tokens with `positions_of(local_length)` (their places
+        in the whole sequence, not 0..n-1), and the loss is `weigh_loss(loss_fn)` (the token-weighted
+        mean over the sequence group). `shard_sequence(None, None)` gives back the plain ones.
+        zerodist/sequence/apply.py calls it; the messages between stages are then each rank's slice."""
+        self._view._numbering = positions_of
+        plain = self._plain_loss_fn
+        self.loss_fn = plain if weigh_loss is None or plain is None else weigh_loss(plain)
+
     def stage_modules(self, stage: int) -> list[nn.Module]:
         """The modules of `stage`'s parts, as registered now (after any swap by name)."""
         return [self.get_submodule(name) for name in self._stage_parts[stage]]
@@ -275,6 +294,7 @@ class SplitPipelineModule(PipelineModule):
         """Tied keys for pipe/tied.py: the stages holding each, and on this rank the module that owns
         it under its first name in the model (`anchor`), which must hold nothing else."""
         self._tied_params: dict[str, torch.nn.Parameter] = {}
+        self._tied_anchors: dict[str, str] = {}
         for key, (param, stages, anchor) in ties.items():
             self.tied_keys[key] = stages
             self._tied_attrs[key] = [key.rpartition(".")[2]]
@@ -287,10 +307,21 @@ class SplitPipelineModule(PipelineModule):
                                  "hold only it (as an embedding or a bias-free head does)")
             self._tied_modules[key] = owner
             self._tied_params[key] = param
+            self._tied_anchors[key] = anchor
 
     def tied_parameters(self) -> dict[str, list[torch.nn.Parameter]]:
-        """The tied parameters this rank holds, by key: exactly the shared one of each."""
-        return {key: [param] for key, param in self._tied_params.items() if param.requires_grad}
+        """The tied parameters this rank holds, by key: exactly the shared one of each, as its module
+        registered under the model's name holds it now ([Note: tied slices] in zerodist/pipe/apply.py)."""
+        result = {}
+        for key in self._tied_params:
+            param = getattr(self.tied_module(key), key.rpartition(".")[2], None)
+            if isinstance(param, torch.nn.Parameter) and param.requires_grad:
+                result[key] = [param]
+        return result
+
+    def tied_module(self, key: str) -> nn.Module:
+        """The module that owns tied `key` under its first name, as registered now (after any swap)."""
+        return self.get_submodule(self._tied_anchors[key])
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, plan={self.plan.name}, "

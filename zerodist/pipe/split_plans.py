@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["BUILTIN_PLANS", "SplitPlan", "UnknownModelError", "find_split_plan", "token_cross_entropy"]
+__all__ = ["BUILTIN_PLANS", "SplitPlan", "UnknownModelError", "find_split_plan", "token_cross_entropy",
+           "token_positions"]
 
 
 class UnknownModelError(ValueError):
@@ -99,13 +100,18 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32)), labels.reshape(-1).long(), ignore_index=-100)
 
 
-def _positions(hidden: torch.Tensor) -> torch.Tensor:
+def token_positions(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The places in the whole sequence of the tokens `hidden` (batch, seq, ...) holds: 0..seq-1, or
+    under sequence parallelism those of this rank's slice, which the stage view `model` numbers
+    ([Note: sequence x pipe] in zerodist/pipe/split.py). A plan's glue numbers tokens with it."""
+    if getattr(type(model), "token_positions", None) is not None:
+        return model.token_positions(hidden.shape[1], hidden.device)  # type: ignore[no-any-return]
     return torch.arange(hidden.shape[1], device=hidden.device)
 
 
 # ---------------------------------------------------------------------------------------- the demo GPT
 def _gpt_embed(model: Any, idx: torch.Tensor) -> torch.Tensor:  # zerodist.models.gpt.GPT.forward's first line
-    return model.emb_dropout(model.tok_emb(idx.long()) + model.pos_emb(_positions(idx)))
+    return model.emb_dropout(model.tok_emb(idx.long()) + model.pos_emb(token_positions(model, idx)))
 
 
 GPT_SPLIT_PLAN = SplitPlan(embed=("tok_emb", "pos_emb", "emb_dropout"), blocks="blocks", norm="ln_f",
@@ -117,7 +123,7 @@ GPT_SPLIT_PLAN = SplitPlan(embed=("tok_emb", "pos_emb", "emb_dropout"), blocks="
 # aux_loss_coef times their sum: the stages pass (hidden, summed l_aux so far), and the last one's
 # loss is the model's own.
 def _moe_gpt_embed(model: Any, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    hidden = model.tok_emb(idx.long()) + model.pos_emb(_positions(idx))
+    hidden = model.tok_emb(idx.long()) + model.pos_emb(token_positions(model, idx))
     return hidden, hidden.new_zeros((), dtype=torch.float32)
 
 
@@ -153,7 +159,7 @@ def _causal_mask(model: Any, hidden: torch.Tensor, position_ids: torch.Tensor) -
 
 
 def _llama_block(model: Any, block: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    position_ids = _positions(hidden).unsqueeze(0)
+    position_ids = token_positions(model, hidden).unsqueeze(0)
     rotary = model.model.rotary_emb(hidden, position_ids=position_ids)
     return block(hidden, attention_mask=_causal_mask(model, hidden, position_ids), position_ids=position_ids,
                  position_embeddings=rotary, use_cache=False)
@@ -166,12 +172,12 @@ HF_LLAMA_SPLIT_PLAN = SplitPlan(embed=("model.embed_tokens",), blocks="model.lay
 
 def _gpt2_embed(model: Any, input_ids: torch.Tensor) -> torch.Tensor:  # GPT2Model.forward, without a cache
     transformer = model.transformer
-    position_ids = _positions(input_ids).unsqueeze(0)
+    position_ids = token_positions(model, input_ids).unsqueeze(0)
     return transformer.drop(transformer.wte(input_ids.long()) + transformer.wpe(position_ids))
 
 
 def _gpt2_block(model: Any, block: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    position_ids = _positions(hidden).unsqueeze(0)
+    position_ids = token_positions(model, hidden).unsqueeze(0)
     return block(hidden, None, _causal_mask(model, hidden, position_ids), None, use_cache=False,
                  position_ids=position_ids)
 

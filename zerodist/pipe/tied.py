@@ -49,12 +49,21 @@ class TiedGradients:
                 group = comm.new_group(ranks)
                 if me in ranks:
                     self.groups[key] = (group, ranks[0])
-        self._params = {key: params for key, params in module.tied_parameters().items() if key in self.groups}
-        for key, (_, source) in self.groups.items():
-            if source != me:  # the tie group's first stage counts the key's parameters in the norm
-                declare_counted_elsewhere(module.tied_module(key))
         self._accumulated: dict[int, torch.Tensor] = {}
         self._feeding = False
+        self._handles: list[Any] = []
+        self.rebind()
+
+    def rebind(self) -> None:
+        """Take the tied parameters the module holds now (after tensor parallelism swapped a tied
+        embedding and its head for their vocab-parallel slices, which the tie groups pair by
+        tensor index): the hooks go on them, and the copies counted elsewhere are declared again."""
+        self.remove_hooks()
+        me = comm.get_rank()
+        self._params = {key: params for key, params in self.module.tied_parameters().items() if key in self.groups}
+        for key, (_, source) in self.groups.items():
+            if source != me:  # the tie group's first stage counts the key's parameters in the norm
+                declare_counted_elsewhere(self.module.tied_module(key))
         self._handles = [p.register_hook(functools.partial(self._take, id(p)))
                          for params in self._params.values() for p in params]
 

@@ -25,13 +25,26 @@ rank's slice of the sequence as a shorter batch of tokens, the loss is the token
 over the sequence group (every tensor rank computes the same one from its gathered logits), and
 ZeRO reduces each parameter (a tensor slice or a replicated one) over data x sequence among the
 ranks holding the same tensor index.
+
+[Note: sequence x pipe] With a pipeline (a model cut by `zerodist.pipe.split_model`) every stage of
+this rank holds the rank's slice of each sequence, so the messages between stages are slices
+(the local sequence length) and nothing of the pipeline changes. The engine hands over the stage
+module (`stages`, a `StageModule`); through it the stage glue numbers each slice's tokens by their
+places in the whole sequence (position ids, rotary embeddings, learned positions) and the last
+stage's `loss_fn` becomes the token-weighted mean over the sequence group. The attention is wired
+on the model the stages were cut from (its `DistributedAttention` modules, or its Hugging Face
+attention implementation). The pipeline's runner slices each micro-batch `(inputs, labels)` of
+whole sequences (`local_micro_batch`, shapes agreed over the sequence group first) instead of the
+root module's hooks (a stage's forward takes hidden states, not the model's arguments). A
+`PipelineModule` built from layer specs numbers its own tokens, so it is refused by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -42,6 +55,7 @@ from zerodist.config import Config
 from zerodist.comm.topology import Topology
 from zerodist.sequence import hf
 from zerodist.sequence.agreement import agree_call_shapes
+from zerodist.sequence.data import shard_batch
 from zerodist.sequence.errors import SequenceParallelError
 from zerodist.sequence.layer import DistributedAttention, EngineSequence, register_engine_sequence
 from zerodist.sequence.layout import METHODS, SequenceLayout, check_heads
@@ -66,6 +80,19 @@ class SequenceSettings:
         return cls(config.sequence_parallel_size, config.zerodist.sequence_parallel.method)
 
 
+class StageModule(Protocol):
+    """What sequence parallelism uses of a pipeline's stage module (`zerodist.pipe.SplitPipelineModule`;
+    described here, not imported: pipe/ sits beside sequence/). [Note: sequence x pipe]"""
+
+    loss_fn: Any
+
+    def source_model(self) -> torch.nn.Module: ...
+
+    def shard_sequence(self, positions_of: Callable[[int], torch.Tensor] | None,
+                       weigh_loss: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]] | None) -> None:
+        ...
+
+
 class SequenceParallelState:
     """What `apply_sequence_parallel` did to one part (the part-state surface of comm/parts.py).
     Names and shapes are the model's own, so `to_logical` / `from_logical` change nothing."""
@@ -74,7 +101,26 @@ class SequenceParallelState:
         self.module, self.settings, self.layout = module, settings, layout
         self.attention_modules: list[torch.nn.Module] = []
         self.hf_previous: str | None = None  # the attention implementation to restore
+        self.wired: torch.nn.Module = module  # the model whose attention was wired (a pipeline's: its source)
+        self.stages: StageModule | None = None  # a pipeline's stage module ([Note: sequence x pipe])
+        self.group: Group | None = None
         self.handles: list[Any] = []
+
+    def local_micro_batch(self, inputs: Any, labels: Any) -> tuple[Any, Any]:
+        """A pipeline's micro-batch of whole sequences (token ids and labels, (batch, seq)): this
+        rank's slice of both, their shapes agreed over the sequence group first (every rank of a
+        sequence group is on the same stage, so all of them call this). [Note: sequence x pipe]"""
+        if self.settings.degree == 1:
+            return inputs, labels
+        assert self.group is not None
+        tensors = [t for t in (inputs, labels) if isinstance(t, torch.Tensor)]
+        agree_call_shapes(tensors, self.group, "a pipeline micro-batch's (inputs, labels)", comm.device_for_rank())
+        if not (isinstance(inputs, torch.Tensor) and inputs.dim() == 2):
+            raise SequenceParallelError(f"under sequence parallelism a pipeline micro-batch's inputs are (batch, seq) "
+                                        f"token ids, got {type(inputs).__name__} "
+                                        f"{tuple(getattr(inputs, 'shape', ()))}")
+        sliced = shard_batch((inputs, labels), self.layout)
+        return sliced[0], sliced[1]
 
     def to_logical(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return state
@@ -96,14 +142,20 @@ class SequenceParallelState:
         self.handles.clear()
         for module in self.attention_modules:
             register_engine_sequence(module, None)
+        if self.stages is not None:
+            self.stages.shard_sequence(None, None)
+            self.stages = None
         if self.hf_previous is not None:
-            self.module.set_attn_implementation(self.hf_previous)  # type: ignore[operator]
+            self.wired.set_attn_implementation(self.hf_previous)  # type: ignore[operator]
             self.hf_previous = None
             hf.unregister_attention()
 
 
-def apply_sequence_parallel(part: Part, topology: Topology, settings: SequenceSettings) -> SequenceParallelState:
-    """Make `part` sequence-parallel over the topology's sequence axis (nothing at degree 1)."""
+def apply_sequence_parallel(part: Part, topology: Topology, settings: SequenceSettings,
+                            stages: StageModule | None = None) -> SequenceParallelState:
+    """Make `part` sequence-parallel over the topology's sequence axis (nothing at degree 1).
+    `stages`: the part's module when it is a pipeline's stage module that `split_model` cut
+    ([Note: sequence x pipe])."""
     degree = topology.size(*topology.sequence_axes)
     if degree != settings.degree:
         raise SequenceParallelError(f"the topology's sequence degree is {degree} but the settings ask for "
@@ -113,8 +165,8 @@ def apply_sequence_parallel(part: Part, topology: Topology, settings: SequenceSe
     if degree == 1:
         return state
     if topology.size(*topology.pipe_axes) > 1:
-        raise SequenceParallelError("sequence_parallel_size > 1 together with pipeline parallelism (a PipelineModule) "
-                                    "is not composed yet; use one of them")
+        _apply_to_stages(stages, topology, settings, state)
+        return state
     model = part.module
     _check_model_heads(model, settings, topology.size(*topology.tensor_axes))
     engine = EngineSequence(topology.group(*topology.sequence_axes), settings.method, layout, shapes_agreed=True)
@@ -125,6 +177,38 @@ def apply_sequence_parallel(part: Part, topology: Topology, settings: SequenceSe
     state.handles.append(model.register_forward_pre_hook(_check_call, with_kwargs=True))
     state.handles.append(model.register_forward_hook(_weighted_loss(engine.group), with_kwargs=True))
     return state
+
+
+def _apply_to_stages(stages: StageModule | None, topology: Topology, settings: SequenceSettings,
+                     state: SequenceParallelState) -> None:
+    """[Note: sequence x pipe]: the source model's attention over the sequence group, the stages'
+    token numbering and loss. Refusals first, alike on every rank (they depend on the model only)."""
+    if stages is None:
+        raise SequenceParallelError(
+            "sequence_parallel_size > 1 with a PipelineModule built from layers: its layers number their own tokens "
+            "(positions from 0), which a slice of the sequence cannot do. Cut the model with "
+            "zerodist.pipe.split_model(model, ...), whose stages number each slice's tokens, or use one of the two")
+    if stages.loss_fn is None:
+        raise SequenceParallelError("sequence_parallel_size > 1 with a pipeline needs the stages' loss_fn (the loss "
+                                    "becomes the token-weighted mean over the sequence group): give split_model one")
+    source = stages.source_model()
+    _check_model_heads(source, settings, topology.size(*topology.tensor_axes))
+    group = topology.group(*topology.sequence_axes)
+    # shapes are agreed once per micro-batch, in local_micro_batch (a stage's forward takes hidden states)
+    engine = EngineSequence(group, settings.method, state.layout, shapes_agreed=True)
+    state.wired, state.group = source, group
+    _wire_attention(source, engine, state)
+    layout, degree = state.layout, settings.degree
+    state.stages = stages
+    stages.shard_sequence(lambda length: layout.token_indices(length * degree), _weigh_loss(group))
+
+
+def _weigh_loss(group: Group) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
+    def weigh(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+            return token_weighted_mean(loss_fn(output, labels), labels, group)
+        return loss
+    return weigh
 
 
 def _check_model_heads(model: torch.nn.Module, settings: SequenceSettings, tensor: int) -> None:

@@ -24,7 +24,7 @@ from zerodist.tensor_parallel.domino import DominoConfig, apply_domino, find_blo
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zerodist.tensor_parallel.layers import slice_tensor, unslice_tensor
 from zerodist.tensor_parallel.operators import TensorRegion
-from zerodist.tensor_parallel.plan import PlanError, parallelize, plan_from_deepspeed, sliced_parameters
+from zerodist.tensor_parallel.plan import PlanError, _check_ties, _match, parallelize, plan_from_deepspeed, sliced_parameters
 from zerodist.tensor_parallel.plans import gpt_domino, gpt_plan, hf_gpt2_plan, hf_llama_plan
 from zerodist.tensor_parallel.random import RNGTracker, attach_rng_tracker, tensor_parallel_rng
 from zerodist.tensor_parallel.shared_input import detach_shared_inputs
@@ -165,6 +165,9 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
     attach_rng_tracker(model, rng)
     plan, source = choose_plan(plan_for if plan_for is not None else model, settings, rng)
     if plan_for is not None:  # the part holds some of the model's modules: the entries for the others stay out
+        # ties are the whole model's: a stage holding only an embedding its head (on another stage) shares
+        # refuses as that stage does, on every rank ([Note: tied slices] in zerodist/pipe/apply.py)
+        _check_ties(plan_for, _match(plan_for, plan))
         names = [name for name, _ in model.named_modules() if name]
         plan = {pattern: entry for pattern, entry in plan.items() if any(fnmatch.fnmatchcase(n, pattern) for n in names)}
     with conversion if conversion is not None else contextlib.nullcontext():
