@@ -58,8 +58,8 @@ CASES: list[tuple[str, object, list[str], str]] = [
     ("auto-lr", {"optimizer": {"type": "AdamW", "params": {"lr": AUTO}}}, [], "optimizer.params"),
     ("auto-stage", {"zero_optimization": {"stage": AUTO}}, [], "zero_optimization.stage"),
     # incompatible axes and flags
-    ("pp-with-sp", None, ["--nproc", "4", "--pp", "2", "--sp", "2"], "--pp 2 with --sp 2"),
-    ("pp-with-sp-file", {"sequence_parallel_size": 2}, ["--nproc", "4", "--pp", "2"], "sequence_parallel_size"),
+    ("pp-sp-not-dividing", None, ["--nproc", "2", "--pp", "2", "--sp", "2"], "--pp"),
+    ("pp-sp-file-not-dividing", {"sequence_parallel_size": 2}, ["--nproc", "2", "--pp", "2"], "--sp"),
     ("pp-with-domino", None, ["--nproc", "4", "--pp", "2", "--tp", "2", "--domino", "2"], "--domino"),
     ("pp-tp-not-dividing", None, ["--nproc", "4", "--pp", "2", "--tp", "4"], "--pp"),
     ("tp-not-dividing", None, ["--tp", "3"], "--tp"),

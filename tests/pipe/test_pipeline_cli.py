@@ -111,6 +111,27 @@ def test_pp2_moe2_reports_the_stage_s_all_to_all_against_its_formula(tmp_path: P
     assert [r["step"] for r in _rows(tmp_path)] == ["1", "2"]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pp2_sp2_trains_like_the_plain_demo_and_reports_ulysses_bytes(tmp_path: Path) -> None:
+    """`--pp 2 --sp 2`: each stage's attention runs Ulysses over its sequence pair, the stages pass each
+    rank's sequence slice; the losses are the plain demo's in one process on the same global batch."""
+    done = run_train("--pp", "2", "--sp", "2", "--nproc", "4", "--model", "tiny", "--steps", "3", "--micro-batch", "2",
+                     "--out", str(tmp_path / "pipe"), timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = (tmp_path / "pipe" / "summary.txt").read_text()
+    assert "3 steps on 4 ranks (pipe 2 x data 1 x sequence 2 x tensor 1" in summary
+    assert "sequence parallel (ulysses, degree 2)" in summary
+    assert "= 1.00 x the formula 2 m x" in summary  # p2p bytes: the local sequence length
+    assert "matches" in summary and "differs" not in summary  # Ulysses bytes, each rank's state
+    (tmp_path / "gas4.json").write_text('{"gradient_accumulation_steps": 4}')
+    plain = run_train("--nproc", "1", "--config", str(tmp_path / "gas4.json"), "--model", "tiny", "--steps", "3",
+                      "--micro-batch", "2", "--out", str(tmp_path / "plain"))
+    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
+    assert [float(r["loss"]) for r in _rows(tmp_path / "pipe")] == pytest.approx(
+        [float(r["loss"]) for r in _rows(tmp_path / "plain")], abs=2e-6)
+
+
 def test_pp_that_does_not_divide_the_ranks_is_refused():
     from zerodist.cli.train import build_plan
 

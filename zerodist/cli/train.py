@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="Domino: split each block's batch into K >= 2 chunks to overlap tensor-parallel all-reduces")
     p.add_argument("--pp", type=_positive_int, default=None, metavar="P",
                    help="pipeline parallelism: the GPT cut into P stages by zerodist.pipe.split_model; composes "
-                        "with --tp, --moe, checkpoints and --resume (not yet with --sp or --domino)")
+                        "with --tp, --sp, --moe, checkpoints and --resume (not yet with --domino)")
     p.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved", "zb"),
                    help="pipeline schedule with --pp (default 1f1b; interleaved puts 2 stages on each rank)")
     p.add_argument("--trace", nargs="?", const="auto", default=None, metavar="STEP[:N]",
@@ -122,9 +122,6 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
         if world_size % (tensor * sequence * pipe):
             raise ValueError(f"--nproc {world_size} is not divisible by the tensor-parallel degree {tensor} (--tp) x "
                              f"the sequence-parallel degree {sequence} (--sp) x the pipeline degree {pipe} (--pp)")
-        if pipe > 1 and sequence > 1:  # a config file's sequence_parallel_size
-            raise ValueError(f"--pp {pipe} with sequence-parallel degree {sequence} (sequence_parallel_size): "
-                             "sequence parallelism does not compose with the pipeline yet; use one of them")
         _check_sequence(checked, model, getattr(args, "seq_len", None))
         checked.batch_sizes(world_size // (tensor * sequence * pipe),
                             world_size_source=f"{world_size} rank(s) / tensor {tensor} / sequence {sequence} "
@@ -150,9 +147,6 @@ def _check_pipeline_flags(args: argparse.Namespace, model: str, pipe: int, sched
         raise ValueError(f"--moe {args.moe}: the experts are spread over the {stage_ranks} rank(s) of "
                          f"{'a pipeline stage' if pipe > 1 else 'the run'}, so their number must be a multiple of "
                          f"{stage_ranks}")
-    if pipe > 1 and (getattr(args, "sp", None) or 1) > 1:
-        raise ValueError(f"--pp {pipe} with --sp {args.sp}: sequence parallelism does not compose with the pipeline "
-                         "yet (a stage's sequence slices are not passed between stages); use --pp or --sp, not both")
     if pipe > 1:  # split_model gives each stage at least one block
         from zerodist.models import gpt_config
 

@@ -344,19 +344,27 @@ def _moe_lines(plan: TrainPlan, engine: Engine, model: Any, load: Any, everythin
     return lines
 
 
-def _sequence_report(engine: Engine, everything: Any, activations: SavedActivations | None, steps: int,
+def _sequence_report(engine: Engine, model: Any, everything: Any, activations: SavedActivations | None, steps: int,
                      seq_len: int) -> SequenceReport | None:
-    """The sequence-parallel section (a collective: every rank's activation bytes are gathered)."""
+    """The sequence-parallel section (a collective: every rank's activation bytes are gathered). With a
+    pipeline the formulas count this rank's stages' blocks; the ring's sends then share the tracer's
+    'send' count with the pipeline's, so the ring has no formula to match there."""
     if activations is None:
         return None
+    from zerodist.models.gpt import Block
+
     everyone: list[Any] = [None] * comm.get_world_size()
     comm.all_gather_object(everyone, activations.bytes)
+    if engine.pipeline is not None:  # the executor ran the forwards, outside activations.measure()
+        everyone = []
     method = engine.config.zerodist.sequence_parallel.method
     micro_steps_run = max(1, steps * engine.batch.gradient_accumulation_steps)
     measured = everything.bus_bytes("all_to_all") if method == "ulysses" else everything.total_bytes("send")
+    layers = sum(isinstance(m, Block) for m in engine.module.modules())
+    ring = ring_formula(engine, seq_len, model.config, layers) if method == "ring" and engine.pipeline is None else None
     return SequenceReport(engine.topology.size("sequence"), method, measured / micro_steps_run,
-                          ulysses_formula(engine, seq_len) if method == "ulysses" else None, everyone,
-                          ring_formula(engine, seq_len) if method == "ring" else None)
+                          ulysses_formula(engine, seq_len, model.config, layers) if method == "ulysses" else None,
+                          everyone, ring)
 
 
 def _pipeline_lines(plan: TrainPlan, engine: Engine, model: Any, everything: Any, steps: int,
@@ -428,7 +436,7 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
                                                                       activations, observer)
         memory = gather_memory(engine)
         observed = observer.finish({"model": plan.model, "stage": engine.config.zero_optimization.stage})
-        sequence = _sequence_report(engine, everything, activations, len(records), seq_len)
+        sequence = _sequence_report(engine, model, everything, activations, len(records), seq_len)
         load = tracker.gather() if tracker is not None else None
         pipe_lines = _pipeline_lines(plan, engine, model, everything, len(records), observer)
     finally:

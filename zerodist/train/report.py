@@ -157,11 +157,14 @@ def comm_lines(summary: RunSummary) -> list[str]:
 def _ranks(summary: RunSummary) -> str:
     if summary.tensor_degree == 1 and summary.pipe_degree == 1:
         return f"{summary.world_size} rank(s)"
+    # world_size counts the ranks dense parameters shard over: data x sequence
+    data = summary.world_size // summary.sequence_degree
+    sequence = f" x sequence {summary.sequence_degree}" if summary.sequence_degree > 1 else ""
     if summary.pipe_degree == 1:
-        return (f"{summary.world_size * summary.tensor_degree} ranks (data {summary.world_size} x tensor "
+        return (f"{summary.world_size * summary.tensor_degree} ranks (data {data}{sequence} x tensor "
                 f"{summary.tensor_degree}; Ψ below is each rank's tensor-local count)")
     return (f"{summary.world_size * summary.tensor_degree * summary.pipe_degree} ranks (pipe {summary.pipe_degree} x "
-            f"data {summary.world_size} x tensor {summary.tensor_degree}; Ψ below is rank 0's stages' "
+            f"data {data}{sequence} x tensor {summary.tensor_degree}; Ψ below is rank 0's stages' "
             f"{'tensor-local ' if summary.tensor_degree > 1 else ''}count)")
 
 

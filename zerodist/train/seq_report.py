@@ -60,22 +60,21 @@ class SequenceReport:
     ring_formula_bytes_per_micro_step: int | None = None  # the ring: K/V out, dK/dV back, every layer
 
 
-def ulysses_formula(engine: Any, seq_len: int) -> int:
-    """Bytes a rank sends in the all-to-alls of one micro-step (forward and backward) of the demo GPT."""
-    gpt = engine.module.config
+def ulysses_formula(engine: Any, seq_len: int, gpt: Any, layers: int) -> int:
+    """Bytes a rank sends in the all-to-alls of one micro-step (forward and backward) through `layers`
+    blocks of the demo GPT configured by `gpt` (all of them, or this rank's pipeline stages')."""
     one_layer = ulysses_bytes(batch=engine.batch.micro_batch_size, seq=seq_len, heads=gpt.n_heads, kv_heads=gpt.n_heads,
                               head_dim=gpt.d_model // gpt.n_heads, degree=engine.topology.size("sequence"),
                               element_size=engine.policy.param_dtype.itemsize)
-    return 2 * gpt.n_layers * one_layer
+    return 2 * layers * one_layer
 
 
-def ring_formula(engine: Any, seq_len: int) -> int:
-    """Bytes a rank sends for the ring in one micro-step (forward and backward) of the demo GPT."""
-    gpt = engine.module.config
+def ring_formula(engine: Any, seq_len: int, gpt: Any, layers: int) -> int:
+    """Bytes a rank sends for the ring in one micro-step (forward and backward) through `layers` blocks."""
     shape = dict(batch=engine.batch.micro_batch_size, seq=seq_len, kv_heads=gpt.n_heads,
                  head_dim=gpt.d_model // gpt.n_heads, degree=engine.topology.size("sequence"),
                  element_size=engine.policy.param_dtype.itemsize)
-    return gpt.n_layers * (ring_bytes(**shape) + ring_backward_bytes(**shape))
+    return layers * (ring_bytes(**shape) + ring_backward_bytes(**shape))
 
 
 def report_lines(report: SequenceReport) -> list[str]:
@@ -92,6 +91,9 @@ def report_lines(report: SequenceReport) -> list[str]:
         lines.append(f"  ring per micro-step on rank 0: {format_bytes(measured)} sent point to point (tracer); formula "
                      f"L (3P-2) x 2 e B (N/P) H_kv d (K/V blocks rotated P-1 hops forward and backward, dK/dV P "
                      f"hops) = {ring_text}{verdict}")
+    if not report.activation_bytes:  # a pipeline's executor runs the stages' forwards, not the demo loop
+        lines.append("  activation memory per rank: not measured under a pipeline")
+        return lines
     per_rank = ", ".join(f"rank {rank} {format_bytes(b)}" for rank, b in enumerate(report.activation_bytes))
     lines.append(f"  activation memory per rank (saved for backward in one micro-step, parameters excluded): {per_rank}")
     return lines
