@@ -29,7 +29,7 @@ def _keys(names: str) -> tuple[str, ...]:
 
 NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
     "": _keys("""
-        activation_checkpointing aio amp autotuning comet communication_data_type
+        activation_checkpointing aio amp autotuning comet
         compile compression_training curriculum_learning data_efficiency data_types
         dump_state eigenvalue elasticity gradient_predivide_factor
         graph_harvesting hybrid_engine nebula prescale_gradients
@@ -41,7 +41,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
         allgather_partitions compute_grad_norm cpu_offload cpu_offload_param
         cpu_offload_use_pin_memory elastic_checkpoint enable_sanity_checks ignore_unused_parameters
         leaf_module legacy_stage1 load_from_fp32_weights log_trace_cache_warnings
-        memory_efficient_linear mics_hierarchical_params_gather mics_shard_size
+        memory_efficient_linear
         override_module_apply parameter_alignment
         pipeline_loading_checkpoint round_robin_gradients
         stage3_allgather_sequential stage3_gather_fp16_weights_on_model_save
@@ -154,7 +154,6 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("", "sparse_gradients"): (_same(False), "false"),
     ("", "dump_state"): (_same(False), "false"),
     ("", "graph_harvesting"): (_same(False), "false"),
-    ("", "communication_data_type"): (_same(None), "null"),
     # Any torch.optim optimizer runs under every ZeRO stage, and the CPU optimizer only matters with offload.
     ("", "zero_allow_untested_optimizer"): (_any_bool, "true or false"),
     ("", "zero_force_ds_cpu_optimizer"): (_any_bool, "true or false (the torch optimizer steps offloaded state)"),
@@ -194,8 +193,6 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("zero_optimization", "zero_quantized_weights"): (_same(False), "false"),
     ("zero_optimization", "zero_quantized_nontrainable_weights"): (_same(False), "false"),
     ("zero_optimization", "zeropp_loco_param"): (_same(None), "null"),
-    ("zero_optimization", "mics_shard_size"): (_same(-1), "-1"),
-    ("zero_optimization", "mics_hierarchical_params_gather"): (_same(False), "false"),
     ("zero_optimization", "compute_grad_norm"): (_same(True), "true"),
     ("zero_optimization", "parameter_alignment"): (_same(False), "false"),
     ("zero_optimization", "enable_sanity_checks"): (_same(False), "false"),

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from zerodist.comm import Group
 from zerodist.comm.topology import Domain, Topology
 
@@ -79,6 +81,10 @@ class DomainGroup:
     # where the buckets reduce gradients: `group`, or a second group over the same ranks when the
     # Topology was built with gradient groups (stage 3: [Note: gradient groups] in comm/topology.py)
     grad_group: Group = None
+    # Hierarchical sharding (MiCS / HSDP, hierarchy.py): the ranks holding the same shard in the other
+    # shard groups, over which the reduced shard is all-reduced; None: `group` is the whole domain.
+    replica_group: Group = None
+    grad_comm_dtype: torch.dtype | None = None  # communication_data_type; None: the gradients' own
 
     def __post_init__(self) -> None:
         if self.grad_group is None:
