@@ -47,7 +47,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
         stage3_allgather_sequential stage3_gather_fp16_weights_on_model_save
         stage3_model_persistence_threshold stage3_module_granularity_threshold
         stage3_use_all_reduce_for_fetch_params
-        use_multi_rank_bucket_allreduce zenflow zero_hpz_partition_size
+        use_multi_rank_bucket_allreduce zenflow
         zero_quantized_gradients zero_quantized_nontrainable_weights
         zero_quantized_weights zeropp_loco_param
         """),
@@ -188,7 +188,6 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("zero_optimization", "stage3_gather_fp16_weights_on_model_save"): (_same(False), "false"),
     ("zero_optimization", "stage3_module_granularity_threshold"): (_same(0), "0"),
     ("zero_optimization", "use_multi_rank_bucket_allreduce"): (_same(True), "true"),
-    ("zero_optimization", "zero_hpz_partition_size"): (_same(1), "1"),
     ("zero_optimization", "zero_quantized_gradients"): (_same(False), "false"),
     ("zero_optimization", "zero_quantized_weights"): (_same(False), "false"),
     ("zero_optimization", "zero_quantized_nontrainable_weights"): (_same(False), "false"),

@@ -496,6 +496,9 @@ class Config(Section):
         if zero.mics_shard_size == 0:
             problems.append("'zero_optimization.mics_shard_size' is 0; give a positive shard group size, or -1 to "
                             "shard over every data-parallel rank")
+        if zero.zero_hpz_partition_size > 1 and zero.offload_param is not None and zero.offload_param.device != "none":
+            problems.append("'zero_optimization.zero_hpz_partition_size' keeps a secondary copy of the parameters in "
+                            "device memory, but 'zero_optimization.offload_param' moves them off it; use one of the two")
         if zero.mics_shard_size > 1 and zero.stage == 0:
             problems.append("'zero_optimization.mics_shard_size' shards model states, but 'zero_optimization.stage' "
                             "is 0; set a stage of 1-3 or remove mics_shard_size")

@@ -25,6 +25,13 @@ class HierarchicalShardingKeys(Section):
         "ZeRO). Must divide the data-parallel degree; not with tensor, sequence, expert or pipeline parallelism "
         "nor with offload. See docs/zeropp.md."
     )
+    zero_hpz_partition_size: int = Field(
+        1, ge=1, description="ZeRO++ hpZ (stage 3): after a training forward's all-gather each rank keeps a secondary "
+        "copy of the parameters sharded within blocks of this many consecutive ranks (the ranks per node), which the "
+        "backward all-gather reads, so it never leaves the node; costs Ψ/size elements per rank between forward and "
+        "backward. 1 turns it off. Must divide the data-parallel (or MiCS shard) degree; not with parameter offload. "
+        "See docs/zeropp.md."
+    )
     mics_hierarchical_params_gather: bool = Field(
         False, description="MiCS: gather parameters within the node first, then across nodes. zerodist accepts it "
         "where a shard group lies within one node (the gather never leaves it, so there is nothing to stage); a shard "

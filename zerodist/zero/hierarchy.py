@@ -29,7 +29,7 @@ import torch
 from zerodist.comm.errors import TopologyError
 from zerodist.comm.topology import DENSE, Domain, Topology
 from zerodist.config import Config
-from zerodist.zero.policy import DomainGroup
+from zerodist.zero.policy import DomainGroup, SecondaryGroup
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -41,12 +41,14 @@ class HierarchySettings:
     shard_size: int = -1  # zero_optimization.mics_shard_size; -1: every data-parallel rank
     hierarchical_gather: bool = False  # zero_optimization.mics_hierarchical_params_gather
     grad_comm_dtype: torch.dtype | None = None  # communication_data_type
+    hpz_size: int = 1  # zero_optimization.zero_hpz_partition_size (stage 3 only)
 
     @classmethod
     def from_config(cls, config: Config) -> HierarchySettings:
         zero = config.zero_optimization
         dtype = None if config.communication_data_type is None else _COMM_DTYPES[config.communication_data_type]
-        return cls(zero.mics_shard_size, zero.mics_hierarchical_params_gather, dtype)
+        return cls(zero.mics_shard_size, zero.mics_hierarchical_params_gather, dtype,
+                   zero.zero_hpz_partition_size if zero.stage == 3 else 1)
 
     def shard_size_for(self, topology: Topology) -> int | None:
         """The shard group's size on this topology, or None for plain ZeRO (every data rank).
@@ -73,8 +75,34 @@ def domain_group(topology: Topology, domain: Domain, settings: HierarchySettings
     plain = DomainGroup.of(topology, domain)
     plain = dataclasses.replace(plain, grad_comm_dtype=settings.grad_comm_dtype)
     size = settings.shard_size_for(topology)
-    if size is None:
-        return plain
+    if size is not None:
+        plain = _mics(topology, domain, settings, plain, size)
+    if settings.hpz_size > 1:
+        plain = _hpz(topology, domain, settings.hpz_size, plain)
+    return plain
+
+
+def _hpz(topology: Topology, domain: Domain, k: int, plain: DomainGroup) -> DomainGroup:
+    """hpZ's secondary groups: blocks of k consecutive ranks of the (shard) group ([Note: secondary partition])."""
+    others = {axis: d for axis, d in topology.degrees.items() if axis != "data" and d > 1}
+    if others:
+        raise TopologyError(f"'zero_optimization.zero_hpz_partition_size' ({k}) builds its groups over data-parallel "
+                            f"ranks only; it cannot be combined with {', '.join(f'{a} ({d})' for a, d in others.items())}: "
+                            "remove zero_hpz_partition_size or those degrees")
+    if plain.size == 1:
+        return plain  # one rank: nothing is gathered
+    if plain.size % k:
+        raise TopologyError(f"'zero_optimization.zero_hpz_partition_size' ({k}) must divide the {plain.size} ranks "
+                            "parameters are sharded over (the data-parallel degree, or mics_shard_size); set it to the "
+                            f"ranks per node ({topology.ranks_per_node}) where that divides them")
+    if k == plain.size:
+        return plain  # the secondary would be the primary partition
+    split = topology.split(domain.reduce_axes, k)
+    return dataclasses.replace(plain, secondary=SecondaryGroup(split.inner, split.inner_ranks.index(topology.rank), k))
+
+
+def _mics(topology: Topology, domain: Domain, settings: HierarchySettings, plain: DomainGroup,
+          size: int) -> DomainGroup:
     assert domain == DENSE, f"hierarchical sharding of a {domain} group"
     split = topology.split(domain.reduce_axes, size)
     if settings.hierarchical_gather and split.inner_link == "inter":

@@ -37,9 +37,10 @@ from zerodist.comm.topology import Domain
 from zerodist.zero import sharded_access
 from zerodist.zero.buffer_pool import BufferPool
 from zerodist.zero.flat_views import FlatViews
+from zerodist.zero.hpz import SecondaryCopy
 from zerodist.zero.layout import ParamSlot
 from zerodist.zero.pending_gather import GatherSlot, PendingGather
-from zerodist.zero.policy import DomainGroup
+from zerodist.zero.policy import DomainGroup, SecondaryGroup
 
 
 @dataclasses.dataclass(eq=False)
@@ -168,6 +169,9 @@ class ParamStorage(abc.ABC):
     def reshard(self) -> None:
         """Free what the full values need (sharded parameters); nothing otherwise."""
 
+    def drop_secondary(self) -> None:
+        """hpZ's secondary copy is stale (sharded parameters only: hpz.py)."""
+
     @abc.abstractmethod
     def take_shard_from_full(self) -> None:
         """After the full parameters were changed in place: what this rank holds of them, again."""
@@ -188,9 +192,12 @@ class ShardedParams(ParamStorage):
     _prepared_buffer: torch.Tensor | None = None  # offloaded: the shard read into its place, for the next gather
 
     def __init__(self, records: list[ParamRecord], views: FlatViews, *, shard: torch.Tensor, nans: torch.Tensor,
-                 group: Group, buffer_pool: BufferPool | None):
+                 group: Group, buffer_pool: BufferPool | None, secondary: SecondaryGroup | None = None):
         super().__init__(records, views, group=group, dtype=shard.dtype, device=shard.device, buffer_pool=buffer_pool)
         self.param_shard, self.nans = shard, nans
+        # hpZ: the secondary partition within the node ([Note: secondary partition] in hpz.py)
+        self.secondary = None if secondary is None else SecondaryCopy(views, secondary, buffer_pool)
+        self._from_primary = False  # the gather in flight reads the primary shards
         self._handles: list[comm.CommHandle] = []  # the all-gathers `start_unshard()` issued, until waited for
         self.state = ParamState.UNSHARDED  # the parameters' own storage until now; reshard() makes them placeholders
         self.reshard()
@@ -211,9 +218,12 @@ class ShardedParams(ParamStorage):
             full = self.param_buffer
             assert full is not None
             self._handles = self._all_gather(lambda i: self.views.bucket(i, full, owned=True))
+        elif self.secondary is not None and self.secondary.held is not None:  # hpZ: within the node
+            self.param_buffer = self._transient_buffer()
+            self._handles, self._from_primary = self.secondary.gather(self.param_buffer), False
         else:
             self.param_buffer = self._transient_buffer()
-            self._handles = self._all_gather(lambda i: self.views.shard(i, shard))
+            self._handles, self._from_primary = self._all_gather(lambda i: self.views.shard(i, shard)), True
         self.state = ParamState.UNSHARDING
 
     def prepare_unshard(self) -> None:
@@ -243,6 +253,11 @@ class ShardedParams(ParamStorage):
             handle.wait()
         if self.state is ParamState.UNSHARDING:
             self.state = ParamState.GATHERED
+            if self.secondary is not None:
+                self.secondary.landed()
+                # a training forward's gather: the backward will gather this group again, within the node
+                if self._from_primary and torch.is_grad_enabled() and self.param_buffer is not None:
+                    self.secondary.keep(self.param_buffer)
 
     def finish_unshard(self) -> None:
         """Wait, then point the parameters at the full buffer."""
@@ -314,9 +329,15 @@ class ShardedParams(ParamStorage):
         assert self.param_shard is not None
         return self.views.shard(index, self.param_shard)
 
+    def drop_secondary(self) -> None:
+        """The shards are about to change: hpZ's secondary copy is stale ([Note: secondary partition])."""
+        if self.secondary is not None:
+            self.secondary.drop()
+
     def take_shard_from_full(self) -> None:
         """After the full parameters were changed in place: this rank's shard from them again."""
         assert self.param_buffer is not None and self.param_shard is not None, self._describe("take_shard_from_full", 0)
+        self.drop_secondary()
         if self.shard_offloaded:
             return
         for i in range(self.views.num_buckets):

@@ -63,6 +63,16 @@ class ShardingPolicy:
 
 
 @dataclasses.dataclass(frozen=True)
+class SecondaryGroup:
+    """hpZ: the block of k ranks a secondary copy of the parameters is sharded over, and this rank's
+    index in it ([Note: secondary partition] in hpz.py)."""
+
+    group: Group
+    index: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
 class DomainGroup:
     """The ranks one flat group reduces and shards over: its domain's group on this rank."""
 
@@ -85,6 +95,7 @@ class DomainGroup:
     # shard groups, over which the reduced shard is all-reduced; None: `group` is the whole domain.
     replica_group: Group = None
     grad_comm_dtype: torch.dtype | None = None  # communication_data_type; None: the gradients' own
+    secondary: SecondaryGroup | None = None  # hpZ (zero_hpz_partition_size > 1): where sharded groups keep a copy
 
     def __post_init__(self) -> None:
         if self.grad_group is None:
