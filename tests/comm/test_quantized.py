@@ -9,11 +9,14 @@ import pytest
 import torch
 
 import zerodist.comm as comm
-from zerodist.comm.quantize import dequantize, quantize_blockwise, quantized_nbytes
+from zerodist.comm.quantize import dequantize, quantization_error, quantize_blockwise, quantized_nbytes
 from zerodist.comm.quantized import (
     all_gather_nbytes,
+    measure_quantization_error,
     quantized_all_gather,
+    quantized_all_gather_start,
     quantized_reduce_scatter,
+    quantized_reduce_scatter_start,
     reduce_scatter_nbytes,
     reduce_scatter_shard_index,
 )
@@ -178,3 +181,60 @@ def test_bad_input_is_refused_on_every_rank_before_any_collective():
     for fragment in ("not a multiple of the 2 ranks", "pad it to a multiple of 2", "bits must be one of",
                      "must be floating point", "out has 3 elements"):
         assert fragment in messages[0]
+
+
+# ---------------------------------------------------------------- async forms, the error meter, membership
+
+@distributed_test(world_size=4)
+def test_start_forms_overlap_and_give_the_same_bits():
+    rank, world = comm.get_rank(), 4
+    intra, inter = _node_groups()
+    shard = _input(rank, 33, torch.float32)
+    flat = _input(rank, world * 24, torch.bfloat16)
+    # several in flight at once, waited in issue order (as ZeRO's buckets are)
+    gathers = [quantized_all_gather_start(shard * (i + 1), bits=8, block=BLOCK) for i in range(2)]
+    scatters = [quantized_reduce_scatter_start(flat, intra, 4, BLOCK, inter_group=inter),
+                quantized_reduce_scatter_start(flat, None, 8, BLOCK)]
+    results = [h.wait() for h in gathers + scatters]
+    assert all(h.is_completed() for h in gathers + scatters)
+    assert gathers[0].wait() is results[0]  # waiting twice is safe
+    assert torch.equal(results[0], quantized_all_gather(shard, bits=8, block=BLOCK))
+    assert torch.equal(results[1], quantized_all_gather(shard * 2, bits=8, block=BLOCK))
+    assert torch.equal(results[2], quantized_reduce_scatter(flat, intra, 4, BLOCK, inter_group=inter))
+    assert torch.equal(results[3], quantized_reduce_scatter(flat, None, 8, BLOCK))
+
+
+@distributed_test(world_size=2)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_error_meter_measures_what_this_rank_quantized(bits):
+    rank = comm.get_rank()
+    shard, flat = _input(rank, 50, torch.float32), _input(rank + 7, 64, torch.float32)
+    with measure_quantization_error() as meter:
+        quantized_all_gather(shard, bits=bits, block=BLOCK)
+        quantized_reduce_scatter(flat, bits=bits, block=BLOCK)
+    expected = quantization_error(shard, _round_trip(shard, bits))
+    assert meter.numel("all_gather") == 50 and meter.numel("reduce_scatter") == 64 and meter.numel() == 114
+    assert meter.error("all_gather").rel_l2 == pytest.approx(expected.rel_l2, rel=1e-9)
+    assert meter.error("all_gather").max_abs == pytest.approx(expected.max_abs, rel=1e-9)
+    halves = [flat[:32], flat[32:]]  # one chunk per destination, quantized on its own
+    both = torch.cat([_round_trip(h, bits) for h in halves])
+    assert meter.error("reduce_scatter").rel_l2 == pytest.approx(quantization_error(flat, both).rel_l2, rel=1e-9)
+    assert 0 < meter.error().rel_l2 < (0.01 if bits == 8 else 0.15)
+    quantized_all_gather(shard, bits=bits, block=BLOCK)  # outside the block: not measured
+    assert meter.numel() == 114
+
+
+def _refuses_foreign_group() -> str:
+    other = comm.new_group([1])  # rank 0 is not a member
+    if comm.get_rank() == 1:
+        return ""
+    try:
+        quantized_reduce_scatter(torch.ones(4), other)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_a_group_this_rank_is_not_in_is_refused():
+    messages = run_distributed(_refuses_foreign_group, 2, timeout=60)
+    assert "is not a member of the group" in messages[0]
