@@ -64,7 +64,7 @@ def _traced_step(cfg: dict) -> tuple[comm.Trace, int, object]:
     for step in range(2):
         x, y = global_batch(step, micro * n)
         rows = slice(rank * micro, (rank + 1) * micro)
-        with comm.trace(ops=["all_gather", "reduce_scatter", "all_reduce"]) as t:
+        with comm.trace(ops=["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]) as t:
             engine.backward(F.mse_loss(engine(x[rows]), y[rows]))
             engine.step()
     psi = sum(g.layout.total_numel for g in engine.groups)

@@ -48,8 +48,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
         stage3_model_persistence_threshold stage3_module_granularity_threshold
         stage3_use_all_reduce_for_fetch_params
         use_multi_rank_bucket_allreduce zenflow
-        zero_quantized_gradients zero_quantized_nontrainable_weights
-        zero_quantized_weights zeropp_loco_param
+        zeropp_loco_param
         """),
     "fp16": _keys("auto_cast consecutive_hysteresis fp16_master_weights_and_grads"),
     "bf16": _keys("bf16_master_weights_and_grads bf16_optimizer_states check_grad_overflow immediate_grad_update"),
@@ -188,9 +187,6 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("zero_optimization", "stage3_gather_fp16_weights_on_model_save"): (_same(False), "false"),
     ("zero_optimization", "stage3_module_granularity_threshold"): (_same(0), "0"),
     ("zero_optimization", "use_multi_rank_bucket_allreduce"): (_same(True), "true"),
-    ("zero_optimization", "zero_quantized_gradients"): (_same(False), "false"),
-    ("zero_optimization", "zero_quantized_weights"): (_same(False), "false"),
-    ("zero_optimization", "zero_quantized_nontrainable_weights"): (_same(False), "false"),
     ("zero_optimization", "zeropp_loco_param"): (_same(None), "null"),
     ("zero_optimization", "compute_grad_norm"): (_same(True), "true"),
     ("zero_optimization", "parameter_alignment"): (_same(False), "false"),

@@ -30,6 +30,7 @@ from zerodist.config.zeropp_sections import (
     CommunicationDataType,
     HierarchicalShardingKeys,
     communication_dtype_problem,
+    zeropp_problems,
 )
 
 
@@ -490,6 +491,7 @@ class Config(Section):
                             "into flat contiguous buckets as they are produced (DeepSpeed's true); remove the key or "
                             "set it to true")
         problems += offload_problems(zero.stage, zero.offload_optimizer, zero.offload_param)
+        problems += zeropp_problems(zero, zero.stage, zero.reduce_scatter)
         dtype_problem = communication_dtype_problem(self.communication_data_type, self.fp16.enabled, self.bf16.enabled)
         if dtype_problem:
             problems.append(dtype_problem)

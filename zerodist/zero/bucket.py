@@ -42,7 +42,9 @@ import zerodist.comm as comm
 from zerodist.comm import Group
 from zerodist.comm import collectives
 from zerodist.zero.buffer_pool import BufferPool
+from zerodist.comm.quantized import quantized_reduce_scatter_start
 from zerodist.zero.layout import BucketSpan, ParamSlot
+from zerodist.zero.policy import QuantizedReduction
 
 
 class BucketState(enum.Enum):
@@ -59,6 +61,7 @@ class GradSyncPlan:
     # Hierarchical sharding (zerodist/zero/hierarchy.py): the reduced shard is then all-reduced over these ranks.
     replica_group: Group = None
     comm_dtype: torch.dtype | None = None  # communication_data_type: reduce in this type, cast back after
+    quantized: QuantizedReduction | None = None  # qgZ: a quantized all-to-all replaces the reduce-scatter
 
 
 class Bucket:
@@ -173,7 +176,12 @@ class Bucket:
             direct = (self.plan.persistent_full_grad or not self.accumulated) and not cast
             out = self.grad_owned if direct else self.grad_owned.new_empty(self.grad_owned.shape, dtype=source.dtype)
             # the full buffer is scratch once reduced: stages 2/3 free it, stages 0/1 read only grad_owned
-            handle = collectives.reduce_scatter(out, source, group=self.group, async_op=True, input_is_scratch=True)
+            if self.plan.quantized is not None:  # qgZ: summed in fp32, cast into `out`
+                q = self.plan.quantized
+                handle = quantized_reduce_scatter_start(source, q.group, q.bits, inter_group=q.inter_group, out=out)
+            else:
+                handle = collectives.reduce_scatter(out, source, group=self.group, async_op=True,
+                                                    input_is_scratch=True)
         else:
             handle = comm.all_reduce(source, group=self.group, async_op=True)
             out = source[lo: lo + self.span.shard_numel]

@@ -101,7 +101,8 @@ class FlatParamGroup:
         master = stepped() if param_dtype != initial.dtype else None
         if nans is not None:
             return ShardedParams(self.records, views, shard=stepped().to(param_dtype), nans=nans, group=self.group,
-                                 buffer_pool=self.buffer_pool, secondary=self.domain_group.secondary), master
+                                 buffer_pool=self.buffer_pool, secondary=self.domain_group.secondary,
+                                 weight_bits=self.domain_group.weight_bits), master
         return FullParams(self.records, views, buffer=initial.to(param_dtype), gathers=self.gathers_params,
                           group=self.group), master
 

@@ -29,8 +29,10 @@ import torch
 from zerodist.comm.errors import TopologyError
 from zerodist.comm.topology import DENSE, Domain, Topology
 from zerodist.config import Config
-from zerodist.zero.policy import DomainGroup, SecondaryGroup
+from zerodist.zero.policy import DomainGroup, QuantizedReduction, SecondaryGroup
 
+# ZeRO++'s formats (DeepSpeed's and its paper's): int8 weights, int4 gradients, blocks of 256 with an fp32 scale.
+WEIGHT_BITS, GRADIENT_BITS = 8, 4
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -42,13 +44,17 @@ class HierarchySettings:
     hierarchical_gather: bool = False  # zero_optimization.mics_hierarchical_params_gather
     grad_comm_dtype: torch.dtype | None = None  # communication_data_type
     hpz_size: int = 1  # zero_optimization.zero_hpz_partition_size (stage 3 only)
+    weight_bits: int | None = None  # zero_quantized_weights: int8 (qwZ)
+    grad_bits: int | None = None  # zero_quantized_gradients: int4 (qgZ)
 
     @classmethod
     def from_config(cls, config: Config) -> HierarchySettings:
         zero = config.zero_optimization
         dtype = None if config.communication_data_type is None else _COMM_DTYPES[config.communication_data_type]
         return cls(zero.mics_shard_size, zero.mics_hierarchical_params_gather, dtype,
-                   zero.zero_hpz_partition_size if zero.stage == 3 else 1)
+                   zero.zero_hpz_partition_size if zero.stage == 3 else 1,
+                   WEIGHT_BITS if zero.zero_quantized_weights else None,
+                   GRADIENT_BITS if zero.zero_quantized_gradients else None)
 
     def shard_size_for(self, topology: Topology) -> int | None:
         """The shard group's size on this topology, or None for plain ZeRO (every data rank).
@@ -79,7 +85,23 @@ def domain_group(topology: Topology, domain: Domain, settings: HierarchySettings
         plain = _mics(topology, domain, settings, plain, size)
     if settings.hpz_size > 1:
         plain = _hpz(topology, domain, settings.hpz_size, plain)
+    if settings.weight_bits is not None and plain.size > 1:
+        plain = dataclasses.replace(plain, weight_bits=settings.weight_bits)
+    if settings.grad_bits is not None and plain.size > 1:
+        plain = dataclasses.replace(plain, quantized_grads=_qgz(topology, domain, settings.grad_bits, plain))
     return plain
+
+
+def _qgz(topology: Topology, domain: Domain, bits: int, plain: DomainGroup) -> QuantizedReduction:
+    """qgZ over the shard group: intra-node then inter-node when it is the whole data-parallel group of
+    a data-only topology spanning several nodes of several ranks each, else one hop."""
+    per_node, data = topology.ranks_per_node, topology.size(*domain.reduce_axes)
+    hierarchical = (plain.replica_group is None and data == topology.world_size and 1 < per_node < data
+                    and data % per_node == 0)
+    if not hierarchical:
+        return QuantizedReduction(bits, plain.grad_group)
+    split = topology.split(domain.reduce_axes, per_node)
+    return QuantizedReduction(bits, split.inner_grad, split.outer)
 
 
 def _hpz(topology: Topology, domain: Domain, k: int, plain: DomainGroup) -> DomainGroup:

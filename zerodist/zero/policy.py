@@ -73,6 +73,16 @@ class SecondaryGroup:
 
 
 @dataclasses.dataclass(frozen=True)
+class QuantizedReduction:
+    """qgZ: gradients reduce-scattered by quantized all-to-all over `group` (within the node), then
+    `inter_group` (across nodes; None: one hop over `group`), zerodist/comm/quantized.py."""
+
+    bits: int
+    group: Group
+    inter_group: Group = None
+
+
+@dataclasses.dataclass(frozen=True)
 class DomainGroup:
     """The ranks one flat group reduces and shards over: its domain's group on this rank."""
 
@@ -96,6 +106,8 @@ class DomainGroup:
     replica_group: Group = None
     grad_comm_dtype: torch.dtype | None = None  # communication_data_type; None: the gradients' own
     secondary: SecondaryGroup | None = None  # hpZ (zero_hpz_partition_size > 1): where sharded groups keep a copy
+    weight_bits: int | None = None  # qwZ: sharded groups gather their parameters quantized to this many bits
+    quantized_grads: QuantizedReduction | None = None  # qgZ
 
     def __post_init__(self) -> None:
         if self.grad_group is None:
