@@ -71,6 +71,14 @@ def _traced_step(cfg: dict) -> tuple[comm.Trace, int, object]:
     return t, psi, engine
 
 
+def _check_library_formula(t: comm.Trace, engine) -> None:
+    """zerodist.zero.link_bytes (what `zerodist train`'s summary prints) agrees with the measurement."""
+    from zerodist.zero.link_bytes import link_bus_bytes, regathered_groups
+    formula = link_bus_bytes(engine.groups, engine.topology, regathered=regathered_groups(engine.stage3))
+    sent = _bulk_bus_bytes(t)
+    assert formula["intra"] == pytest.approx(sent["intra"]) and formula["inter"] == pytest.approx(sent["inter"])
+
+
 def _bulk_bus_bytes(t: comm.Trace) -> dict[str, float]:
     """Bus bytes per link class of the parameter and gradient collectives (the step's few scalar
     all-reduces, loss and norm agreement, are left out: they are not in the formulas)."""
@@ -83,7 +91,8 @@ def _bulk_bus_bytes(t: comm.Trace) -> dict[str, float]:
 
 @distributed_test(world_size=4)
 def test_plain_zero3_bytes_all_cross_nodes():
-    t, psi, _ = _traced_step(config())
+    t, psi, engine = _traced_step(config())
+    _check_library_formula(t, engine)
     d, b = 4, 4  # fp32
     sent = _bulk_bus_bytes(t)
     assert sent["intra"] == 0
@@ -94,6 +103,7 @@ def test_plain_zero3_bytes_all_cross_nodes():
 def test_mics_bytes_per_link_class():
     t, psi, engine = _traced_step(config(mics_shard_size=2))
     s, r, b = 2, 2, 4
+    _check_library_formula(t, engine)
     sent = _bulk_bus_bytes(t)
     assert psi == sum(g.layout.total_numel for g in engine.groups)
     assert sent["intra"] == pytest.approx(3 * psi * b * (s - 1) / s)

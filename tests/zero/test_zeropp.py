@@ -11,12 +11,13 @@ from zerodist.comm.errors import TopologyError
 from zerodist.models import make_mlp
 from tests.engine_helpers import train_distributed
 from tests.harness import distributed_test
-from tests.zero.test_mics import _bulk_bus_bytes, _traced_step, config
+from tests.zero.test_mics import _bulk_bus_bytes, _check_library_formula, _traced_step, config
 
 
 @distributed_test(world_size=4)
 def test_hpz_backward_gather_stays_within_the_node():
-    t, psi, _ = _traced_step(config(zero_hpz_partition_size=2))
+    t, psi, engine = _traced_step(config(zero_hpz_partition_size=2))
+    _check_library_formula(t, engine)
     d, k, b = 4, 2, 4
     gathers = [r for r in t.records if r.op == "all_gather" and r.numel > 64]
     assert {r.link for r in gathers} == {"intra", "inter"}
@@ -102,6 +103,7 @@ def test_quantized_bytes_per_link_class(mode):
     t, _, engine = _traced_step(config(**keys))
     expected = _expected(engine, qwz=mode != "qgz", qgz=mode != "qwz", hpz=mode == "zeropp")
     sent = _bulk_bus_bytes(t)
+    _check_library_formula(t, engine)
     assert sent["intra"] == pytest.approx(expected["intra"])
     assert sent["inter"] == pytest.approx(expected["inter"])
     if mode == "zeropp":
