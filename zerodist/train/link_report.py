@@ -11,16 +11,13 @@ from zerodist.utils import format_bytes
 from zerodist.zero.link_bytes import link_bus_bytes, regathered_groups
 
 
-def link_lines(engine: Any, everything: Any, logging_traffic: tuple, steps: int,
-               quant_meters: list[Any] | None) -> list[str]:
-    """Rank 0's lines: measured bus bytes per step by link class, the formula's, and the last step's
-    quantization error (rank 0's own contribution: zerodist/comm/quantized.py)."""
+def link_lines(engine: Any, last_step: Any, meter: Any | None) -> list[str]:
+    """Rank 0's lines: the last step's bus bytes by link class (`last_step`: its trace; a step in the
+    steady state: it issues the next step's early gathers as the previous step issued its own), the
+    formula's, and the last step's quantization error (`meter`; rank 0's own contribution:
+    zerodist/comm/quantized.py)."""
     topology, zero = engine.topology, engine.config.zero_optimization
-    steps = max(1, steps)
-    measured = everything.bus_bytes_by_link()
-    # the loss averaging for the progress bar runs over the world: off the link the world spans
-    world_link = "inter" if topology.num_nodes > 1 else "intra"
-    measured[world_link] -= logging_traffic[1]
+    measured = last_step.bus_bytes_by_link()
     formula = link_bus_bytes(engine.groups, topology, regathered=regathered_groups(engine.stage3),
                              micro_steps=engine.gradient_accumulation_steps())
     modes = [name for name, on in (("MiCS shard groups of %d" % zero.mics_shard_size, zero.mics_shard_size > 1),
@@ -29,14 +26,13 @@ def link_lines(engine: Any, everything: Any, logging_traffic: tuple, steps: int,
                                    ("qgZ int4", zero.zero_quantized_gradients)) if on]
     lines = [f"links: {topology.num_nodes} node(s) of {topology.ranks_per_node} rank(s)"
              f"{' (simulated)' if engine.config.zerodist.simulated_nodes else ''}; "
-             f"{', '.join(modes) if modes else 'plain ZeRO'}; bus bytes per step on rank 0:"]
+             f"{', '.join(modes) if modes else 'plain ZeRO'}; bus bytes of the last step on rank 0:"]
     for link in ("intra", "inter"):
-        got, want = measured[link] / steps, formula[link]
+        got, want = measured[link], formula[link]
         ratio = f"{got / want:.3f}x" if want else ("-" if not got else "n/a")
         lines.append(f"  {link}-node: {format_bytes(got)} measured, {format_bytes(want)} by docs/design/zero.md's "
-                     f"formula ({ratio}; the rest is the step's few scalar all-reduces)")
-    if quant_meters:
-        meter = quant_meters[-1]
+                     f"formula ({ratio}; the rest is the loss's and the norm's scalar all-reduces)")
+    if meter is not None:
         for op, name in (("all_gather", "qwZ weights"), ("reduce_scatter", "qgZ gradients")):
             if meter.numel(op):
                 error = meter.error(op)

@@ -139,7 +139,7 @@ class ProgressBar:
 def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int, metrics: MetricsLog | None = None,
               activations: SavedActivations | None = None,
               observer: StepObserver | None = None,
-              quant_meters: list[Any] | None = None) -> tuple[list[StepRecord], float, Any, Any]:
+              last_step: dict[str, Any] | None = None) -> tuple[list[StepRecord], float, Any, Any]:
     """Train `steps` optimizer steps; returns (records, seconds, tracer of everything, bytes and
     bus bytes of the loss averaging alone). The loss averaging runs in a nested trace so the summary can
     tell the engine's traffic from the progress bar's. Each step's row goes to `metrics` before its
@@ -181,8 +181,10 @@ def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int, metrics: Me
     with comm.trace(keep_records=False) as everything, _logs_beside(bar), contextlib.ExitStack() as stack:
         for step in range(first, steps + 1):
             lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves it on in engine.step()
-            if step == steps and quant_meters is not None:  # ZeRO++: the last step's quantization error
-                quant_meters.append(stack.enter_context(measure_quantization_error()))
+            if step == steps and last_step is not None:  # past one machine: the last step's bytes (and ZeRO++'s error)
+                last_step["trace"] = stack.enter_context(comm.trace(keep_records=False))
+                if last_step.get("quantized"):
+                    last_step["meter"] = stack.enter_context(measure_quantization_error())
             with observer.step(step) if observer is not None else contextlib.nullcontext():
                 if pipelined:
                     run = functools.partial(pipeline_batch, engine, batches, functools.partial(write_row, step, lr),
@@ -428,11 +430,12 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
     observer = StepObserver(engine.config, plan.out, engine.module, dtype=engine.policy.param_dtype,
                             module_spans=engine.pipeline is None)
     zero = engine.config.zero_optimization
-    quant_meters: list[Any] | None = [] if zero.zero_quantized_weights or zero.zero_quantized_gradients else None
+    quantized = zero.zero_quantized_weights or zero.zero_quantized_gradients
+    last_step = {"quantized": quantized} if engine.topology.num_nodes > 1 or quantized else None
     try:
         with schedule_log() as tensor_parallel_log:  # tensor-parallel bytes and Domino's schedule
             records, elapsed, everything, logging_traffic = run_steps(engine, loader, plan.steps, seq_len, metrics,
-                                                                      activations, observer, quant_meters)
+                                                                      activations, observer, last_step)
         memory = gather_memory(engine)
         observed = observer.finish({"model": plan.model, "stage": engine.config.zero_optimization.stage})
         sequence = _sequence_report(engine, everything, activations, len(records), seq_len)
@@ -452,9 +455,9 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
             sections.append("\n".join("  " + line for line in report_lines(report)))
         if sequence is not None:
             sections.append("\n".join("  " + line for line in sequence_report_lines(sequence)))
-        if engine.topology.num_nodes > 1 or quant_meters:
-            sections.append("\n".join("  " + line for line in link_lines(engine, everything, logging_traffic,
-                                                                          len(records), quant_meters)))
+        if last_step is not None and "trace" in last_step:
+            sections.append("\n".join("  " + line for line in link_lines(engine, last_step["trace"],
+                                                                          last_step.get("meter"))))
         outcome.lines += [format_summary(summary), *observed, *sections]
         if load is not None:
             outcome.lines += _moe_lines(plan, engine, model, load, everything, len(records), seq_len)
