@@ -151,3 +151,24 @@ def test_communication_data_type_fp32_reduces_bf16_gradients_in_fp32():
     scattered = [r for r in t.records if r.op == "reduce_scatter"]
     assert scattered and all(r.dtype == torch.float32 for r in scattered)
     assert all(g.grad_shard is not None and g.grad_shard.dtype == torch.bfloat16 for g in engine.groups)
+
+
+@distributed_test(world_size=4)
+def test_mics_checkpoint_loads_into_plain_zero3():
+    """A MiCS run's checkpoint, loaded at plain ZeRO-3 (and back into MiCS): the same parameters."""
+    import tempfile
+    directory = [tempfile.mkdtemp(prefix="mics-ckpt-") if comm.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(directory)
+    engine, state = train_distributed(config(mics_shard_size=2), 3)
+    engine.save_checkpoint(directory[0], tag="t")
+    for keys in ({}, {"mics_shard_size": 2}):
+        torch.manual_seed(1)
+        other, _, _, _ = zerodist.initialize(model=make_mlp(), config=config(**keys))
+        other.load_checkpoint(directory[0], tag="t")
+        loaded = other.module_state_dict()
+        for key in state:
+            assert torch.equal(loaded[key], state[key]), (keys, key)
+    torch.distributed.barrier()
+    if comm.get_rank() == 0:
+        import shutil
+        shutil.rmtree(directory[0])
