@@ -138,3 +138,23 @@ def _mics(topology: Topology, domain: Domain, settings: HierarchySettings, plain
         plain, group=split.inner, rank=ranks.index(topology.rank), size=size, ranks=ranks, index_of=index_of,
         grad_group=split.inner_grad, replica_group=split.outer,
         counts_in_norm=plain.counts_in_norm and split.outer_ranks[0] == topology.rank)
+
+
+def describe_links(topology: Topology, group: DomainGroup) -> list[str]:
+    """The start-up report's line on nodes and the past-one-machine modes (none on one node with none on)."""
+    modes = []
+    if group.replica_group is not None:
+        modes.append(f"MiCS shard groups of {group.size}, all-reduced over {topology.size(*group.domain.reduce_axes) // group.size} replicas")
+    if group.secondary is not None:
+        modes.append(f"hpZ secondary copies over blocks of {group.secondary.size}")
+    if group.weight_bits is not None:
+        modes.append(f"qwZ int{group.weight_bits} gathers")
+    if group.quantized_grads is not None:
+        hops = "intra then inter node" if group.quantized_grads.inter_group is not None else "one hop"
+        modes.append(f"qgZ int{group.quantized_grads.bits} gradients ({hops})")
+    if group.grad_comm_dtype is not None:
+        modes.append(f"gradients reduced in {str(group.grad_comm_dtype).removeprefix('torch.')}")
+    if topology.num_nodes == 1 and not modes:
+        return []
+    return [f"{topology.num_nodes} node(s) of {topology.ranks_per_node} rank(s)"
+            + (": " + "; ".join(modes) if modes else "")]
