@@ -172,3 +172,27 @@ def test_mics_checkpoint_loads_into_plain_zero3():
     if comm.get_rank() == 0:
         import shutil
         shutil.rmtree(directory[0])
+
+
+@distributed_test(world_size=2)
+def test_communication_data_type_of_the_gradients_own_type_changes_nothing():
+    """fp32 gradients reduced in fp32 (and bf16 in bf16) are the default's bits: no cast runs."""
+    for precision, dtype in ((None, "fp32"), ({"enabled": True}, "bf16")):
+        plain_cfg, typed_cfg = config(3), config(3)
+        if precision is not None:
+            plain_cfg["bf16"] = typed_cfg["bf16"] = precision
+        typed_cfg["communication_data_type"] = dtype
+        _, plain = train_distributed(plain_cfg, 3)
+        _, typed = train_distributed(typed_cfg, 3)
+        for key in plain:
+            assert torch.equal(plain[key], typed[key]), (dtype, key)
+
+
+@distributed_test(world_size=2)
+def test_bf16_gradients_reduced_in_fp32_train_close_to_one_process():
+    cfg = config(3)
+    cfg["bf16"] = {"enabled": True}
+    cfg["communication_data_type"] = "fp32"
+    _, state = train_distributed(cfg, 4)
+    reference, _ = train_reference(4, rows=8)
+    assert_close_relative({k: v.float() for k, v in state.items()}, reference, 2e-2)
