@@ -238,3 +238,17 @@ def _refuses_foreign_group() -> str:
 def test_a_group_this_rank_is_not_in_is_refused():
     messages = run_distributed(_refuses_foreign_group, 2, timeout=60)
     assert "is not a member of the group" in messages[0]
+
+
+@distributed_test(world_size=2)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_an_overflow_on_one_rank_reaches_the_owner_of_its_shard(bits):
+    rank = comm.get_rank()
+    flat = _input(rank, 64, torch.float32)
+    if rank == 1:
+        flat[3] = float("inf")  # in rank 0's shard, block 0
+    mine = quantized_reduce_scatter(flat, bits=bits, block=BLOCK)
+    if rank == 0:
+        assert not torch.isfinite(mine[:BLOCK]).any() and torch.isfinite(mine[BLOCK:]).all()
+    else:
+        assert torch.isfinite(mine).all()
