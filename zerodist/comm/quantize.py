@@ -117,13 +117,16 @@ def quantize_rows(rows: torch.Tensor, bits: int, block: int) -> tuple[torch.Tens
     if nb * block != n:
         x = torch.nn.functional.pad(x, (0, nb * block - n))
     x = x.reshape(count, nb, block)
+    # a copy made above (cast, padding, gathering a strided view) is scaled in place; the caller's memory never is
+    scratch = x.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr()
     # max |x| per block without a full-size |x| temporary; NaN propagates (see [Note: non-finite input])
     absmax = torch.maximum(x.amax(dim=2), x.amin(dim=2).neg_())
     qmax = _qmax(bits)
     scales = absmax / qmax
     # zero blocks: scale 0, and multiply by 0 instead of dividing by it
     inverse = torch.where(absmax > 0, qmax / torch.where(absmax > 0, absmax, 1.0), 0.0)
-    q = torch.mul(x, inverse.unsqueeze(2)).round_().clamp_(-qmax, qmax).to(torch.int8)
+    scaled = x.mul_(inverse.unsqueeze(2)) if scratch else torch.mul(x, inverse.unsqueeze(2))
+    q = scaled.round_().clamp_(-qmax, qmax).to(torch.int8)
     if bits == 8:
         return q, scales
     return pack_nibbles(q), scales
