@@ -15,6 +15,7 @@ from zerodist.comm.quantize import (
     quantization_error,
     pack_nibbles,
     quantize_blockwise,
+    quantize_rows,
     quantized_nbytes,
     unpack_nibbles,
 )
@@ -155,3 +156,13 @@ def test_non_finite_input_makes_its_whole_block_non_finite(bits, bad):
     y = dequantize(quantize_blockwise(x, bits, block=16))
     assert not torch.isfinite(y[16:32]).any()  # the overflow is still visible after dequantizing
     assert torch.isfinite(y[:16]).all() and torch.isfinite(y[32:]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizing_never_writes_into_the_callers_tensor(dtype):
+    base = torch.randn(64, 6).to(dtype)
+    for view in (base.reshape(-1), base.t(), base[:, 1:5], base.reshape(-1)[:250]):  # exact, strided, padded
+        before = view.clone()
+        quantize_blockwise(view, 4, 16)
+        quantize_rows(view.reshape(1, -1) if view.dim() == 1 else view, 8, 16)
+        assert torch.equal(view, before)
