@@ -19,7 +19,8 @@ Signatures (stable; later additions are keyword-only):
     all_gather_nbytes(shard_numel, group_size, bits, block) -> int
     reduce_scatter_nbytes(numel, group_size, bits, block, inter_size=1) -> tuple[int, int]
 
-Both are synchronous and return the result tensor; their `_start` forms issue the (first)
+The plain forms are synchronous and return the result tensor (`out`, if given: contiguous,
+of the result's numel; any float dtype); their `_start` forms issue the (first)
 collective asynchronously and return a `CommHandle` whose `wait()` finishes the work
 (dequantize, sum; for hierarchical qgZ also the second hop, issued synchronously inside
 `wait()`, so waits must come in the same order on every rank, as ZeRO's bucket order ensures)
