@@ -13,8 +13,11 @@ from zerodist.comm.quantize import (
     dequantize,
     from_wire,
     quantization_error,
+    pack_nibbles,
     quantize_blockwise,
+    quantize_rows,
     quantized_nbytes,
+    unpack_nibbles,
 )
 
 pytestmark = pytest.mark.unit
@@ -132,3 +135,34 @@ def test_quantization_error_measure():
     assert quantization_error(torch.zeros(2), torch.ones(2)).rel_l2 == math.inf
     with pytest.raises(ValueError, match="elements"):
         quantization_error(torch.zeros(2), torch.zeros(3))
+
+
+def test_nibble_packing_int16_path_equals_the_strided_reference():
+    every = torch.arange(-8, 8, dtype=torch.int8)
+    q = torch.cartesian_prod(every, every).reshape(2, -1)  # every (low, high) pair, in two rows
+    fast, strided = pack_nibbles(q, strided=False), pack_nibbles(q, strided=True)
+    assert fast.dtype == strided.dtype == torch.uint8 and torch.equal(fast, strided)
+    assert sorted(fast.reshape(-1).tolist()) == list(range(256))  # every byte value occurs once
+    for packed in (fast, torch.arange(256, dtype=torch.uint8).reshape(4, 64)):
+        assert torch.equal(unpack_nibbles(packed, strided=False), unpack_nibbles(packed, strided=True))
+    assert torch.equal(unpack_nibbles(fast), q)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_input_makes_its_whole_block_non_finite(bits, bad):
+    x = torch.randn(48)
+    x[20] = bad
+    y = dequantize(quantize_blockwise(x, bits, block=16))
+    assert not torch.isfinite(y[16:32]).any()  # the overflow is still visible after dequantizing
+    assert torch.isfinite(y[:16]).all() and torch.isfinite(y[32:]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizing_never_writes_into_the_callers_tensor(dtype):
+    base = torch.randn(64, 6).to(dtype)
+    for view in (base.reshape(-1), base.t(), base[:, 1:5], base.reshape(-1)[:250]):  # exact, strided, padded
+        before = view.clone()
+        quantize_blockwise(view, 4, 16)
+        quantize_rows(view.reshape(1, -1) if view.dim() == 1 else view, 8, 16)
+        assert torch.equal(view, before)

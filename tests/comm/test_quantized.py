@@ -238,3 +238,43 @@ def _refuses_foreign_group() -> str:
 def test_a_group_this_rank_is_not_in_is_refused():
     messages = run_distributed(_refuses_foreign_group, 2, timeout=60)
     assert "is not a member of the group" in messages[0]
+
+
+@distributed_test(world_size=2)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_an_overflow_on_one_rank_reaches_the_owner_of_its_shard(bits):
+    rank = comm.get_rank()
+    flat = _input(rank, 64, torch.float32)
+    if rank == 1:
+        flat[3] = float("inf")  # in rank 0's shard, block 0
+    mine = quantized_reduce_scatter(flat, bits=bits, block=BLOCK)
+    if rank == 0:
+        assert not torch.isfinite(mine[:BLOCK]).any() and torch.isfinite(mine[BLOCK:]).all()
+    else:
+        assert torch.isfinite(mine).all()
+
+
+@distributed_test(world_size=2)
+def test_degenerate_hierarchies_one_node_or_one_rank_per_node():
+    """inter_group of one rank (one node: the same as no hierarchy but for the re-quantization) and
+    group of one rank (every rank its own node): the shard contract still holds."""
+    rank, shard_numel = comm.get_rank(), 40
+    singletons = [comm.new_group([r]) for r in range(2)]
+    mine_alone = singletons[rank]
+    inputs = [_input(r, 2 * shard_numel, torch.float32) for r in range(2)]
+    exact = torch.empty(shard_numel)
+    comm.reduce_scatter(exact, inputs[rank].clone())
+    chunks = [x[rank * shard_numel:(rank + 1) * shard_numel] for x in inputs]
+    one_hop = quantized_reduce_scatter(inputs[rank], None, 8, BLOCK)
+
+    one_node = quantized_reduce_scatter(inputs[rank], None, 8, BLOCK, inter_group=mine_alone)
+    assert reduce_scatter_shard_index(None, mine_alone) == rank
+    assert torch.equal(one_node, _round_trip(one_hop, 8))  # hop 2 re-quantizes the one partial sum
+
+    own_nodes = quantized_reduce_scatter(inputs[rank], mine_alone, 8, BLOCK)
+    assert torch.equal(own_nodes, _round_trip(inputs[rank], 8))  # a group of one: no reduction
+    every_rank_a_node = quantized_reduce_scatter(inputs[rank], mine_alone, 8, BLOCK, inter_group=comm.get_world_group())
+    assert reduce_scatter_shard_index(mine_alone, comm.get_world_group()) == rank
+    simulated = _sum_in_order([_round_trip(_round_trip(c, 8), 8) for c in chunks])
+    assert torch.equal(every_rank_a_node, simulated)
+    assert torch.all((every_rank_a_node - exact).abs() <= 1e-2 * exact.abs().max())

@@ -19,7 +19,8 @@ Signatures (stable; later additions are keyword-only):
     all_gather_nbytes(shard_numel, group_size, bits, block) -> int
     reduce_scatter_nbytes(numel, group_size, bits, block, inter_size=1) -> tuple[int, int]
 
-Both are synchronous and return the result tensor; their `_start` forms issue the (first)
+The plain forms are synchronous and return the result tensor (`out`, if given: contiguous,
+of the result's numel; any float dtype); their `_start` forms issue the (first)
 collective asynchronously and return a `CommHandle` whose `wait()` finishes the work
 (dequantize, sum; for hierarchical qgZ also the second hop, issued synchronously inside
 `wait()`, so waits must come in the same order on every rank, as ZeRO's bucket order ensures)
@@ -322,10 +323,12 @@ def quantized_reduce_scatter(flat: torch.Tensor, group: Group = None, bits: int 
 
 def _sum_received(received: torch.Tensor, rows: int, senders: int, n: int, bits: int, block: int) -> torch.Tensor:
     """`rows` received wire chunks of `n` elements, `rows / senders` from each sender in group-rank
-    order: dequantized and summed over the senders in fp32, in that order."""
+    order: dequantized and summed over the senders in fp32, in that order. One sender's chunks are
+    dequantized at a time, so the fp32 temporaries are two shards' worth, not the whole bucket's."""
     payload, scales = rows_from_wire(received.reshape(rows, -1), bits, block, n)
-    values = dequantize_rows(payload, scales, bits, n, torch.float32).reshape(senders, -1, n)
-    total = values[0].clone()
+    per_sender = rows // senders
+    total = dequantize_rows(payload[:per_sender], scales[:per_sender], bits, n, torch.float32)
     for sender in range(1, senders):
-        total.add_(values[sender])
+        lo = sender * per_sender
+        total.add_(dequantize_rows(payload[lo:lo + per_sender], scales[lo:lo + per_sender], bits, n, torch.float32))
     return total
