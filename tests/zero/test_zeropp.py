@@ -173,3 +173,32 @@ def test_llama_bytes_per_link_class_equal_the_formulas():
     assert measured["plain"]["intra"] == 0
     assert measured["hpz"]["inter"] < measured["plain"]["inter"] and measured["hpz"]["intra"] > 0
     assert measured["zeropp"]["inter"] <= 0.25 * measured["plain"]["inter"]
+
+
+@distributed_test(world_size=4)
+def test_hpz_copy_never_outlives_a_checkpoint_load():
+    """A training forward keeps hpZ's copy; a checkpoint loaded before the next forward must not let
+    that forward read the old values: the same losses as plain ZeRO-3 doing the same."""
+    import tempfile
+    import torch.nn.functional as F
+    from tests.engine_helpers import global_batch
+    directory = [tempfile.mkdtemp(prefix="hpz-ckpt-") if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(directory)
+    rank, losses = torch.distributed.get_rank(), {}
+    for name, keys in (("plain", {}), ("hpz", {"zero_hpz_partition_size": 2})):
+        torch.manual_seed(0)
+        engine, _, _, _ = zerodist.initialize(model=make_mlp(), config=config(**keys))
+        x, y = global_batch(0, 16)
+        rows = slice(rank * 4, (rank + 1) * 4)
+        if name == "plain":
+            engine.save_checkpoint(directory[0], tag="start")
+        engine.backward(F.mse_loss(engine(x[rows]), y[rows]))
+        engine.step()
+        F.mse_loss(engine(x[rows]), y[rows])  # a training forward: hpZ keeps its copy here
+        engine.load_checkpoint(directory[0], tag="start")
+        losses[name] = float(F.mse_loss(engine(x[rows]), y[rows]))
+    assert losses["hpz"] == losses["plain"]
+    torch.distributed.barrier()
+    if rank == 0:
+        import shutil
+        shutil.rmtree(directory[0])

@@ -243,6 +243,7 @@ class FlatParamGroup:
         return self.optimizer.owned_part(index, tensor)
 
     def copy_master_to_params(self) -> None:
+        self.storage.drop_secondary()  # the shards take new values (a step, a checkpoint): hpZ's copy is stale
         self.optimizer.copy_master_to_params()
 
     def take_shard_from_full(self) -> None:

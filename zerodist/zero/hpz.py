@@ -8,8 +8,11 @@ mode on (a training forward: a backward will gather the unit again), each rank a
 node, with k = ranks per node) stands for: Ψ/k elements, from the pool ([Note: buffer pool]). The
 unit's next gather (the backward's re-gather, or the next forward under accumulation before the
 optimizer step) all-gathers those slices within the block instead, and hands the copy back: the
-gather never leaves the node. The copy is one-shot, and dropped before every optimizer step
-(`UnitRuntime.before_step`), so a stale copy is never read. The values are the gathered ones
+gather never leaves the node. The copy is one-shot, and dropped whenever the shards may change: before every
+optimizer step (`UnitRuntime.before_step`), when stepped values are cast into the shards or a
+checkpoint is loaded (`copy_master_to_params`, `stepped_target`), and when a modifier of
+`GatheredParameters` writes them (`take_shard_from_full`), so a stale copy is never read
+(tests/zero/test_zeropp.py loads a checkpoint between a forward and the next). The values are the gathered ones
 bit for bit, so hpZ changes no number: it is bitwise equal to plain ZeRO-3
 (tests/zero/test_zeropp.py).
 

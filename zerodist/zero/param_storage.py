@@ -341,6 +341,7 @@ class ShardedParams(ParamStorage):
 
     def stepped_target(self, index: int) -> torch.Tensor:
         assert self.param_shard is not None
+        self.drop_secondary()  # whoever writes here (a step's cast, a checkpoint's load) changes the shard
         return self.views.shard(index, self.param_shard)
 
     def drop_secondary(self) -> None:
