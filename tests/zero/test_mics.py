@@ -196,3 +196,11 @@ def test_bf16_gradients_reduced_in_fp32_train_close_to_one_process():
     _, state = train_distributed(cfg, 4)
     reference, _ = train_reference(4, rows=8)
     assert_close_relative({k: v.float() for k, v in state.items()}, reference, 2e-2)
+
+
+@distributed_test(world_size=2)
+def test_mics_shard_size_one_replicates_everything():
+    """Shard groups of one rank: every rank holds the whole state and the gradients are all-reduced (DDP)."""
+    _, state = train_distributed(config(3, mics_shard_size=1), 4)
+    reference, _ = train_reference(4, rows=8)
+    assert_close_relative(state, reference, 1e-6)
