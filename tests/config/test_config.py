@@ -59,8 +59,8 @@ BAD_CONFIGS = [
     ),
     (
         "deepspeed-zero",
-        {"zero_optimization": {"zero_quantized_weights": True}},
-        "'zero_optimization.zero_quantized_weights' is a DeepSpeed setting that zerodist does not implement yet; "
+        {"zero_optimization": {"zeropp_loco_param": {"err_beta": 0.8}}},
+        "'zero_optimization.zeropp_loco_param' is a DeepSpeed setting that zerodist does not implement yet; "
         "remove it",
     ),
     (
@@ -207,7 +207,7 @@ def test_every_problem_is_reported_together():
         "gradient_clipping": "auto",
         "fp16": {"enabled": True, "loss_scale": -1},
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 4, "zero_quantized_weights": True},
+        "zero_optimization": {"stage": 4, "zeropp_loco_param": {"err_beta": 0.8}},
     }
     with pytest.raises(ConfigError) as caught:
         Config.load(config)
@@ -221,7 +221,7 @@ def test_every_problem_is_reported_together():
         f"'gradient_clipping': {AUTO_TRAINER}",
         "'fp16.loss_scale': got -1",
         "'zero_optimization.stage': got 4",
-        "'zero_optimization.zero_quantized_weights' is a DeepSpeed setting",
+        "'zero_optimization.zeropp_loco_param' is a DeepSpeed setting",
         "'fp16.enabled' and 'bf16.enabled' are both true",
     ):
         assert fragment in message

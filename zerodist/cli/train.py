@@ -60,6 +60,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "with --tp, --sp, --moe, checkpoints and --resume (not yet with --domino)")
     p.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved", "zb"),
                    help="pipeline schedule with --pp (default 1f1b; interleaved puts 2 stages on each rank)")
+    p.add_argument("--nnodes-sim", type=_positive_int, default=None, metavar="K",
+                   help="run as K simulated nodes of nproc / K ranks (zerodist.simulated_nodes): the summary gives "
+                        "bus bytes per step within and across nodes against docs/design/zero.md's formulas")
     p.add_argument("--trace", nargs="?", const="auto", default=None, metavar="STEP[:N]",
                    help="record a timeline of step STEP (default 2, or 1 for a one-step run) and N-1 after it on every "
                         "rank: OUT/timeline/timeline.json (merged, Chrome format) and traces/rank<r>.json (torch.profiler)")
@@ -111,6 +114,11 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     config = merge_config(file_config, overrides, steps)
     if getattr(args, "trace", None):
         _enable_trace(config, args.trace, steps)
+    nodes = getattr(args, "nnodes_sim", None)  # absent from hand-made Namespaces
+    if nodes is not None:
+        if world_size % nodes:
+            raise ValueError(f"--nnodes-sim {nodes} does not divide --nproc {world_size}; choose a divisor")
+        config.setdefault("zerodist", {})["simulated_nodes"] = nodes
     if pipe > 1:  # micro-batches to fill the pipe (2 per stage), and the schedule
         config["gradient_accumulation_steps"] = max(config.get("gradient_accumulation_steps") or 1, 2 * pipe)
         config.setdefault("zerodist", {})["pipeline"] = {"schedule": schedule,
@@ -206,7 +214,7 @@ def worker_args(args: argparse.Namespace, out: Path) -> list[str]:
              "--tp": args.tp, "--domino": args.domino, "--sp": getattr(args, "sp", None),
              "--sp-method": getattr(args, "sp_method", None), "--seq-len": getattr(args, "seq_len", None),
              "--pp": getattr(args, "pp", None), "--schedule": getattr(args, "schedule", None),
-             "--trace": getattr(args, "trace", None)}
+             "--trace": getattr(args, "trace", None), "--nnodes-sim": getattr(args, "nnodes_sim", None)}
     for flag, value in flags.items():
         if value is not None:
             argv += [flag, str(value)]

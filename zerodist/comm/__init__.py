@@ -65,6 +65,7 @@ from zerodist.comm.init import (
     is_initialized,
 )
 from zerodist.comm.watchdog import CollectiveError, CollectiveTimeoutError, set_hang_warning
+from zerodist.comm.nodes import simulate_nodes
 from zerodist.comm.topology import DENSE, EXPERT, TENSOR_SLICE, Domain, Topology
 from zerodist.comm.tracer import BlockedTime, CollectiveRecord, OpSummary, Trace, bus_factor, measure_blocked, trace
 
@@ -74,7 +75,7 @@ __all__ = [
     "all_gather_object", "all_reduce", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list",
     "bus_factor", "collective_guard", "device_for_rank", "disable_collective_guard", "enable_collective_guard",
     "ensure_initialized", "exchange_with_deadline", "gather_object", "get_global_rank", "get_local_rank", "get_rank", "get_world_size", "init_distributed",
-    "is_initialized", "measure_blocked", "reduce", "reduce_scatter", "set_hang_warning", "trace",
+    "is_initialized", "measure_blocked", "reduce", "reduce_scatter", "set_hang_warning", "simulate_nodes", "trace",
     # deepspeed.comm's names (deepspeed_names.py)
     "DEFAULT_PORT", "all_gather_into_tensor", "allgather_fn", "get_all_ranks_from_group", "get_world_group",
     "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "inference_all_reduce", "is_available", "new_group",

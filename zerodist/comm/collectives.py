@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from zerodist import compat
-from zerodist.comm import timeline, tracer
+from zerodist.comm import nodes, timeline, tracer
 from zerodist.comm.init import ensure_initialized, get_global_rank
 from zerodist.comm.watchdog import Ticket, watchdog
 
@@ -107,10 +107,11 @@ def _issue(
             work = launch(async_op)
         return CommHandle(tensor, work if async_op else None, after_wait, ticket)
     group_size = dist.get_world_size(group)
+    link = nodes.link_of_group(group)
     if not tracer.timing_requested():
         with record_function(f"zerodist::{op_name}"):
             work = launch(async_op)
-        tracer.record(op_name, tensor, numel, group_size, None)
+        tracer.record(op_name, tensor, numel, group_size, None, link)
         return CommHandle(tensor, work if async_op else None, after_wait, ticket)
     start = tracer.now()
     with record_function(f"zerodist::{op_name}"), watchdog.blocked(ticket):
@@ -120,7 +121,7 @@ def _issue(
     if tensor is not None and tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
     duration = tracer.now() - start
-    tracer.record(op_name, tensor, numel, group_size, duration)
+    tracer.record(op_name, tensor, numel, group_size, duration, link)
     if tracer.blocked_meters:  # a timed trace makes every collective block where it is issued
         tracer.add_blocked(duration)
     return CommHandle(tensor, None, after_wait)

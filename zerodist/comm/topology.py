@@ -35,6 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from zerodist.comm import nodes
 from zerodist.comm.collectives import Group, all_gather_object
 from zerodist.comm.errors import TopologyError
 from zerodist.comm.init import ensure_initialized
@@ -132,6 +133,32 @@ def _make_group(partition: list[list[int]], timeout: Any, backend: str, second: 
     return _MADE[key]
 
 
+def split_partition(partition: list[list[int]], inner_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Each group of `partition` cut into consecutive blocks of `inner_size` ranks (the inner
+    groups), and the ranks at the same index of each block (the outer groups)."""
+    inner, outer = [], []
+    for members in partition:
+        if len(members) % inner_size:
+            raise TopologyError(f"a group of {len(members)} ranks cannot be split into blocks of {inner_size}")
+        blocks = [members[i: i + inner_size] for i in range(0, len(members), inner_size)]
+        inner += blocks
+        outer += [sorted(block[j] for block in blocks) for j in range(inner_size)]
+    return sorted(inner), sorted(outer)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A group over some axes cut in two levels (`Topology.split`): `inner` blocks of consecutive
+    ranks (shard within), `outer` the ranks at this rank's index in every block (replicate across)."""
+
+    inner: Group
+    inner_grad: Group  # the same ranks as `inner`, for gradient reductions ([Note: gradient groups])
+    inner_ranks: tuple[int, ...]
+    outer: Group
+    outer_ranks: tuple[int, ...]
+    inner_link: str  # "intra" when every inner block lies within one node ([Note: link classes] in nodes.py)
+
+
 def _canonical(axes: tuple[str, ...]) -> tuple[str, ...]:
     unknown = [a for a in axes if a not in AXES]
     if unknown or not axes:
@@ -191,7 +218,8 @@ class Topology:
     the world". Ranks that ask for different degrees get a `TopologyError` naming each rank's request.
     """
 
-    __slots__ = ("_degrees", "_coords", "_groups", "_gradient_groups", "_partitions", "rank", "world_size")
+    __slots__ = ("_degrees", "_coords", "_groups", "_gradient_groups", "_partitions", "rank", "world_size",
+                 "_timeout", "_backend", "_splits")
     rank: int
     world_size: int
     _degrees: Mapping[str, int]
@@ -199,6 +227,9 @@ class Topology:
     _groups: dict[tuple[str, ...], Group]
     _gradient_groups: dict[tuple[str, ...], Group]
     _partitions: dict[tuple[str, ...], list[list[int]]]
+    _timeout: Any
+    _backend: str
+    _splits: dict[tuple[tuple[str, ...], int], Split]
 
     def __init__(self, *, data: int | None = None, expert: int = 1, tensor: int = 1, pipe: int = 1, sequence: int = 1,
                  group_timeout: Any = None, gradient_groups: bool = False):
@@ -231,6 +262,7 @@ class Topology:
             ("rank", rank), ("world_size", world_size), ("_degrees", MappingProxyType(degrees)),
             ("_coords", MappingProxyType(coords_of(rank, degrees))), ("_groups", groups),
             ("_gradient_groups", gradient), ("_partitions", partitions),
+            ("_timeout", group_timeout), ("_backend", info.backend), ("_splits", {}),
         ]:
             object.__setattr__(self, name, value)
 
@@ -288,6 +320,40 @@ class Topology:
             if rank in members:
                 return members.index(rank)
         raise TopologyError(f"rank {rank} is not in a world of {self.world_size}")
+
+    # ------------------------------------------------------------------ nodes and two-level groups
+    @property
+    def ranks_per_node(self) -> int:
+        """Consecutive ranks per node, from the launcher or a simulation (nodes.py)."""
+        return nodes.ranks_per_node(self.world_size)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        """The node this rank lives on."""
+        return self.rank // self.ranks_per_node
+
+    def split(self, axes: tuple[str, ...], inner_size: int) -> Split:
+        """This rank's group over `axes` cut into blocks of `inner_size` consecutive ranks
+        (MiCS / HSDP shard groups, hpZ's within-node groups) and the groups across the blocks.
+        Collective the first time for given arguments: every rank must ask in the same order."""
+        axes = _canonical(axes)
+        key = (axes, inner_size)
+        if key not in self._splits:
+            inner, outer = split_partition(self._partitions[axes], inner_size)
+            groups = (_make_group(inner, self._timeout, self._backend),
+                      _make_group(inner, self._timeout, self._backend, second=True) if inner_size > 1
+                      else _make_group(inner, self._timeout, self._backend),
+                      _make_group(outer, self._timeout, self._backend, second=True))
+            mine_in = next(tuple(g) for g in inner if self.rank in g)
+            mine_out = next(tuple(g) for g in outer if self.rank in g)
+            links = {nodes.link_of_ranks(g, self.world_size) for g in inner}
+            self._splits[key] = Split(groups[0], groups[1], mine_in, groups[2], mine_out,
+                                      nodes.INTER if nodes.INTER in links else nodes.INTRA)
+        return self._splits[key]
 
     # ------------------------------------------------------------------ named groups
     # Code outside this module names groups by what they are for, never by spelling out axes.

@@ -69,6 +69,7 @@ class CollectiveRecord:
     group_size: int
     duration_s: float | None = None
     label: str | None = None
+    link: str | None = None  # "intra" / "inter" ([Note: link classes] in nodes.py); None: not known
 
     @property
     def bus_elements(self) -> float:
@@ -106,6 +107,7 @@ class Trace:
         self.keep_records = keep_records
         self.records: list[CollectiveRecord] = []
         self._totals: dict[str, _OpTotals] = {}
+        self._links: dict[str, _OpTotals] = {}  # the same totals per link class (intra / inter)
 
     def wants(self, op: str) -> bool:
         return self.ops is None or op in self.ops
@@ -117,6 +119,11 @@ class Trace:
         if totals is None:
             totals = self._totals[record.op] = _OpTotals()
         totals.add(record)
+        if record.link is not None:
+            by_link = self._links.get(record.link)
+            if by_link is None:
+                by_link = self._links[record.link] = _OpTotals()
+            by_link.add(record)
         if self.verbose:
             logger.info(
                 "%s %s x%d (%s) group=%d%s", record.op, record.dtype, record.numel,
@@ -143,6 +150,15 @@ class Trace:
     def bus_bytes(self, op: str | None = None) -> float:
         return sum(t.bus_bytes for t in self._selected(op))
 
+    def bytes_by_link(self) -> dict[str, int]:
+        """Bytes of the logical buffers (the sizes of [Note: bandwidth conventions]) per link class:
+        `{"intra": ..., "inter": ...}` ([Note: link classes] in nodes.py)."""
+        return {link: self._links[link].num_bytes if link in self._links else 0 for link in ("intra", "inter")}
+
+    def bus_bytes_by_link(self) -> dict[str, float]:
+        """Bytes this rank sends (bus bytes) per link class: `{"intra": ..., "inter": ...}`."""
+        return {link: self._links[link].bus_bytes if link in self._links else 0.0 for link in ("intra", "inter")}
+
     def summary(self) -> dict[str, OpSummary]:
         """Per-op totals, in first-seen order."""
         return {op: totals.summary(op) for op, totals in self._totals.items()}
@@ -158,6 +174,9 @@ class Trace:
                 f"{s.op:<18}{s.count:>7}{format_bytes(s.num_bytes):>13}"
                 f"{format_bytes(s.bus_bytes):>13}{ms:>10}{alg:>12}{bus:>12}"
             )
+        if self._links:
+            sent = self.bus_bytes_by_link()
+            lines.append("bus bytes by link: " + ", ".join(f"{link} {format_bytes(v)}" for link, v in sent.items()))
         return "\n".join(lines)
 
 
@@ -211,10 +230,11 @@ def timing_requested() -> bool:
     return any(t.timing for t in active_traces)
 
 
-def record(op: str, tensor: torch.Tensor | None, numel: int, group_size: int, duration_s: float | None) -> None:
+def record(op: str, tensor: torch.Tensor | None, numel: int, group_size: int, duration_s: float | None,
+           link: str | None = None) -> None:
     dtype = None if tensor is None else tensor.dtype
     num_bytes = 0 if tensor is None else numel * tensor.element_size()
-    entry = CollectiveRecord(op, dtype, numel, num_bytes, group_size, duration_s)
+    entry = CollectiveRecord(op, dtype, numel, num_bytes, group_size, duration_s, link=link)
     for current in active_traces:
         if current.wants(op):
             current.add(entry)

@@ -29,7 +29,7 @@ def _keys(names: str) -> tuple[str, ...]:
 
 NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
     "": _keys("""
-        activation_checkpointing aio amp autotuning communication_data_type
+        activation_checkpointing aio amp autotuning
         compile compression_training curriculum_learning data_efficiency data_types
         dump_state eigenvalue elasticity gradient_predivide_factor
         graph_harvesting hybrid_engine nebula prescale_gradients
@@ -41,15 +41,14 @@ NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
         allgather_partitions compute_grad_norm cpu_offload cpu_offload_param
         cpu_offload_use_pin_memory elastic_checkpoint enable_sanity_checks ignore_unused_parameters
         leaf_module legacy_stage1 load_from_fp32_weights log_trace_cache_warnings
-        memory_efficient_linear mics_hierarchical_params_gather mics_shard_size
+        memory_efficient_linear
         override_module_apply parameter_alignment
         pipeline_loading_checkpoint round_robin_gradients
         stage3_allgather_sequential stage3_gather_fp16_weights_on_model_save
         stage3_model_persistence_threshold stage3_module_granularity_threshold
         stage3_use_all_reduce_for_fetch_params
-        use_multi_rank_bucket_allreduce zenflow zero_hpz_partition_size
-        zero_quantized_gradients zero_quantized_nontrainable_weights
-        zero_quantized_weights zeropp_loco_param
+        use_multi_rank_bucket_allreduce zenflow
+        zeropp_loco_param
         """),
     "fp16": _keys("auto_cast consecutive_hysteresis fp16_master_weights_and_grads"),
     "bf16": _keys("bf16_master_weights_and_grads bf16_optimizer_states check_grad_overflow immediate_grad_update"),
@@ -154,7 +153,6 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("", "sparse_gradients"): (_same(False), "false"),
     ("", "dump_state"): (_same(False), "false"),
     ("", "graph_harvesting"): (_same(False), "false"),
-    ("", "communication_data_type"): (_same(None), "null"),
     # Any torch.optim optimizer runs under every ZeRO stage, and the CPU optimizer only matters with offload.
     ("", "zero_allow_untested_optimizer"): (_any_bool, "true or false"),
     ("", "zero_force_ds_cpu_optimizer"): (_any_bool, "true or false (the torch optimizer steps offloaded state)"),
@@ -189,13 +187,7 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("zero_optimization", "stage3_gather_fp16_weights_on_model_save"): (_same(False), "false"),
     ("zero_optimization", "stage3_module_granularity_threshold"): (_same(0), "0"),
     ("zero_optimization", "use_multi_rank_bucket_allreduce"): (_same(True), "true"),
-    ("zero_optimization", "zero_hpz_partition_size"): (_same(1), "1"),
-    ("zero_optimization", "zero_quantized_gradients"): (_same(False), "false"),
-    ("zero_optimization", "zero_quantized_weights"): (_same(False), "false"),
-    ("zero_optimization", "zero_quantized_nontrainable_weights"): (_same(False), "false"),
     ("zero_optimization", "zeropp_loco_param"): (_same(None), "null"),
-    ("zero_optimization", "mics_shard_size"): (_same(-1), "-1"),
-    ("zero_optimization", "mics_hierarchical_params_gather"): (_same(False), "false"),
     ("zero_optimization", "compute_grad_norm"): (_same(True), "true"),
     ("zero_optimization", "parameter_alignment"): (_same(False), "false"),
     ("zero_optimization", "enable_sanity_checks"): (_same(False), "false"),

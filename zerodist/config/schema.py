@@ -27,6 +27,12 @@ from zerodist.config.fields import BatchCount, ConstructorArgument, ElementCount
 from zerodist.config.offload_sections import OffloadOptimizerConfig, OffloadParamConfig, offload_problems
 from zerodist.config.problems import validation_problems
 from zerodist.config.source import read_source
+from zerodist.config.zeropp_sections import (
+    CommunicationDataType,
+    HierarchicalShardingKeys,
+    communication_dtype_problem,
+    zeropp_problems,
+)
 
 
 _ELEMENT_COUNT_FIELDS = (
@@ -92,7 +98,7 @@ class Bf16Config(Section):
     )
 
 
-class ZeroConfig(Section):
+class ZeroConfig(HierarchicalShardingKeys):
     stage: int = Field(
         0,
         ge=0,
@@ -332,6 +338,12 @@ class ZerodistSequenceParallelConfig(Section):
 
 
 class ZerodistConfig(Section):
+    simulated_nodes: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Let one machine stand for this many nodes of world_size / simulated_nodes consecutive "
+        "ranks (tests, benchmarks, `zerodist train --nnodes-sim`): the tracer files bytes as intra- or inter-node "
+        "by it, and hierarchical sharding places its groups by it. null: the launcher's LOCAL_WORLD_SIZE (or "
+        "ZERODIST_SIMULATED_NODES)."
+    )
     timeout: Annotated[float, Field(gt=0)] | None = Field(
         None,
         description="Seconds a collective may wait before failing with a named error, and ranks may wait for each "
@@ -440,6 +452,11 @@ class Config(Section):
         default_factory=PipelineSectionConfig, description="DeepSpeed's pipeline section: a PipelineModule's "
         "activation checkpointing."
     )
+    communication_data_type: CommunicationDataType | None = Field(
+        None, description="The data type gradients are reduced in (DeepSpeed's key): fp32 reduces bf16/fp16 "
+        "gradients in fp32 for accuracy (twice the bytes), and the result is cast back; null reduces in the "
+        "gradients' own type."
+    )
     sequence_parallel_size: int = Field(
         1, ge=1, description="Sequence-parallel degree (DeepSpeed-Ulysses' key): ranks that split each sample's "
         "sequence; ZeRO shards and reduces over data x sequence. 1 turns it off."
@@ -482,6 +499,19 @@ class Config(Section):
                             "into flat contiguous buckets as they are produced (DeepSpeed's true); remove the key or "
                             "set it to true")
         problems += offload_problems(zero.stage, zero.offload_optimizer, zero.offload_param)
+        problems += zeropp_problems(zero, zero.stage, zero.reduce_scatter)
+        dtype_problem = communication_dtype_problem(self.communication_data_type, self.fp16.enabled, self.bf16.enabled)
+        if dtype_problem:
+            problems.append(dtype_problem)
+        if zero.mics_shard_size == 0:
+            problems.append("'zero_optimization.mics_shard_size' is 0; give a positive shard group size, or -1 to "
+                            "shard over every data-parallel rank")
+        if zero.zero_hpz_partition_size > 1 and zero.offload_param is not None and zero.offload_param.device != "none":
+            problems.append("'zero_optimization.zero_hpz_partition_size' keeps a secondary copy of the parameters in "
+                            "device memory, but 'zero_optimization.offload_param' moves them off it; use one of the two")
+        if zero.mics_shard_size > 1 and zero.stage == 0:
+            problems.append("'zero_optimization.mics_shard_size' shards model states, but 'zero_optimization.stage' "
+                            "is 0; set a stage of 1-3 or remove mics_shard_size")
         if problems:
             raise ValueError("; ".join(problems))
         return self

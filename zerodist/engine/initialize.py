@@ -172,6 +172,7 @@ def _validate(model: torch.nn.Module | None, config: Config | dict[str, Any] | s
     # "auto" bucket sizes come from the model's hidden size, as the Trainer would fill them
     config = Config.load(config if config is not None else {}, hidden_size=model_hidden_size(model))
     world = comm.init_distributed(timeout=config.zerodist.timeout)
+    comm.simulate_nodes(config.zerodist.simulated_nodes)  # None: the launcher's nodes (zerodist/comm/nodes.py)
     if config.zerodist.hang_warning is not None:
         comm.set_hang_warning(config.zerodist.hang_warning)
     if config.zerodist.debug.collective_guard:

@@ -30,6 +30,8 @@ from zerodist.engine import Engine
 from zerodist.models import GPT, count_parameters, gpt_config
 from zerodist.tensor_parallel import schedule_log
 from zerodist.train.metrics import MetricsLog, StepRecord, plot_loss, read_csv, write_csv
+from zerodist.comm.quantized import measure_quantization_error
+from zerodist.train.link_report import link_lines
 from zerodist.train.observe import StepObserver
 from zerodist.train.options import Progress, TrainOutcome, TrainPlan
 from zerodist.train.report import (RankMemory, RunSummary, expected_bus_bytes, expected_state_bytes, format_summary,
@@ -136,7 +138,8 @@ class ProgressBar:
 
 def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int, metrics: MetricsLog | None = None,
               activations: SavedActivations | None = None,
-              observer: StepObserver | None = None) -> tuple[list[StepRecord], float, Any, Any]:
+              observer: StepObserver | None = None,
+              last_step: dict[str, Any] | None = None) -> tuple[list[StepRecord], float, Any, Any]:
     """Train `steps` optimizer steps; returns (records, seconds, tracer of everything, bytes and
     bus bytes of the loss averaging alone). The loss averaging runs in a nested trace so the summary can
     tell the engine's traffic from the progress bar's. Each step's row goes to `metrics` before its
@@ -175,9 +178,13 @@ def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int, metrics: Me
             metrics.append(record)
         bar.update(record, tokens, seconds)
 
-    with comm.trace(keep_records=False) as everything, _logs_beside(bar):
+    with comm.trace(keep_records=False) as everything, _logs_beside(bar), contextlib.ExitStack() as stack:
         for step in range(first, steps + 1):
             lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves it on in engine.step()
+            if step == steps and last_step is not None:  # past one machine: the last step's bytes (and ZeRO++'s error)
+                last_step["trace"] = stack.enter_context(comm.trace(keep_records=False))
+                if last_step.get("quantized"):
+                    last_step["meter"] = stack.enter_context(measure_quantization_error())
             with observer.step(step) if observer is not None else contextlib.nullcontext():
                 if pipelined:
                     run = functools.partial(pipeline_batch, engine, batches, functools.partial(write_row, step, lr),
@@ -430,10 +437,13 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
     activations = SavedActivations(engine.module) if engine.topology.size("sequence") > 1 else None
     observer = StepObserver(engine.config, plan.out, engine.module, dtype=engine.policy.param_dtype,
                             module_spans=engine.pipeline is None)
+    zero = engine.config.zero_optimization
+    quantized = zero.zero_quantized_weights or zero.zero_quantized_gradients
+    last_step = {"quantized": quantized} if engine.topology.num_nodes > 1 or quantized else None
     try:
         with schedule_log() as tensor_parallel_log:  # tensor-parallel bytes and Domino's schedule
             records, elapsed, everything, logging_traffic = run_steps(engine, loader, plan.steps, seq_len, metrics,
-                                                                      activations, observer)
+                                                                      activations, observer, last_step)
         memory = gather_memory(engine)
         observed = observer.finish({"model": plan.model, "stage": engine.config.zero_optimization.stage})
         sequence = _sequence_report(engine, model, everything, activations, len(records), seq_len)
@@ -453,6 +463,9 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
             sections.append("\n".join("  " + line for line in report_lines(report)))
         if sequence is not None:
             sections.append("\n".join("  " + line for line in sequence_report_lines(sequence)))
+        if last_step is not None and "trace" in last_step:
+            sections.append("\n".join("  " + line for line in link_lines(engine, last_step["trace"],
+                                                                          last_step.get("meter"))))
         outcome.lines += [format_summary(summary), *observed, *sections]
         if load is not None:
             outcome.lines += _moe_lines(plan, engine, model, load, everything, len(records), seq_len)

@@ -25,10 +25,10 @@ from zerodist.comm.domains import buffer_placements, parameter_placements
 from zerodist.comm.parts import Part
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero.flat_group import FlatParamGroup
+from zerodist.zero.hierarchy import domain_group
 from zerodist.zero.optimizer import ZeroOptimizer
 from zerodist.zero.partition import build_groups
 from zerodist.zero.plan import FlatPlan, plan_groups
-from zerodist.zero.policy import DomainGroup
 from zerodist.zero.reducer import GradReducer
 from zerodist.zero.runtime import UnitRuntime
 from zerodist.zero.schedule import DefaultSchedule
@@ -105,7 +105,7 @@ def _flatten(part: Part, specs: list[ParamGroupLike], topology: comm.Topology, s
     plan = plan_groups(model, [s.params for s in specs], unit_classes=settings.unit_classes,
                        persistence_threshold=settings.persistence_threshold, bucket_numel=settings.bucket_numel,
                        domains=domains)
-    domain_groups = {g.domain: DomainGroup.of(topology, g.domain) for g in plan.groups}
+    domain_groups = {g.domain: domain_group(topology, g.domain, settings.hierarchy) for g in plan.groups}
     return plan, build_groups(model, plan, part.names, settings, domain_groups=domain_groups, placements=placements,
                               device=device)
 

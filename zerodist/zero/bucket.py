@@ -42,7 +42,9 @@ import zerodist.comm as comm
 from zerodist.comm import Group
 from zerodist.comm import collectives
 from zerodist.zero.buffer_pool import BufferPool
+from zerodist.comm.quantized import quantized_reduce_scatter_start
 from zerodist.zero.layout import BucketSpan, ParamSlot
+from zerodist.zero.policy import QuantizedReduction
 
 
 class BucketState(enum.Enum):
@@ -56,6 +58,10 @@ class GradSyncPlan:
     use_reduce_scatter: bool
     persistent_full_grad: bool  # full gradients (stages 0/1): a full-size buffer lives across micro-steps
     divisor: int  # the reduced sum is divided by this: the number of batch shards
+    # Hierarchical sharding (zerodist/zero/hierarchy.py): the reduced shard is then all-reduced over these ranks.
+    replica_group: Group = None
+    comm_dtype: torch.dtype | None = None  # communication_data_type: reduce in this type, cast back after
+    quantized: QuantizedReduction | None = None  # qgZ: a quantized all-to-all replaces the reduce-scatter
 
 
 class Bucket:
@@ -84,7 +90,7 @@ class Bucket:
         self.grad_full, self.grad_owned = grad_full, grad_owned
         self.staging = None
         self.accumulated = False
-        self._pending: tuple[comm.CommHandle, torch.Tensor] | None = None
+        self._pending: tuple[comm.CommHandle, torch.Tensor, torch.Tensor] | None = None
         self._begin_window()
         self.reset()
 
@@ -161,18 +167,25 @@ class Bucket:
     def start_grad_sync(self) -> None:
         """Issue the configured collective (async) over the full bucket."""
         assert self.state is BucketState.FILLING, f"{self.label}: start_grad_sync while {self.state.value}"
-        source = self.grad_target()
+        target = self.grad_target()
         self.zero_unwritten()
+        cast = self.plan.comm_dtype is not None and self.plan.comm_dtype != target.dtype
+        source = target.to(self.plan.comm_dtype) if cast else target  # communication_data_type
         lo = self.rank * self.span.shard_numel
         if self.plan.use_reduce_scatter:
-            direct = self.plan.persistent_full_grad or not self.accumulated
-            out = self.grad_owned if direct else torch.empty_like(self.grad_owned)
+            direct = (self.plan.persistent_full_grad or not self.accumulated) and not cast
+            out = self.grad_owned if direct else self.grad_owned.new_empty(self.grad_owned.shape, dtype=source.dtype)
             # the full buffer is scratch once reduced: stages 2/3 free it, stages 0/1 read only grad_owned
-            handle = collectives.reduce_scatter(out, source, group=self.group, async_op=True, input_is_scratch=True)
+            if self.plan.quantized is not None:  # qgZ: summed in fp32, cast into `out`
+                q = self.plan.quantized
+                handle = quantized_reduce_scatter_start(source, q.group, q.bits, inter_group=q.inter_group, out=out)
+            else:
+                handle = collectives.reduce_scatter(out, source, group=self.group, async_op=True,
+                                                    input_is_scratch=True)
         else:
             handle = comm.all_reduce(source, group=self.group, async_op=True)
             out = source[lo: lo + self.span.shard_numel]
-        self._pending = (handle, out)
+        self._pending = (handle, out, source)
         self.state = BucketState.SYNCING
 
     def finish_grad_sync(self) -> None:
@@ -180,15 +193,23 @@ class Bucket:
         assert self.state is BucketState.SYNCING and self._pending is not None, (
             f"{self.label}: finish_grad_sync while {self.state.value}"
         )
-        handle, out = self._pending
+        handle, out, source = self._pending
         handle.wait()
         self._pending = None
         del handle  # its work may hold the staging buffer, which goes back to the pool below
+        if self.plan.replica_group is not None:  # hierarchical sharding: sum the shard over the replicas
+            comm.all_reduce(out, group=self.plan.replica_group)
         if self.plan.use_reduce_scatter:
             out.div_(self.plan.divisor)
         else:
-            self.grad_target().div_(self.plan.divisor)
-        if not self.plan.persistent_full_grad:
+            source.div_(self.plan.divisor)
+        if self.plan.persistent_full_grad:
+            if source is not self.grad_full:  # reduced in communication_data_type: back into the buffer
+                if self.plan.use_reduce_scatter:
+                    self.grad_owned.copy_(out)
+                else:
+                    self.grad_target().copy_(source)
+        else:
             if out is not self.grad_owned:
                 if self.accumulated:
                     self.grad_owned.add_(out)

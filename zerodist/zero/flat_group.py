@@ -101,7 +101,8 @@ class FlatParamGroup:
         master = stepped() if param_dtype != initial.dtype else None
         if nans is not None:
             return ShardedParams(self.records, views, shard=stepped().to(param_dtype), nans=nans, group=self.group,
-                                 buffer_pool=self.buffer_pool), master
+                                 buffer_pool=self.buffer_pool, secondary=self.domain_group.secondary,
+                                 weight_bits=self.domain_group.weight_bits), master
         return FullParams(self.records, views, buffer=initial.to(param_dtype), gathers=self.gathers_params,
                           group=self.group), master
 
@@ -242,6 +243,7 @@ class FlatParamGroup:
         return self.optimizer.owned_part(index, tensor)
 
     def copy_master_to_params(self) -> None:
+        self.storage.drop_secondary()  # the shards take new values (a step, a checkpoint): hpZ's copy is stale
         self.optimizer.copy_master_to_params()
 
     def take_shard_from_full(self) -> None:

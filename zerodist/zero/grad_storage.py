@@ -33,7 +33,9 @@ class GradStorage:
             "reduce-scatter with full optimizer state (resolved in ZeroSettings.from_config: stage 0 all-reduces)")
         self.records, self.views, self.sharded_steps = records, views, policy.shard_optimizer_state
         full_grads = not policy.shard_gradients
-        self.plan = GradSyncPlan(use_reduce_scatter, persistent_full_grad=full_grads, divisor=domain_group.grad_divisor)
+        self.plan = GradSyncPlan(use_reduce_scatter, persistent_full_grad=full_grads, divisor=domain_group.grad_divisor,
+                                 replica_group=domain_group.replica_group, comm_dtype=domain_group.grad_comm_dtype,
+                                 quantized=domain_group.quantized_grads)
         # No zeros in either: each window's first gradients overwrite the full buffer and only what stays
         # unwritten is zeroed ([Note: no gradient memset] in bucket.py); the first sync of each accumulation
         # overwrites the shard (Bucket.accumulated). Untouched pages cost no memory until backward writes them.

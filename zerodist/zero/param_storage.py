@@ -33,13 +33,15 @@ import torch
 import zerodist.comm as comm
 from zerodist.comm.collectives import Group
 from zerodist.comm.domains import Placement
+from zerodist.comm.quantized import quantized_all_gather_start
 from zerodist.comm.topology import Domain
 from zerodist.zero import sharded_access
 from zerodist.zero.buffer_pool import BufferPool
 from zerodist.zero.flat_views import FlatViews
+from zerodist.zero.hpz import SecondaryCopy
 from zerodist.zero.layout import ParamSlot
 from zerodist.zero.pending_gather import GatherSlot, PendingGather
-from zerodist.zero.policy import DomainGroup
+from zerodist.zero.policy import DomainGroup, SecondaryGroup
 
 
 @dataclasses.dataclass(eq=False)
@@ -168,6 +170,9 @@ class ParamStorage(abc.ABC):
     def reshard(self) -> None:
         """Free what the full values need (sharded parameters); nothing otherwise."""
 
+    def drop_secondary(self) -> None:
+        """hpZ's secondary copy is stale (sharded parameters only: hpz.py)."""
+
     @abc.abstractmethod
     def take_shard_from_full(self) -> None:
         """After the full parameters were changed in place: what this rank holds of them, again."""
@@ -188,9 +193,14 @@ class ShardedParams(ParamStorage):
     _prepared_buffer: torch.Tensor | None = None  # offloaded: the shard read into its place, for the next gather
 
     def __init__(self, records: list[ParamRecord], views: FlatViews, *, shard: torch.Tensor, nans: torch.Tensor,
-                 group: Group, buffer_pool: BufferPool | None):
+                 group: Group, buffer_pool: BufferPool | None, secondary: SecondaryGroup | None = None,
+                 weight_bits: int | None = None):
         super().__init__(records, views, group=group, dtype=shard.dtype, device=shard.device, buffer_pool=buffer_pool)
         self.param_shard, self.nans = shard, nans
+        # hpZ: the secondary partition within the node ([Note: secondary partition] in hpz.py)
+        self.secondary = None if secondary is None else SecondaryCopy(views, secondary, buffer_pool)
+        self._from_primary = False  # the gather in flight reads the primary shards
+        self.weight_bits = weight_bits  # qwZ: the primary gathers are quantized to this many bits
         self._handles: list[comm.CommHandle] = []  # the all-gathers `start_unshard()` issued, until waited for
         self.state = ParamState.UNSHARDED  # the parameters' own storage until now; reshard() makes them placeholders
         self.reshard()
@@ -210,11 +220,25 @@ class ShardedParams(ParamStorage):
             self.param_buffer, self._prepared_buffer = self._prepared_buffer, None
             full = self.param_buffer
             assert full is not None
-            self._handles = self._all_gather(lambda i: self.views.bucket(i, full, owned=True))
+            self._handles = self._gather_primary(lambda i: self.views.bucket(i, full, owned=True))
+        elif self.secondary is not None and self.secondary.held is not None:  # hpZ: within the node
+            self.param_buffer = self._transient_buffer()
+            self._handles, self._from_primary = self.secondary.gather(self.param_buffer), False
         else:
             self.param_buffer = self._transient_buffer()
-            self._handles = self._all_gather(lambda i: self.views.shard(i, shard))
+            self._handles, self._from_primary = self._gather_primary(lambda i: self.views.shard(i, shard)), True
         self.state = ParamState.UNSHARDING
+
+    def _gather_primary(self, source: Callable[[int], torch.Tensor]) -> list[comm.CommHandle]:
+        """Every rank's bucket shards into the full buffer, quantized with qwZ (every rank, the owner
+        included, then holds the same dequantized values; the shard itself stays exact)."""
+        if self.weight_bits is None:
+            return self._all_gather(source)
+        full = self.param_buffer
+        assert full is not None
+        return [quantized_all_gather_start(source(i), self.group, self.weight_bits,
+                                           out=self.views.bucket(i, full, owned=False))
+                for i in range(self.views.num_buckets)]
 
     def prepare_unshard(self) -> None:
         """An offloaded shard: read it from where it lives straight into its place in the full buffer
@@ -243,6 +267,11 @@ class ShardedParams(ParamStorage):
             handle.wait()
         if self.state is ParamState.UNSHARDING:
             self.state = ParamState.GATHERED
+            if self.secondary is not None:
+                self.secondary.landed()
+                # a training forward's gather: the backward will gather this group again, within the node
+                if self._from_primary and torch.is_grad_enabled() and self.param_buffer is not None:
+                    self.secondary.keep(self.param_buffer)
 
     def finish_unshard(self) -> None:
         """Wait, then point the parameters at the full buffer."""
@@ -312,11 +341,18 @@ class ShardedParams(ParamStorage):
 
     def stepped_target(self, index: int) -> torch.Tensor:
         assert self.param_shard is not None
+        self.drop_secondary()  # whoever writes here (a step's cast, a checkpoint's load) changes the shard
         return self.views.shard(index, self.param_shard)
+
+    def drop_secondary(self) -> None:
+        """The shards are about to change: hpZ's secondary copy is stale ([Note: secondary partition])."""
+        if self.secondary is not None:
+            self.secondary.drop()
 
     def take_shard_from_full(self) -> None:
         """After the full parameters were changed in place: this rank's shard from them again."""
         assert self.param_buffer is not None and self.param_shard is not None, self._describe("take_shard_from_full", 0)
+        self.drop_secondary()
         if self.shard_offloaded:
             return
         for i in range(self.views.num_buckets):

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from zerodist.comm import Group
 from zerodist.comm.topology import Domain, Topology
 
@@ -61,6 +63,26 @@ class ShardingPolicy:
 
 
 @dataclasses.dataclass(frozen=True)
+class SecondaryGroup:
+    """hpZ: the block of k ranks a secondary copy of the parameters is sharded over, and this rank's
+    index in it ([Note: secondary partition] in hpz.py)."""
+
+    group: Group
+    index: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedReduction:
+    """qgZ: gradients reduce-scattered by quantized all-to-all over `group` (within the node), then
+    `inter_group` (across nodes; None: one hop over `group`), zerodist/comm/quantized.py."""
+
+    bits: int
+    group: Group
+    inter_group: Group = None
+
+
+@dataclasses.dataclass(frozen=True)
 class DomainGroup:
     """The ranks one flat group reduces and shards over: its domain's group on this rank."""
 
@@ -79,6 +101,13 @@ class DomainGroup:
     # where the buckets reduce gradients: `group`, or a second group over the same ranks when the
     # Topology was built with gradient groups (stage 3: [Note: gradient groups] in comm/topology.py)
     grad_group: Group = None
+    # Hierarchical sharding (MiCS / HSDP, hierarchy.py): the ranks holding the same shard in the other
+    # shard groups, over which the reduced shard is all-reduced; None: `group` is the whole domain.
+    replica_group: Group = None
+    grad_comm_dtype: torch.dtype | None = None  # communication_data_type; None: the gradients' own
+    secondary: SecondaryGroup | None = None  # hpZ (zero_hpz_partition_size > 1): where sharded groups keep a copy
+    weight_bits: int | None = None  # qwZ: sharded groups gather their parameters quantized to this many bits
+    quantized_grads: QuantizedReduction | None = None  # qgZ
 
     def __post_init__(self) -> None:
         if self.grad_group is None:

@@ -380,6 +380,9 @@ class UnitRuntime:
         self.finish_gathers(release=True)
         self.reduce_gradients()
         self.reshard()
+        for unit in self.units:  # hpZ's secondary copies are stale from here ([Note: secondary partition] in hpz.py)
+            for group in unit.groups:
+                group.storage.drop_secondary()
 
     def after_step(self) -> None:
         """The shards changed: the full parameters are stale until gathered again. Issue their

@@ -15,6 +15,8 @@ to the plan, the flat groups and the unit runtime; nothing below reads the confi
                         reduce-scatter as an all-reduce plus copies, 1.5x the bytes): stage 0
                         all-reduces, as DDP does, whatever the config says.
     units               the unit runtime's settings (`UnitSettings`, runtime.py)
+    hierarchy           past one machine (`HierarchySettings`, hierarchy.py): MiCS / HSDP shard groups,
+                        the gradient reduction's data type (`communication_data_type`)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable
 
 from zerodist.config import Config
 from zerodist.precision import LossScaler, PrecisionPolicy
+from zerodist.zero.hierarchy import HierarchySettings
 from zerodist.zero.plan import bucket_capacity
 from zerodist.zero.policy import ShardingPolicy
 from zerodist.zero.runtime import UnitSettings
@@ -43,6 +46,7 @@ class ZeroSettings:
     units: UnitSettings
     gradient_clipping: float
     loss_scaler: Callable[[], LossScaler]
+    hierarchy: HierarchySettings = HierarchySettings()
 
     @classmethod
     def from_config(cls, config: Config) -> ZeroSettings:
@@ -60,4 +64,4 @@ class ZeroSettings:
                    bucket_numel=bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
                    use_reduce_scatter=zero.reduce_scatter and sharding.shard_optimizer_state,
                    overlap=zero.overlap_comm, units=units, gradient_clipping=config.gradient_clipping,
-                   loss_scaler=scaler)
+                   loss_scaler=scaler, hierarchy=HierarchySettings.from_config(config))

@@ -17,6 +17,7 @@ import torch
 from zerodist.comm.topology import Topology
 from zerodist.precision import PrecisionPolicy
 from zerodist.zero.flat_group import FlatParamGroup
+from zerodist.zero.hierarchy import describe_links
 from zerodist.zero.optimizer import ZeroOptimizer
 from zerodist.zero.policy import ShardingPolicy
 from zerodist.zero.reducer import GradReducer
@@ -103,6 +104,8 @@ class ZeroState:
         if self.units:
             lines.append(f"{len(self.units)} unit(s) gathered around their use, {len(self.runtime.kept)} "
                          "kept from forward to backward")
+        if self.groups:
+            lines += describe_links(self.topology, self.groups[0].domain_group)
         return lines
 
     def remove_hooks(self) -> None:
