@@ -13,7 +13,8 @@ zerodist/comm/p2p.py for the messages):
 - B(s, j): backward from the stashed outputs with the received output gradients (from the loss
   times `loss_scale` on the last stage); the input gradients are kept for SEND_B. Zero-bubble
   splits it: I(s, j) computes only the input gradients (graph retained), W(s, j) only the weight
-  gradients.
+  gradients, from the gradients I kept at the weight branches: together one backward's work
+  ([Note: split backward] in zerodist/pipe/backward_split.py).
 - SEND_*: non-blocking; every send is waited for at the end of the run. RECV_*: blocking, with
   `timeout_s`, on a message whose header receive was posted when the run started and whose
   payload receive was posted as soon as the header was there (polled before every action):
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 from zerodist.comm import p2p, timeline
+from zerodist.pipe.backward_split import SplitBackward, input_backward, weight_backward
 from zerodist.pipe.module import PipelineModule
 from zerodist.pipe.schedule import Action, Kind, stage_to_rank
 
@@ -71,6 +73,7 @@ class _Stashed:
     inputs: list[torch.Tensor]             # the leaves the input gradients are taken of
     outputs: list[torch.Tensor]            # what backward starts from (the scaled loss on the last stage)
     output_grads: list[torch.Tensor] | None = None
+    split: SplitBackward | None = None     # what I kept for W ([Note: split backward])
 
 
 def _as_list(value: Any) -> list[torch.Tensor]:
@@ -302,16 +305,20 @@ class _Run:
         if not stashed.inputs:
             return  # the first stage: no input gradient to compute; W does the whole backward
         roots, grads = self._backward_roots(stashed)
-        computed = torch.autograd.grad(roots, stashed.inputs, grads, retain_graph=True, allow_unused=True)
+        computed, stashed.split = input_backward(roots, grads, stashed.inputs)
+        stashed.outputs, stashed.output_grads = [], None  # W starts from what I kept
         self._hand_input_grads(stage, mb, [g if g is not None else torch.zeros_like(t)
                                            for g, t in zip(computed, stashed.inputs)])
 
     def _weight_grad(self, stage: int, mb: int) -> None:
         stashed = self.stash.pop((stage, mb))
-        roots, grads = self._backward_roots(stashed)
         params = self.x.stage_parameters(stage)
-        if roots and params:
-            torch.autograd.backward(roots, grads, inputs=params)
+        if stashed.split is not None:
+            weight_backward(stashed.split, params)
+        else:
+            roots, grads = self._backward_roots(stashed)
+            if roots and params:
+                torch.autograd.backward(roots, grads, inputs=params)
         self.after_backward()
 
     def _hand_input_grads(self, stage: int, mb: int, grads: list[torch.Tensor]) -> None:
