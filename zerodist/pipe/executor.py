@@ -42,15 +42,25 @@ import torch
 from zerodist.comm import p2p, timeline
 from zerodist.pipe.backward_split import SplitBackward, input_backward, weight_backward
 from zerodist.pipe.module import PipelineModule
-from zerodist.pipe.schedule import Action, Kind, stage_to_rank
+from zerodist.pipe.schedule import Action, Kind, schedule_placement, stage_to_rank
 
-__all__ = ["ExecutedAction", "PipelineError", "PipelineExecutor", "RunResult"]
+__all__ = ["ExecutedAction", "PipelineError", "PipelineExecutor", "RunResult", "check_module_placement"]
 
 
 class PipelineError(RuntimeError):
     """An engine call that pipeline mode does not offer (DeepSpeed's name and message)."""
 
 _ACTIVATION, _GRADIENT = 1, 2
+
+
+def check_module_placement(module: PipelineModule, schedule: str) -> None:
+    """The schedule's stage placement is the module's (raised alike on every rank, before any message)."""
+    wanted = schedule_placement(schedule)
+    if module.stage_placement != wanted:
+        fix = ("PipelineModule(..., stages_per_rank=2, stage_placement='v')" if wanted == "v"
+               else "PipelineModule(...) without stage_placement='v'")
+        raise ValueError(f"pipeline schedule {schedule!r} places stages {wanted!r} but the PipelineModule was built with "
+                         f"stage_placement={module.stage_placement!r}; build it as {fix}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +111,7 @@ class PipelineExecutor:
         self.receive_ahead = receive_ahead
         self.timeout_setting = timeout_setting  # where timeout_s came from, named by a timeout's error
         self.num_ranks = len(self.pipe_ranks)
+        self.placement: str = module.stage_placement  # which rank holds which stage (schedule.stage_to_rank)
         self.last_stage = module.total_stages - 1
         self.clock = clock or time.perf_counter
         self._stage_params: dict[int, list[torch.nn.Parameter]] = {}
@@ -110,12 +121,16 @@ class PipelineExecutor:
         """The global ranks this rank exchanges messages with: those holding the stage before or after
         each of its stages (with interleaving, the last pipe rank's stage feeds the first's next one)."""
         total = self.module.total_stages
-        mine = [s for s in range(total) if stage_to_rank(s, self.num_ranks) == self.module.stage_id]
+        mine = [s for s in range(total) if self.rank_of(s) == self.module.stage_id]
         me = self.pipe_ranks[self.module.stage_id]
         return sorted({self._global_rank(t) for s in mine for t in (s - 1, s + 1) if 0 <= t < total} - {me})
 
+    def rank_of(self, stage: int) -> int:
+        """The pipe rank that holds `stage`."""
+        return stage_to_rank(stage, self.num_ranks, self.placement)
+
     def _global_rank(self, stage: int) -> int:
-        return self.pipe_ranks[stage_to_rank(stage, self.num_ranks)]
+        return self.pipe_ranks[self.rank_of(stage)]
 
     def stage_parameters(self, stage: int) -> list[torch.nn.Parameter]:
         if stage not in self._stage_params:
@@ -255,7 +270,7 @@ class _Run:
         if self.train:
             self.stash[(stage, mb)] = _Stashed(leaves, tensors)
             self.peak_stashed = max(self.peak_stashed, len(self.stash))
-        if stage_to_rank(stage + 1, self.x.num_ranks) == stage_to_rank(stage, self.x.num_ranks):
+        if self.x.rank_of(stage + 1) == self.x.rank_of(stage):
             # the next stage is on this rank: hand over in memory, as a message would
             self.received[(stage + 1, mb)] = ([t.detach() for t in tensors], isinstance(output, tuple))
         else:
@@ -324,7 +339,7 @@ class _Run:
     def _hand_input_grads(self, stage: int, mb: int, grads: list[torch.Tensor]) -> None:
         if stage == 0:
             return
-        if stage_to_rank(stage - 1, self.x.num_ranks) == stage_to_rank(stage, self.x.num_ranks):
+        if self.x.rank_of(stage - 1) == self.x.rank_of(stage):
             self.stash[(stage - 1, mb)].output_grads = grads
         else:
             self.grads_out[(stage, mb)] = grads

@@ -50,6 +50,8 @@ __all__ = [
     "format_schedule",
     "forward_only",
     "num_stages_of",
+    "receive_in_send_order",
+    "schedule_placement",
     "stage_to_rank",
 ]
 
@@ -104,11 +106,17 @@ class Action:
 
 Schedule = list[list[Action]]   # one list per pipe rank, in execution order
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank in a "V": rank r holds stages r and 2p - 1 - r
 
 
 class ScheduleArgumentError(ValueError):
     """The arguments of `build_schedule` do not describe a schedule that can be built."""
+
+
+def schedule_placement(name: str) -> str:
+    """The stage placement a schedule is built for: "v" for ZB-V and DualPipeV, else "loop"."""
+    return "v" if isinstance(name, str) and name.lower() in V_SCHEDULES else "loop"
 
 
 def num_stages_of(num_ranks: int, stages_per_rank: int = 1) -> int:
@@ -119,9 +127,9 @@ def stage_to_rank(stage: int, num_ranks: int, style: str = "loop") -> int:
     """The pipe rank that holds global `stage`.
 
     "loop" (every schedule built here): stage s on rank s % num_ranks, so rank r holds stages
-    r, r + p, r + 2p, ... "v" (torch's ZBV / DualPipeV placement, for comparison only): the
-    stages go down the ranks and come back up, so rank r holds r and 2p - 1 - r, and each
-    rank holds the first and the last stage of one "V".
+    r, r + p, r + 2p, ... "v" (ZB-V and DualPipeV, torch's placement of the same name): the
+    stages go down the ranks and come back up, so rank r holds r and 2p - 1 - r, and rank 0
+    holds the first and the last stage.
     """
     if num_ranks < 1:
         raise ScheduleArgumentError(f"num_ranks must be >= 1, got {num_ranks}")
@@ -153,12 +161,16 @@ def build_schedule(
     backward split into an input-gradient I and a weight-gradient W, the W's deferred into what
     would be 1F1B's bubble). With `with_communication=False` only the compute actions come back;
     `with_sharding` adds each stage's UNSHARD, RESHARD and REDUCE_GRAD (`add_sharding`).
+    "zbv" (ZB-V, Qi et al. 2024 section 6) and "dualpipev" (DeepSeek's DualPipeV) need
+    `stages_per_rank=2` and place the stages in a V (`stage_to_rank(..., "v")`,
+    `schedule_placement`): zerodist/pipe/schedule_v.py.
     """
     order = compute_order(
         name, num_ranks=num_ranks, num_microbatches=num_microbatches,
         stages_per_rank=stages_per_rank)
     if with_communication:
-        order = add_communication(order, num_ranks=num_ranks, stages_per_rank=stages_per_rank)
+        order = add_communication(order, num_ranks=num_ranks, stages_per_rank=stages_per_rank,
+                                  placement=schedule_placement(name))
     return add_sharding(order, max_active_stages=max_active_stages) if with_sharding else order
 
 
@@ -181,6 +193,15 @@ def _validate(name: str, num_ranks: int, num_microbatches: int, stages_per_rank:
                 f"size: {num_microbatches} micro-batches over {num_ranks} ranks; use "
                 f"{_next_multiple(num_microbatches, num_ranks)} micro-batches (Megatron's rule; "
                 "each round sends num_ranks micro-batches through every stage of a rank)")
+    elif name.lower() in V_SCHEDULES:
+        if stages_per_rank != 2:
+            raise ScheduleArgumentError(
+                f"schedule {name!r} places exactly two stages per rank in a V (got stages_per_rank="
+                f"{stages_per_rank}); build the PipelineModule with stages_per_rank=2, stage_placement='v'")
+        if name.lower() == "dualpipev" and num_microbatches < 2 * num_ranks:
+            raise ScheduleArgumentError(
+                f"DualPipeV needs at least as many micro-batches as stages: {num_microbatches} micro-batches "
+                f"for {2 * num_ranks} stages; use {2 * num_ranks} or more (torch's ScheduleDualPipeV rule)")
     elif stages_per_rank != 1:
         raise ScheduleArgumentError(
             f"schedule {name!r} places one stage per rank (got stages_per_rank="
@@ -204,6 +225,10 @@ def compute_order(
         builder = _one_f_one_b_rank
     elif name == "zb":
         builder = _zero_bubble_h1_rank
+    elif name in V_SCHEDULES:
+        from zerodist.pipe.schedule_v import dualpipev_rank, zbv_rank
+
+        builder = zbv_rank if name == "zbv" else dualpipev_rank
     else:
         return [_interleaved_rank(rank, num_ranks, num_microbatches, stages_per_rank)
                 for rank in range(num_ranks)]
@@ -284,18 +309,19 @@ def _interleaved_rank(
     return actions
 
 
-def add_communication(order: Schedule, *, num_ranks: int, stages_per_rank: int = 1) -> Schedule:
+def add_communication(order: Schedule, *, num_ranks: int, stages_per_rank: int = 1,
+                      placement: str = "loop") -> Schedule:
     """Insert the sends and receives that `order`'s compute actions need.
 
     A forward of stage s > 0 receives its input right before it runs, and a forward of stage
     s < last sends its output right after; a backward (B or I) of stage s < last receives its
     output gradient right before, and one of stage s > 0 sends its input gradient right after.
-    W needs no message. Stages on the same rank exchange nothing.
+    W needs no message. Stages on the same rank exchange nothing (`placement` says which those are).
     """
     num_stages = num_stages_of(num_ranks, stages_per_rank)
 
     def remote(stage: int, neighbour: int) -> bool:
-        return stage_to_rank(stage, num_ranks) != stage_to_rank(neighbour, num_ranks)
+        return stage_to_rank(stage, num_ranks, placement) != stage_to_rank(neighbour, num_ranks, placement)
 
     result: Schedule = []
     for actions in order:
@@ -316,6 +342,50 @@ def add_communication(order: Schedule, *, num_ranks: int, stages_per_rank: int =
             if after is not None:
                 with_messages.append(Action(after, stage, microbatch))
         result.append(with_messages)
+    return result if placement == "loop" else receive_in_send_order(result, placement)
+
+
+def receive_in_send_order(schedule: Schedule, placement: str) -> Schedule:
+    """Each rank's receives from one peer moved (earlier only) into the order the peer sends them.
+
+    [Note: V receive order] In a V two ranks exchange two streams (the down chunk's activations
+    and the up chunk's gradients one way, the reverse the other way) whose relative order can
+    differ between sender and receiver, while messages between two ranks arrive in send order
+    (`schedule_checks.check_message_order`). So when a RECV comes up, the receives of what the same
+    peer sent before it are placed right before it. That never waits longer: what was sent before
+    the message awaited arrives before it."""
+    def source(action: Action) -> int:
+        peer = action.stage - 1 if action.kind is Kind.RECV_F else action.stage + 1
+        return stage_to_rank(peer, len(schedule), placement)
+
+    def key(action: Action) -> tuple[Kind, int, int]:  # a RECV by the SEND it matches
+        if action.kind is Kind.SEND_F:
+            return Kind.RECV_F, action.stage + 1, action.microbatch
+        return Kind.RECV_B, action.stage - 1, action.microbatch
+
+    sent: dict[tuple[int, int], list[Action]] = {}
+    for rank, actions in enumerate(schedule):
+        for action in actions:
+            if action.kind.is_send:
+                receive = Action(*key(action))
+                sent.setdefault((rank, stage_to_rank(receive.stage, len(schedule), placement)), []).append(receive)
+    result: Schedule = []
+    for rank, actions in enumerate(schedule):
+        done: set[Action] = set()
+        ordered: list[Action] = []
+        for action in actions:
+            if action.kind.is_recv:
+                if action in done:
+                    continue
+                queue = sent[(source(action), rank)]
+                upto = queue.index(action)
+                for earlier in queue[:upto + 1]:
+                    if earlier not in done:
+                        done.add(earlier)
+                        ordered.append(earlier)
+                continue
+            ordered.append(action)
+        result.append(ordered)
     return result
 
 
