@@ -111,7 +111,8 @@ class PipelineExecutor:
         self.receive_ahead = receive_ahead
         self.timeout_setting = timeout_setting  # where timeout_s came from, named by a timeout's error
         self.num_ranks = len(self.pipe_ranks)
-        self.placement: str = module.stage_placement  # which rank holds which stage (schedule.stage_to_rank)
+        # which rank holds which stage (schedule.stage_to_rank); "loop" for a module that does not say
+        self.placement: str = getattr(module, "stage_placement", "loop")
         self.last_stage = module.total_stages - 1
         self.clock = clock or time.perf_counter
         self._stage_params: dict[int, list[torch.nn.Parameter]] = {}
