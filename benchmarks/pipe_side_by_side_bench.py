@@ -6,17 +6,19 @@ in one pair of gloo processes, on a real model (a GPT in 2 stages, AdamW).
 
 Arms (each runs one training step per round, rounds interleaved, the median reported):
 - zerodist: `PipelineExecutor` on `build_schedule(name)` for 1f1b, gpipe, interleaved (2 stages per
-  rank) and zb (ZB-H1), then each rank's AdamW step over its stage (no data parallelism, so no
+  rank), zb (ZB-H1), zbv and dualpipev (2 stages per rank in a V), then each rank's AdamW step over its stage (no data parallelism, so no
   reduction: the engine adds nothing a pipe-only run needs);
 - torch: `PipelineStage` + Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble (one stage
-  per rank: ZB-H1) over the same layer objects;
+  per rank: ZB-H1), ScheduleZBVZeroBubble and ScheduleDualPipeV (2 stages per rank in a V) over the
+  same layer objects;
 - local: each rank runs its own stage's forwards and backwards on the same micro-batches (the
   first stage from fixed output gradients, the last from a fixed input) and its AdamW step, with no
   message: the limit a pipeline approaches as its bubble and messages vanish.
 Every arm starts from the same weights and optimizer state; the pipeline arms must end at the same
 loss (checked to 6 digits: they compute the same sums, in different orders). Each figure is the
 arm's step time over local's, and over its ideal local x (1 + bubble) with bubble (p-1)/m for
-GPipe and 1F1B, (p-1)/(v m) interleaved, (p-1)/(3m) ZB-H1 (T_F = T_I = T_W, Qi et al. 2024).
+GPipe and 1F1B, (p-1)/(v m) interleaved, (p-1)/(3m) ZB-H1 (T_F = T_I = T_W, Qi et al. 2024),
+(p-1)/(6m) ZB-V and DualPipeV (the V's fill, zerodist/pipe/schedule_v.py).
 DeepSpeed's PipelineEngine is not run here (it lives in another venv).
 """
 
@@ -34,13 +36,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ranks import free_port, run_ranks  # noqa: E402
 
-ZD = ["1f1b", "gpipe", "interleaved", "zb"]
-TORCH = ["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleavedZeroBubble"]
+ZD = ["1f1b", "gpipe", "interleaved", "zb", "zbv", "dualpipev"]
+TORCH = ["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+         "ScheduleDualPipeV"]
+V_ARMS = ("zbv", "dualpipev", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 
 def bubble(arm: str, p: int, m: int) -> float:
     if arm in ("local",):
         return 0.0
+    if arm.endswith(V_ARMS):  # zerodist/pipe/schedule_v.py: idle (p-1) chunk forwards of 6m chunk actions
+        return (p - 1) / (6 * m)
     if arm.endswith("interleaved"):
         return (p - 1) / (2 * m)
     if arm.endswith("zb") or arm.endswith("ZeroBubble"):
@@ -76,14 +82,18 @@ class Arms:
         g = torch.Generator().manual_seed(1)
         self.tokens = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(self.m)]
         self.targets = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(self.m)]
-        self.modules = {v: PipelineModule(self.layers, num_stages=2, stages_per_rank=v, loss_fn=loss_fn,
-                                          partition_method="uniform") for v in (1, 2)}
+        self.modules = {v: PipelineModule(self.layers, num_stages=2, stages_per_rank=1 if v == 1 else 2,
+                                          loss_fn=loss_fn, partition_method="uniform",
+                                          stage_placement="v" if v == "v" else "loop") for v in (1, 2, "v")}
         self.executors = {v: PipelineExecutor(module, [0, 1], timeout_s=600) for v, module in self.modules.items()}
         self.schedules = {name: build_schedule(name, num_ranks=2, num_microbatches=self.m,
-                                               stages_per_rank=2 if name == "interleaved" else 1) for name in ZD}
+                                               stages_per_rank=1 if name in ("1f1b", "gpipe", "zb") else 2)
+                          for name in ZD}
         bounds = partition_uniform(len(self.layers), 2)
         self.mine = self.layers[bounds[rank]:bounds[rank + 1]]  # this rank's stage at one stage per rank
         self.stage = torch.nn.Sequential(*self.mine)
+        quarters = partition_uniform(len(self.layers), 4)  # the V: stages rank and 3 - rank
+        self.v_stages = {s: torch.nn.Sequential(*self.layers[quarters[s]:quarters[s + 1]]) for s in (rank, 3 - rank)}
         shape = (args.batch, args.seq, args.d_model)
         self.fixed = [torch.randn(shape, generator=g) for _ in range(self.m)]  # local: inputs / output grads
 
@@ -98,7 +108,7 @@ class Arms:
         """One training step of `arm`; the last stage's mean loss (None on the first)."""
         kind, _, name = arm.partition(":")
         if kind == "zerodist":
-            v = 2 if name == "interleaved" else 1
+            v: int | str = 2 if name == "interleaved" else "v" if name in V_ARMS else 1
             module = self.modules[v]
             params = [p for s in module.local_stages for layer in module.stage_modules(s) for p in layer.parameters()]
             optimizer = self.reset(params)
@@ -106,6 +116,8 @@ class Arms:
                                            loss_scale=1 / self.m)
             optimizer.step()
             return float(torch.stack(list(result.losses.values())).mean()) if result.losses else None
+        if name in V_ARMS:
+            return self._torch_v(name, self.reset([p for s in self.v_stages.values() for p in s.parameters()]))
         optimizer = self.reset(list(self.stage.parameters()))
         if kind == "local":
             self._local()
@@ -136,6 +148,21 @@ class Arms:
         return float(torch.stack(losses).detach().mean())
 
 
+    def _torch_v(self, name: str, optimizer: torch.optim.Optimizer) -> float | None:
+        import torch.distributed.pipelining as pipelining
+
+        stages = [pipelining.PipelineStage(module, s, 4, torch.device("cpu")) for s, module in sorted(self.v_stages.items())]
+        schedule = getattr(pipelining, name)(stages, n_microbatches=self.m, loss_fn=loss_fn)
+        if self.rank == 0:  # the first and the last stage
+            losses: list[torch.Tensor] = []
+            schedule.step(torch.cat(self.tokens), target=torch.cat(self.targets), losses=losses)
+            optimizer.step()
+            return float(torch.stack(losses).detach().mean())
+        schedule.step()
+        optimizer.step()
+        return None
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -155,8 +182,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
             comm.barrier()
             if round_index:
                 times[name].append(time.perf_counter() - start)
+    everyone: list = [None] * world
+    comm.all_gather_object(everyone, losses)  # the last stage is on rank 1, or rank 0 in a V
     if rank == 1:
-        queue.put(({n: statistics.median(t) for n, t in times.items()}, losses))
+        merged = {n: next((d[n] for d in everyone if d[n] is not None), None) for n in names}
+        queue.put(({n: statistics.median(t) for n, t in times.items()}, merged))
 
 
 def main() -> int:
