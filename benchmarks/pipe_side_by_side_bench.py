@@ -18,7 +18,7 @@ Every arm starts from the same weights and optimizer state; the pipeline arms mu
 loss (checked to 6 digits: they compute the same sums, in different orders). Each figure is the
 arm's step time over local's, and over its ideal local x (1 + bubble) with bubble (p-1)/m for
 GPipe and 1F1B, (p-1)/(v m) interleaved, (p-1)/(3m) ZB-H1 (T_F = T_I = T_W, Qi et al. 2024),
-(p-1)/(6m) ZB-V and DualPipeV (the V's fill, zerodist/pipe/schedule_v.py).
+(p-1)/(6m) ZB-V and DualPipeV (the V's fill, [Note: V schedules] in zerodist/pipe/schedule.py).
 DeepSpeed's PipelineEngine is not run here (it lives in another venv).
 """
 
@@ -45,7 +45,7 @@ V_ARMS = ("zbv", "dualpipev", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 def bubble(arm: str, p: int, m: int) -> float:
     if arm in ("local",):
         return 0.0
-    if arm.endswith(V_ARMS):  # zerodist/pipe/schedule_v.py: idle (p-1) chunk forwards of 6m chunk actions
+    if arm.endswith(V_ARMS):  # [Note: V schedules] in zerodist/pipe/schedule.py: idle (p-1) chunk forwards of 6m chunk actions
         return (p - 1) / (6 * m)
     if arm.endswith("interleaved"):
         return (p - 1) / (2 * m)

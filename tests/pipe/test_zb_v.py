@@ -2,7 +2,7 @@
 
 Pure checks: the compute orders are torch.distributed.pipelining's (ScheduleZBVZeroBubble,
 ScheduleDualPipeV), every built schedule passes `check_schedule`, and the simulator's idle time
-is the formula of zerodist/pipe/schedule_v.py. End to end: `train_batch` on 2 gloo ranks equals
+is the formula of [Note: V schedules] in zerodist/pipe/schedule.py. End to end: `train_batch` on 2 gloo ranks equals
 one process doing gradient accumulation (1e-6 fp32, 1e-12 fp64)."""
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     p, m, v = args.stages, args.micro_batches, per_rank
     formula = (p - 1) / (v * m + p - 1)
     name = "(p-1)/(v m+p-1)" if args.schedule != "zb" else "1F1B's (p-1)/(m+p-1)"
-    if args.schedule in ("zbv", "dualpipev"):  # zerodist/pipe/schedule_v.py
+    if args.schedule in ("zbv", "dualpipev"):  # [Note: V schedules] in zerodist/pipe/schedule.py
         formula, name = (p - 1) / (6 * m + p - 1), "the V's (p-1)/(6m+p-1)"
     path = args.out or f"pipeline-{args.schedule}.png"
     try:
