@@ -119,3 +119,24 @@ def test_v_schedule_on_a_loop_module_is_a_named_error():
 
     with pytest.raises(DistributedTestFailure, match="stage_placement='v'"):
         run_distributed(v_body, 2, "zbv", "float32", "loop")
+
+
+def v_eval_body(schedule: str):
+    module = PipelineModule(mlp_layers(), num_stages=2, loss_fn=torch.nn.functional.mse_loss,
+                            partition_method="uniform", stages_per_rank=2, stage_placement="v")
+    engine, _, _, _ = zerodist.initialize(model=module, config=config(1, schedule))
+    batches = [micro_batch(0, micro, 0, torch.float32) for micro in range(GAS)]
+    loss = engine.eval_batch(iter(batches)).item()
+    engine.destroy()
+    reference = torch.nn.Sequential(*mlp_layers())
+    with torch.no_grad():
+        expected = sum(torch.nn.functional.mse_loss(reference(x), y).item() for x, y in batches) / GAS
+    return loss, expected
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev"])
+def test_v_schedule_eval_batch_is_one_process_forward(schedule):
+    # the loss comes from rank 0 (the V's last stage) and reaches every rank
+    results = run_distributed(v_eval_body, 2, schedule)
+    for loss, expected in results:
+        assert loss == pytest.approx(expected, rel=1e-6)
