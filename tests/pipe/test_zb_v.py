@@ -92,11 +92,11 @@ def test_v_schedule_arguments_are_named():
         build_schedule("dualpipev", num_ranks=2, num_microbatches=3, stages_per_rank=2)
 
 
-def v_body(schedule: str, dtype_name: str, placement: str = "v"):
+def v_body(schedule: str, dtype_name: str, placement: str = "v", zero_stage: int = 1):
     dtype = getattr(torch, dtype_name)
     module = PipelineModule(mlp_layers(dtype), num_stages=2, loss_fn=torch.nn.functional.mse_loss,
                             partition_method="uniform", stages_per_rank=2, stage_placement=placement)
-    engine, _, _, _ = zerodist.initialize(model=module, config=config(1, schedule))
+    engine, _, _, _ = zerodist.initialize(model=module, config=config(zero_stage, schedule))
     losses, states = [], []
     for step in range(STEPS):
         loss = engine.train_batch(iter([micro_batch(step, micro, 0, dtype) for micro in range(GAS)]))
@@ -112,6 +112,12 @@ def v_body(schedule: str, dtype_name: str, placement: str = "v"):
 def test_v_schedules_equal_gradient_accumulation(schedule, dtype):
     results = run_distributed(v_body, 2, schedule, dtype)
     check_against_reference(results, 1, dtype)
+
+
+def test_v_schedule_under_zero3_equals_gradient_accumulation():
+    # ZeRO-3 gathers each of a rank's two stages around its computes (UNSHARD / RESHARD actions)
+    results = run_distributed(v_body, 2, "zbv", "float32", "v", 3)
+    check_against_reference(results, 1, "float32")
 
 
 def test_v_schedule_on_a_loop_module_is_a_named_error():
