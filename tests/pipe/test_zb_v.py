@@ -74,6 +74,13 @@ def test_v_schedules_pass_every_check_and_place_stages_in_a_v(name, p, m):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 2), (3, 2), (4, 3), (1, 3)])
+def test_zbv_with_fewer_micro_batches_than_the_v_is_deep_still_checks(p, m):
+    # torch fills the order up to 2p - 1 micro-batches and drops the extra ones; so does zbv
+    check_schedule(_build("zbv", p, m), num_microbatches=m, num_stages=2 * p)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["zbv", "dualpipev"])
 @pytest.mark.parametrize("p,m", V_CASES)
 def test_v_idle_share_is_the_formula(name, p, m):
