@@ -153,3 +153,16 @@ def test_v_schedule_eval_batch_is_one_process_forward(schedule):
     results = run_distributed(v_eval_body, 2, schedule)
     for loss, expected in results:
         assert loss == pytest.approx(expected, rel=1e-6)
+
+
+def checkpointed_body(schedule: str):
+    module = PipelineModule(mlp_layers(), num_stages=2, loss_fn=torch.nn.functional.mse_loss,
+                            partition_method="uniform", activation_checkpoint_interval=1)
+    zerodist.initialize(model=module, config=config(1, schedule))
+
+
+def test_split_schedule_with_reentrant_checkpointing_is_a_named_error():
+    from tests.harness import DistributedTestFailure
+
+    with pytest.raises(DistributedTestFailure, match="pipeline.use_reentrant: false"):
+        run_distributed(checkpointed_body, 2, "zb")

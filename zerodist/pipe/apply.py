@@ -26,7 +26,7 @@ from zerodist.comm.topology import axis_partition
 from zerodist.config import Config
 from zerodist.pipe.executor import PipelineError, PipelineExecutor, RunResult
 from zerodist.pipe.module import PipelineModule
-from zerodist.pipe.executor import check_module_placement
+from zerodist.pipe.executor import check_module_for_schedule
 from zerodist.pipe.schedule import Action, Schedule, add_sharding, build_schedule, forward_only, stage_to_rank
 from zerodist.pipe.schedule_checks import SimulationResult, check_schedule
 from zerodist.pipe.tied import TiedGradients
@@ -183,8 +183,8 @@ def apply_pipeline(model: torch.nn.Module, topology: comm.Topology, settings: Pi
         raise ValueError(f"zerodist.pipeline.stages_per_rank is {settings.stages_per_rank} but the "
                          f"PipelineModule was built with stages_per_rank={model.stages_per_rank}; give the "
                          "same number to both (the module needs it to place its layers)")
-    check_module_placement(model, settings.schedule)
     model.configure_checkpointing(settings.activation_checkpoint_interval, settings.use_reentrant)
+    check_module_for_schedule(model, settings.schedule)
     schedule = _build(model, settings, micro_batches, sharding=True)
     simulated = check_schedule(schedule, num_microbatches=micro_batches, num_stages=model.total_stages)
     executor = PipelineExecutor(model, topology.ranks("pipe"), timeout_s=settings.timeout_s,

@@ -41,10 +41,11 @@ import torch
 
 from zerodist.comm import p2p, timeline
 from zerodist.pipe.backward_split import SplitBackward, input_backward, weight_backward
+from zerodist.pipe import checkpointing
 from zerodist.pipe.module import PipelineModule
 from zerodist.pipe.schedule import Action, Kind, schedule_placement, stage_to_rank
 
-__all__ = ["ExecutedAction", "PipelineError", "PipelineExecutor", "RunResult", "check_module_placement"]
+__all__ = ["ExecutedAction", "PipelineError", "PipelineExecutor", "RunResult", "check_module_for_schedule"]
 
 
 class PipelineError(RuntimeError):
@@ -53,8 +54,16 @@ class PipelineError(RuntimeError):
 _ACTIVATION, _GRADIENT = 1, 2
 
 
-def check_module_placement(module: PipelineModule, schedule: str) -> None:
-    """The schedule's stage placement is the module's (raised alike on every rank, before any message)."""
+def check_module_for_schedule(module: PipelineModule, schedule: str) -> None:
+    """The schedule's stage placement is the module's, and a schedule that splits the backward (I, W)
+    gets no reentrant activation checkpoint, which torch refuses under `autograd.grad` (raised
+    alike on every rank, before any message)."""
+    splits = isinstance(schedule, str) and schedule.lower() in ("zb", "zbv", "dualpipev")
+    if (splits and module.activation_checkpoint_interval > 0
+            and module.activation_checkpoint_func is checkpointing.checkpoint):
+        raise ValueError(f"pipeline schedule {schedule!r} splits the backward into input and weight gradients, which "
+                         "torch's reentrant activation checkpoint does not allow; set the config's pipeline.use_reentrant: "
+                         "false (or activation_checkpoint_func=non_reentrant_checkpoint), or use schedule 1f1b")
     wanted = schedule_placement(schedule)
     if module.stage_placement != wanted:
         fix = ("PipelineModule(..., stages_per_rank=2, stage_placement='v')" if wanted == "v"
