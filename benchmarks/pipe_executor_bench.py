@@ -18,9 +18,10 @@ the time a schedule cannot avoid once messages cost something, v times as many o
 critical path when interleaved. "stretch" is the compute actions' measured time over their
 planned sleeps (a loaded machine wakes a sleeper late), and "as run" the simulator fed with each
 action's measured time and the measured latency: wall / "as run" is what the executor itself
-adds (its Python, its polling), the rest is the machine. Zero-bubble (zb) is left out: this executor's W
-traverses the stage's graph again (autograd cannot run only the weight half of a node), so its
-sleep layer would sleep twice. Nothing here gates anything.
+adds (its Python, its polling), the rest is the machine. Zero-bubble (zb) is left out: a sleep stage
+sleeps in its input-gradient half only (its W is the weight half of `x * weight`, nothing), so it
+would not show where the W's go; benchmarks/pipe_side_by_side_bench.py runs zb on a real model.
+Nothing here gates anything.
 """
 
 from __future__ import annotations

@@ -22,11 +22,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     actions = p.add_subparsers(dest="pipe_command", required=True, metavar="{draw}")
     draw = actions.add_parser("draw", help="draw a schedule's plan to a PNG", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    draw.add_argument("--schedule", required=True, choices=("gpipe", "1f1b", "interleaved", "zb"))
+    draw.add_argument("--schedule", required=True, choices=("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"))
     draw.add_argument("--stages", type=int, required=True, help="pipe ranks (the pipeline degree)")
     draw.add_argument("--micro-batches", type=int, required=True, help="micro-batches per step")
     draw.add_argument("--stages-per-rank", type=int, default=None,
-                      help="stages each rank holds (interleaved; default 2 for interleaved, else 1)")
+                      help="stages each rank holds (default 2 for interleaved, zbv and dualpipev, else 1)")
     draw.add_argument("--out", default=None, help="PNG path (default pipeline-<schedule>.png)")
     p.set_defaults(handler=run)
 
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from zerodist.pipe.schedule_checks import Costs, check_schedule
     from zerodist.train.pipe_picture import plan_rows
 
-    per_rank = args.stages_per_rank or (2 if args.schedule == "interleaved" else 1)
+    per_rank = args.stages_per_rank or (2 if args.schedule in ("interleaved", "zbv", "dualpipev") else 1)
     try:
         schedule = build_schedule(args.schedule, num_ranks=args.stages, num_microbatches=args.micro_batches,
                                   stages_per_rank=per_rank)
@@ -50,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
     p, m, v = args.stages, args.micro_batches, per_rank
     formula = (p - 1) / (v * m + p - 1)
     name = "(p-1)/(v m+p-1)" if args.schedule != "zb" else "1F1B's (p-1)/(m+p-1)"
+    if args.schedule in ("zbv", "dualpipev"):  # [Note: V schedules] in zerodist/pipe/schedule.py
+        formula, name = (p - 1) / (6 * m + p - 1), "the V's (p-1)/(6m+p-1)"
     path = args.out or f"pipeline-{args.schedule}.png"
     try:
         draw_pipeline([(f"{args.schedule}, {p} ranks x {v} stage(s), {m} micro-batches (simulator, F = I = W = 1, "

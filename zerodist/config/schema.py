@@ -312,9 +312,10 @@ class ZerodistTensorParallelConfig(Section):
 
 
 class ZerodistPipelineConfig(Section):
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb"] = Field(
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"] = Field(
         "1f1b", description="Pipeline schedule (a PipelineModule's model): gpipe, 1f1b (DeepSpeed's), interleaved "
-        "(needs stages_per_rank >= 2) or zb (zero-bubble ZB-H1)."
+        "(needs stages_per_rank >= 2), zb (zero-bubble ZB-H1), zbv or dualpipev (ZB-V and DualPipeV: two stages "
+        "per rank in a V, PipelineModule(stages_per_rank=2, stage_placement='v'))."
     )
     stages_per_rank: int | None = Field(
         None, ge=1, description="Pipeline stages on each pipe rank (interleaved); null takes the PipelineModule's."

@@ -137,7 +137,8 @@ class PipelineRunner:
             if topology.num_batch_shards > 1:
                 comm.all_reduce(loss, op=comm.ReduceOp.AVG, group=topology.group(*topology.batch_axes))
         if len(pipe_ranks) > 1:
-            comm.broadcast(loss, src=pipe_ranks[-1], group=topology.group("pipe"))
+            last = self.pipeline.executor.rank_of(self.pipeline.module.total_stages - 1)  # rank 0 in a V
+            comm.broadcast(loss, src=pipe_ranks[last], group=topology.group("pipe"))
         # fp32 as before; an fp64 model's loss stays fp64 (its parity with one process is 1e-12)
         return loss if engine.policy.param_dtype == torch.float64 else loss.float()
 

@@ -34,6 +34,7 @@ from zerodist.comm.topology import axis_partition
 from zerodist.config import Config
 from zerodist.pipe.executor import PipelineError, PipelineExecutor, RunResult
 from zerodist.pipe.module import PipelineModule
+from zerodist.pipe.executor import check_module_for_schedule
 from zerodist.pipe.schedule import Action, Schedule, add_sharding, build_schedule, forward_only, stage_to_rank
 from zerodist.pipe.schedule_checks import SimulationResult, check_schedule
 from zerodist.pipe.tied import TiedGradients
@@ -85,7 +86,7 @@ def tie_group_ranks(module: PipelineModule, topology: comm.Topology) -> dict[str
     pipe_groups = axis_partition(topology.degrees, ("pipe",))
     result: dict[str, list[list[int]]] = {}
     for key in sorted(module.tied_keys):
-        pipe_ranks = sorted({stage_to_rank(s, module.num_stages) for s in module.tied_keys[key]})
+        pipe_ranks = sorted({stage_to_rank(s, module.num_stages, module.stage_placement) for s in module.tied_keys[key]})
         if len(pipe_ranks) >= 2:
             result[key] = [[members[r] for r in pipe_ranks] for members in pipe_groups]
     return result
@@ -122,8 +123,8 @@ class PipelineState:
     def is_first_stage(self) -> bool:
         return self.pipe_rank == 0
 
-    def is_last_stage(self) -> bool:
-        return self.pipe_rank == self.module.num_stages - 1
+    def is_last_stage(self) -> bool:  # holds the last stage: the last pipe rank, rank 0 in a V
+        return self.module.total_stages - 1 in self.module.local_stages
 
     def actions(self, micro_batches: int | None = None, train: bool = True) -> list[Action]:
         """This rank's actions for a batch of `micro_batches` (default the training batch's), with
@@ -199,6 +200,7 @@ def apply_pipeline(model: torch.nn.Module, topology: comm.Topology, settings: Pi
                          f"PipelineModule was built with stages_per_rank={model.stages_per_rank}; give the "
                          "same number to both (the module needs it to place its layers)")
     model.configure_checkpointing(settings.activation_checkpoint_interval, settings.use_reentrant)
+    check_module_for_schedule(model, settings.schedule)
     schedule = _build(model, settings, micro_batches, sharding=True)
     simulated = check_schedule(schedule, num_microbatches=micro_batches, num_stages=model.total_stages)
     executor = PipelineExecutor(model, topology.ranks("pipe"), timeout_s=settings.timeout_s,

@@ -13,7 +13,8 @@ zerodist/comm/p2p.py for the messages):
 - B(s, j): backward from the stashed outputs with the received output gradients (from the loss
   times `loss_scale` on the last stage); the input gradients are kept for SEND_B. Zero-bubble
   splits it: I(s, j) computes only the input gradients (graph retained), W(s, j) only the weight
-  gradients.
+  gradients, from the gradients I kept at the weight branches: together one backward's work
+  ([Note: split backward] in zerodist/pipe/backward_split.py).
 - SEND_*: non-blocking; every send is waited for at the end of the run. RECV_*: blocking, with
   `timeout_s`, on a message whose header receive was posted when the run started and whose
   payload receive was posted as soon as the header was there (polled before every action):
@@ -39,16 +40,36 @@ from typing import Any
 import torch
 
 from zerodist.comm import p2p, timeline
+from zerodist.pipe.backward_split import SplitBackward, input_backward, weight_backward
+from zerodist.pipe import checkpointing
 from zerodist.pipe.module import PipelineModule
-from zerodist.pipe.schedule import Action, Kind, stage_to_rank
+from zerodist.pipe.schedule import Action, Kind, schedule_placement, stage_to_rank
 
-__all__ = ["ExecutedAction", "PipelineError", "PipelineExecutor", "RunResult"]
+__all__ = ["ExecutedAction", "PipelineError", "PipelineExecutor", "RunResult", "check_module_for_schedule"]
 
 
 class PipelineError(RuntimeError):
     """An engine call that pipeline mode does not offer (DeepSpeed's name and message)."""
 
 _ACTIVATION, _GRADIENT = 1, 2
+
+
+def check_module_for_schedule(module: PipelineModule, schedule: str) -> None:
+    """The schedule's stage placement is the module's, and a schedule that splits the backward (I, W)
+    gets no reentrant activation checkpoint, which torch refuses under `autograd.grad` (raised
+    alike on every rank, before any message)."""
+    splits = isinstance(schedule, str) and schedule.lower() in ("zb", "zbv", "dualpipev")
+    if (splits and module.activation_checkpoint_interval > 0
+            and module.activation_checkpoint_func is checkpointing.checkpoint):
+        raise ValueError(f"pipeline schedule {schedule!r} splits the backward into input and weight gradients, which "
+                         "torch's reentrant activation checkpoint does not allow; set the config's pipeline.use_reentrant: "
+                         "false (or activation_checkpoint_func=non_reentrant_checkpoint), or use schedule 1f1b")
+    wanted = schedule_placement(schedule)
+    if module.stage_placement != wanted:
+        fix = ("PipelineModule(..., stages_per_rank=2, stage_placement='v')" if wanted == "v"
+               else "PipelineModule(...) without stage_placement='v'")
+        raise ValueError(f"pipeline schedule {schedule!r} places stages {wanted!r} but the PipelineModule was built with "
+                         f"stage_placement={module.stage_placement!r}; build it as {fix}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +92,7 @@ class _Stashed:
     inputs: list[torch.Tensor]             # the leaves the input gradients are taken of
     outputs: list[torch.Tensor]            # what backward starts from (the scaled loss on the last stage)
     output_grads: list[torch.Tensor] | None = None
+    split: SplitBackward | None = None     # what I kept for W ([Note: split backward])
 
 
 def _as_list(value: Any) -> list[torch.Tensor]:
@@ -98,6 +120,8 @@ class PipelineExecutor:
         self.receive_ahead = receive_ahead
         self.timeout_setting = timeout_setting  # where timeout_s came from, named by a timeout's error
         self.num_ranks = len(self.pipe_ranks)
+        # which rank holds which stage (schedule.stage_to_rank); "loop" for a module that does not say
+        self.placement: str = getattr(module, "stage_placement", "loop")
         self.last_stage = module.total_stages - 1
         self.clock = clock or time.perf_counter
         self._stage_params: dict[int, list[torch.nn.Parameter]] = {}
@@ -107,12 +131,16 @@ class PipelineExecutor:
         """The global ranks this rank exchanges messages with: those holding the stage before or after
         each of its stages (with interleaving, the last pipe rank's stage feeds the first's next one)."""
         total = self.module.total_stages
-        mine = [s for s in range(total) if stage_to_rank(s, self.num_ranks) == self.module.stage_id]
+        mine = [s for s in range(total) if self.rank_of(s) == self.module.stage_id]
         me = self.pipe_ranks[self.module.stage_id]
         return sorted({self._global_rank(t) for s in mine for t in (s - 1, s + 1) if 0 <= t < total} - {me})
 
+    def rank_of(self, stage: int) -> int:
+        """The pipe rank that holds `stage`."""
+        return stage_to_rank(stage, self.num_ranks, self.placement)
+
     def _global_rank(self, stage: int) -> int:
-        return self.pipe_ranks[stage_to_rank(stage, self.num_ranks)]
+        return self.pipe_ranks[self.rank_of(stage)]
 
     def stage_parameters(self, stage: int) -> list[torch.nn.Parameter]:
         if stage not in self._stage_params:
@@ -252,7 +280,7 @@ class _Run:
         if self.train:
             self.stash[(stage, mb)] = _Stashed(leaves, tensors)
             self.peak_stashed = max(self.peak_stashed, len(self.stash))
-        if stage_to_rank(stage + 1, self.x.num_ranks) == stage_to_rank(stage, self.x.num_ranks):
+        if self.x.rank_of(stage + 1) == self.x.rank_of(stage):
             # the next stage is on this rank: hand over in memory, as a message would
             self.received[(stage + 1, mb)] = ([t.detach() for t in tensors], isinstance(output, tuple))
         else:
@@ -302,22 +330,26 @@ class _Run:
         if not stashed.inputs:
             return  # the first stage: no input gradient to compute; W does the whole backward
         roots, grads = self._backward_roots(stashed)
-        computed = torch.autograd.grad(roots, stashed.inputs, grads, retain_graph=True, allow_unused=True)
+        computed, stashed.split = input_backward(roots, grads, stashed.inputs)
+        stashed.outputs, stashed.output_grads = [], None  # W starts from what I kept
         self._hand_input_grads(stage, mb, [g if g is not None else torch.zeros_like(t)
                                            for g, t in zip(computed, stashed.inputs)])
 
     def _weight_grad(self, stage: int, mb: int) -> None:
         stashed = self.stash.pop((stage, mb))
-        roots, grads = self._backward_roots(stashed)
         params = self.x.stage_parameters(stage)
-        if roots and params:
-            torch.autograd.backward(roots, grads, inputs=params)
+        if stashed.split is not None:
+            weight_backward(stashed.split, params)
+        else:
+            roots, grads = self._backward_roots(stashed)
+            if roots and params:
+                torch.autograd.backward(roots, grads, inputs=params)
         self.after_backward()
 
     def _hand_input_grads(self, stage: int, mb: int, grads: list[torch.Tensor]) -> None:
         if stage == 0:
             return
-        if stage_to_rank(stage - 1, self.x.num_ranks) == stage_to_rank(stage, self.x.num_ranks):
+        if self.x.rank_of(stage - 1) == self.x.rank_of(stage):
             self.stash[(stage - 1, mb)].output_grads = grads
         else:
             self.grads_out[(stage, mb)] = grads

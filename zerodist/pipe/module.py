@@ -37,7 +37,8 @@ test_pipe_module_checkpoint.py).
 
 Stage placement: with `p` pipe ranks and `v = stages_per_rank`, the layers are cut into `p * v`
 stages and stage s lives on pipe rank `s % p` (the schedules' "loop" placement,
-`zerodist.pipe.schedule.stage_to_rank`). The pipe axis is outermost in `Topology`, so the pipe
+`zerodist.pipe.schedule.stage_to_rank`), or, with `stage_placement="v"` and two stages per rank
+(the zbv and dualpipev schedules), on ranks s and 2p - 1 - s folded into a V. The pipe axis is outermost in `Topology`, so the pipe
 rank of global rank g is `g // (world_size // p)`, known before any topology exists.
 """
 
@@ -53,6 +54,7 @@ import torch
 import zerodist.comm as comm
 from zerodist import compat
 from zerodist.pipe import checkpointing
+from zerodist.pipe.schedule import stage_to_rank
 from zerodist.utils import get_logger, log_rank0
 
 __all__ = ["LayerSpec", "PartitionError", "PipelineModule", "TiedLayerSpec", "partition_balanced",
@@ -200,7 +202,7 @@ class PipelineModule(torch.nn.Module):
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Callable[..., Any] | None = None,
                  checkpointable_layers: Sequence[str] | None = None, stages_per_rank: int = 1,
-                 dynamic_shape: bool = False):
+                 dynamic_shape: bool = False, stage_placement: str = "loop"):
         super().__init__()
         layers = list(layers)
         self.num_stages = _pipe_degree(num_stages, topology)
@@ -230,7 +232,12 @@ class PipelineModule(torch.nn.Module):
             raise ValueError(f"PipelineModule(num_stages={self.num_stages}) does not divide the world size {world}")
         rank = comm.get_rank() if world > 1 else 0
         self.stage_id = rank // (world // self.num_stages)  # the pipe axis is outermost
-        self.local_stages = [self.stage_id + k * self.num_stages for k in range(stages_per_rank)]
+        if stage_placement not in ("loop", "v") or (stage_placement == "v" and stages_per_rank != 2):
+            raise ValueError(f"PipelineModule(stage_placement={stage_placement!r}) takes 'loop' or, with "
+                             "stages_per_rank=2, 'v' (the zbv and dualpipev schedules' placement)")
+        self.stage_placement = stage_placement  # which rank holds which stage: schedule.stage_to_rank
+        self.local_stages = sorted(s for s in range(self.total_stages)
+                                   if stage_to_rank(s, self.num_stages, stage_placement) == self.stage_id)
         self.tied_keys: dict[str, list[int]] = {}  # key -> global stages that hold it
         self._tied_attrs: dict[str, list[str]] = {}
         self._tied_modules: dict[str, torch.nn.Module] = {}

@@ -47,10 +47,14 @@ __all__ = [
     "add_sharding",
     "build_schedule",
     "compute_order",
+    "dualpipev_rank",
     "format_schedule",
     "forward_only",
     "num_stages_of",
+    "receive_in_send_order",
+    "schedule_placement",
     "stage_to_rank",
+    "zbv_rank",
 ]
 
 
@@ -104,11 +108,17 @@ class Action:
 
 Schedule = list[list[Action]]   # one list per pipe rank, in execution order
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank in a "V": rank r holds stages r and 2p - 1 - r
 
 
 class ScheduleArgumentError(ValueError):
     """The arguments of `build_schedule` do not describe a schedule that can be built."""
+
+
+def schedule_placement(name: str) -> str:
+    """The stage placement a schedule is built for: "v" for ZB-V and DualPipeV, else "loop"."""
+    return "v" if isinstance(name, str) and name.lower() in V_SCHEDULES else "loop"
 
 
 def num_stages_of(num_ranks: int, stages_per_rank: int = 1) -> int:
@@ -119,9 +129,9 @@ def stage_to_rank(stage: int, num_ranks: int, style: str = "loop") -> int:
     """The pipe rank that holds global `stage`.
 
     "loop" (every schedule built here): stage s on rank s % num_ranks, so rank r holds stages
-    r, r + p, r + 2p, ... "v" (torch's ZBV / DualPipeV placement, for comparison only): the
-    stages go down the ranks and come back up, so rank r holds r and 2p - 1 - r, and each
-    rank holds the first and the last stage of one "V".
+    r, r + p, r + 2p, ... "v" (ZB-V and DualPipeV, torch's placement of the same name): the
+    stages go down the ranks and come back up, so rank r holds r and 2p - 1 - r, and rank 0
+    holds the first and the last stage.
     """
     if num_ranks < 1:
         raise ScheduleArgumentError(f"num_ranks must be >= 1, got {num_ranks}")
@@ -153,12 +163,16 @@ def build_schedule(
     backward split into an input-gradient I and a weight-gradient W, the W's deferred into what
     would be 1F1B's bubble). With `with_communication=False` only the compute actions come back;
     `with_sharding` adds each stage's UNSHARD, RESHARD and REDUCE_GRAD (`add_sharding`).
+    "zbv" (ZB-V, Qi et al. 2024 section 6) and "dualpipev" (DeepSeek's DualPipeV) need
+    `stages_per_rank=2` and place the stages in a V (`stage_to_rank(..., "v")`,
+    `schedule_placement`): [Note: V schedules] below.
     """
     order = compute_order(
         name, num_ranks=num_ranks, num_microbatches=num_microbatches,
         stages_per_rank=stages_per_rank)
     if with_communication:
-        order = add_communication(order, num_ranks=num_ranks, stages_per_rank=stages_per_rank)
+        order = add_communication(order, num_ranks=num_ranks, stages_per_rank=stages_per_rank,
+                                  placement=schedule_placement(name))
     return add_sharding(order, max_active_stages=max_active_stages) if with_sharding else order
 
 
@@ -181,6 +195,15 @@ def _validate(name: str, num_ranks: int, num_microbatches: int, stages_per_rank:
                 f"size: {num_microbatches} micro-batches over {num_ranks} ranks; use "
                 f"{_next_multiple(num_microbatches, num_ranks)} micro-batches (Megatron's rule; "
                 "each round sends num_ranks micro-batches through every stage of a rank)")
+    elif name.lower() in V_SCHEDULES:
+        if stages_per_rank != 2:
+            raise ScheduleArgumentError(
+                f"schedule {name!r} places exactly two stages per rank in a V (got stages_per_rank="
+                f"{stages_per_rank}); build the PipelineModule with stages_per_rank=2, stage_placement='v'")
+        if name.lower() == "dualpipev" and num_microbatches < 2 * num_ranks:
+            raise ScheduleArgumentError(
+                f"DualPipeV needs at least as many micro-batches as stages: {num_microbatches} micro-batches "
+                f"for {2 * num_ranks} stages; use {2 * num_ranks} or more (torch's ScheduleDualPipeV rule)")
     elif stages_per_rank != 1:
         raise ScheduleArgumentError(
             f"schedule {name!r} places one stage per rank (got stages_per_rank="
@@ -204,6 +227,8 @@ def compute_order(
         builder = _one_f_one_b_rank
     elif name == "zb":
         builder = _zero_bubble_h1_rank
+    elif name in V_SCHEDULES:
+        builder = zbv_rank if name == "zbv" else dualpipev_rank
     else:
         return [_interleaved_rank(rank, num_ranks, num_microbatches, stages_per_rank)
                 for rank in range(num_ranks)]
@@ -284,18 +309,147 @@ def _interleaved_rank(
     return actions
 
 
-def add_communication(order: Schedule, *, num_ranks: int, stages_per_rank: int = 1) -> Schedule:
+# [Note: V schedules]
+# The V-shaped schedules: two stages per rank, rank r holding stages r and 2p - 1 - r, so the
+# first and the last stage are on rank 0 and the micro-batch goes down the ranks and back up.
+#
+# - ZB-V (Qi, Wan, Huang, Lin, "Zero Bubble Pipeline Parallelism", ICLR 2024, arXiv 2401.10241,
+#   section 6): 1F1B-like on the V with the backward split into I and W; the W's fill what would
+#   be the bubble.
+# - DualPipeV (DeepSeek-V3 technical report, arXiv 2412.19437, section 3.2.1, and the DualPipe
+#   repository's "DualPipeV", the V cut of DualPipe): the forward of one chunk paired with the
+#   backward of the other in the steady state (on a GPU the two overlap computation with the
+#   all-to-all of expert parallelism; here they run one after the other), zero-bubble I/W split
+#   in the second half of the cool-down.
+#
+# Both orders are torch.distributed.pipelining's (`ScheduleZBVZeroBubble`,
+# `ScheduleDualPipeV._calculate_single_rank_operations` in torch 2.13) written on zerodist's IR; an
+# overlapped F&B is an F followed by a B. tests/pipe/test_zb_v.py compares the two action by action.
+#
+# Bubble. The ZB paper (section 6) calls ZB-V "zero bubble" when T_F = T_B = T_W (torch's docstring
+# says the same); DeepSeek's DualPipe README gives DualPipe's bubble as (PP/2 - 1)(F&B + B - 3W).
+# What remains at the paper's unit costs per chunk (F = I = W = 1, B = 2), in this simulator, is
+# the V's fill: every rank idles p - 1 chunk forwards, an idle share of (p - 1)/(6m + p - 1), for
+# both schedules (tests/pipe/test_zb_v.py, p = 2..4; DualPipeV's F&B run one after the other here).
+# With unequal costs the idle is not one linear formula: the simulator gives it.
+
+
+def zbv_rank(rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
+    """ZB-V's compute order on `rank` (torch's `ScheduleZBVZeroBubble`): warm-up forwards of the
+    down chunk, then of both, then F I W of the up chunk; a steady state of F I W on each chunk;
+    a cool-down of I's with the W's deferred to the end."""
+    p = num_ranks
+    m = max(2 * p - 1, num_microbatches)  # filled up to the pipe's depth, the extra ones dropped
+    down, up = rank, 2 * p - 1 - rank
+    actions: list[Action] = []
+    count = {key: 0 for key in ("f0", "f1", "b0", "b1")}
+
+    def add(kind: Kind, chunk: int, counter: str) -> None:
+        actions.append(Action(kind, down if chunk == 0 else up, count[counter]))
+        count[counter] += 1
+
+    for _ in range(2 * (p - rank) - 1):
+        add(Kind.F, 0, "f0")
+    for _ in range(rank):
+        add(Kind.F, 1, "f1")
+        add(Kind.F, 0, "f0")
+    for _ in range(p - rank):
+        add(Kind.F, 1, "f1")
+        actions.append(Action(Kind.I, up, count["b1"]))
+        add(Kind.W, 1, "b1")
+    while count["f1"] < count["f0"] or count["f0"] < m:
+        if count["f0"] < m:
+            add(Kind.F, 0, "f0")
+        actions.append(Action(Kind.I, down, count["b0"]))
+        add(Kind.W, 0, "b0")
+        add(Kind.F, 1, "f1")
+        actions.append(Action(Kind.I, up, count["b1"]))
+        add(Kind.W, 1, "b1")
+    w0, w1 = count["b0"], count["b1"]
+    for _ in range(rank):
+        add(Kind.I, 0, "b0")
+        add(Kind.I, 1, "b1")
+    for _ in range(p - rank):
+        add(Kind.I, 0, "b0")
+        actions.append(Action(Kind.W, down, w0))
+        w0 += 1
+    actions += [Action(Kind.W, up, j) for j in range(w1, count["b1"])]
+    actions += [Action(Kind.W, down, j) for j in range(w0, count["b0"])]
+    return [a for a in actions if a.microbatch < num_microbatches]
+
+
+def dualpipev_rank(rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
+    """DualPipeV's compute order on `rank` (torch's `ScheduleDualPipeV`, from DeepSeek's
+    open-source DualPipe): steps 1-8 of that code, an overlapped F&B written as F then B."""
+    p = num_ranks
+    stage = {0: rank, 1: 2 * p - 1 - rank}
+    forward = {0: 0, 1: 0}
+    backward = {0: 0, 1: 0}  # next I or B per chunk
+    pending_w: list[tuple[int, int]] = []
+    actions: list[Action] = []
+
+    def f(chunk: int) -> None:
+        actions.append(Action(Kind.F, stage[chunk], forward[chunk]))
+        forward[chunk] += 1
+
+    def b(chunk: int, split: bool = False) -> None:
+        actions.append(Action(Kind.I if split else Kind.B, stage[chunk], backward[chunk]))
+        if split:
+            pending_w.append((stage[chunk], backward[chunk]))
+        backward[chunk] += 1
+
+    def w() -> None:
+        if pending_w:
+            s, j = pending_w.pop(0)
+            actions.append(Action(Kind.W, s, j))
+
+    for _ in range(2 * (p - rank - 1)):          # 1: F0
+        f(0)
+    for _ in range(rank + 1):                    # 2: F0 F1
+        f(0)
+        f(1)
+    for _ in range(p - rank - 1):                # 3: I1 W1 F1
+        b(1, split=True)
+        w()
+        f(1)
+    for i in range(num_microbatches - 2 * p + rank + 1):  # 4: F0&B1, F1&B0
+        f(0)
+        b(1)
+        f(1)
+        b(0)
+    for _ in range(p - rank - 1):                # 5: B1, F1&B0
+        b(1)
+        f(1)
+        b(0)
+    split = False
+    for i in range(rank + 1):                    # 6: B1 B0, zero-bubble from the middle on
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            split = True
+        b(1, split)
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            split = True
+        b(0, split)
+    for _ in range(p - rank - 1):                # 7: W0 B0
+        w()
+        b(0, split)
+    for _ in range(rank + 1):                    # 8: W0
+        w()
+    return actions
+
+
+def add_communication(order: Schedule, *, num_ranks: int, stages_per_rank: int = 1,
+                      placement: str = "loop") -> Schedule:
     """Insert the sends and receives that `order`'s compute actions need.
 
     A forward of stage s > 0 receives its input right before it runs, and a forward of stage
     s < last sends its output right after; a backward (B or I) of stage s < last receives its
     output gradient right before, and one of stage s > 0 sends its input gradient right after.
-    W needs no message. Stages on the same rank exchange nothing.
+    W needs no message. Stages on the same rank exchange nothing (`placement` says which those are).
     """
     num_stages = num_stages_of(num_ranks, stages_per_rank)
 
     def remote(stage: int, neighbour: int) -> bool:
-        return stage_to_rank(stage, num_ranks) != stage_to_rank(neighbour, num_ranks)
+        return stage_to_rank(stage, num_ranks, placement) != stage_to_rank(neighbour, num_ranks, placement)
 
     result: Schedule = []
     for actions in order:
@@ -316,6 +470,50 @@ def add_communication(order: Schedule, *, num_ranks: int, stages_per_rank: int =
             if after is not None:
                 with_messages.append(Action(after, stage, microbatch))
         result.append(with_messages)
+    return result if placement == "loop" else receive_in_send_order(result, placement)
+
+
+def receive_in_send_order(schedule: Schedule, placement: str) -> Schedule:
+    """Each rank's receives from one peer moved (earlier only) into the order the peer sends them.
+
+    [Note: V receive order] In a V two ranks exchange two streams (the down chunk's activations
+    and the up chunk's gradients one way, the reverse the other way) whose relative order can
+    differ between sender and receiver, while messages between two ranks arrive in send order
+    (`schedule_checks.check_message_order`). So when a RECV comes up, the receives of what the same
+    peer sent before it are placed right before it. That never waits longer: what was sent before
+    the message awaited arrives before it."""
+    def source(action: Action) -> int:
+        peer = action.stage - 1 if action.kind is Kind.RECV_F else action.stage + 1
+        return stage_to_rank(peer, len(schedule), placement)
+
+    def key(action: Action) -> tuple[Kind, int, int]:  # a RECV by the SEND it matches
+        if action.kind is Kind.SEND_F:
+            return Kind.RECV_F, action.stage + 1, action.microbatch
+        return Kind.RECV_B, action.stage - 1, action.microbatch
+
+    sent: dict[tuple[int, int], list[Action]] = {}
+    for rank, actions in enumerate(schedule):
+        for action in actions:
+            if action.kind.is_send:
+                receive = Action(*key(action))
+                sent.setdefault((rank, stage_to_rank(receive.stage, len(schedule), placement)), []).append(receive)
+    result: Schedule = []
+    for rank, actions in enumerate(schedule):
+        done: set[Action] = set()
+        ordered: list[Action] = []
+        for action in actions:
+            if action.kind.is_recv:
+                if action in done:
+                    continue
+                queue = sent[(source(action), rank)]
+                upto = queue.index(action)
+                for earlier in queue[:upto + 1]:
+                    if earlier not in done:
+                        done.add(earlier)
+                        ordered.append(earlier)
+                continue
+            ordered.append(action)
+        result.append(ordered)
     return result
 
 

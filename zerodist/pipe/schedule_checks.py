@@ -61,6 +61,7 @@ __all__ = [
     "peak_activations",
     "peak_activations_by_rank",
     "peak_gathered",
+    "schedule_placement_of",
     "simulate",
 ]
 
@@ -102,8 +103,17 @@ def _num_stages(schedule: Schedule) -> int:
     return max(stages) + 1 if stages else 0
 
 
-def _rank_of(stage: int, num_ranks: int) -> int:
-    return stage_to_rank(stage, num_ranks)
+def _rank_of(stage: int, num_ranks: int, placement: str = "loop") -> int:
+    return stage_to_rank(stage, num_ranks, placement)
+
+
+def schedule_placement_of(schedule: Schedule) -> str:
+    """The placement a schedule's actions say: "v" when it has two stages per rank and rank 0
+    holds the last one (ZB-V, DualPipeV), else "loop" (every other schedule built here)."""
+    num_ranks, num_stages = len(schedule), _num_stages(schedule)
+    if num_ranks > 1 and num_stages == 2 * num_ranks and any(a.stage == num_stages - 1 for a in schedule[0]):
+        return "v"
+    return "loop"
 
 
 def check_completeness(
@@ -141,22 +151,24 @@ def check_completeness(
                 raise IncompleteScheduleError(f"{label} has {missing}")
 
 
-def check_placement(schedule: Schedule, num_stages: int) -> None:
-    """Each action sits on its stage's rank; messages only cross between neighbouring ranks."""
+def check_placement(schedule: Schedule, num_stages: int, placement: str | None = None) -> None:
+    """Each action sits on its stage's rank; messages only cross between neighbouring ranks.
+    `placement` ("loop" or "v", `schedule.stage_to_rank`) defaults to `schedule_placement_of`."""
     num_ranks = len(schedule)
+    placement = placement or schedule_placement_of(schedule)
     for rank, actions in enumerate(schedule):
         for index, action in enumerate(actions):
             where = f"rank {rank}, position {index}: {action}"
-            if _rank_of(action.stage, num_ranks) != rank:
+            if _rank_of(action.stage, num_ranks, placement) != rank:
                 raise PlacementError(
                     f"{where} is for stage {action.stage}, which lives on rank "
-                    f"{_rank_of(action.stage, num_ranks)}")
+                    f"{_rank_of(action.stage, num_ranks, placement)} ({placement} placement)")
             peer = _peer_stage(action)
             if peer is None:
                 continue
             if not 0 <= peer < num_stages:
                 raise PlacementError(f"{where} exchanges with stage {peer}, which does not exist")
-            if _rank_of(peer, num_ranks) == rank:
+            if _rank_of(peer, num_ranks, placement) == rank:
                 raise PlacementError(
                     f"{where} exchanges with stage {peer} on the same rank; stages on one rank "
                     "hand tensors over in memory")
@@ -205,7 +217,7 @@ def check_messages(schedule: Schedule) -> None:
             elif action.kind.is_recv:
                 receives[_message_key(action)] += 1
     for key in sorted(set(sends) | set(receives)):
-        peer = _rank_of(key[1], num_ranks)
+        peer = _rank_of(key[1], num_ranks, schedule_placement_of(schedule))
         if sends[key] > 1 or receives[key] > 1:
             raise UnmatchedMessageError(
                 f"{_describe(key)} is sent {sends[key]} and received {receives[key]} times")
@@ -219,7 +231,7 @@ def check_message_order(schedule: Schedule) -> None:
     """Between any two ranks, messages are received in the order they are sent (so an executor
     that posts its receives in list order, even ahead of time and without tags, never pairs a
     receive with the wrong message)."""
-    num_ranks = len(schedule)
+    num_ranks, placement = len(schedule), schedule_placement_of(schedule)
     sent: dict[tuple[int, int], list[_MessageKey]] = collections.defaultdict(list)
     received: dict[tuple[int, int], list[_MessageKey]] = collections.defaultdict(list)
     for rank, actions in enumerate(schedule):
@@ -229,7 +241,7 @@ def check_message_order(schedule: Schedule) -> None:
             key = _message_key(action)
             peer_stage = _peer_stage(action)
             assert peer_stage is not None
-            peer = _rank_of(peer_stage, num_ranks)
+            peer = _rank_of(peer_stage, num_ranks, placement)
             if action.kind.is_send:
                 sent[(rank, peer)].append(key)
             else:
@@ -253,7 +265,7 @@ def message_counts(schedule: Schedule) -> dict[tuple[int, int], int]:
     for rank, actions in enumerate(schedule):
         for action in actions:
             if action.kind.is_send:
-                counts[(rank, _rank_of(_message_key(action)[1], num_ranks))] += 1
+                counts[(rank, _rank_of(_message_key(action)[1], num_ranks, schedule_placement_of(schedule)))] += 1
     return dict(sorted(counts.items()))
 
 
@@ -431,6 +443,7 @@ def simulate(
     """
     costs = costs or Costs()
     num_ranks = len(schedule)
+    placement = schedule_placement_of(schedule)
     clock = [0.0] * num_ranks
     cursor = [0] * num_ranks
     arrival: dict[_MessageKey, float] = {}
@@ -455,7 +468,7 @@ def simulate(
                     # The RECV spans the wait: the timeline shows it, not a gap.
                     record(rank, start, max(start, arrival.pop(key)))
                 elif action.kind.is_send and blocking_sends:
-                    peer = _rank_of(_message_key(action)[1], num_ranks)
+                    peer = _rank_of(_message_key(action)[1], num_ranks, placement)
                     if not _waits_for(schedule[peer], cursor[peer], _message_key(action)):
                         break  # blocked until the receiver reaches this message's RECV
                     met = max(start, clock[peer])
@@ -535,14 +548,14 @@ def peak_gathered(schedule: Schedule, stage_bytes: dict[int, int]) -> tuple[int,
 
 def check_schedule(
     schedule: Schedule, *, num_microbatches: int, num_stages: int | None = None,
-    costs: Costs | None = None, forward_only: bool = False,
+    costs: Costs | None = None, forward_only: bool = False, placement: str | None = None,
 ) -> SimulationResult:
     """Run every check, then the simulator; return its result (bubble, makespan, memory).
 
     `num_stages` defaults to the highest stage in the schedule plus one: pass it, so that a
     schedule missing its last stage altogether is caught."""
     stages = _num_stages(schedule) if num_stages is None else num_stages
-    check_placement(schedule, stages)
+    check_placement(schedule, stages, placement)
     check_completeness(schedule, stages, num_microbatches, forward_only=forward_only)
     check_messages(schedule)
     check_dependencies(schedule, stages)

@@ -1,0 +1,228 @@
+"""zerodist's pipeline schedules side by side with torch.distributed.pipelining's and with "local",
+in one pair of gloo processes, on a real model (a GPT in 2 stages, AdamW).
+
+    python benchmarks/pipe_side_by_side_bench.py [--micro-batches 8] [--batch 4] [--seq 128]
+                                                 [--d-model 512] [--layers 8] [--rounds 3]
+
+Arms (each runs one training step per round, rounds interleaved, the median reported):
+- zerodist: `PipelineExecutor` on `build_schedule(name)` for 1f1b, gpipe, interleaved (2 stages per
+  rank), zb (ZB-H1), zbv and dualpipev (2 stages per rank in a V), then each rank's AdamW step over its stage (no data parallelism, so no
+  reduction: the engine adds nothing a pipe-only run needs);
+- torch: `PipelineStage` + Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble (one stage
+  per rank: ZB-H1), ScheduleZBVZeroBubble and ScheduleDualPipeV (2 stages per rank in a V) over the
+  same layer objects;
+- local: each rank runs its own stage's forwards and backwards on the same micro-batches (the
+  first stage from fixed output gradients, the last from a fixed input) and its AdamW step, with no
+  message: the limit a pipeline approaches as its bubble and messages vanish.
+Every arm starts from the same weights and optimizer state; the pipeline arms must end at the same
+loss (checked to 6 digits: they compute the same sums, in different orders). Each figure is the
+arm's step time over local's, and over its ideal local x (1 + bubble) with bubble (p-1)/m for
+GPipe and 1F1B, (p-1)/(v m) interleaved, (p-1)/(3m) ZB-H1 (T_F = T_I = T_W, Qi et al. 2024),
+(p-1)/(6m) ZB-V and DualPipeV (the V's fill, [Note: V schedules] in zerodist/pipe/schedule.py).
+DeepSpeed's PipelineEngine is not run here (it lives in another venv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import free_port, run_ranks  # noqa: E402
+
+ZD = ["1f1b", "gpipe", "interleaved", "zb", "zbv", "dualpipev"]
+TORCH = ["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+         "ScheduleDualPipeV"]
+V_ARMS = ("zbv", "dualpipev", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
+def bubble(arm: str, p: int, m: int) -> float:
+    if arm in ("local",):
+        return 0.0
+    if arm.endswith(V_ARMS):  # [Note: V schedules] in zerodist/pipe/schedule.py: idle (p-1) chunk forwards of 6m chunk actions
+        return (p - 1) / (6 * m)
+    if arm.endswith("interleaved"):
+        return (p - 1) / (2 * m)
+    if arm.endswith("zb") or arm.endswith("ZeroBubble"):
+        return (p - 1) / (3 * m)
+    return (p - 1) / m
+
+
+def layers_of(args: argparse.Namespace) -> list[torch.nn.Module]:
+    from zerodist.models.gpt import Block, GPTConfig
+    from zerodist.models.gpt_pipe import Embeddings
+
+    config = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model, n_layers=args.layers,
+                       n_heads=8)
+    torch.manual_seed(0)
+    head = torch.nn.Sequential(torch.nn.LayerNorm(config.d_model), torch.nn.Linear(config.d_model, config.vocab_size))
+    return [Embeddings(config), *[Block(config) for _ in range(config.n_layers)], head]
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class Arms:
+    """One rank's arms, all over the same layer objects, reset to the same state before each."""
+
+    def __init__(self, rank: int, args: argparse.Namespace):
+        from zerodist.pipe import PipelineExecutor, PipelineModule, build_schedule
+        from zerodist.pipe.module import partition_uniform
+
+        self.rank, self.args, self.m = rank, args, args.micro_batches
+        self.layers = layers_of(args)
+        self.initial = [copy.deepcopy(layer.state_dict()) for layer in self.layers]
+        g = torch.Generator().manual_seed(1)
+        self.tokens = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(self.m)]
+        self.targets = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(self.m)]
+        self.modules = {v: PipelineModule(self.layers, num_stages=2, stages_per_rank=1 if v == 1 else 2,
+                                          loss_fn=loss_fn, partition_method="uniform",
+                                          stage_placement="v" if v == "v" else "loop") for v in (1, 2, "v")}
+        self.executors = {v: PipelineExecutor(module, [0, 1], timeout_s=600) for v, module in self.modules.items()}
+        self.schedules = {name: build_schedule(name, num_ranks=2, num_microbatches=self.m,
+                                               stages_per_rank=1 if name in ("1f1b", "gpipe", "zb") else 2)
+                          for name in ZD}
+        bounds = partition_uniform(len(self.layers), 2)
+        self.mine = self.layers[bounds[rank]:bounds[rank + 1]]  # this rank's stage at one stage per rank
+        self.stage = torch.nn.Sequential(*self.mine)
+        quarters = partition_uniform(len(self.layers), 4)  # the V: stages rank and 3 - rank
+        self.v_stages = {s: torch.nn.Sequential(*self.layers[quarters[s]:quarters[s + 1]]) for s in (rank, 3 - rank)}
+        shape = (args.batch, args.seq, args.d_model)
+        self.fixed = [torch.randn(shape, generator=g) for _ in range(self.m)]  # local: inputs / output grads
+
+    def reset(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        for layer, state in zip(self.layers, self.initial):
+            layer.load_state_dict(state)
+            for p in layer.parameters():
+                p.grad = None
+        return torch.optim.AdamW(params, lr=1e-4)
+
+    def run(self, arm: str) -> float | None:
+        """One training step of `arm`; the last stage's mean loss (None on the first)."""
+        kind, _, name = arm.partition(":")
+        if kind == "zerodist":
+            v: int | str = 2 if name == "interleaved" else "v" if name in V_ARMS else 1
+            module = self.modules[v]
+            params = [p for s in module.local_stages for layer in module.stage_modules(s) for p in layer.parameters()]
+            optimizer = self.reset(params)
+            result = self.executors[v].run(self.schedules[name][self.rank], inputs=self.tokens, labels=self.targets,
+                                           loss_scale=1 / self.m)
+            optimizer.step()
+            return float(torch.stack(list(result.losses.values())).mean()) if result.losses else None
+        if name in V_ARMS:
+            return self._torch_v(name, self.reset([p for s in self.v_stages.values() for p in s.parameters()]))
+        optimizer = self.reset(list(self.stage.parameters()))
+        if kind == "local":
+            self._local()
+            optimizer.step()
+            return None
+        return self._torch(name, optimizer)
+
+    def _local(self) -> None:
+        for j in range(self.m):
+            if self.rank == 0:
+                self.stage(self.tokens[j]).backward(self.fixed[j])
+            else:
+                (loss_fn(self.stage(self.fixed[j].requires_grad_(True)), self.targets[j]) / self.m).backward()
+
+    def _torch(self, name: str, optimizer: torch.optim.Optimizer) -> float | None:
+        import torch.distributed.pipelining as pipelining
+
+        stage = pipelining.PipelineStage(self.stage, self.rank, 2, torch.device("cpu"))
+        cls = getattr(pipelining, name)
+        schedule = cls([stage] if "Interleaved" in name else stage, n_microbatches=self.m, loss_fn=loss_fn)
+        if self.rank == 0:
+            schedule.step(torch.cat(self.tokens))
+            optimizer.step()
+            return None
+        losses: list[torch.Tensor] = []
+        schedule.step(target=torch.cat(self.targets), losses=losses)
+        optimizer.step()
+        return float(torch.stack(losses).detach().mean())
+
+
+    def _torch_v(self, name: str, optimizer: torch.optim.Optimizer) -> float | None:
+        import torch.distributed.pipelining as pipelining
+
+        stages = [pipelining.PipelineStage(module, s, 4, torch.device("cpu")) for s, module in sorted(self.v_stages.items())]
+        schedule = getattr(pipelining, name)(stages, n_microbatches=self.m, loss_fn=loss_fn)
+        if self.rank == 0:  # the first and the last stage
+            losses: list[torch.Tensor] = []
+            schedule.step(torch.cat(self.tokens), target=torch.cat(self.targets), losses=losses)
+            optimizer.step()
+            return float(torch.stack(losses).detach().mean())
+        schedule.step()
+        optimizer.step()
+        return None
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import zerodist.comm as comm
+
+    comm.init_distributed()
+    arms = Arms(rank, args)
+    names = ["local"] + [f"zerodist:{n}" for n in ZD] + [f"torch:{n}" for n in TORCH]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    losses: dict[str, float | None] = {}
+    for round_index in range(args.rounds + 1):  # round 0 warms up
+        for name in names:
+            comm.barrier()
+            start = time.perf_counter()
+            losses[name] = arms.run(name)
+            comm.barrier()
+            if round_index:
+                times[name].append(time.perf_counter() - start)
+    everyone: list = [None] * world
+    comm.all_gather_object(everyone, losses)  # the last stage is on rank 1, or rank 0 in a V
+    if rank == 1:
+        merged = {n: next((d[n] for d in everyone if d[n] is not None), None) for n in names}
+        queue.put(({n: statistics.median(t) for n, t in times.items()}, merged))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timeout-s", type=float, default=3600)
+    args = parser.parse_args()
+    import torch.multiprocessing as mp
+
+    queue = mp.get_context("spawn").SimpleQueue()
+    error = run_ranks(worker, (2, free_port(), args, queue), nprocs=2, timeout_s=args.timeout_s)
+    if error:
+        print(f"2 ranks: {error}")
+        return 1
+    times, losses = queue.get()
+    params = sum(p.numel() for layer in layers_of(args) for p in layer.parameters())
+    print(f"GPT {params / 1e6:.1f}M params in 2 stages, {args.micro_batches} micro-batches of {args.batch}x{args.seq}, "
+          f"AdamW, 2 gloo ranks, 1 thread each; median of {args.rounds} interleaved rounds; load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"{'arm':<38} {'step s':>8} {'x local':>8} {'ideal':>7} {'x ideal':>8} {'loss':>10}")
+    local = times["local"]
+    for name, wall in times.items():
+        ideal = 1 + bubble(name, 2, args.micro_batches)
+        loss = losses.get(name)
+        print(f"{name:<38} {wall:>8.3f} {wall / local:>8.3f} {ideal:>7.3f} {wall / local / ideal:>8.3f} "
+              f"{'' if loss is None else f'{loss:.6f}':>10}")
+    finals = {f"{loss:.6g}" for name, loss in losses.items() if loss is not None}
+    print("same final loss to 6 digits in every pipeline arm:", len(finals) == 1, sorted(finals))
+    return 0 if len(finals) == 1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
