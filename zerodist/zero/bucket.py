@@ -41,6 +41,7 @@ import torch
 import zerodist.comm as comm
 from zerodist.comm import Group
 from zerodist.comm import collectives
+from zerodist.zero import canonical
 from zerodist.zero.buffer_pool import BufferPool
 from zerodist.zero.layout import BucketSpan, ParamSlot
 
@@ -84,7 +85,9 @@ class Bucket:
         self.grad_full, self.grad_owned = grad_full, grad_owned
         self.staging = None
         self.accumulated = False
-        self._pending: tuple[comm.CommHandle, torch.Tensor] | None = None
+        # The layout-invariant mode sets a counter here (zero/apply.py): [Note: the canonical tree] in canonical.py
+        self.tree: canonical.CanonicalSum | None = None
+        self._pending: tuple[comm.CommHandle | canonical.OrderedReduction, torch.Tensor] | None = None
         self._begin_window()
         self.reset()
 
@@ -163,14 +166,19 @@ class Bucket:
         assert self.state is BucketState.FILLING, f"{self.label}: start_grad_sync while {self.state.value}"
         source = self.grad_target()
         self.zero_unwritten()
+        if self.tree is not None and self.plan.persistent_full_grad:
+            self.tree.fold_into(source)  # stages 0/1: this micro-step's leaf and the earlier ones' partial sums
         lo = self.rank * self.span.shard_numel
+        handle: comm.CommHandle | canonical.OrderedReduction
         if self.plan.use_reduce_scatter:
             direct = self.plan.persistent_full_grad or not self.accumulated
             out = self.grad_owned if direct else torch.empty_like(self.grad_owned)
             # the full buffer is scratch once reduced: stages 2/3 free it, stages 0/1 read only grad_owned
-            handle = collectives.reduce_scatter(out, source, group=self.group, async_op=True, input_is_scratch=True)
+            handle = (canonical.reduce_scatter(out, source, self.group) if self.tree is not None else
+                      collectives.reduce_scatter(out, source, group=self.group, async_op=True, input_is_scratch=True))
         else:
-            handle = comm.all_reduce(source, group=self.group, async_op=True)
+            handle = (canonical.all_reduce(source, self.group) if self.tree is not None else
+                      comm.all_reduce(source, group=self.group, async_op=True))
             out = source[lo: lo + self.span.shard_numel]
         self._pending = (handle, out)
         self.state = BucketState.SYNCING
@@ -189,7 +197,9 @@ class Bucket:
         else:
             self.grad_target().div_(self.plan.divisor)
         if not self.plan.persistent_full_grad:
-            if out is not self.grad_owned:
+            if self.tree is not None:
+                self.tree.push(out)  # stages 2/3: the micro-steps' sums, by the canonical tree
+            elif out is not self.grad_owned:
                 if self.accumulated:
                     self.grad_owned.add_(out)
                 else:
@@ -207,9 +217,19 @@ class Bucket:
         if not keep_gradient:
             self._drop_staging()
 
+    def end_micro_step(self) -> None:
+        """Stages 0/1 in the layout-invariant mode, after a micro-step that did not sync: its gradient
+        becomes a leaf of the canonical tree and the next micro-step writes the buffer afresh."""
+        if self.tree is not None and self.plan.persistent_full_grad:
+            self.zero_unwritten()
+            self.tree.push(self.grad_target().clone())
+            self._begin_window()
+
     def clear_gradients(self) -> None:
         """After the optimizer step: the next accumulation starts from zero, without a memset
         ([Note: no gradient memset]): the first gradients overwrite, the first sync overwrites `grad_owned`."""
+        if self.tree is not None:
+            self.tree.clear()
         self.reset()
         self.accumulated = False
         self._begin_window()
@@ -217,4 +237,5 @@ class Bucket:
     @property
     def holds_gradients(self) -> bool:
         """Whether this window wrote or reduced anything yet (False right after an optimizer step)."""
-        return self.settled or len(self.unwritten) < self.num_params or self.accumulated
+        return (self.settled or len(self.unwritten) < self.num_params or self.accumulated
+                or (self.tree is not None and self.tree.count > 0))

@@ -103,6 +103,8 @@ class GradReducer:
             while self._in_flight:
                 self._in_flight.popleft().finish_grad_sync()
         for bucket in self.order:
+            if not sync:
+                bucket.end_micro_step()  # a no-op but in the layout-invariant mode (zero/canonical.py)
             bucket.reset()
         self._next = 0
 
