@@ -22,7 +22,7 @@ def mode_config(stage: int, accumulation: int, **overrides: Any) -> dict[str, An
         "train_micro_batch_size_per_gpu": MICRO_ROWS,
         "gradient_accumulation_steps": accumulation,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
-        "gradient_clipping": 0.5,
+        "gradient_clipping": 0.1,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 4096},
         "zerodist": {"deterministic": "layout_invariant"},
         "steps_per_print": 10**9,
@@ -37,7 +37,7 @@ def global_tokens(step: int, vocab: int, seq: int) -> torch.Tensor:
     return torch.randint(0, vocab, (MICROS * MICRO_ROWS, seq + 1), generator=g)
 
 
-def my_micro_batches(step: int, engine: Any, vocab: int, seq: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def my_micro_batches(step: int, engine: Any, vocab: int, seq: int, llama: bool = False) -> list[Any]:
     """The hand-fed rule: micro-batch k is rows k*micro.. of the global batch; this data rank feeds
     micro_batch_index(rank, j, ...) at its accumulation step j."""
     tokens = global_tokens(step, vocab, seq)
@@ -48,7 +48,7 @@ def my_micro_batches(step: int, engine: Any, vocab: int, seq: int) -> list[tuple
     for j in range(accumulation):
         k = micro_batch_index(rank, j, data, accumulation, shard)
         rows = tokens[k * MICRO_ROWS: (k + 1) * MICRO_ROWS]
-        batches.append((rows[:, :-1], rows[:, 1:]))
+        batches.append({"input_ids": rows, "labels": rows} if llama else (rows[:, :-1], rows[:, 1:]))
     return batches
 
 
@@ -73,18 +73,38 @@ def logical_optimizer_state(engine: Any) -> dict[str, torch.Tensor]:
         "steps": torch.tensor(sorted({float(v) for k, v in result.items() if k.startswith("group")}))}
 
 
-def train_in_mode(stage: int, steps: int = 10, **overrides: Any) -> dict[str, Any]:
-    """Train the tiny demo GPT `steps` steps in the mode on this world; the logical result."""
-    data = comm.get_world_size()
+def make_model(kind: str) -> tuple[torch.nn.Module, int, int]:
+    """The model of `kind` ("gpt": the tiny demo GPT, "llama": tests/hf_models.py's), its vocabulary
+    and sequence length."""
     torch.manual_seed(0)
+    if kind == "llama":
+        from tests.hf_models import SEQ, VOCAB, hf_class, hf_config
+
+        return hf_class("llama")(hf_config("llama")), VOCAB, SEQ - 1
     cfg = gpt_config("tiny")
-    model = GPT(cfg)
+    return GPT(cfg), cfg.vocab_size, cfg.seq_len
+
+
+def train_in_mode(stage: int, steps: int = 10, kind: str = "gpt", *, first_step: int = 0, load: str | None = None,
+                  save: str | None = None, **overrides: Any) -> dict[str, Any]:
+    """Train `kind`'s model `steps` steps in the mode on this world (data degree = world size,
+    accumulation = MICROS / data degree), from global batch `first_step` (after loading the
+    checkpoint in `load`, then saving one in `save`); the logical result, the same on every rank."""
+    data = comm.get_world_size()
+    model, vocab, seq = make_model(kind)
     engine, _, _, _ = zerodist.initialize(model=model, config=mode_config(stage, MICROS // data, **overrides))
-    losses = []
-    for step in range(steps):
-        losses.append(engine.train_batch(iter(my_micro_batches(step, engine, cfg.vocab_size, cfg.seq_len))))
-    return {"params": engine.zero_state.logical_state_dict(), "optimizer": logical_optimizer_state(engine),
-            "losses": torch.stack(losses)}
+    if load is not None:
+        engine.load_checkpoint(load)
+    losses, clipped = [], 0
+    for step in range(first_step, first_step + steps):
+        losses.append(engine.train_batch(iter(my_micro_batches(step, engine, vocab, seq, llama=kind == "llama"))))
+        clipped += engine.last_step.clip_coef < 1.0
+    if save is not None:
+        engine.save_checkpoint(save)
+    result = {"params": engine.zero_state.logical_state_dict(), "optimizer": logical_optimizer_state(engine),
+              "losses": torch.stack(losses), "clipped_steps": clipped}
+    engine.destroy()
+    return result
 
 
 def assert_bitwise(actual: dict[str, Any], expected: dict[str, Any]) -> None:
