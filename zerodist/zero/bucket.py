@@ -198,7 +198,7 @@ class Bucket:
             self.grad_target().div_(self.plan.divisor)
         if not self.plan.persistent_full_grad:
             if self.tree is not None:
-                self.tree.push(out)  # stages 2/3: the micro-steps' sums, by the canonical tree
+                self.tree.push(self._own_leaf(out))  # stages 2/3: the micro-steps' sums, by the canonical tree
             elif out is not self.grad_owned:
                 if self.accumulated:
                     self.grad_owned.add_(out)
@@ -207,6 +207,15 @@ class Bucket:
             self.accumulated = True
             self._drop_staging()
         self.state = BucketState.SYNCED
+
+    def _own_leaf(self, out: torch.Tensor) -> torch.Tensor:
+        """The micro-step's reduced shard as a tensor the counter may keep: `grad_owned` first (where the
+        sum ends), then the reduce-scatter's own output, or a copy of the all-reduced staging slice."""
+        if not self.accumulated:
+            if out is not self.grad_owned:
+                self.grad_owned.copy_(out)
+            return self.grad_owned
+        return out if self.plan.use_reduce_scatter else out.clone()
 
     def reset(self, keep_gradient: bool = False) -> None:
         """Ready for the next backward (gradients already reduced stay where they are; with
