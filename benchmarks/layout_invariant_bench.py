@@ -39,7 +39,14 @@ def batches(tokens: torch.Tensor, accumulation: int):
 
 
 def extra_numel(engine) -> int:
-    return sum(0 if b.tree is None else b.tree.extra_numel for g in engine.zero_state.groups for b in g.buckets)
+    """Elements the counters hold beyond the buffers the default mode has too (grad_owned, the full buffer)."""
+    total = 0
+    for group in engine.zero_state.groups:
+        for bucket in group.buckets:
+            own = {t.data_ptr() for t in (bucket.grad_owned, bucket.grad_full) if t is not None}
+            total += sum(t.numel() for t in (bucket.tree.levels if bucket.tree else []) if t is not None
+                         and t.data_ptr() not in own)
+    return total
 
 
 def step_times(engine, tokens: torch.Tensor, steps: int, accumulation: int) -> list[float]:

@@ -41,7 +41,7 @@ def my_micro_batches(step: int, engine: Any, vocab: int, seq: int, llama: bool =
     """The hand-fed rule: micro-batch k is rows k*micro.. of the global batch; this data rank feeds
     micro_batch_index(rank, j, ...) at its accumulation step j."""
     tokens = global_tokens(step, vocab, seq)
-    data, rank = comm.get_world_size(), comm.get_rank()
+    data, rank = engine.topology.num_batch_shards, engine.topology.batch_rank
     accumulation = engine.batch.gradient_accumulation_steps
     shard = engine.zero_state.sharding.shard_gradients
     batches = []
@@ -90,7 +90,8 @@ def train_in_mode(stage: int, steps: int = 10, kind: str = "gpt", *, first_step:
     """Train `kind`'s model `steps` steps in the mode on this world (data degree = world size,
     accumulation = MICROS / data degree), from global batch `first_step` (after loading the
     checkpoint in `load`, then saving one in `save`); the logical result, the same on every rank."""
-    data = comm.get_world_size()
+    tensor = overrides.get("zerodist", {}).get("tensor_parallel", {}).get("size", 1)
+    data = comm.get_world_size() // tensor
     model, vocab, seq = make_model(kind)
     engine, _, _, _ = zerodist.initialize(model=model, config=mode_config(stage, MICROS // data, **overrides))
     if load is not None:
@@ -101,7 +102,8 @@ def train_in_mode(stage: int, steps: int = 10, kind: str = "gpt", *, first_step:
         clipped += engine.last_step.clip_coef < 1.0
     if save is not None:
         engine.save_checkpoint(save)
-    result = {"params": engine.zero_state.logical_state_dict(), "optimizer": logical_optimizer_state(engine),
+    result = {"params": engine.module_state_dict(),
+              "optimizer": logical_optimizer_state(engine) if tensor == 1 else {},
               "losses": torch.stack(losses), "clipped_steps": clipped}
     engine.destroy()
     return result

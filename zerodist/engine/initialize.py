@@ -112,8 +112,9 @@ def _initialize(model: torch.nn.Module | None, model_parameters: Iterable[Any] |
     if validated.zero.layout_invariant:  # refused alike on every rank, before any technique's collective
         check_layout(data_degree=topology.size("data"), accumulation=batch.gradient_accumulation_steps,
                      stage=validated.config.zero_optimization.stage, pipe=topology.size("pipe"),
-                     tensor=topology.size("tensor"), sequence=topology.size("sequence"),
-                     expert=topology.size("expert"), fp16=validated.zero.precision.loss_scaling)
+                     sequence=topology.size("sequence"), expert=topology.size("expert"),
+                     fp16=validated.zero.precision.loss_scaling,
+                     tensor_sequence_parallel=validated.config.zerodist.tensor_parallel.sequence_parallel)
     # A PipelineModule: its tie groups made and synced (before ZeRO flattens), its schedule and executor
     pipeline = apply_pipeline(model, topology, PipelineSettings.from_config(validated.config),
                               batch.gradient_accumulation_steps)

@@ -226,6 +226,16 @@ class Bucket:
         if not keep_gradient:
             self._drop_staging()
 
+    def settle(self) -> None:
+        """Before the optimizer reads the gradient: `zero_unwritten()`, and in the layout-invariant mode
+        the counter's partial sums added up (left there when the boundary micro-step did not sync)."""
+        self.zero_unwritten()
+        if self.tree is not None and self.tree.count:
+            if self.plan.persistent_full_grad:
+                self.tree.fold_into(self.grad_target())
+            else:
+                self.tree.fold()  # lands in grad_owned, the first leaf
+
     def end_micro_step(self) -> None:
         """Stages 0/1 in the layout-invariant mode, after a micro-step that did not sync: its gradient
         becomes a leaf of the canonical tree and the next micro-step writes the buffer afresh."""

@@ -211,14 +211,18 @@ def loss_mean(losses: Sequence[torch.Tensor], group: Group, *, accumulation: int
     return result / len(by_index)
 
 
-def check_layout(*, data_degree: int, accumulation: int, stage: int, pipe: int, tensor: int, sequence: int,
-                 expert: int, fp16: bool) -> None:
+def check_layout(*, data_degree: int, accumulation: int, stage: int, pipe: int, sequence: int, expert: int,
+                 fp16: bool, tensor_sequence_parallel: bool = False) -> None:
     """Refuse, by name, what the mode cannot make bitwise (config arithmetic: every rank raises alike,
-    before any collective of the techniques)."""
+    before any collective of the techniques). Tensor parallelism is allowed: bitwise across data
+    layouts and stages at a fixed tensor degree, not to one process (docs/determinism.md)."""
     problems = []
-    for name, degree in (("pipeline", pipe), ("tensor", tensor), ("sequence", sequence), ("expert", expert)):
+    for name, degree in (("pipeline", pipe), ("sequence", sequence), ("expert", expert)):
         if degree > 1:
             problems.append(f"{name} parallelism (degree {degree}) is not supported by the mode yet")
+    if tensor_sequence_parallel:
+        problems.append("zerodist.tensor_parallel.sequence_parallel (Megatron's) reduces partial gradients over "
+                        "data x tensor together, which the mode does not order yet")
     if fp16:
         problems.append("fp16 (dynamic loss scaling) is not supported by the mode; use fp32 or bf16")
     if not is_power_of_two(data_degree):

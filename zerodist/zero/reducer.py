@@ -118,7 +118,7 @@ class GradReducer:
         """Before the optimizer reads the buckets: zero what no gradient was written to (already done
         by each bucket's collective; needed when the boundary micro-step ran under `no_sync`)."""
         for bucket in self.order:
-            bucket.zero_unwritten()
+            bucket.settle()
 
     def clear_gradients(self) -> None:
         for bucket in self.order:
