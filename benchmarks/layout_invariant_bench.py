@@ -44,8 +44,8 @@ def extra_numel(engine) -> int:
     for group in engine.zero_state.groups:
         for bucket in group.buckets:
             own = {t.data_ptr() for t in (bucket.grad_owned, bucket.grad_full) if t is not None}
-            total += sum(t.numel() for t in (bucket.tree.levels if bucket.tree else []) if t is not None
-                         and t.data_ptr() not in own)
+            held = [*bucket.tree.levels, *bucket.tree.spares] if bucket.tree else []
+            total += sum(t.numel() for t in held if t is not None and t.data_ptr() not in own)
     return total
 
 

@@ -95,7 +95,7 @@ def apply_zero(part: Part, topology: comm.Topology, settings: ZeroSettings, opti
     if settings.layout_invariant:  # every sum in a fixed order: [Note: the canonical tree] in canonical.py
         for group in groups:
             for bucket in group.buckets:
-                bucket.tree = CanonicalSum()
+                bucket.tree = CanonicalSum(recycle=group.plan.persistent_full_grad)
         sharded.exact_norm = True
     schedule = DefaultSchedule(runtime, sharded)
     return ZeroState(model, groups, reducer, sharded, sharding, topology, precision, runtime, schedule)

@@ -241,7 +241,7 @@ class Bucket:
         becomes a leaf of the canonical tree and the next micro-step writes the buffer afresh."""
         if self.tree is not None and self.plan.persistent_full_grad:
             self.zero_unwritten()
-            self.tree.push(self.grad_target().clone())
+            self.tree.push_copy(self.grad_target())
             self._begin_window()
 
     def clear_gradients(self) -> None:

@@ -72,9 +72,22 @@ class CanonicalSum:
     """The binary counter over leaves pushed in order ([Note: the canonical tree]). It owns the
     tensors pushed (adds into them in place); the first one pushed ends up holding the sum."""
 
-    def __init__(self) -> None:
+    def __init__(self, recycle: bool = False) -> None:
         self.levels: list[torch.Tensor | None] = []
         self.count = 0
+        # recycle: buffers freed by a merge or a fold are kept and reused by push_copy(), so a counter
+        # that copies its leaves (ZeRO 0/1) allocates its at most log2(A) buffers once, not every step
+        self.recycle = recycle
+        self.spares: list[torch.Tensor] = []
+
+    def push_copy(self, leaf: torch.Tensor) -> None:
+        """Push a copy of `leaf` (in a spare buffer when one is free)."""
+        buffer = self.spares.pop() if self.spares else torch.empty_like(leaf)
+        self.push(buffer.copy_(leaf))
+
+    def _free(self, buffer: torch.Tensor) -> None:
+        if self.recycle:
+            self.spares.append(buffer)
 
     def push(self, leaf: torch.Tensor) -> None:
         carry, level = leaf, 0
@@ -82,7 +95,9 @@ class CanonicalSum:
             older = self.levels[level]
             assert older is not None
             self.levels[level] = None
-            carry = older.add_(carry)  # the bits of (older + newer): addition commutes
+            older.add_(carry)  # the bits of (older + newer): addition commutes
+            self._free(carry)
+            carry = older
             level += 1
         if level == len(self.levels):
             self.levels.append(None)
@@ -104,14 +119,16 @@ class CanonicalSum:
         for partial in self.levels:
             if partial is not None:
                 leaf.add_(partial)
+                self._free(partial)
         self.clear()
 
     def clear(self) -> None:
+        """Empty (the spare buffers are kept for the next window)."""
         self.levels, self.count = [], 0
 
     @property
     def extra_numel(self) -> int:
-        return sum(t.numel() for t in self.levels if t is not None)
+        return sum(t.numel() for t in self.levels if t is not None) + sum(t.numel() for t in self.spares)
 
 
 class OrderedReduction:
