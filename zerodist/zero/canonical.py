@@ -152,7 +152,7 @@ class OrderedReduction:
             assert result is self.out  # the first leaf holds the sum
             del self.received
             if self.gather_into is not None:
-                comm.all_gather(self.gather_into, self.out.clone(), group=self.group)
+                comm.all_gather(self.gather_into, self.out, group=self.group)  # in place: out is this rank's slot
         return self.gather_into if self.gather_into is not None else self.out
 
 
