@@ -22,10 +22,13 @@ from zerodist.zero.canonical import CanonicalSum, LayoutInvariantError, check_la
 STEPS = 10
 
 
+BF16 = {"bf16": {"enabled": True}}
+
+
 @functools.cache
-def reference(kind: str = "gpt", steps: int = STEPS) -> dict:
+def reference(kind: str = "gpt", steps: int = STEPS, bf16: bool = False) -> dict:
     """One process, accumulation 8 (ZeRO 0): what every layout must equal, bit for bit."""
-    result = run_distributed(train_in_mode, 1, 0, steps, kind, timeout=240)[0]
+    result = run_distributed(train_in_mode, 1, 0, steps, kind, timeout=240, **(BF16 if bf16 else {}))[0]
     assert result["clipped_steps"] > 0, "the test needs gradient clipping active"
     return result
 
@@ -139,6 +142,14 @@ def test_reduce_scatter_off_and_nvme_offload_are_bitwise_one_process(tmp_path):
                       {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}):
         for result in run_distributed(train_in_mode, 2, 2, STEPS, timeout=240, **overrides):
             assert_bitwise(result, reference())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,world_size", [(0, 2), (3, 2), (2, 4)])
+def test_bf16_is_bitwise_one_process(stage, world_size):
+    """bf16 parameters and gradients (reduced in bf16 by the same tree), fp32 master and AdamW state."""
+    for result in run_distributed(train_in_mode, world_size, stage, STEPS, timeout=240, **BF16):
+        assert_bitwise(result, reference(bf16=True))
 
 
 @pytest.mark.slow
