@@ -220,3 +220,19 @@ def test_tensor_parallel_is_bitwise_across_data_layouts_and_within_1e_6_of_one_p
     residual = float((_whole(one["params"]) - _whole(expected["params"])).norm() / _whole(expected["params"]).norm())
     assert 0 < residual <= 1e-6, residual
     assert float((one["losses"] - expected["losses"]).abs().max()) <= 1e-6
+
+
+def _exact_squares_of(values: list[float]) -> float:
+    from zerodist.zero.canonical import exact_squares
+
+    tensor = torch.tensor(values, dtype=torch.float32)
+    mine = tensor.chunk(comm.get_world_size())[comm.get_rank()]
+    return exact_squares([mine[:1], mine[1:]], None, torch.device("cpu"))
+
+
+def test_the_exact_norm_is_split_independent_and_skips_a_nan_on_one_rank():
+    g = torch.Generator().manual_seed(8)
+    values = (torch.randn(64, generator=g) * 10.0 ** torch.randint(-6, 6, (64,), generator=g).double()).tolist()
+    one, two = run_distributed(_exact_squares_of, 1, values)[0], run_distributed(_exact_squares_of, 2, values)
+    assert two == [one, one] and abs(one - sum(v * v for v in torch.tensor(values).tolist())) <= 1e-12 * one
+    assert run_distributed(_exact_squares_of, 2, [1.0] * 63 + [float("nan")]) == [float("inf")] * 2

@@ -186,6 +186,8 @@ def exact_squares(pieces: Sequence[torch.Tensor], group: Group, device: torch.de
     for piece in pieces:
         if piece.numel():
             largest = torch.maximum(largest, piece.detach().abs().max().float())
+    if torch.isnan(largest):
+        largest.fill_(math.inf)  # a max over ranks may drop a NaN; inf survives it (the step is skipped)
     comm.all_reduce(largest, op=comm.ReduceOp.MAX, group=group)
     biggest = float(largest)
     if not math.isfinite(biggest) or biggest == 0.0:
