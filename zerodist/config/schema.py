@@ -360,6 +360,12 @@ class ZerodistConfig(Section):
         description="fp32/bf16: when any rank's gradients hold NaN/Inf, every rank skips the step with a warning "
                     "naming the rank(s) (skip), or raises NonFiniteError (raise). fp16 skips and lowers its loss scale.",
     )
+    deterministic: Literal["off", "layout_invariant"] = Field(
+        "off",
+        description="layout_invariant: parameters, optimizer state and losses bitwise identical for every data "
+                    "degree x accumulation with the same product (powers of two), ZeRO stage 0-3 and one process "
+                    "(docs/determinism.md); off: the default arithmetic.",
+    )
     debug: DebugConfig = Field(
         default_factory=DebugConfig, description="Checks that trade speed for early, named errors."
     )

@@ -40,8 +40,9 @@ class EngineDataLoader:
     """Iterate for one epoch; the next `iter()` starts the next epoch with a fresh order."""
 
     def __init__(self, dataset: Dataset, *, batch_size: int, num_replicas: int, rank: int, seed: int = 0,
-                 collate_fn: Callable[..., Any] | None = None, shuffle: bool = True):
-        self.sampler: DistributedSampler[Any] = DistributedSampler(
+                 collate_fn: Callable[..., Any] | None = None, shuffle: bool = True, sampler: Any = None):
+        # `sampler`: one with DistributedSampler's set_epoch and len (the layout-invariant mode's)
+        self.sampler: Any = sampler if sampler is not None else DistributedSampler(
             dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self._skipping = _SkippingSampler(self.sampler)
         self.generator = torch.Generator()

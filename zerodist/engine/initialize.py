@@ -25,6 +25,7 @@ import zerodist.comm as comm
 from zerodist.comm.domains import expert_parallel_degree
 from zerodist.comm.parts import Part, PartRoles, PartStates, split_parts
 from zerodist.config import BatchSizes, Config
+from zerodist.data.sampler import LayoutInvariantSampler
 from zerodist.engine.dataloader import EngineDataLoader
 from zerodist.engine.deepspeed_args import DEFAULT_PORT, resolve_initialize_arguments, update_args_local_rank
 from zerodist.engine.engine import Engine
@@ -51,12 +52,23 @@ from zerodist.zero.partition import continue_recording, is_recorded
 from zerodist.zero.plan import bucket_capacity
 from zerodist.zero.policy import ShardingPolicy
 from zerodist.zero.apply import offload_stepped_values
+from zerodist.zero.canonical import check_layout
 
 logger = get_logger(__name__)
 
 # Models already wrapped, held weakly: zerodist keeps this record itself instead of marking the model.
 _INITIALIZED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
+
+
+def _reduction_keys(config: Config) -> tuple[str, ...]:
+    """The keys set that choose their own gradient summation or gathered values (layout-invariant refuses them)."""
+    zero = config.zero_optimization
+    keys = [("communication_data_type", config.communication_data_type is not None),
+            ("zero_optimization.mics_shard_size", zero.mics_shard_size > 1),
+            ("zero_optimization.zero_quantized_gradients", zero.zero_quantized_gradients),
+            ("zero_optimization.zero_quantized_weights", zero.zero_quantized_weights)]
+    return tuple(name for name, on in keys if on)
 
 @dataclasses.dataclass(frozen=True)
 class Validated:
@@ -107,6 +119,13 @@ def _initialize(model: torch.nn.Module | None, model_parameters: Iterable[Any] |
     world = validated.world
     batch = validated.config.batch_sizes(topology.num_batch_shards,
                                          world_size_source=f"{world.source}, WORLD_SIZE={world.world_size}")
+    if validated.zero.layout_invariant:  # refused alike on every rank, before any technique's collective
+        check_layout(data_degree=topology.size("data"), accumulation=batch.gradient_accumulation_steps,
+                     stage=validated.config.zero_optimization.stage, pipe=topology.size("pipe"),
+                     sequence=topology.size("sequence"), expert=topology.size("expert"),
+                     fp16=validated.zero.precision.loss_scaling,
+                     tensor_sequence_parallel=validated.config.zerodist.tensor_parallel.sequence_parallel,
+                     reduction_keys=_reduction_keys(validated.config))
     # A PipelineModule: its tie groups made and synced (before ZeRO flattens), its schedule and executor
     pipeline = apply_pipeline(model, topology, PipelineSettings.from_config(validated.config),
                               batch.gradient_accumulation_steps)
@@ -259,9 +278,14 @@ def _build_engine(model: torch.nn.Module, parts: PartStates, batch: BatchSizes, 
     topology = zero.topology
     loader: Any = None  # an EngineDataLoader, wrapped by the techniques that read batches their own way
     if training_data is not None:  # dealt by batch shard: tensor- and sequence-parallel peers read the same samples
+        sampler = (LayoutInvariantSampler(len(training_data), micro_batch_size=batch.micro_batch_size,  # type: ignore[arg-type]
+                                          accumulation=batch.gradient_accumulation_steps,
+                                          num_replicas=topology.num_batch_shards, rank=topology.batch_rank,
+                                          shard_gradients=zero.sharding.shard_gradients)
+                   if validated.zero.layout_invariant else None)
         loader = parts.wrap_loader(EngineDataLoader(training_data, batch_size=batch.micro_batch_size,
                                                     num_replicas=topology.num_batch_shards, rank=topology.batch_rank,
-                                                    collate_fn=collate_fn))
+                                                    collate_fn=collate_fn, sampler=sampler))
     pipeline = parts.get("pipe")
     engine = Engine(model, config=config, batch=batch, part_states=parts, lr_scheduler=scheduler,
                     training_dataloader=loader, runner=PipelineRunner(pipeline) if pipeline is not None else None)

@@ -19,6 +19,7 @@ import torch
 import zerodist.comm as comm
 from zerodist.config import BatchSizes
 from zerodist.debug import reduce_loss
+from zerodist.zero import canonical
 
 __all__ = ["AccumulationRunner", "BatchRunner", "data_iterator"]
 
@@ -32,6 +33,7 @@ class Engine(Protocol):
     batch: BatchSizes
     module: torch.nn.Module
     topology: comm.Topology
+    zero_state: Any
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -138,4 +140,9 @@ class AccumulationRunner:
     @staticmethod
     def _agreed(engine: Engine, losses: list[torch.Tensor]) -> torch.Tensor:
         topology = engine.topology
+        zero = engine.zero_state
+        if zero.optimizer.exact_norm and len(losses) == engine.batch.gradient_accumulation_steps:
+            # the layout-invariant mode: the K losses by the canonical tree (zerodist/zero/canonical.py)
+            return canonical.loss_mean(losses, topology.group(*topology.batch_axes),
+                                       accumulation=len(losses), shard_gradients=zero.sharding.shard_gradients)
         return reduce_loss(torch.stack(losses).mean(), group=topology.group(*topology.batch_axes))

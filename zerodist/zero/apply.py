@@ -24,6 +24,7 @@ from zerodist.comm.topology import PARAMETER_AXES
 from zerodist.comm.domains import buffer_placements, parameter_placements
 from zerodist.comm.parts import Part
 from zerodist.utils import get_logger, log_rank0
+from zerodist.zero.canonical import CanonicalSum
 from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.hierarchy import domain_group
 from zerodist.zero.optimizer import ZeroOptimizer
@@ -91,6 +92,11 @@ def apply_zero(part: Part, topology: comm.Topology, settings: ZeroSettings, opti
     sharded = ZeroOptimizer(groups, reducer, inner, scaler=settings.loss_scaler(),
                             gradient_clipping=settings.gradient_clipping, check_overflow=precision.loss_scaling,
                             world_group=topology.world_group, step_checks=checks)
+    if settings.layout_invariant:  # every sum in a fixed order: [Note: the canonical tree] in canonical.py
+        for group in groups:
+            for bucket in group.buckets:
+                bucket.tree = CanonicalSum(recycle=group.plan.persistent_full_grad)
+        sharded.exact_norm = True
     schedule = DefaultSchedule(runtime, sharded)
     return ZeroState(model, groups, reducer, sharded, sharding, topology, precision, runtime, schedule)
 

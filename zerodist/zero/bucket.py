@@ -41,6 +41,7 @@ import torch
 import zerodist.comm as comm
 from zerodist.comm import Group
 from zerodist.comm import collectives
+from zerodist.zero import canonical
 from zerodist.zero.buffer_pool import BufferPool
 from zerodist.comm.quantized import quantized_reduce_scatter_start
 from zerodist.zero.layout import BucketSpan, ParamSlot
@@ -90,7 +91,9 @@ class Bucket:
         self.grad_full, self.grad_owned = grad_full, grad_owned
         self.staging = None
         self.accumulated = False
-        self._pending: tuple[comm.CommHandle, torch.Tensor, torch.Tensor] | None = None
+        # The layout-invariant mode sets a counter here (zero/apply.py): [Note: the canonical tree] in canonical.py
+        self.tree: canonical.CanonicalSum | None = None
+        self._pending: tuple[comm.CommHandle | canonical.OrderedReduction, torch.Tensor, torch.Tensor] | None = None
         self._begin_window()
         self.reset()
 
@@ -171,19 +174,25 @@ class Bucket:
         self.zero_unwritten()
         cast = self.plan.comm_dtype is not None and self.plan.comm_dtype != target.dtype
         source = target.to(self.plan.comm_dtype) if cast else target  # communication_data_type
+        if self.tree is not None and self.plan.persistent_full_grad:  # (no cast: canonical.check_layout)
+            self.tree.fold_into(source)  # stages 0/1: this micro-step's leaf and the earlier ones' partial sums
         lo = self.rank * self.span.shard_numel
+        handle: comm.CommHandle | canonical.OrderedReduction
         if self.plan.use_reduce_scatter:
             direct = (self.plan.persistent_full_grad or not self.accumulated) and not cast
             out = self.grad_owned if direct else self.grad_owned.new_empty(self.grad_owned.shape, dtype=source.dtype)
             # the full buffer is scratch once reduced: stages 2/3 free it, stages 0/1 read only grad_owned
-            if self.plan.quantized is not None:  # qgZ: summed in fp32, cast into `out`
+            if self.tree is not None:  # the layout-invariant mode: pieces added in rank order
+                handle = canonical.reduce_scatter(out, source, self.group)
+            elif self.plan.quantized is not None:  # qgZ: summed in fp32, cast into `out`
                 q = self.plan.quantized
                 handle = quantized_reduce_scatter_start(source, q.group, q.bits, inter_group=q.inter_group, out=out)
             else:
                 handle = collectives.reduce_scatter(out, source, group=self.group, async_op=True,
                                                     input_is_scratch=True)
         else:
-            handle = comm.all_reduce(source, group=self.group, async_op=True)
+            handle = (canonical.all_reduce(source, self.group) if self.tree is not None else
+                      comm.all_reduce(source, group=self.group, async_op=True))
             out = source[lo: lo + self.span.shard_numel]
         self._pending = (handle, out, source)
         self.state = BucketState.SYNCING
@@ -210,7 +219,9 @@ class Bucket:
                 else:
                     self.grad_target().copy_(source)
         else:
-            if out is not self.grad_owned:
+            if self.tree is not None:
+                self.tree.push(self._own_leaf(out))  # stages 2/3: the micro-steps' sums, by the canonical tree
+            elif out is not self.grad_owned:
                 if self.accumulated:
                     self.grad_owned.add_(out)
                 else:
@@ -218,6 +229,15 @@ class Bucket:
             self.accumulated = True
             self._drop_staging()
         self.state = BucketState.SYNCED
+
+    def _own_leaf(self, out: torch.Tensor) -> torch.Tensor:
+        """The micro-step's reduced shard as a tensor the counter may keep: `grad_owned` first (where the
+        sum ends), then the reduce-scatter's own output, or a copy of the all-reduced staging slice."""
+        if not self.accumulated:
+            if out is not self.grad_owned:
+                self.grad_owned.copy_(out)
+            return self.grad_owned
+        return out if self.plan.use_reduce_scatter else out.clone()
 
     def reset(self, keep_gradient: bool = False) -> None:
         """Ready for the next backward (gradients already reduced stay where they are; with
@@ -228,9 +248,29 @@ class Bucket:
         if not keep_gradient:
             self._drop_staging()
 
+    def settle(self) -> None:
+        """Before the optimizer reads the gradient: `zero_unwritten()`, and in the layout-invariant mode
+        the counter's partial sums added up (left there when the boundary micro-step did not sync)."""
+        self.zero_unwritten()
+        if self.tree is not None and self.tree.count:
+            if self.plan.persistent_full_grad:
+                self.tree.fold_into(self.grad_target())
+            else:
+                self.tree.fold()  # lands in grad_owned, the first leaf
+
+    def end_micro_step(self) -> None:
+        """Stages 0/1 in the layout-invariant mode, after a micro-step that did not sync: its gradient
+        becomes a leaf of the canonical tree and the next micro-step writes the buffer afresh."""
+        if self.tree is not None and self.plan.persistent_full_grad:
+            self.zero_unwritten()
+            self.tree.push_copy(self.grad_target())
+            self._begin_window()
+
     def clear_gradients(self) -> None:
         """After the optimizer step: the next accumulation starts from zero, without a memset
         ([Note: no gradient memset]): the first gradients overwrite, the first sync overwrites `grad_owned`."""
+        if self.tree is not None:
+            self.tree.clear()
         self.reset()
         self.accumulated = False
         self._begin_window()
@@ -238,4 +278,5 @@ class Bucket:
     @property
     def holds_gradients(self) -> bool:
         """Whether this window wrote or reduced anything yet (False right after an optimizer step)."""
-        return self.settled or len(self.unwritten) < self.num_params or self.accumulated
+        return (self.settled or len(self.unwritten) < self.num_params or self.accumulated
+                or (self.tree is not None and self.tree.count > 0))

@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 import zerodist.comm as comm
 from zerodist.comm.collectives import Group
 from zerodist.precision import LossScaler
+from zerodist.zero import canonical
 from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.reducer import GradReducer
 
@@ -66,6 +67,7 @@ class ZeroOptimizer:
         # objects with digests() -> list[int] (each < 2**20), explain() (raises) and reset().
         # Stage 3's run-order check is one ([Note: unit order check]).
         self.step_checks: list[Any] = list(step_checks or [])
+        self.exact_norm = False  # the layout-invariant mode: [Note: the exact norm] in canonical.py
         # Called before the shards are stepped and after they were (not on a skipped step).
         # OrderedDicts, not dicts: RemovableHandle holds them weakly, and a plain dict cannot be.
         self._step_pre_hooks: collections.OrderedDict[int, Callable[[ZeroOptimizer], None]] = collections.OrderedDict()
@@ -101,7 +103,7 @@ class ZeroOptimizer:
         overflow = False
         for group in self.groups:
             grads = group.owned_grads()
-            if group.domain_group.counts_in_norm:
+            if group.domain_group.counts_in_norm and not self.exact_norm:
                 for grad in group.norm_grads():
                     squares += grad.float().pow(2).sum()
             if self.check_overflow and not overflow:
@@ -110,6 +112,10 @@ class ZeroOptimizer:
         stats = torch.tensor([0.0, float(overflow)] + [x for d in digests for x in (d, d * d)],
                              dtype=torch.float64, device=squares.device)
         stats[0] = squares
+        if self.exact_norm:  # every rank holds the exact sum: rank 0 adds it, the others add +0.0
+            exact = canonical.exact_squares([g for group in self.groups if group.domain_group.counts_in_norm
+                                             for g in group.norm_grads()], self.world_group, squares.device)
+            stats[0] = exact if comm.get_rank(self.world_group) == 0 else 0.0
         comm.all_reduce(stats, group=self.world_group)
         values = stats.tolist()
         n = comm.get_world_size(self.world_group)

@@ -103,6 +103,8 @@ class GradReducer:
             while self._in_flight:
                 self._in_flight.popleft().finish_grad_sync()
         for bucket in self.order:
+            if not sync:
+                bucket.end_micro_step()  # a no-op but in the layout-invariant mode (zero/canonical.py)
             bucket.reset()
         self._next = 0
 
@@ -116,7 +118,7 @@ class GradReducer:
         """Before the optimizer reads the buckets: zero what no gradient was written to (already done
         by each bucket's collective; needed when the boundary micro-step ran under `no_sync`)."""
         for bucket in self.order:
-            bucket.zero_unwritten()
+            bucket.settle()
 
     def clear_gradients(self) -> None:
         for bucket in self.order:

@@ -47,6 +47,7 @@ class ZeroSettings:
     gradient_clipping: float
     loss_scaler: Callable[[], LossScaler]
     hierarchy: HierarchySettings = HierarchySettings()
+    layout_invariant: bool = False  # zerodist.deterministic: "layout_invariant" (canonical.py)
 
     @classmethod
     def from_config(cls, config: Config) -> ZeroSettings:
@@ -64,4 +65,5 @@ class ZeroSettings:
                    bucket_numel=bucket_capacity(zero.reduce_bucket_size, zero.allgather_bucket_size),
                    use_reduce_scatter=zero.reduce_scatter and sharding.shard_optimizer_state,
                    overlap=zero.overlap_comm, units=units, gradient_clipping=config.gradient_clipping,
-                   loss_scaler=scaler, hierarchy=HierarchySettings.from_config(config))
+                   loss_scaler=scaler, hierarchy=HierarchySettings.from_config(config),
+                   layout_invariant=config.zerodist.deterministic == "layout_invariant")
