@@ -85,7 +85,7 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
     """Steps `inner` on host copies of its device tensors ([module docstring])."""
 
     def __init__(self, inner: torch.optim.Optimizer, device: torch.device, wave_numel: int = WAVE_NUMEL):
-        super().__init__([torch.zeros(1)], inner.defaults)  # a placeholder group, as SwappedOptimizer's
+        super().__init__([torch.zeros(1, device="cpu")], inner.defaults)  # a placeholder group, as SwappedOptimizer's
         self.inner, self.device, self.wave_numel = inner, torch.device(device), wave_numel
         accelerator = get_accelerator()
         self.stream: TransferStream = accelerator.transfer_stream(self.device)

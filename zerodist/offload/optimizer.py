@@ -75,7 +75,7 @@ class Kind:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return torch.empty((), dtype=self.dtype, device="cpu").element_size()
 
 
 class SwappedState(Mapping[torch.Tensor, dict[str, Any]]):
@@ -119,7 +119,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
                  group: Group = None):
         # The base class sets up its hooks over a placeholder parameter, whose group is discarded: until
         # `inner` is set, `param_groups` and `state` are scratch (see their setters).
-        super().__init__([torch.zeros(1)], inner.defaults)
+        super().__init__([torch.zeros(1, device="cpu")], inner.defaults)
         self.inner, self.directory, self.settings, self.group = inner, directory, settings, group
         self.scalars: dict[torch.Tensor, dict[str, Any]] = {}  # per tensor with state: its non-elementwise state
         self.kinds: tuple[Kind, ...] | None = None  # known after the first step (torch initialises state lazily)
@@ -461,7 +461,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         if self.kinds or self.held:
             size = max(self._file_bytes(sg) for sg in self._plan)
             count = max(1, min(self.settings.buffer_count, len(self._plan)))  # never more buffers than sub-groups
-            self._host_buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(count)]
+            self._host_buffers = [torch.empty(size, dtype=torch.uint8, device="cpu") for _ in range(count)]
 
     def _check_plan(self) -> None:
         """Plan the sub-groups over the tensors the inner optimizer steps (once: they never change)."""
@@ -486,7 +486,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self.scalars[tensor].items()}
         if not self.kinds or not self._on_disk:
             return state
-        values = {kind.key: torch.empty(tensor.numel(), dtype=kind.dtype) for kind in self.kinds}
+        values = {kind.key: torch.empty(tensor.numel(), dtype=kind.dtype, device="cpu") for kind in self.kinds}
         for sub_group, position in self._pieces_of(tensor):
             piece = sub_group.pieces[position]
             start = sum(p.length for p in sub_group.pieces[:position])
@@ -550,7 +550,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
             if failure is not None:
                 raise failure
             return
-        flag = torch.tensor([0.0 if failure is None else 1.0])
+        flag = torch.tensor([0.0 if failure is None else 1.0], device=comm.device_for_rank())
         comm.all_reduce(flag, group=self.group)
         if flag.item() == 0:
             return
