@@ -236,14 +236,6 @@ def swap_module_params_on_conversion() -> Iterator[None]:
 _GRAPH_TASK_ID = _resolve("torch._C._current_graph_task_id")
 
 
-def tensor_version(tensor: torch.Tensor) -> int | None:
-    """torch's count of in-place writes to `tensor` (shared with its views): host offload copies a
-    device tensor's values to the host again only when it changed. Checked on 2.13.0. Without:
-    None, and the values are copied at every step."""
-    version = getattr(tensor, "_version", None)
-    return version if isinstance(version, int) else None
-
-
 def in_backward_pass() -> bool:
     """Whether autograd's engine is running a backward pass on this thread (it has a current graph
     task; -1 elsewhere, in forwards of autograd functions included). Names the phase of tensor

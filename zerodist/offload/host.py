@@ -1,8 +1,8 @@
 """`HostOffloadedOptimizer`: ZeRO-Offload, the optimizer on the host for parameters on an accelerator.
 
-    step():  gradients -> host          each stepped tensor's gradient (its reduced, scaled shard) is
-                                        copied into a host buffer (pinned on CUDA) on a transfer stream,
-                                        all of them issued at once
+    step():  gradients -> host          each stepped tensor's gradient (its reduced, scaled shard) and
+                                        its values are copied into host buffers (pinned on CUDA) on a
+                                        transfer stream, all of them issued at once
              wave by wave               the host waits for a wave's copies only, steps the inner
                                         optimizer on the wave's host values (torch's foreach AdamW on
                                         the CPU unless the user chose otherwise), and issues the copies
@@ -14,10 +14,11 @@
 `offload_optimizer: {"device": "cpu"}` with parameters on an accelerator. The inner optimizer is
 built over the device tensors zerodist steps (ZeRO's flat shards, or the fp32 master under
 bf16/fp16), so its `param_groups` name them (a checkpoint, a scheduler see nothing change); its
-per-element state lives on the host, keyed by those device tensors, and each tensor has a host
-copy of its values that is what is stepped. A value written on the device between steps (a
-checkpoint load, a modifier rank's edit) is seen through torch's in-place counter and copied to
-the host before the next step. The arithmetic is the inner optimizer's own on the same operands,
+per-element state lives on the host, keyed by those device tensors, and each tensor's values are
+copied to a host buffer at each step and stepped there, so whatever wrote them on the device
+between steps (a checkpoint load, a modifier rank, the user through a parameter, whose in-place
+counter is not the flat buffer's) is what the host steps: 4 more bytes per element each way than
+the gradient alone, against no stale value ever. The arithmetic is the inner optimizer's own on the same operands,
 so the result is bitwise the in-device step's wherever the host and the device compute alike (the
 CPU under `zerodist.accelerator.simulated_device()`, which is how the tests run this path).
 
@@ -34,7 +35,6 @@ from typing import Any
 import torch
 
 from zerodist.accelerator import TransferEvent, TransferStream, get_accelerator
-from zerodist.compat import tensor_version
 
 WAVE_NUMEL = 4_000_000  # elements stepped at once: big enough for foreach, small enough to overlap copies
 
@@ -46,7 +46,6 @@ class _Slot:
     device: torch.Tensor
     values: torch.Tensor  # the host copy that is stepped
     grad: torch.Tensor  # the host buffer its gradient is copied into
-    version: int | None  # the device tensor's in-place counter when values last matched it
 
 
 @dataclasses.dataclass
@@ -95,9 +94,8 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
             if tensor.dim() != 1:
                 raise ValueError(f"host offload steps flat tensors (zerodist's shards); got a {tensor.dim()}-d one")
             values = accelerator.host_empty(tensor.numel(), tensor.dtype)
-            values.copy_(tensor.detach())
             grad = accelerator.host_empty(tensor.numel(), tensor.dtype)
-            self.slots.append(_Slot(tensor, values, grad, tensor_version(tensor)))
+            self.slots.append(_Slot(tensor, values, grad))
         prefer_foreach(inner)
 
     # ------------------------------------------------------------------ torch.optim.Optimizer's surface
@@ -159,12 +157,11 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
                 if grad is None:  # torch skips a tensor without a gradient; so does its host copy
                     arrived.append(None)
                     continue
-                version = tensor_version(slot.device)
-                if version is None or version != slot.version:  # written on the device since the last step
-                    slot.values.copy_(slot.device.detach(), non_blocking=non_blocking)
-                    self.counters.to_host += slot.values.numel() * slot.values.element_size()
+                # The values too: whatever wrote them on the device since the last step (a load, a
+                # modifier rank, the user through a parameter) is what the host steps.
+                slot.values.copy_(slot.device.detach(), non_blocking=non_blocking)
                 slot.grad.copy_(grad.detach().reshape(-1), non_blocking=non_blocking)
-                self.counters.to_host += slot.grad.numel() * slot.grad.element_size()
+                self.counters.to_host += 2 * slot.grad.numel() * slot.grad.element_size()
                 arrived.append(stream.record())
         for wave in self._waves(arrived):
             for index in wave:
@@ -176,7 +173,6 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
                 for index in wave:
                     slot = self.slots[index]
                     slot.device.detach().copy_(slot.values, non_blocking=non_blocking)
-                    slot.version = tensor_version(slot.device)
                     self.counters.to_device += slot.values.numel() * slot.values.element_size()
         stream.record().wait_compute()  # the values are back before anything on the device reads them
         self.counters.steps += 1
