@@ -3,8 +3,9 @@
     python benchmarks/gpu_tier.py                  # (or python -m benchmarks.gpu_tier) on a CUDA machine
     python benchmarks/gpu_tier.py --quick          # the tiny GPT and 3 rounds: a check of the script itself
 
-1. The tests marked `gpu` (tests/gpu, and the CPU-simulated host offload tests next to them):
-   `pytest -m gpu` under a deadline; passed, failed and skipped counted from its summary.
+1. The GPU tier's tests: tests/gpu (the `gpu`-marked ones, and the CPU checks beside them) and
+   tests/offload/test_host_offload.py, under a deadline; passed, failed and skipped counted from
+   pytest's summary.
 2. The overhead benchmark (one rank, one process, `--part overhead`): the "bench-25m" GPT (25.5M
    parameters), micro-batch 8 x 256 tokens, fp32 and bf16, AdamW; a plain loop (the model on the
    device, torch's AdamW, no zerodist) and ZeRO stages 1, 2 and 3, all built first and stepped in
