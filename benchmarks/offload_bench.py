@@ -136,6 +136,8 @@ def _train_worker(rank: int, port: int, setting: dict[str, Any], steps: int, war
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if setting.get("code"):  # part "ratio": another tree's zerodist (the code before a change), same process setup
+        sys.path.insert(0, setting["code"])
     import zerodist
     import zerodist.comm as comm
     from zerodist.models import GPT, gpt_config
@@ -150,8 +152,9 @@ def _train_worker(rank: int, port: int, setting: dict[str, Any], steps: int, war
                                      "pipeline_read": setting["pipelined"], "pipeline_write": setting["pipelined"]}
     if setting.get("param"):
         zero["offload_param"] = {"device": "nvme"}
+    options = {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.01, **setting.get("options", {})}
     config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9, "gradient_clipping": 1.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}},
+              "optimizer": {"type": "AdamW", "params": options},
               "zero_optimization": zero}
     engine = zerodist.initialize(model=model, config=config)[0]
     tokens = torch.randint(0, 256, (4, model.config.seq_len + 1), generator=torch.Generator().manual_seed(rank))
@@ -207,6 +210,41 @@ def train_part(directory: str, sub_group_size: int, steps: int, warmup: int, sta
               f"optimizer step {result['optimizer_step_s'] * 1e3:7.1f} ms, blocked on I/O "
               f"{result['io_wait_s'] * 1e3:6.1f} ms")
     return rows
+
+
+def ratio_part(directory: str, sub_group_size: int, steps: int, warmup: int, rounds: int,
+               before: str | None) -> dict[str, Any]:
+    """NVMe step / in-memory step at stages 2 and 3, arms interleaved round by round (the order rotates),
+    so that load on the machine falls on all alike; the median over rounds of each round's ratio.
+    Arms: in memory (torch's default AdamW on the CPU: its for-loop), in memory with `foreach: true`,
+    nvme pipelined, and with `before` (a directory holding another tree's `zerodist/`) nvme pipelined
+    on that code."""
+    arms: list[tuple[str, dict[str, Any]]] = [
+        ("in memory", {"offload": False}), ("in memory, foreach", {"offload": False, "options": {"foreach": True}}),
+        ("nvme, pipelined", {"offload": True})]
+    if before:
+        arms.append(("nvme, pipelined, before", {"offload": True, "code": before}))
+    table: dict[str, Any] = {}
+    for stage in (2, 3):
+        times: dict[str, list[float]] = {name: [] for name, _ in arms}
+        for round_ in range(rounds):
+            order = arms[round_ % len(arms):] + arms[: round_ % len(arms)]
+            for name, extra in order:
+                with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                    setting = {"pipelined": True, "dir": directory, "sub_group_size": sub_group_size, "stage": stage,
+                               **extra}
+                    error = run_ranks(_train_worker, (free_port(), setting, steps, warmup, out.name), nprocs=2,
+                                      timeout_s=900)
+                    if error:
+                        raise SystemExit(f"stage {stage} {name}: {error}")
+                    times[name].append(json.loads(Path(out.name).read_text())["step_s"])
+                print(f"stage {stage} round {round_} {name:>26}: step {times[name][-1] * 1e3:7.1f} ms", flush=True)
+        base = times["in memory"]
+        table[f"stage{stage}"] = {name: {"step_s": values, "ratio_median": statistics.median(
+            [v / b for v, b in zip(values, base)])} for name, values in times.items()}
+        for name, row in table[f"stage{stage}"].items():
+            print(f"stage {stage} {name:>26}: median ratio to in memory {row['ratio_median']:.3f}", flush=True)
+    return {"rounds": rounds, "steps": steps, "warmup": warmup, **table}
 
 
 def checksum_part(directory: str, sub_group_size: int, steps: int, warmup: int, rounds: int) -> dict[str, Any]:
@@ -265,6 +303,16 @@ def _markdown(report: dict[str, Any]) -> str:
         lines += [f"| {r['setting']} | {r['step_s'] * 1e3:.1f} ms | {r['vs_in_memory']:.2f}x | "
                   f"{r['optimizer_step_s'] * 1e3:.1f} ms | {r['io_wait_s'] * 1e3:.1f} ms |" for r in report[key]]
         lines.append("")
+    if report.get("ratio"):
+        r = report["ratio"]
+        lines += [f"## NVMe step / in-memory step, bench-25m GPT, 2 ranks, {r['rounds']} interleaved rounds of "
+                  f"{r['warmup']} + {r['steps']} steps", "", "| stage | arm | steps (ms, by round) | median ratio to in memory |",
+                  "| --- | --- | --- | --- |"]
+        for stage in (2, 3):
+            for name, row in r[f"stage{stage}"].items():
+                lines.append(f"| {stage} | {name} | {', '.join(f'{s * 1e3:.0f}' for s in row['step_s'])} | "
+                             f"{row['ratio_median']:.3f} |")
+        lines.append("")
     if report.get("checksum"):
         c = report["checksum"]
         lines += [f"## Swap checksums, bench-25m GPT, stage 2, nvme pipelined, 2 ranks, {c['rounds']} interleaved rounds",
@@ -279,7 +327,9 @@ def _markdown(report: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("optimizer", "swap", "train", "stage3", "checksum", "all"), default="all")
+    parser.add_argument("--part", choices=("optimizer", "swap", "train", "stage3", "checksum", "ratio", "all"),
+                        default="all")
+    parser.add_argument("--before", default=None, help="part ratio: a directory with the zerodist/ to compare against")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sub-group-size", type=float, default=1e6)
@@ -301,12 +351,16 @@ def main() -> None:
     if args.part in ("stage3", "all"):
         with tempfile.TemporaryDirectory(dir=args.dir) as directory:
             report["stage3"] = train_part(directory, int(args.sub_group_size), args.steps, args.warmup, stage=3)
+    if args.part == "ratio":  # not in "all": interleaved rounds of every arm at two stages
+        with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+            report["ratio"] = ratio_part(directory, int(args.sub_group_size), args.steps, args.warmup, args.rounds,
+                                         args.before)
     if args.part == "checksum":  # not in "all": its rounds take as long as the rest together
         with tempfile.TemporaryDirectory(dir=args.dir) as directory:
             report["checksum"] = checksum_part(directory, int(args.sub_group_size), args.steps, args.warmup,
                                                args.rounds)
     RESULTS.mkdir(exist_ok=True)
-    part = f"{args.part}-" if args.part in ("stage3", "checksum") else ""
+    part = f"{args.part}-" if args.part in ("stage3", "checksum", "ratio") else ""
     stem = RESULTS / f"offload-{part}{report['date']}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
     stem.with_suffix(".md").write_text(_markdown(report))

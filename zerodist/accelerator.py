@@ -9,13 +9,27 @@ The answer is the device zerodist's engine trains on (``zerodist.comm.device_for
 of this rank's own under NCCL, else the CPU, decided by the same rule before the process group
 exists. DeepSpeed picks among many accelerator kinds (XPU, HPU, NPU, MPS, ...); zerodist knows
 CUDA and the CPU, so ``get_accelerator()`` takes no arguments and ``set_accelerator`` is absent.
+
+[Note: transfers behind the accelerator] What zerodist itself asks of the device, beyond DeepSpeed's
+names: whether a device is the host (`is_host`), host buffers that are pinned where the device
+supports it (`host_empty`), and copy streams with events (`transfer_stream`) so that host<->device
+copies overlap compute. On CUDA these are `torch.cuda.Stream` / `torch.cuda.Event` and pinned
+memory; on the CPU a stream runs its work at once and an event is always complete (no-ops).
+
+[Note: a simulated device] zerodist has never run on a GPU. To run the device-copy code paths on
+the CPU, `simulated_device()` makes the CPU count as a device distinct from the host: `is_host(cpu)`
+is then false, so host offload keeps its own host copies and copies gradients out and parameters
+back exactly as it would from a GPU (through the no-op streams). Tests turn it on around one run;
+`ZERODIST_SIMULATED_DEVICE=1` turns it on for a whole process (a benchmark's ranks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -84,6 +98,23 @@ class Accelerator:
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == ("cuda" if self._is_cuda() else "cpu")
 
+    # ---------------------------------------------------------------- host and transfers
+    def is_host(self, device: torch.device) -> bool:
+        """Whether tensors on `device` live in host memory ([Note: a simulated device]: not while simulated)."""
+        return torch.device(device).type == "cpu" and not simulating()
+
+    def pin_memory(self) -> bool:
+        """Whether host buffers for this device's transfers are pinned (page-locked): on CUDA."""
+        return self._is_cuda() and torch.cuda.is_available()
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D host buffer for transfers to and from the device, pinned where `pin_memory()`."""
+        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=self.pin_memory())
+
+    def transfer_stream(self, device: torch.device) -> TransferStream:
+        """A stream for copies that overlap `device`'s compute ([Note: transfers behind the accelerator])."""
+        return TransferStream(torch.device(device))
+
     # ---------------------------------------------------------------- memory (bytes)
     def memory_allocated(self, device_index: int | None = None) -> int:
         return torch.cuda.memory_allocated(device_index) if self._is_cuda() else _rss_bytes()
@@ -121,6 +152,76 @@ class Accelerator:
 
     def __repr__(self) -> str:
         return f"Accelerator({self.device_name()!r}, backend={self.communication_backend_name()!r})"
+
+
+class TransferEvent:
+    """A point in a transfer stream: `wait_host()` blocks the host until the work before it is done,
+    `wait_compute()` makes the device's compute stream wait for it. Always complete off CUDA."""
+
+    def __init__(self, event: Any = None):
+        self._event = event
+
+    def wait_host(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+    def wait_compute(self) -> None:
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+
+    def done(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+
+class TransferStream:
+    """Copies issued `inside()` run on a side stream of a CUDA device, after the compute issued so far
+    (`start_after_compute()`), and overlap the compute issued later; off CUDA they run at once."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether copies issued inside run asynchronously (`non_blocking` copies are safe only then)."""
+        return self._stream is not None
+
+    def start_after_compute(self) -> None:
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    @contextlib.contextmanager
+    def inside(self) -> Iterator[None]:
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def record(self) -> TransferEvent:
+        if self._stream is None:
+            return TransferEvent()
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return TransferEvent(event)
+
+
+_SIMULATED: list[bool] = []
+
+
+def simulating() -> bool:
+    """Whether the CPU counts as a device distinct from the host now ([Note: a simulated device])."""
+    return bool(_SIMULATED) or os.environ.get("ZERODIST_SIMULATED_DEVICE", "") == "1"
+
+
+@contextlib.contextmanager
+def simulated_device() -> Iterator[None]:
+    """Within this block the CPU is a device distinct from the host ([Note: a simulated device])."""
+    _SIMULATED.append(True)
+    try:
+        yield
+    finally:
+        _SIMULATED.pop()
 
 
 def _rss_bytes() -> int:

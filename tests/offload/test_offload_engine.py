@@ -51,6 +51,8 @@ def _train(stage: int, offload: dict | None, hidden: int, sub_group: int, nvme_p
         before = inner.directory.counters.snapshot() if nvme_path else None
         io_before = _proc_io()
         engine.step()
+        if nvme_path:  # the step's last writes finish after it returns
+            inner.settle()
         io_after = _proc_io()
         if nvme_path:
             files_seen.append(sorted(p.name for p in Path(nvme_path).glob(f"*/rank{rank}/*.swp")))

@@ -67,6 +67,8 @@ def _train(config: dict, hidden: int, nvme_path: str | None) -> dict:
         dtype = torch.bfloat16 if config["bf16"]["enabled"] else torch.float32
         engine.backward(F.mse_loss(engine(x.to(dtype)).float(), y))
         engine.step()
+        if nvme_path:  # the step's last writes finish after it returns
+            zero.inner_optimizer.settle()
         if step == 0:  # the next forward's first units, gathered at the end of the step ([Note: early gather])
             early = sum(4 * g.layout.shard_numel for u in engine.units._early for g in u.groups if g.shard_offloaded)
         snapshots.append(counters.snapshot() if counters else None)

@@ -68,6 +68,7 @@ def _truncate_then_step(nvme_path: str) -> str:
 
     engine = zerodist.initialize(model=make_mlp(), config=script.config(None, nvme_path))[0]
     _steps(engine, 0, 2)
+    engine.zero_state.inner_optimizer.settle()  # the last step's writes land before the damage
     if engine.global_rank == 1:
         victim = engine.zero_state.inner_optimizer.directory.file(1)
         with open(victim, "r+b") as file:

@@ -101,6 +101,7 @@ def _damage_then_save_and_step(save_dir: str, nvme_path: str, how: str) -> tuple
     engine = zerodist.initialize(model=make_mlp(), config=script.config(None, nvme_path))[0]
     _steps(engine, 0, 2)
     if engine.global_rank == 1:
+        engine.zero_state.inner_optimizer.settle()  # the last step's writes land before the damage
         _damage(engine.zero_state.inner_optimizer.directory, how)
     try:
         engine.save_checkpoint(save_dir, tag="after-damage")

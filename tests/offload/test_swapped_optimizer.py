@@ -69,6 +69,7 @@ def test_bytes_moved_per_step_are_the_state(tmp_path):
     before = directory.counters.snapshot()
     io_before = _proc_io()
     _run(optimizer, tensors, 1)
+    optimizer.settle()  # the step's last writes finish after it returns ([Note: swap I/O across steps])
     io_after = _proc_io()
     numel = sum(sum(group) for group in SIZES)
     state_bytes = 2 * 4 * numel  # exp_avg and exp_avg_sq in fp32; regions align to 64 bytes

@@ -197,7 +197,7 @@ class IncomingMessage:
         self.src, self.label, self.describe = src, tuple(label), describe
         self.timeout_s, self.timeout_setting = timeout_s, timeout_setting
         self.device = device or torch.device("cpu")
-        self._header = torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
+        self._header = torch.empty(MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
         self._received: list[torch.Tensor] | None = None  # allocated once the header is checked
         self._works: list[Any] = []
         try:
@@ -310,7 +310,8 @@ def _wait(work: Any, ticket: Ticket, timeout_s: float | None, describe: str | No
 def _encode(status: int, label: Label, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The header's message (MESSAGE_BYTES of uint8): the header words, then the tensors themselves
     when they fit in INLINE_BYTES together (one message instead of 1 + len(tensors))."""
-    message = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    message = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8, device=device)
     header = message[:_INLINE_START].view(torch.int64)
     metas: list[Meta] = []
     for index, tensor in enumerate(tensors):
@@ -322,10 +323,10 @@ def _encode(status: int, label: Label, tensors: Sequence[torch.Tensor]) -> torch
         start = _FIXED + index * _PER_TENSOR
         header[start] = _DTYPE_CODES[tensor.dtype]
         header[start + 1] = tensor.dim()
-        header[start + 2: start + 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        header[start + 2: start + 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64, device=device)
         metas.append((tuple(tensor.shape), tensor.dtype))
     inline = bool(tensors) and _inline_end(metas) <= MESSAGE_BYTES
-    header[:_FIXED] = torch.tensor([_MAGIC, status, *label, len(tensors), int(inline)])
+    header[:_FIXED] = torch.tensor([_MAGIC, status, *label, len(tensors), int(inline)], device=device)
     if inline:
         for view, tensor in zip(_inline_views(message, metas), tensors):
             view.copy_(tensor)

@@ -119,7 +119,7 @@ class ParamSlicing:
         mapping, base = [], 0
         for part in parts:
             per_rank = part // self.size
-            mapping.append(torch.arange(per_rank) + base + self.rank * per_rank)
+            mapping.append(torch.arange(per_rank, device="cpu") + base + self.rank * per_rank)
             base += part
         index = torch.cat(mapping)
         assert index.numel() == local, (index.numel(), local)
@@ -136,14 +136,14 @@ class ParamSlicing:
         for d in self.local_shape[dim + 1:]:
             inner *= d
         local_dim, logical_dim = self.local_shape[dim], self.spec.logical_size
-        flat = torch.arange(start, start + length, dtype=torch.int64)
+        flat = torch.arange(start, start + length, dtype=torch.int64, device="cpu")
         o, rest = flat // (local_dim * inner), flat % (local_dim * inner)
         j, i = rest // inner, rest % inner
         logical_j = self._logical_index_along_dim()[j]
         logical = (o * logical_dim + logical_j) * inner + i
         valid = logical_j >= 0
         # A run breaks where the logical index does not step by one, or validity changes.
-        breaks = torch.ones(length, dtype=torch.bool)
+        breaks = torch.ones(length, dtype=torch.bool, device="cpu")
         if length > 1:
             breaks[1:] = (logical[1:] != logical[:-1] + 1) | (valid[1:] != valid[:-1])
         starts = torch.nonzero(breaks).flatten().tolist() + [length]

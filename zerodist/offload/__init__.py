@@ -6,13 +6,15 @@ docs/design/offload.md.
 """
 
 from zerodist.offload.errors import OffloadError, SwapChecksumError, SwapFileError, SwapPathError, SwapSpaceError
+from zerodist.offload.host import HostOffloadedOptimizer, TransferCounters, host_offloaded
 from zerodist.offload.optimizer import StreamSettings, SwappedOptimizer, swapped
 from zerodist.offload.setup import OffloadSettings, close_offload, offloaded_build, open_swap_directory
 from zerodist.offload.subgroups import ALIGN, Piece, SubGroup, plan_subgroups
 from zerodist.offload.swap_files import SwapCounters, SwapDirectory
 
 __all__ = [
-    "ALIGN", "OffloadError", "OffloadSettings", "Piece", "StreamSettings", "SubGroup", "SwapCounters",
-    "SwapChecksumError", "SwapDirectory", "SwapFileError", "SwapPathError", "SwapSpaceError", "SwappedOptimizer", "close_offload",
+    "ALIGN", "HostOffloadedOptimizer", "OffloadError", "OffloadSettings", "Piece", "StreamSettings", "SubGroup", "SwapCounters",
+    "SwapChecksumError", "SwapDirectory", "SwapFileError", "SwapPathError", "SwapSpaceError", "SwappedOptimizer", "TransferCounters", "close_offload",
+    "host_offloaded",
     "offloaded_build", "open_swap_directory", "plan_subgroups", "swapped",
 ]

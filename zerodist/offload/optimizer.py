@@ -37,12 +37,8 @@ are never written to or through the swap files.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
-import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -50,7 +46,9 @@ import torch
 import zerodist.comm as comm
 from zerodist.comm.collectives import Group
 from zerodist.offload import errors
+from zerodist.offload.host import prefer_foreach
 from zerodist.offload.subgroups import SubGroup, plan_subgroups
+from zerodist.offload.stream import SwapStream
 from zerodist.offload.swap_files import SwapDirectory
 
 _REGION_ALIGN = 64  # bytes: each state kind's region of a sub-group file starts on a cache line
@@ -75,7 +73,7 @@ class Kind:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return torch.empty((), dtype=self.dtype, device="cpu").element_size()
 
 
 class SwappedState(Mapping[torch.Tensor, dict[str, Any]]):
@@ -119,7 +117,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
                  group: Group = None):
         # The base class sets up its hooks over a placeholder parameter, whose group is discarded: until
         # `inner` is set, `param_groups` and `state` are scratch (see their setters).
-        super().__init__([torch.zeros(1)], inner.defaults)
+        super().__init__([torch.zeros(1, device="cpu")], inner.defaults)
         self.inner, self.directory, self.settings, self.group = inner, directory, settings, group
         self.scalars: dict[torch.Tensor, dict[str, Any]] = {}  # per tensor with state: its non-elementwise state
         self.kinds: tuple[Kind, ...] | None = None  # known after the first step (torch initialises state lazily)
@@ -131,10 +129,28 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self.held: dict[torch.Tensor, Callable[[int, torch.Tensor], None] | None] = {}
         self._value_slots: dict[int, list[int | None]] = {}
         self._value_itemsize = 4
-        self._host_buffers: list[torch.Tensor] = []
-        self._readers = ThreadPoolExecutor(1, thread_name_prefix="zerodist-swap-read")
-        self._writers = ThreadPoolExecutor(1, thread_name_prefix="zerodist-swap-write")
-        self.io_wait_s = 0.0  # time step() spent blocked on reads and writes, all steps
+        # The host buffers and the I/O threads, with reads and writes in flight across steps
+        # ([Note: swap I/O across steps] in stream.py): whatever reads the files drains its writes first.
+        self._stream = SwapStream(directory, settings.buffer_count, settings.pipeline_read, settings.pipeline_write)
+        prefer_foreach(inner)
+
+    @property
+    def _host_buffers(self) -> list[torch.Tensor]:
+        return self._stream.buffers
+
+    @property
+    def io_wait_s(self) -> float:
+        """Time the step spent blocked on reads and writes, all steps."""
+        return self._stream.io_wait_s
+
+    def settle(self) -> None:
+        """Wait for the swap writes still in flight after a step ([Note: swap I/O across steps])."""
+        self._stream.settle()
+
+    @property
+    def read_depth(self) -> int:
+        """Sub-groups read ahead, sized from the measured read and step times ([Note: swap I/O across steps])."""
+        return self._stream.read_depth
 
     # ------------------------------------------------------------------ torch.optim.Optimizer's surface
     @property  # type: ignore[override]
@@ -160,6 +176,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict, with the state read back from the swap files."""
         self._check_plan()
+        self._stream.drain(keep_reads=True)
         full = {tensor: self.read_state(tensor) for tensor in self.scalars}
         self.inner.state.update(full)
         try:
@@ -184,10 +201,10 @@ class SwappedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Stop the I/O threads and remove the swap files (the engine's `destroy()`)."""
-        self._readers.shutdown(wait=True)
-        self._writers.shutdown(wait=True)
-        self.directory.close()
-        self._host_buffers = []
+        try:
+            self._stream.close()
+        finally:
+            self.directory.close()
 
     def resident_state_bytes(self) -> int:
         """Bytes of per-element optimizer state held in memory between steps (none: it is in the files;
@@ -228,12 +245,14 @@ class SwappedOptimizer(torch.optim.Optimizer):
 
     def read_values(self, tensor: torch.Tensor, start: int, out: torch.Tensor) -> None:
         """Elements [start, start + out.numel()) of held `tensor`, read from the files into `out`."""
+        self._stream.drain(keep_reads=True)
         for index, offset, low, high in self._held_ranges(tensor, start, out.numel()):
             self.directory.read(index, out[low - start: high - start], offset=offset, whole=False)
 
     def write_values(self, tensor: torch.Tensor, start: int, values: torch.Tensor) -> None:
         """Overwrite elements [start, start + values.numel()) of held `tensor` in the files."""
         values = values.detach().reshape(-1).to(tensor.dtype).contiguous()
+        self._stream.drain()  # a read ahead of this file would hold the old values
         for index, offset, low, high in self._held_ranges(tensor, start, values.numel()):
             self.directory.write_at(index, values[low - start: high - start], offset)
 
@@ -290,6 +309,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
     def _step_first(self, new_scalars: dict[torch.Tensor, dict[str, Any]]) -> None:
         """No state on disk yet: the inner optimizer initialises it; each sub-group is written as stepped
         (held values are read from their region first, and written back with the state)."""
+        self._stream.drain()
         unwritten: list[SubGroup] = []  # stepped before the state kinds were known (no gradient yet)
         for sub_group in self._plan:
             values = self._values_bytes(sub_group)
@@ -324,54 +344,12 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self._on_disk = bool(self.kinds)
 
     def _step_streamed(self, new_scalars: dict[torch.Tensor, dict[str, Any]]) -> None:
-        """Read, step, write each sub-group, with read-ahead and write-behind as configured."""
-        read_ahead = self.settings.pipeline_read and len(self._host_buffers) >= 2
-        free = list(range(len(self._host_buffers)))
-        writes: collections.deque[tuple[Future[None], int]] = collections.deque()
-        reads: dict[int, tuple[Future[None] | None, int]] = {}
+        """Read, step, write each sub-group, with read-ahead and write-behind as configured ([Note: swap
+        I/O across steps] in stream.py)."""
+        def step(sub_group: SubGroup, buffer: torch.Tensor) -> None:
+            self._pack(sub_group, buffer, self._step_sub_group(sub_group, buffer, new_scalars))
 
-        def acquire() -> int:
-            while not free:
-                future, index = writes.popleft()
-                self._wait(future)
-                free.append(index)
-            return free.pop()
-
-        def start_read(sub_group: SubGroup) -> None:
-            index = acquire()
-            target = self._host_buffers[index][: self._file_bytes(sub_group)]
-            if read_ahead:
-                reads[sub_group.index] = (self._readers.submit(self.directory.read, sub_group.index, target), index)
-            else:
-                self._timed(self.directory.read, sub_group.index, target)
-                reads[sub_group.index] = (None, index)
-
-        try:
-            start_read(self._plan[0])
-            for position, sub_group in enumerate(self._plan):
-                future, index = reads.pop(sub_group.index)
-                if future is not None:
-                    self._wait(future)
-                following = self._plan[position + 1] if position + 1 < len(self._plan) else None
-                if read_ahead and following is not None:
-                    start_read(following)
-                buffer = self._host_buffers[index]
-                self._pack(sub_group, buffer, self._step_sub_group(sub_group, buffer, new_scalars))
-                data = buffer[: self._file_bytes(sub_group)]
-                if self.settings.pipeline_write:
-                    writes.append((self._writers.submit(self.directory.write, sub_group.index, data), index))
-                else:
-                    self._timed(self.directory.write, sub_group.index, data)
-                    free.append(index)
-                if not read_ahead and following is not None:
-                    start_read(following)
-            while writes:
-                self._wait(writes.popleft()[0])
-        finally:  # on an error: no I/O thread may still be touching a buffer
-            for future, _ in [*writes, *reads.values()]:
-                if future is not None:
-                    with contextlib.suppress(Exception):
-                        future.result()
+        self._stream.stream(self._plan, self._file_bytes, step)
 
     def _step_sub_group(self, sub_group: SubGroup, buffer: torch.Tensor | None,
                         new_scalars: dict[torch.Tensor, dict[str, Any]]) -> list[dict[str, Any] | None]:
@@ -461,7 +439,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         if self.kinds or self.held:
             size = max(self._file_bytes(sg) for sg in self._plan)
             count = max(1, min(self.settings.buffer_count, len(self._plan)))  # never more buffers than sub-groups
-            self._host_buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(count)]
+            self._stream.allocate(size, count)
 
     def _check_plan(self) -> None:
         """Plan the sub-groups over the tensors the inner optimizer steps (once: they never change)."""
@@ -486,7 +464,8 @@ class SwappedOptimizer(torch.optim.Optimizer):
         state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self.scalars[tensor].items()}
         if not self.kinds or not self._on_disk:
             return state
-        values = {kind.key: torch.empty(tensor.numel(), dtype=kind.dtype) for kind in self.kinds}
+        self._stream.drain(keep_reads=True)
+        values = {kind.key: torch.empty(tensor.numel(), dtype=kind.dtype, device="cpu") for kind in self.kinds}
         for sub_group, position in self._pieces_of(tensor):
             piece = sub_group.pieces[position]
             start = sum(p.length for p in sub_group.pieces[:position])
@@ -508,6 +487,7 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self.scalars = {t: {k: v for k, v in s.items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
                         for t, s in loaded.items() if s}
         self.kinds = _kinds_of(list(loaded.values())) if loaded else None
+        self._stream.drain()  # the files are rewritten: no write may land after, no read ahead stays
         self._allocate_buffers()
         self._on_disk = False
         if not self.kinds:
@@ -530,27 +510,13 @@ class SwappedOptimizer(torch.optim.Optimizer):
         self._on_disk = True
 
     # ------------------------------------------------------------------ waiting and agreeing
-    def _wait(self, future: Future[None]) -> None:
-        started = time.perf_counter()
-        try:
-            future.result()
-        finally:
-            self.io_wait_s += time.perf_counter() - started
-
-    def _timed(self, function: Callable[..., None], *args: Any) -> None:
-        started = time.perf_counter()
-        try:
-            function(*args)
-        finally:
-            self.io_wait_s += time.perf_counter() - started
-
     def _agree(self, failure: Exception | None) -> None:
         """Every rank raises when any rank's swap I/O failed ([Note: failures agreed])."""
         if not comm.is_initialized():  # one process without a process group (unit tests, tools)
             if failure is not None:
                 raise failure
             return
-        flag = torch.tensor([0.0 if failure is None else 1.0])
+        flag = torch.tensor([0.0 if failure is None else 1.0], device=comm.device_for_rank())
         comm.all_reduce(flag, group=self.group)
         if flag.item() == 0:
             return

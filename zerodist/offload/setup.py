@@ -1,9 +1,10 @@
 """From the config to a swapped optimizer: the settings, the checks every rank agrees on, the run's directory.
 
     offload_optimizer.device   none  the optimizer as built
-                               cpu   the optimizer as built, and one info line: with parameters on the
-                                     CPU the state lives on the host already (DeepSpeed's `cpu` moves it
-                                     there from an accelerator, which zerodist does not do yet)
+                               cpu   parameters on an accelerator: `HostOffloadedOptimizer` over it (the
+                                     state and the step on the host, zerodist/offload/host.py);
+                                     parameters on the CPU: the optimizer as built, and one info line
+                                     (the state lives on the host already)
                                nvme  `SwappedOptimizer` over it, its files under
                                      <nvme_path>/<run>/rank<r>/, <run> chosen by rank 0
 """
@@ -25,7 +26,9 @@ import torch
 import zerodist.comm as comm
 from zerodist.comm.collectives import Group
 from zerodist.config import Config
+from zerodist.accelerator import get_accelerator
 from zerodist.offload import errors
+from zerodist.offload.host import host_offloaded
 from zerodist.offload.optimizer import StreamSettings, SwappedOptimizer, swapped
 from zerodist.offload.swap_files import SwapDirectory, check_swap_root, problem_error
 from zerodist.utils import get_logger, log_rank0
@@ -71,11 +74,8 @@ def offloaded_build(build: Callable[[list[dict[str, Any]]], torch.optim.Optimize
     """`build` (the engine's optimizer factory over the flat shards), offloaded as `settings` say."""
     if settings.optimizer_device == "none" and settings.param_device == "none":
         return build
-    if device.type != "cpu":
-        raise errors.OffloadError(
-            f"offload_optimizer.device={settings.optimizer_device!r}, offload_param.device="
-            f"{settings.param_device!r} with parameters on {device.type}: offload from an accelerator is not "
-            "implemented yet; set the devices to \"none\"")
+    if not get_accelerator().is_host(device):
+        return _from_accelerator(build, settings, device)
     cpu = [f"{key}.device=\"cpu\"" for key, value in (("offload_optimizer", settings.optimizer_device),
                                                       ("offload_param", settings.param_device)) if value == "cpu"]
     if cpu:
@@ -91,6 +91,23 @@ def offloaded_build(build: Callable[[list[dict[str, Any]]], torch.optim.Optimize
         return swapped(inner, directory, settings.stream, group)
 
     return build_swapped
+
+
+def _from_accelerator(build: Callable[[list[dict[str, Any]]], torch.optim.Optimizer], settings: OffloadSettings,
+                      device: torch.device) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
+    """Parameters on an accelerator: `offload_optimizer: cpu` steps on the host; the rest is refused."""
+    if settings.optimizer_device != "cpu" or settings.param_device != "none":
+        raise errors.OffloadError(
+            f"offload_optimizer.device={settings.optimizer_device!r}, offload_param.device="
+            f"{settings.param_device!r} with parameters on {device.type}: from an accelerator zerodist offloads "
+            "the optimizer to the host only; set offload_optimizer.device to \"cpu\" and offload_param.device "
+            "to \"none\"")
+
+    def build_on_host(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return host_offloaded(build(groups), device)
+
+    log_rank0(logger, "offload: the optimizer state and step on the host, the parameters on %s", device)
+    return build_on_host
 
 
 def open_swap_directory(root: str, needed_bytes: int, group: Group) -> SwapDirectory:

@@ -33,7 +33,7 @@ class _TokenWeightedMean(torch.autograd.Function):
     def forward(ctx: Any, loss: torch.Tensor, count: torch.Tensor, group: Group) -> torch.Tensor:
         count = count.detach().to(torch.float64)
         # a rank with no labelled token contributes nothing (its mean is 0/0)
-        share = loss.detach().to(torch.float64) * count if count > 0 else torch.zeros((), dtype=torch.float64)
+        share = loss.detach().to(torch.float64) * count if count > 0 else torch.zeros((), dtype=torch.float64, device=loss.device)
         both = torch.stack([share, count])
         comm.all_reduce(both, group=group)
         total = float(both[1])

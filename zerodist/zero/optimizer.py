@@ -176,7 +176,7 @@ class ZeroOptimizer:
         world: for rare paths only)."""
         table = torch.zeros(len(flags), comm.get_world_size(self.world_group), dtype=torch.float32,
                             device=self.groups[0].device)
-        table[:, comm.get_rank(self.world_group)] = torch.tensor([float(f) for f in flags])
+        table[:, comm.get_rank(self.world_group)] = torch.tensor([float(f) for f in flags], device=table.device)
         comm.all_reduce(table, group=self.world_group)
         return [[r for r, v in enumerate(row) if v] for row in table.tolist()]
 
