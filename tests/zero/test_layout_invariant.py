@@ -192,8 +192,9 @@ def test_zerodists_loader_deals_the_same_micro_batches_in_every_layout(stage):
         assert all(torch.equal(result["params"][k], v) for k, v in expected["params"].items())
 
 
-def _refused_everywhere() -> str:
-    config = mode_config(1, 3)
+def _refused_everywhere(accumulation: int, zero: dict) -> str:
+    config = mode_config(3 if zero else 1, accumulation)
+    config["zero_optimization"].update(zero)
     try:
         zerodist.initialize(model=GPT(gpt_config("tiny")), config=config)
     except LayoutInvariantError as error:
@@ -202,8 +203,13 @@ def _refused_everywhere() -> str:
 
 
 def test_an_unsupported_layout_is_refused_on_every_rank_before_any_collective():
-    for message in run_distributed(_refused_everywhere, 2, timeout=120):
+    for message in run_distributed(_refused_everywhere, 2, 3, {}, timeout=120):
         assert "gradient_accumulation_steps 3 is not a power of two" in message
+    # MiCS with shards of one rank: its replica all-reduce would add across every data rank in the
+    # backend's order; with shards of the data degree it is plain ZeRO, which the mode honours
+    for message in run_distributed(_refused_everywhere, 2, 2, {"mics_shard_size": 1}, timeout=120):
+        assert "zero_optimization.mics_shard_size change how gradients are reduced" in message
+    assert run_distributed(_refused_everywhere, 2, 2, {"mics_shard_size": 2}, timeout=120) == ["initialized"] * 2
 
 
 def _whole(state: dict) -> torch.Tensor:

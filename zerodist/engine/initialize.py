@@ -60,15 +60,17 @@ logger = get_logger(__name__)
 _INITIALIZED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
-
-def _reduction_keys(config: Config) -> tuple[str, ...]:
-    """The keys set that choose their own gradient summation or gathered values (layout-invariant refuses them)."""
+def _reduction_keys(config: Config, mics_shards: bool) -> tuple[str, ...]:
+    """The keys set that choose their own gradient summation or gathered values (layout-invariant
+    refuses them). `mics_shards`: MiCS shards below the data degree on this topology (a shard size of
+    1 still reduces across its replicas in the backend's order; one of the data degree is plain ZeRO)."""
     zero = config.zero_optimization
     keys = [("communication_data_type", config.communication_data_type is not None),
-            ("zero_optimization.mics_shard_size", zero.mics_shard_size > 1),
+            ("zero_optimization.mics_shard_size", mics_shards),
             ("zero_optimization.zero_quantized_gradients", zero.zero_quantized_gradients),
             ("zero_optimization.zero_quantized_weights", zero.zero_quantized_weights)]
     return tuple(name for name, on in keys if on)
+
 
 @dataclasses.dataclass(frozen=True)
 class Validated:
@@ -125,7 +127,8 @@ def _initialize(model: torch.nn.Module | None, model_parameters: Iterable[Any] |
                      sequence=topology.size("sequence"), expert=topology.size("expert"),
                      fp16=validated.zero.precision.loss_scaling,
                      tensor_sequence_parallel=validated.config.zerodist.tensor_parallel.sequence_parallel,
-                     reduction_keys=_reduction_keys(validated.config))
+                     reduction_keys=_reduction_keys(
+                         validated.config, validated.zero.hierarchy.shard_size_for(topology) is not None))
     # A PipelineModule: its tie groups made and synced (before ZeRO flattens), its schedule and executor
     pipeline = apply_pipeline(model, topology, PipelineSettings.from_config(validated.config),
                               batch.gradient_accumulation_steps)
