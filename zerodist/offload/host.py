@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from zerodist.accelerator import TransferEvent, TransferStream, get_accelerator
+from zerodist.offload.wrapped import WrappedOptimizer
 
 WAVE_NUMEL = 4_000_000  # elements stepped at once: big enough for foreach, small enough to overlap copies
 
@@ -80,7 +81,7 @@ def prefer_foreach(inner: torch.optim.Optimizer) -> None:
             group["foreach"] = True
 
 
-class HostOffloadedOptimizer(torch.optim.Optimizer):
+class HostOffloadedOptimizer(WrappedOptimizer):
     """Steps `inner` on host copies of its device tensors ([module docstring])."""
 
     def __init__(self, inner: torch.optim.Optimizer, device: torch.device, wave_numel: int = WAVE_NUMEL):
@@ -99,17 +100,6 @@ class HostOffloadedOptimizer(torch.optim.Optimizer):
         prefer_foreach(inner)
 
     # ------------------------------------------------------------------ torch.optim.Optimizer's surface
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        if "inner" not in self.__dict__:  # inside the base class's __init__
-            return self.__dict__.setdefault("_placeholder_groups", [])
-        return self.inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        if "inner" in self.__dict__:
-            self.inner.param_groups = value
-
     @property  # type: ignore[override]
     def state(self) -> Any:
         return self.inner.state if "inner" in self.__dict__ else self.__dict__.setdefault("_placeholder_state", {})

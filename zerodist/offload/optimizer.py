@@ -47,6 +47,7 @@ import zerodist.comm as comm
 from zerodist.comm.collectives import Group
 from zerodist.offload import errors
 from zerodist.offload.host import prefer_foreach
+from zerodist.offload.wrapped import WrappedOptimizer
 from zerodist.offload.subgroups import SubGroup, plan_subgroups
 from zerodist.offload.stream import SwapStream
 from zerodist.offload.swap_files import SwapDirectory
@@ -109,7 +110,7 @@ def swapped(inner: torch.optim.Optimizer, directory: SwapDirectory, settings: St
     return optimizer
 
 
-class SwappedOptimizer(torch.optim.Optimizer):
+class SwappedOptimizer(WrappedOptimizer):
     """Steps `inner` one sub-group at a time on state read from swap files. `param_groups` are the
     inner optimizer's own (a scheduler's learning rate reaches it)."""
 
@@ -153,17 +154,6 @@ class SwappedOptimizer(torch.optim.Optimizer):
         return self._stream.read_depth
 
     # ------------------------------------------------------------------ torch.optim.Optimizer's surface
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        if "inner" not in self.__dict__:  # inside the base class's __init__
-            return self.__dict__.setdefault("_placeholder_groups", [])
-        return self.inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        if "inner" in self.__dict__:
-            self.inner.param_groups = value
-
     @property  # type: ignore[override]
     def state(self) -> SwappedState:
         return SwappedState(self)
