@@ -26,6 +26,7 @@ from zerodist.config.errors import ConfigError
 from zerodist.config.fields import BatchCount, ConstructorArgument, ElementCount, Section
 from zerodist.config.offload_sections import OffloadOptimizerConfig, OffloadParamConfig, offload_problems
 from zerodist.config.problems import validation_problems
+from zerodist.config.unknown_keys import validate
 from zerodist.config.source import read_source
 from zerodist.config.zeropp_sections import (
     CommunicationDataType,
@@ -385,6 +386,10 @@ class ZerodistConfig(Section):
         default_factory=ZerodistTimelineConfig,
         description="A timeline of chosen steps: every rank's compute and communication on one clock (docs/timeline.md).",
     )
+    unknown_keys: Literal["error", "warn"] | None = Field(
+        None, description="An unknown key: refused (error), or, where DeepSpeed ignores it (top level, optimizer, "
+        "scheduler, checkpoint, pipeline, flops_profiler), dropped with one warning (warn). null: "
+        "ZERODIST_UNKNOWN_KEYS, else error (docs/integrations.md).")
     stage3_unit_classes: list[str] = Field(
         default_factory=list,
         description="Stage 3: module class names that each form one gather unit; empty picks each "
@@ -564,10 +569,10 @@ class Config(Section):
             raw = resolve_model_auto(raw, hidden_size)
         raw, alias_problems = unalias_zero_keys(raw)  # DeepSpeed's un-prefixed ZeRO-3 names
         raw = drop_no_op_keys(raw)  # DeepSpeed keys set to values that change nothing here
+        if alias_problems:
+            raise ConfigError(alias_problems, source=source_name)
         try:
-            if alias_problems:
-                raise ConfigError(alias_problems, source=source_name)
-            return cls.model_validate(raw)
+            return validate(cls, raw, source_name)  # refuses unknown keys, or drops DeepSpeed's ignored ones
         except ValidationError as error:
             problems = validation_problems(error, cls)
             # A failed field skips the model validator; check the raw sections so the
