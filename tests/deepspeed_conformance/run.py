@@ -7,8 +7,11 @@ DeepSpeed's test files are fetched at run time (never stored in this repository)
 directory laid out as DeepSpeed's ``tests/`` (``unit/...``), next to zerodist's own ``unit/common.py``
 (``DistributedTest``: each method on its world size, forked ranks on gloo) and ``unit/util.py``;
 DeepSpeed's helper modules the files import (``unit/alexnet_model.py``, ``unit/simple_model.py``)
-are fetched too. pytest then runs there with ``zerodist run --as-deepspeed``'s environment, and the
-pass counts by file are printed (README.md records the last run's). Not part of the default suite.
+are fetched too. pytest then runs there with ``zerodist run --as-deepspeed``'s environment, once per
+unknown-key policy (``strict``: zerodist's default, which refuses DeepSpeed's own misspelt keys; ``warn``:
+``ZERODIST_UNKNOWN_KEYS=warn``, which ignores them as DeepSpeed does), and the pass counts by file and
+mode are printed, each test that does not pass with its reason (README.md records the last run's). Not
+part of the default suite.
 """
 
 from __future__ import annotations
@@ -73,25 +76,73 @@ def prepare(source: Path, work: Path, files: list[str]) -> list[Path]:
     return fetched
 
 
-def summarise(report: Path, work: Path) -> dict[str, Counter]:
-    counts: dict[str, Counter] = {}
+Outcome = tuple[str, str, str]  # (test id, "passed" / "failed" / "skipped", reason: the message's last line)
+
+
+def outcomes(report: Path) -> dict[str, list[Outcome]]:
+    """Each test case of a junit report, by DeepSpeed file."""
+    by_file: dict[str, list[Outcome]] = {}
     for case in ElementTree.parse(report).getroot().iter("testcase"):
         name = case.get("classname", "").replace(".", "/")
         file = next((f for f in FILES if name.startswith(f.removeprefix("tests/").removesuffix(".py"))), name)
-        outcome = "passed"
+        outcome, reason = "passed", ""
         for child in case:
-            if child.tag in ("failure", "error"):
-                outcome = "failed"
-            elif child.tag == "skipped":
-                outcome = "skipped"
-        counts.setdefault(file, Counter())[outcome] += 1
-    return counts
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = "skipped" if child.tag == "skipped" else "failed"
+                reason = _reason(child.get("message") or child.text or "")
+        test = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        by_file.setdefault(file, []).append((test, outcome, reason))
+    return by_file
+
+
+def _reason(message: str) -> str:
+    """The line of a failure that says why: the last 'Error:' line, else the last line."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line.split(":", 1)[0] or line.startswith("E ")]
+    return (errors or lines or [""])[-1][:300]
+
+
+def run_mode(mode: str, fetched: list[Path], work: Path, pytest_args: list[str]) -> dict[str, list[Outcome]]:
+    """pytest on each file in its own session (a file that does not import stops only itself), with the
+    unknown-key policy `mode` ("strict": zerodist's default, "warn": ignored as DeepSpeed ignores them)."""
+    from zerodist.config.unknown_keys import ENV_VAR
+    from zerodist.integrations.as_deepspeed import environment
+
+    env = environment({**os.environ, "PYTHONPATH": os.pathsep.join([str(work / "tests"), str(REPO)])})
+    env.pop(ENV_VAR, None)
+    if mode == "warn":
+        env[ENV_VAR] = "warn"
+    results: dict[str, list[Outcome]] = {}
+    for index, test_file in enumerate(fetched):
+        report = work / f"report-{mode}-{index}.xml"
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
+                                 f"--junitxml={report}", str(test_file), *pytest_args], cwd=work / "tests",
+                                env=env, capture_output=True, text=True)
+        sys.stdout.write(result.stdout[-4000:])
+        if report.exists():
+            results.update(outcomes(report))
+    return results
+
+
+def print_table(files: list[str], by_mode: dict[str, dict[str, list[Outcome]]]) -> None:
+    for file in files:
+        counts = []
+        for mode, results in by_mode.items():
+            c = Counter(outcome for _, outcome, _ in results.get(file, []))
+            counts.append(f"{mode}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
+        print(f"{file}: " + "; ".join(counts))
+        for mode, results in by_mode.items():
+            for test, outcome, reason in results.get(file, []):
+                if outcome != "passed":
+                    print(f"    [{mode}] {outcome} {test}: {reason}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--deepspeed-repo", type=Path, default=None, help="a DeepSpeed checkout or bare git dir")
     parser.add_argument("--files", nargs="*", default=FILES)
+    parser.add_argument("--modes", nargs="*", default=["strict", "warn"], choices=["strict", "warn"],
+                        help="unknown-key policies to run under (default: both)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args()
@@ -102,21 +153,8 @@ def main() -> int:
         subprocess.run(["git", "clone", "--depth", "1", URL, str(source)], check=True)
     fetched = prepare(source, work / "tests", args.files)
     sys.path.insert(0, str(REPO))
-    from zerodist.integrations.as_deepspeed import environment
-
-    env = environment({**os.environ, "PYTHONPATH": os.pathsep.join([str(work / "tests"), str(REPO)])})
-    counts: dict[str, Counter] = {}
-    for index, test_file in enumerate(fetched):  # one session each: a file that does not import stops only itself
-        report = work / f"report{index}.xml"
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
-                                 f"--junitxml={report}", str(test_file), *args.pytest_args], cwd=work / "tests",
-                                env=env, capture_output=True, text=True)
-        sys.stdout.write(result.stdout[-4000:])
-        if report.exists():
-            counts.update(summarise(report, work))
-    for file in args.files:
-        c = counts.get(file, Counter())
-        print(f"{file}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
+    by_mode = {mode: run_mode(mode, fetched, work, args.pytest_args) for mode in args.modes}
+    print_table(args.files, by_mode)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     else:

@@ -68,6 +68,10 @@ DEEPSPEED_MODULES = {
     "deepspeed.utils.logging": "zerodist.runtime.deepspeed_utils",
     "deepspeed.utils.torch": "zerodist.runtime.torch_version",
     "deepspeed.checkpointing": "zerodist.runtime.activation_checkpointing.checkpointing",
+    "deepspeed.sequence.fpdt_layer": "zerodist.runtime.fpdt_layer",  # refuses on use: FPDT is not implemented
+    # AutoTP is not served (below), but its split rule is: Ulysses code asks it which heads a rank holds.
+    "deepspeed.module_inject": "zerodist.runtime.module_inject",
+    "deepspeed.module_inject.tp_shard": "zerodist.runtime.module_inject.tp_shard",
 }
 
 # What a missing DeepSpeed module would have been used for, and the zerodist way.
@@ -89,11 +93,11 @@ def served_version() -> str:
 def _target(fullname: str) -> str:
     """The zerodist module that serves DeepSpeed's `fullname` (`deepspeed.A.B` is `zerodist.A.B` below a
     served zerodist package), or raises naming what to use instead."""
+    if fullname in DEEPSPEED_MODULES:
+        return DEEPSPEED_MODULES[fullname]
     for prefix, why in _NOT_PROVIDED.items():
         if fullname == prefix or fullname.startswith(prefix + "."):
             raise _missing(fullname, why)
-    if fullname in DEEPSPEED_MODULES:
-        return DEEPSPEED_MODULES[fullname]
     parent, _, child = fullname.rpartition(".")
     if parent in ("", "deepspeed"):
         raise _missing(fullname, "")
