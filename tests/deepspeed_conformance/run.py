@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -89,16 +90,16 @@ def outcomes(report: Path) -> dict[str, list[Outcome]]:
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = "skipped" if child.tag == "skipped" else "failed"
-                reason = _reason(child.get("message") or child.text or "")
+                reason = _reason(child.text or child.get("message") or "")
         test = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
         by_file.setdefault(file, []).append((test, outcome, reason))
     return by_file
 
 
-def _reason(message: str) -> str:
-    """The line of a failure that says why: the last 'Error:' line, else the last line."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line.split(":", 1)[0] or line.startswith("E ")]
+def _reason(text: str) -> str:
+    """The line of a failure that says why: the last exception line (``NameError: ...``), else the last line."""
+    lines = [line.strip().removeprefix("E").strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit|Failed|Skipped)\b", line)]
     return (errors or lines or [""])[-1][:300]
 
 

@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from zerodist.integrations import accelerate_on_cpu
+from zerodist.integrations import accelerate_on_cpu, trl_zero3
 from zerodist.utils import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -153,6 +153,8 @@ class DeepSpeedFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname == "accelerate.state":
             return accelerate_on_cpu.patched_spec(self, fullname, path, target)
+        if fullname == trl_zero3.MODULE:
+            return trl_zero3.patched_spec(self, fullname, path, target)
         if fullname != "deepspeed" and not fullname.startswith("deepspeed."):
             return None
         if not self.announced:
@@ -194,6 +196,8 @@ def install() -> None:
                                "zerodist.integrations.as_deepspeed.install() before anything imports deepspeed")
         del sys.modules[name]
     sys.meta_path.insert(0, _FINDER)
+    if trl_zero3.MODULE in sys.modules:  # imported before the switch: its later users still get the answer
+        trl_zero3.replace_lm_head_gather(sys.modules[trl_zero3.MODULE])
     os.environ[ENV_FLAG] = "1"
 
 

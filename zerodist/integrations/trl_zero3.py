@@ -1,0 +1,90 @@
+"""TRL at ZeRO-3 under ``zerodist run --as-deepspeed``: the one question TRL asks each parameter.
+
+[Note: TRL's lm-head gather under the served ZeRO-3]
+TRL (1.x) computes its SFT loss with a fused LM head (``add_fused_lm_head``: the model's forward is
+given a ``fused_lm_head=True`` path that reads ``lm_head.weight`` directly, without calling the
+``lm_head`` module). Under DeepSpeed's ZeRO-3 that weight may be partitioned at that moment, so TRL's
+``trl.trainer.utils.maybe_gather_lm_head_ctx(weight, bias)`` gathers it first, and it decides which
+parameters need the gather by reading DeepSpeed's per-parameter attribute:
+``p.ds_status != ZeroParamStatus.AVAILABLE``. Every SFT loss path reaches it (``model(**inputs,
+fused_lm_head=True)`` in ``SFTTrainer.compute_loss``; the chunked log-prob and divergence kernels too),
+and only when ``is_deepspeed_zero3_enabled()``. zerodist sets no attribute on parameters (a design
+rule), so there the read is ``AttributeError: 'Parameter' object has no attribute 'ds_status'``.
+
+The question has an answer in zerodist's side table: ``zerodist.zero.registry.is_sharded(p)`` is
+``ds_status != AVAILABLE``. When zerodist serves ``import deepspeed``, the import of
+``trl.trainer.utils`` is completed (its loader wrapped, as ``accelerate_on_cpu`` does for
+``accelerate.state``) by replacing that one function with the same function asking the side table
+instead; the gather itself is ``deepspeed.zero.GatheredParameters``, zerodist's. Nothing else of TRL
+changes, and nothing is written on any parameter. A TRL without the function is left as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+from typing import Any
+
+MODULE = "trl.trainer.utils"
+FUNCTION = "maybe_gather_lm_head_ctx"
+_PATCHED = "_zerodist_side_table"
+
+
+def patched_spec(finder: Any, fullname: str, path: Any, target: Any) -> importlib.machinery.ModuleSpec | None:
+    """`trl.trainer.utils`'s own spec, its loader wrapped to replace the one function after it runs."""
+    for other in sys.meta_path:
+        if other is finder or not hasattr(other, "find_spec"):
+            continue
+        spec = other.find_spec(fullname, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchingLoader(spec.loader)
+            return spec
+    return None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.inner.exec_module(module)
+        replace_lm_head_gather(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def replace_lm_head_gather(module: Any) -> None:
+    """Give `module` (trl.trainer.utils) a `maybe_gather_lm_head_ctx` that asks zerodist's side table."""
+    original = getattr(module, FUNCTION, None)
+    if original is None or getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def maybe_gather_lm_head_ctx(*params: Any) -> contextlib.AbstractContextManager[Any]:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if not is_deepspeed_zero3_enabled():
+            return contextlib.nullcontext()
+        return gather_if_sharded(*params)
+
+    setattr(maybe_gather_lm_head_ctx, _PATCHED, True)
+    setattr(module, FUNCTION, maybe_gather_lm_head_ctx)
+
+
+def gather_if_sharded(*params: Any) -> contextlib.AbstractContextManager[Any]:
+    """TRL's rule with zerodist's answer: gather the given parameters that are sharded now (each once, by
+    identity; None ignored), or a null context when none is."""
+    from zerodist.runtime.zero.served import GatheredParameters
+    from zerodist.zero.registry import is_sharded
+
+    to_gather = {id(p): p for p in params if p is not None and is_sharded(p)}
+    if not to_gather:
+        return contextlib.nullcontext()
+    return GatheredParameters(list(to_gather.values()))
