@@ -111,6 +111,8 @@ def run_mode(mode: str, fetched: list[Path], work: Path, pytest_args: list[str])
 
     env = environment({**os.environ, "PYTHONPATH": os.pathsep.join([str(work / "tests"), str(REPO)])})
     env.pop(ENV_VAR, None)
+    # Tests that load a model from the hub fail at once, naming it, instead of waiting on the network.
+    env.setdefault("HF_HUB_OFFLINE", "1")
     if mode == "warn":
         env[ENV_VAR] = "warn"
     results: dict[str, list[Outcome]] = {}
