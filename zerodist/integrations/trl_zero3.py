@@ -15,7 +15,8 @@ The question has an answer in zerodist's side table: ``zerodist.zero.registry.is
 ``ds_status != AVAILABLE``. When zerodist serves ``import deepspeed``, the import of
 ``trl.trainer.utils`` is completed (its loader wrapped, as ``accelerate_on_cpu`` does for
 ``accelerate.state``) by replacing that one function with the same function asking the side table
-instead; the gather itself is ``deepspeed.zero.GatheredParameters``, zerodist's. Nothing else of TRL
+instead; the gather itself is zerodist's ``GatheredParameters`` (the served ``deepspeed.zero``'s, for
+parameters an engine holds). Nothing else of TRL
 changes, and nothing is written on any parameter. A TRL without the function is left as it is.
 """
 
@@ -81,7 +82,7 @@ def replace_lm_head_gather(module: Any) -> None:
 def gather_if_sharded(*params: Any) -> contextlib.AbstractContextManager[Any]:
     """TRL's rule with zerodist's answer: gather the given parameters that are sharded now (each once, by
     identity; None ignored), or a null context when none is."""
-    from zerodist.runtime.zero.served import GatheredParameters
+    from zerodist.zero import GatheredParameters
     from zerodist.zero.registry import is_sharded
 
     to_gather = {id(p): p for p in params if p is not None and is_sharded(p)}
