@@ -146,6 +146,8 @@ def main() -> int:
     parser.add_argument("--files", nargs="*", default=FILES)
     parser.add_argument("--modes", nargs="*", default=["strict", "warn"], choices=["strict", "warn"],
                         help="unknown-key policies to run under (default: both)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds each test's ranks may take (default: the class's exec_timeout, 120 s)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args()
@@ -156,6 +158,8 @@ def main() -> int:
         subprocess.run(["git", "clone", "--depth", "1", URL, str(source)], check=True)
     fetched = prepare(source, work / "tests", args.files)
     sys.path.insert(0, str(REPO))
+    if args.timeout is not None:
+        os.environ["ZERODIST_CONFORMANCE_TIMEOUT"] = str(args.timeout)
     by_mode = {mode: run_mode(mode, fetched, work, args.pytest_args) for mode in args.modes}
     print_table(args.files, by_mode)
     if not args.keep:
