@@ -13,8 +13,7 @@ import torch
 import zerodist
 import zerodist.comm as comm
 from zerodist.comm.errors import TopologyError
-from zerodist.models import make_mlp
-from zerodist.zero.link_bytes import link_bus_bytes, regathered_groups
+from zerodist.zero.link_bytes import step_link_bytes
 from tests.harness import run_distributed
 
 pytestmark = pytest.mark.multiprocess
@@ -33,15 +32,15 @@ def relative(a: dict, b: dict) -> float:
 def _step_bytes(engine, trace: comm.Trace) -> dict:
     """One traced step's bus bytes per link class: everything measured, docs/design/zero.md's formula
     for ZeRO's collectives (zerodist/zero/link_bytes.py), and the collectives outside ZeRO's group
-    (the other axes' own, the step's scalars) where ZeRO's groups are the whole data group."""
+    (the other axes' own, the step's scalars and objects) where ZeRO's groups are the whole data group."""
     data = engine.topology.size(*engine.topology.dense_axes)
     others = {"intra": 0.0, "inter": 0.0}
     for r in trace.records:
-        if r.group_size != data:
+        # sends (pipeline messages) have no link class; object gathers move integers; the loss's scalars
+        small = r.dtype is None or not r.dtype.is_floating_point or r.numel <= 8
+        if r.link is not None and (r.group_size != data or small):
             others[r.link] += r.bus_bytes
-    formula = link_bus_bytes(engine.groups, engine.topology, regathered=regathered_groups(engine.stage3),
-                             micro_steps=engine.gradient_accumulation_steps())
-    return {"measured": trace.bus_bytes_by_link(), "formula": formula, "others": others}
+    return {"measured": trace.bus_bytes_by_link(), "formula": step_link_bytes(engine), "others": others}
 
 
 def check_bytes(results: dict[str, dict]) -> None:
@@ -94,3 +93,70 @@ def test_mics_and_hpz_with_tensor_parallelism():
     reference, _ = _reference(steps, rows=MICRO * 4)
     for result in results.values():
         assert relative(result["state"], reference) <= 1e-6
+
+
+def pipe_body(mode: str) -> dict:
+    """pipe 2 x data 4 on 4 simulated nodes of 2 ranks, ZeRO-3, 1F1B (test_pipeline_engine's MLP):
+    each stage's data group [4p .. 4p+3] spans two nodes; its shard groups / secondary blocks of 2
+    are one node each."""
+    from tests.pipe.test_pipeline_engine import GAS, STEPS, config, micro_batch, mlp_layers
+    from zerodist.pipe import PipelineModule
+
+    module = PipelineModule(mlp_layers(), num_stages=2, loss_fn=torch.nn.functional.mse_loss,
+                            partition_method="uniform")
+    settings = config(3)
+    settings["zero_optimization"].update(MODES[mode], stage3_param_persistence_threshold=0)
+    settings["zerodist"]["simulated_nodes"] = 4
+    engine, _, _, _ = zerodist.initialize(model=module, config=settings)
+    data_rank = engine.topology.axis_rank("data")
+    losses = []
+    for step in range(STEPS):
+        with comm.trace() as trace:
+            losses.append(float(engine.train_batch(iter([micro_batch(step, m, data_rank, torch.float32)
+                                                            for m in range(GAS)]))))
+    out = {"losses": losses, "state": {k: v.clone() for k, v in engine.module_state_dict().items()},
+           **_step_bytes(engine, trace)}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.slow
+def test_mics_with_a_pipeline():
+    """pipe 2 x data 4 on 4 nodes of 2 ranks: each stage's data group is cut into shard groups of 2,
+    one per node; a stage gathers and reduces once per batch, within its node, and only the replica
+    sum crosses nodes. The same run as one process's gradient accumulation within 1e-6."""
+    from tests.pipe.test_pipeline_engine import reference
+
+    results = {mode: run_distributed(pipe_body, 8, mode, timeout=400) for mode in ("plain", "mics")}
+    for rank in (0, 4):  # a rank of each stage
+        check_bytes({mode: ranks[rank] for mode, ranks in results.items()})
+    assert results["mics"][0]["measured"]["inter"] < results["plain"][0]["measured"]["inter"] / 3
+    ref_losses, ref_states = reference(4, torch.float32)
+    for rank, (plain, mics) in enumerate(zip(results["plain"], results["mics"])):
+        assert mics["losses"] == pytest.approx(ref_losses, rel=1e-6) and plain["losses"] == pytest.approx(ref_losses, rel=1e-6)
+        stage_keys = sorted(mics["state"])
+        assert relative(mics["state"], plain["state"]) <= 1e-6, rank
+        assert relative(mics["state"], {k: ref_states[-1][k] for k in stage_keys}) <= 1e-6, rank
+
+
+def _refusals() -> list[str]:
+    """Where ZeRO builds its groups (zerodist/zero/apply.py, before any of its collectives), on 4 ranks."""
+    from zerodist.comm.topology import DENSE, Topology
+    from zerodist.zero.hierarchy import HierarchySettings, domain_group
+
+    out = []
+    for settings, degrees in ((HierarchySettings(hpz_size=2), {"pipe": 2}), (HierarchySettings(shard_size=2), {"expert": 2}),
+                              (HierarchySettings(hpz_size=2), {"expert": 2})):
+        try:
+            domain_group(Topology(**degrees), DENSE, settings)
+            out.append("built")
+        except TopologyError as error:
+            out.append(str(error))
+    return out
+
+
+def test_hpz_with_a_pipeline_and_both_with_experts_are_refused_by_name_on_every_rank():
+    for messages in run_distributed(_refusals, 4, timeout=120):
+        assert "zero_hpz_partition_size' (2) cannot be combined with pipeline parallelism (pipe degree 2)" in messages[0]
+        assert "mics_shard_size' (2) cannot be combined with expert parallelism (expert degree 2)" in messages[1]
+        assert "zero_hpz_partition_size' (2) cannot be combined with expert parallelism" in messages[2]

@@ -135,6 +135,12 @@ def group_ranks_per_node(ranks: tuple[int, ...] | list[int], world_size: int) ->
 def _hpz(topology: Topology, domain: Domain, k: int, plain: DomainGroup) -> DomainGroup:
     """hpZ's secondary groups: blocks of k consecutive ranks of the (shard) group ([Note: secondary partition])."""
     _refuse_experts(topology, "zero_hpz_partition_size", k)
+    if topology.size(*topology.pipe_axes) > 1:
+        raise TopologyError(f"'zero_optimization.zero_hpz_partition_size' ({k}) cannot be combined with pipeline "
+                            f"parallelism (pipe degree {topology.size(*topology.pipe_axes)}): a pipeline gathers each "
+                            "stage once per batch and keeps it to the stage's last backward, so there is no backward "
+                            "re-gather for hpZ's copy to serve, only its memory to pay; remove zero_hpz_partition_size "
+                            "(mics_shard_size keeps a stage's gathers within the node)")
     if plain.size == 1:
         return plain  # one rank: nothing is gathered
     if plain.size % k:

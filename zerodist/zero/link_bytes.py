@@ -11,12 +11,15 @@ communication data type, q_k(S) the bytes of S elements block-quantized to k bit
   replicas: S b_c 2(R-1)/R on their link.
 Stage 3's unit groups gather once in forward and once more in backward unless the unit is kept
 gathered in between (`stage3_max_reuse_distance`), every micro-step; its persistent groups, like
-stages 1-2, gather once after the step.
+stages 1-2, gather once after the step. Under a pipeline a stage is gathered once per batch and
+kept to its last backward, and its gradients are reduced once ([Note: pipeline under ZeRO] in
+zerodist/engine/pipeline.py): one pass, no re-gather (`step_link_bytes`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from zerodist.comm import nodes
 from zerodist.comm.quantize import quantized_nbytes
@@ -81,6 +84,15 @@ def _gradient(out: dict[str, float], group: FlatParamGroup, d: int, s: int, full
     hosts = d // per_node
     out[nodes.INTRA] += d * chunk * (per_node - 1) / per_node * syncs
     out[nodes.INTER] += hosts * chunk * (hosts - 1) / hosts * syncs
+
+
+def step_link_bytes(engine: Any) -> dict[str, float]:
+    """`link_bus_bytes` for one optimizer step of an engine: its micro-steps and re-gathered units,
+    or under a pipeline one gather and one reduction per stage and batch (without `max_active_stages`)."""
+    if engine.pipeline is not None:
+        return link_bus_bytes(engine.groups, engine.topology, regathered=set(), micro_steps=1)
+    return link_bus_bytes(engine.groups, engine.topology, regathered=regathered_groups(engine.stage3),
+                          micro_steps=engine.gradient_accumulation_steps())
 
 
 def regathered_groups(runtime: UnitRuntime | None) -> set[int]:
