@@ -160,3 +160,46 @@ def test_hpz_with_a_pipeline_and_both_with_experts_are_refused_by_name_on_every_
         assert "zero_hpz_partition_size' (2) cannot be combined with pipeline parallelism (pipe degree 2)" in messages[0]
         assert "mics_shard_size' (2) cannot be combined with expert parallelism (expert degree 2)" in messages[1]
         assert "zero_hpz_partition_size' (2) cannot be combined with expert parallelism" in messages[2]
+
+
+def sequence_body(mode: str) -> dict:
+    """sequence 2 x data 2 on 2 simulated nodes of 2 ranks (each node one data index's Ulysses pair),
+    ZeRO-3 over the data x sequence group [0, 1, 2, 3]: shard groups / secondary blocks of 2 are one
+    node each (test_engine's GPT in tests/sequence)."""
+    from tests.sequence.test_engine import MICRO, STEPS, _build, _config, _samples
+    from zerodist.sequence import SequenceLayout
+    from zerodist.sequence.data import shard_batch
+
+    config = _config(3, 2)
+    config["zero_optimization"].update(MODES[mode], stage3_max_reuse_distance=0)
+    config["zerodist"].update(simulated_nodes=2, stage3_unit_classes=["Block"])
+    engine = zerodist.initialize(model=_build("gpt"), config=config)[0]
+    topology = engine.topology
+    layout = SequenceLayout(topology.axis_rank("sequence"), topology.size("sequence"))
+    shard, losses = topology.batch_rank, []
+    for step in range(STEPS):
+        ids, labels = _samples(step, MICRO * 2)
+        rows = slice(shard * MICRO, (shard + 1) * MICRO)
+        with comm.trace() as trace:
+            loss = engine(*shard_batch((ids[rows], labels[rows]), layout))
+            engine.backward(loss)
+            engine.step()
+        losses.append(float(loss))
+    out = {"losses": losses, "state": engine.module_state_dict(), **_step_bytes(engine, trace)}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.slow
+def test_mics_and_hpz_with_sequence_parallelism():
+    from tests.sequence.test_engine import _reference
+
+    results = {mode: run_distributed(sequence_body, 4, mode, timeout=300)[0] for mode in MODES}
+    check_bytes(results)
+    plain, mics, hpz = results["plain"], results["mics"], results["hpz"]
+    assert mics["measured"]["inter"] < plain["measured"]["inter"] / 3
+    assert hpz["measured"]["inter"] < plain["measured"]["inter"]
+    assert all(torch.equal(hpz["state"][k], v) for k, v in plain["state"].items()) and hpz["losses"] == plain["losses"]
+    reference = _reference("gpt", 2)
+    for mode, result in results.items():
+        assert relative(result["state"], reference) <= 1e-6, mode
