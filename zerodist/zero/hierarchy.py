@@ -57,6 +57,7 @@ class HierarchySettings:
     hpz_size: int = 1  # zero_optimization.zero_hpz_partition_size (stage 3 only)
     weight_bits: int | None = None  # zero_quantized_weights: int8 (qwZ)
     grad_bits: int | None = None  # zero_quantized_gradients: int4 (qgZ)
+    replicate_degree: int | None = None  # zerodist.hsdp.replicate_degree: checked against the topology
 
     @classmethod
     def from_config(cls, config: Config) -> HierarchySettings:
@@ -65,7 +66,8 @@ class HierarchySettings:
         return cls(zero.mics_shard_size, zero.mics_hierarchical_params_gather, dtype,
                    zero.zero_hpz_partition_size if zero.stage == 3 else 1,
                    WEIGHT_BITS if zero.zero_quantized_weights else None,
-                   GRADIENT_BITS if zero.zero_quantized_gradients else None)
+                   GRADIENT_BITS if zero.zero_quantized_gradients else None,
+                   None if config.zerodist.hsdp is None else config.zerodist.hsdp.replicate_degree)
 
     def shard_size_for(self, topology: Topology) -> int | None:
         """The shard group's size on this topology, or None for plain ZeRO (every rank of the dense
@@ -73,6 +75,10 @@ class HierarchySettings:
         before any of ZeRO's collectives ([Note: composed axes])."""
         size = self.shard_size
         data = topology.size(*topology.dense_axes)
+        if self.replicate_degree is not None and size * self.replicate_degree != data:
+            raise TopologyError(f"'zerodist.hsdp': shard_degree ({size}) x replicate_degree ({self.replicate_degree}) "
+                                f"must be the {data} ranks ZeRO shards over (the data-parallel degree, times the "
+                                "sequence degree with Ulysses); fix one of them, or drop replicate_degree")
         if size in (-1, data):
             return None
         _refuse_experts(topology, "mics_shard_size", size)
