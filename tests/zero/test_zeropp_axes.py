@@ -13,12 +13,14 @@ import torch
 import zerodist
 import zerodist.comm as comm
 from zerodist.comm.errors import TopologyError
+from zerodist.comm.quantized import QGZ_LABEL
 from zerodist.zero.link_bytes import step_link_bytes
 from tests.harness import run_distributed
 
 pytestmark = pytest.mark.multiprocess
 
 MODES = {"plain": {}, "mics": {"mics_shard_size": 2}, "hpz": {"zero_hpz_partition_size": 2}}
+QUANTIZED = {"qgz": {"zero_quantized_gradients": True}}
 
 
 def _whole(state: dict) -> torch.Tensor:
@@ -171,7 +173,7 @@ def sequence_body(mode: str) -> dict:
     from zerodist.sequence.data import shard_batch
 
     config = _config(3, 2)
-    config["zero_optimization"].update(MODES[mode], stage3_max_reuse_distance=0)
+    config["zero_optimization"].update({**MODES, **QUANTIZED}[mode], stage3_max_reuse_distance=0)
     config["zerodist"].update(simulated_nodes=2, stage3_unit_classes=["Block"])
     engine = zerodist.initialize(model=_build("gpt"), config=config)[0]
     topology = engine.topology
@@ -185,9 +187,21 @@ def sequence_body(mode: str) -> dict:
             engine.backward(loss)
             engine.step()
         losses.append(float(loss))
-    out = {"losses": losses, "state": engine.module_state_dict(), **_step_bytes(engine, trace)}
+    out = {"losses": losses, "state": engine.module_state_dict(), **_step_bytes(engine, trace),
+           "ulysses": trace.bus_bytes("all_to_all") - trace.labelled_bus_bytes(QGZ_LABEL, "all_to_all"),
+           "qgz": trace.labelled_bus_bytes(QGZ_LABEL)}
     engine.destroy()
     return out
+
+
+@pytest.mark.slow
+def test_qgz_all_to_all_is_told_from_ulysses():
+    """With Ulysses and qgZ both issuing all-to-alls, the trace tells them apart (qgZ's are labelled):
+    Ulysses' bytes are those of the same run without qgZ, so `zerodist train --sp`'s report shows no
+    false gap."""
+    plain, quantized = (run_distributed(sequence_body, 4, mode, timeout=300)[0] for mode in ("plain", "qgz"))
+    assert plain["qgz"] == 0 and quantized["qgz"] > 0
+    assert quantized["ulysses"] == plain["ulysses"] > 0
 
 
 @pytest.mark.slow
