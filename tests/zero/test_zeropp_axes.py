@@ -61,7 +61,7 @@ def tensor_body(mode: str, steps: int) -> dict:
     from zerodist.models.gpt import GPT
 
     config = _config(3, tensor=2)
-    config["zero_optimization"].update(MODES[mode], stage3_max_reuse_distance=0)
+    config["zero_optimization"].update({**MODES, **QUANTIZED}[mode], stage3_max_reuse_distance=0)
     config["zerodist"] = {"simulated_nodes": 2, "stage3_unit_classes": ["Block"]}
     torch.manual_seed(0)
     engine, _, _, _ = zerodist.initialize(model=GPT(SHAPE), config=config)
@@ -87,7 +87,8 @@ def test_mics_and_hpz_with_tensor_parallelism():
 
     steps = 3
     results = {mode: run_distributed(tensor_body, 8, mode, steps, timeout=400)[0] for mode in MODES}
-    check_bytes(results)
+    # qgZ over each tensor rank's data group: two hops (its 2 ranks per node, then across), by the formula
+    check_bytes({**results, "qgz": run_distributed(tensor_body, 8, "qgz", steps, timeout=400)[0]})
     plain, mics, hpz = results["plain"], results["mics"], results["hpz"]
     assert mics["measured"]["inter"] < plain["measured"]["inter"] / 3
     assert all(torch.equal(hpz["state"][k], v) for k, v in plain["state"].items()) and hpz["losses"] == plain["losses"]
