@@ -84,7 +84,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerodist.comm import collectives
+from zerodist.comm import collectives, tracer
 from zerodist.comm.collectives import CommHandle, Group
 from zerodist.comm.init import ensure_initialized
 from zerodist.comm.quantize import (
@@ -97,6 +97,10 @@ from zerodist.comm.quantize import (
     rows_from_wire,
     rows_to_wire,
 )
+
+# qgZ's all-to-alls are traced under this label (`tracer.labelled`), so a report that counts all-to-all
+# bytes for something else (Ulysses' sequence <-> heads exchange, zerodist/train/loop.py) leaves them out.
+QGZ_LABEL = "qgZ"
 
 __all__ = [
     "QuantErrorMeter", "all_gather_nbytes", "measure_quantization_error", "quantized_all_gather",
@@ -296,14 +300,16 @@ def quantized_reduce_scatter_start(flat: torch.Tensor, group: Group = None, bits
     chunks = flat.detach().reshape(inter, intra, n).transpose(0, 1).reshape(total, n)
     wire = _quantize_to_wire("reduce_scatter", chunks, bits, block).reshape(-1)
     received = torch.empty_like(wire)
-    inner = collectives.all_to_all_single(received, wire, group=group, async_op=True)
+    with tracer.labelled(QGZ_LABEL):
+        inner = collectives.all_to_all_single(received, wire, group=group, async_op=True)
 
     def finish() -> None:
         partial = _sum_received(received, total, intra, n, bits, block)  # (inter, n): hop 1's sums
         if inter_group is not None:
             hop2 = _quantize_to_wire("reduce_scatter", partial, bits, block).reshape(-1)
             back = torch.empty_like(hop2)
-            collectives.all_to_all_single(back, hop2, group=inter_group)
+            with tracer.labelled(QGZ_LABEL):
+                collectives.all_to_all_single(back, hop2, group=inter_group)
             partial = _sum_received(back, inter, inter, n, bits, block)
         result.view(-1).copy_(partial.reshape(-1))
 

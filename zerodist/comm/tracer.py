@@ -108,6 +108,7 @@ class Trace:
         self.records: list[CollectiveRecord] = []
         self._totals: dict[str, _OpTotals] = {}
         self._links: dict[str, _OpTotals] = {}  # the same totals per link class (intra / inter)
+        self._labelled: dict[tuple[str, str], _OpTotals] = {}  # per (label, op), for labelled records only
 
     def wants(self, op: str) -> bool:
         return self.ops is None or op in self.ops
@@ -124,6 +125,12 @@ class Trace:
             if by_link is None:
                 by_link = self._links[record.link] = _OpTotals()
             by_link.add(record)
+        if record.label is not None:
+            key = (record.label, record.op)
+            by_label = self._labelled.get(key)
+            if by_label is None:
+                by_label = self._labelled[key] = _OpTotals()
+            by_label.add(record)
         if self.verbose:
             logger.info(
                 "%s %s x%d (%s) group=%d%s", record.op, record.dtype, record.numel,
@@ -149,6 +156,10 @@ class Trace:
 
     def bus_bytes(self, op: str | None = None) -> float:
         return sum(t.bus_bytes for t in self._selected(op))
+
+    def labelled_bus_bytes(self, label: str, op: str | None = None) -> float:
+        """Bus bytes of the collectives issued under `labelled(label)` (of `op` only, if given)."""
+        return sum(t.bus_bytes for (name, kind), t in self._labelled.items() if name == label and op in (None, kind))
 
     def bytes_by_link(self) -> dict[str, int]:
         """Bytes of the logical buffers (the sizes of [Note: bandwidth conventions]) per link class:
@@ -230,11 +241,28 @@ def timing_requested() -> bool:
     return any(t.timing for t in active_traces)
 
 
+# Labels of the enclosing `labelled()` blocks, innermost last: what the collectives issued there are for.
+_labels: list[str] = []
+
+
+@contextmanager
+def labelled(label: str) -> Iterator[None]:
+    """Collectives issued in this block carry `label` in a trace (`CollectiveRecord.label`,
+    `Trace.labelled_bus_bytes`), so a report can tell them from the same op issued for something else
+    (qgZ's all-to-alls from Ulysses')."""
+    _labels.append(label)
+    try:
+        yield
+    finally:
+        _labels.pop()
+
+
 def record(op: str, tensor: torch.Tensor | None, numel: int, group_size: int, duration_s: float | None,
            link: str | None = None) -> None:
     dtype = None if tensor is None else tensor.dtype
     num_bytes = 0 if tensor is None else numel * tensor.element_size()
-    entry = CollectiveRecord(op, dtype, numel, num_bytes, group_size, duration_s, link=link)
+    entry = CollectiveRecord(op, dtype, numel, num_bytes, group_size, duration_s, link=link,
+                             label=_labels[-1] if _labels else None)
     for current in active_traces:
         if current.wants(op):
             current.add(entry)

@@ -31,6 +31,8 @@ from zerodist.config.source import read_source
 from zerodist.config.zeropp_sections import (
     CommunicationDataType,
     HierarchicalShardingKeys,
+    HsdpConfig,
+    apply_hsdp_alias,
     communication_dtype_problem,
     zeropp_problems,
 )
@@ -340,6 +342,10 @@ class ZerodistSequenceParallelConfig(Section):
 
 
 class ZerodistConfig(Section):
+    hsdp: HsdpConfig | None = Field(
+        None, description="FSDP2's names for hierarchical sharding: {shard_degree, replicate_degree}, mapped onto "
+        "zero_optimization.mics_shard_size (docs/zeropp.md)."
+    )
     simulated_nodes: Annotated[int, Field(ge=1)] | None = Field(
         None, description="Let one machine stand for this many nodes of world_size / simulated_nodes consecutive "
         "ranks (tests, benchmarks, `zerodist train --nnodes-sim`): the tracer files bytes as intra- or inter-node "
@@ -479,6 +485,11 @@ class Config(Section):
     zerodist: ZerodistConfig = Field(
         default_factory=ZerodistConfig, description="zerodist settings DeepSpeed has no key for."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hsdp_is_mics(cls, data: Any) -> Any:
+        return apply_hsdp_alias(data)
 
     @field_validator("steps_per_print", mode="before")
     @classmethod

@@ -1,11 +1,18 @@
 """DeepSpeed's keys for training past one machine (issue 36; docs/zeropp.md): hierarchical sharding
 (MiCS: `mics_shard_size`, `mics_hierarchical_params_gather`) inside `zero_optimization`, and the
 gradient reduction's data type (`communication_data_type`, top level). Kept apart from schema.py,
-which `ZeroConfig` there inherits these fields from."""
+which `ZeroConfig` there inherits these fields from.
+
+[Note: HSDP naming] FSDP2 and torchtitan call hierarchical sharding HSDP and size it as
+data_parallel_replicate_degree x data_parallel_shard_degree. `zerodist.hsdp: {shard_degree: S,
+replicate_degree: R}` is that naming: before validation S is copied into
+`zero_optimization.mics_shard_size` (so the run is MiCS's, bit for bit: tests/zero/test_hsdp.py),
+and R, when given, is checked against the topology where the groups are built
+(zerodist/zero/hierarchy.py): S x R must be the size of ZeRO's group."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -20,16 +27,18 @@ class HierarchicalShardingKeys(Section):
 
     mics_shard_size: int = Field(
         -1, ge=-1, description="MiCS / HSDP: shard parameters, gradients and optimizer state within groups of this "
-        "many consecutive data-parallel ranks and replicate them across the groups; gradients are reduce-scattered "
-        "within a group, then all-reduced across groups. -1 (or the data degree) shards over all of them (plain "
-        "ZeRO). Must divide the data-parallel degree; not with tensor, sequence, expert or pipeline parallelism "
-        "nor with offload. See docs/zeropp.md."
+        "many consecutive ranks of ZeRO's group (each tensor rank's and each pipeline stage's data group, times "
+        "the sequence degree with Ulysses) and replicate them across the groups; gradients are reduce-scattered "
+        "within a group, then all-reduced across groups. -1 (or the group's size) shards over all of them (plain "
+        "ZeRO). Must divide that size; not with expert parallelism. zerodist.hsdp is the same key in FSDP2's "
+        "naming. See docs/zeropp.md."
     )
     zero_hpz_partition_size: int = Field(
         1, ge=1, description="ZeRO++ hpZ (stage 3): after a training forward's all-gather each rank keeps a secondary "
         "copy of the parameters sharded within blocks of this many consecutive ranks (the ranks per node), which the "
         "backward all-gather reads, so it never leaves the node; costs Ψ/size elements per rank between forward and "
-        "backward. 1 turns it off. Must divide the data-parallel (or MiCS shard) degree; not with parameter offload. "
+        "backward. 1 turns it off. Must divide the data-parallel (or MiCS shard) degree; not with parameter offload, "
+        "a pipeline or expert parallelism. "
         "See docs/zeropp.md."
     )
     zero_quantized_weights: bool = Field(
@@ -51,6 +60,40 @@ class HierarchicalShardingKeys(Section):
         "where a shard group lies within one node (the gather never leaves it, so there is nothing to stage); a shard "
         "group that spans nodes with this key true is refused."
     )
+
+
+class HsdpConfig(Section):
+    """`zerodist.hsdp`: FSDP2 / torchtitan's names for hierarchical sharding (HSDP), mapped onto MiCS."""
+
+    shard_degree: int = Field(
+        ..., ge=1, description="HSDP (FSDP2's data_parallel_shard_degree): shard within groups of this many "
+        "consecutive ranks of ZeRO's group and replicate across them; the same as "
+        "zero_optimization.mics_shard_size (give one, or both equal)."
+    )
+    replicate_degree: int | None = Field(
+        None, ge=1, description="HSDP (FSDP2's data_parallel_replicate_degree): how many replicas; checked, not "
+        "chosen: shard_degree x replicate_degree must be the size of ZeRO's group (the data-parallel degree, "
+        "times the sequence degree with Ulysses). null: whatever shard_degree leaves."
+    )
+
+
+def apply_hsdp_alias(data: Any) -> Any:
+    """Before validation: `zerodist.hsdp.shard_degree` becomes `zero_optimization.mics_shard_size`, so
+    everything downstream sees one key ([Note: HSDP naming]). Both given and different: refused."""
+    if not isinstance(data, dict) or not isinstance(data.get("zerodist"), dict):
+        return data
+    hsdp = data["zerodist"].get("hsdp")
+    if not isinstance(hsdp, dict) or "shard_degree" not in hsdp:
+        return data
+    zero = data.get("zero_optimization")
+    zero = dict(zero) if isinstance(zero, dict) else {}
+    given = zero.get("mics_shard_size", -1)
+    if given not in (-1, hsdp["shard_degree"]):
+        raise ValueError(f"'zerodist.hsdp.shard_degree' ({hsdp['shard_degree']!r}) and "
+                         f"'zero_optimization.mics_shard_size' ({given!r}) name the same shard group size differently; "
+                         "give one of them")
+    zero["mics_shard_size"] = hsdp["shard_degree"]
+    return {**data, "zero_optimization": zero}
 
 
 def zeropp_problems(zero: HierarchicalShardingKeys, stage: int, reduce_scatter: bool) -> list[str]:

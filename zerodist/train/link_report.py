@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerodist.utils import format_bytes
-from zerodist.zero.link_bytes import link_bus_bytes, regathered_groups
+from zerodist.zero.link_bytes import step_link_bytes
 
 
 def link_lines(engine: Any, last_step: Any, meter: Any | None) -> list[str]:
@@ -18,8 +18,7 @@ def link_lines(engine: Any, last_step: Any, meter: Any | None) -> list[str]:
     zerodist/comm/quantized.py)."""
     topology, zero = engine.topology, engine.config.zero_optimization
     measured = last_step.bus_bytes_by_link()
-    formula = link_bus_bytes(engine.groups, topology, regathered=regathered_groups(engine.stage3),
-                             micro_steps=engine.gradient_accumulation_steps())
+    formula = step_link_bytes(engine)
     modes = [name for name, on in (("MiCS shard groups of %d" % zero.mics_shard_size, zero.mics_shard_size > 1),
                                    ("hpZ %d" % zero.zero_hpz_partition_size, zero.zero_hpz_partition_size > 1),
                                    ("qwZ int8", zero.zero_quantized_weights),

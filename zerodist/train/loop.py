@@ -30,7 +30,7 @@ from zerodist.engine import Engine
 from zerodist.models import GPT, count_parameters, gpt_config
 from zerodist.tensor_parallel import schedule_log
 from zerodist.train.metrics import MetricsLog, StepRecord, plot_loss, read_csv, write_csv
-from zerodist.comm.quantized import measure_quantization_error
+from zerodist.comm.quantized import QGZ_LABEL, measure_quantization_error
 from zerodist.train.link_report import link_lines
 from zerodist.train.observe import StepObserver
 from zerodist.train.options import Progress, TrainOutcome, TrainPlan
@@ -366,7 +366,9 @@ def _sequence_report(engine: Engine, model: Any, everything: Any, activations: S
         everyone = []
     method = engine.config.zerodist.sequence_parallel.method
     micro_steps_run = max(1, steps * engine.batch.gradient_accumulation_steps)
-    measured = everything.bus_bytes("all_to_all") if method == "ulysses" else everything.total_bytes("send")
+    # qgZ's gradient all-to-alls are not Ulysses' (zerodist/comm/quantized.py labels them)
+    ulysses = everything.bus_bytes("all_to_all") - everything.labelled_bus_bytes(QGZ_LABEL, "all_to_all")
+    measured = ulysses if method == "ulysses" else everything.total_bytes("send")
     layers = sum(isinstance(m, Block) for m in engine.module.modules())
     ring = ring_formula(engine, seq_len, model.config, layers) if method == "ring" and engine.pipeline is None else None
     return SequenceReport(engine.topology.size("sequence"), method, measured / micro_steps_run,

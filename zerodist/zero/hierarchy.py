@@ -12,6 +12,16 @@ docs/design/zero.md gives the bytes per link class. The sum is (within the group
 groups), a different order from one reduce-scatter over D: the result agrees with plain ZeRO to
 rounding (1e-6 of one process, tests/zero/test_mics.py), not bitwise.
 
+[Note: composed axes] The shard and replica groups are cut from the domain's own group
+(`Topology.split` over `domain.reduce_axes`), never from ranks counted by hand: with tensor
+parallelism each tensor rank's data group is cut separately (a tensor-parallel slice and a
+replicated parameter shard over the same ranks), with a pipeline each stage's, with sequence
+parallelism the data x sequence group ZeRO already shards over. "Consecutive" means consecutive
+in that group, so a shard group of S holds S / (sequence degree) data indices when S is a multiple
+of it. hpZ's blocks are cut the same way. Expert parallelism is refused by name: an expert's
+parameters shard over the expert-data group, a different group from the dense one, and one
+shard size cannot cut both so that a group stays within a node.
+
 Only the global gradient norm needs to know: each shard is held R times, so only replica index 0
 counts its squares (`DomainGroup.counts_in_norm`).
 
@@ -26,6 +36,7 @@ import dataclasses
 
 import torch
 
+from zerodist.comm import nodes
 from zerodist.comm.errors import TopologyError
 from zerodist.comm.topology import DENSE, Domain, Topology
 from zerodist.config import Config
@@ -46,6 +57,7 @@ class HierarchySettings:
     hpz_size: int = 1  # zero_optimization.zero_hpz_partition_size (stage 3 only)
     weight_bits: int | None = None  # zero_quantized_weights: int8 (qwZ)
     grad_bits: int | None = None  # zero_quantized_gradients: int4 (qgZ)
+    replicate_degree: int | None = None  # zerodist.hsdp.replicate_degree: checked against the topology
 
     @classmethod
     def from_config(cls, config: Config) -> HierarchySettings:
@@ -54,25 +66,37 @@ class HierarchySettings:
         return cls(zero.mics_shard_size, zero.mics_hierarchical_params_gather, dtype,
                    zero.zero_hpz_partition_size if zero.stage == 3 else 1,
                    WEIGHT_BITS if zero.zero_quantized_weights else None,
-                   GRADIENT_BITS if zero.zero_quantized_gradients else None)
+                   GRADIENT_BITS if zero.zero_quantized_gradients else None,
+                   None if config.zerodist.hsdp is None else config.zerodist.hsdp.replicate_degree)
 
     def shard_size_for(self, topology: Topology) -> int | None:
-        """The shard group's size on this topology, or None for plain ZeRO (every data rank).
-        Raises, naming the key and the fix, where it cannot apply: the same on every rank, before
-        any of ZeRO's collectives."""
+        """The shard group's size on this topology, or None for plain ZeRO (every rank of the dense
+        group). Raises, naming the key and the fix, where it cannot apply: the same on every rank,
+        before any of ZeRO's collectives ([Note: composed axes])."""
         size = self.shard_size
         data = topology.size(*topology.dense_axes)
+        if self.replicate_degree is not None and size * self.replicate_degree != data:
+            raise TopologyError(f"'zerodist.hsdp': shard_degree ({size}) x replicate_degree ({self.replicate_degree}) "
+                                f"must be the {data} ranks ZeRO shards over (the data-parallel degree, times the "
+                                "sequence degree with Ulysses); fix one of them, or drop replicate_degree")
         if size in (-1, data):
             return None
-        others = {axis: d for axis, d in topology.degrees.items() if axis != "data" and d > 1}
-        if others:
-            raise TopologyError(f"'zero_optimization.mics_shard_size' ({size}) shards over data-parallel ranks only; "
-                                f"it cannot be combined with {', '.join(f'{a} ({d})' for a, d in others.items())}: "
-                                "remove mics_shard_size or those degrees")
+        _refuse_experts(topology, "mics_shard_size", size)
         if size < 1 or data % size:
+            within = " x ".join(f"{a} ({topology.size(a)})" for a in topology.dense_axes if topology.size(a) > 1)
             raise TopologyError(f"'zero_optimization.mics_shard_size' ({size}) must divide the data-parallel degree "
-                                f"({data}); choose one of {[d for d in range(1, data + 1) if data % d == 0]}")
+                                f"({data}{': ' + within if ' x ' in within else ''}); choose one of "
+                                f"{[d for d in range(1, data + 1) if data % d == 0]}")
         return size
+
+
+def _refuse_experts(topology: Topology, key: str, value: int) -> None:
+    """MiCS and hpZ with expert parallelism: refused by name ([Note: composed axes])."""
+    if topology.size(*topology.expert_axes) > 1:
+        raise TopologyError(f"'zero_optimization.{key}' ({value}) cannot be combined with expert parallelism "
+                            f"(expert degree {topology.size(*topology.expert_axes)}): an expert's parameters shard over "
+                            "the smaller expert-data group, which the shard groups would have to cut differently from "
+                            f"the dense ones; remove {key} or the expert degree")
 
 
 def domain_group(topology: Topology, domain: Domain, settings: HierarchySettings) -> DomainGroup:
@@ -93,24 +117,36 @@ def domain_group(topology: Topology, domain: Domain, settings: HierarchySettings
 
 
 def _qgz(topology: Topology, domain: Domain, bits: int, plain: DomainGroup) -> QuantizedReduction:
-    """qgZ over the shard group: intra-node then inter-node when it is the whole data-parallel group of
-    a data-only topology spanning several nodes of several ranks each, else one hop."""
-    per_node, data = topology.ranks_per_node, topology.size(*domain.reduce_axes)
-    hierarchical = (plain.replica_group is None and data == topology.world_size and 1 < per_node < data
-                    and data % per_node == 0)
+    """qgZ over the shard group: intra-node then inter-node when it is the whole group of its domain
+    and spans several nodes with several of its ranks on each, else one hop."""
+    members = group_ranks_per_node(plain.ranks, topology.world_size)
+    hierarchical = plain.replica_group is None and 1 < members < plain.size
     if not hierarchical:
         return QuantizedReduction(bits, plain.grad_group)
-    split = topology.split(domain.reduce_axes, per_node)
+    split = topology.split(domain.reduce_axes, members)
     return QuantizedReduction(bits, split.inner_grad, split.outer)
+
+
+def group_ranks_per_node(ranks: tuple[int, ...] | list[int], world_size: int) -> int:
+    """How many of a group's (ascending) ranks share each node, where every node it touches holds the
+    same number of them in one consecutive run of the group (else 1: no two-level split)."""
+    per_node = nodes.ranks_per_node(world_size)
+    counts: dict[int, int] = {}
+    for r in ranks:
+        counts[r // per_node] = counts.get(r // per_node, 0) + 1
+    sizes = set(counts.values())
+    return sizes.pop() if len(sizes) == 1 else 1
 
 
 def _hpz(topology: Topology, domain: Domain, k: int, plain: DomainGroup) -> DomainGroup:
     """hpZ's secondary groups: blocks of k consecutive ranks of the (shard) group ([Note: secondary partition])."""
-    others = {axis: d for axis, d in topology.degrees.items() if axis != "data" and d > 1}
-    if others:
-        raise TopologyError(f"'zero_optimization.zero_hpz_partition_size' ({k}) builds its groups over data-parallel "
-                            f"ranks only; it cannot be combined with {', '.join(f'{a} ({d})' for a, d in others.items())}: "
-                            "remove zero_hpz_partition_size or those degrees")
+    _refuse_experts(topology, "zero_hpz_partition_size", k)
+    if topology.size(*topology.pipe_axes) > 1:
+        raise TopologyError(f"'zero_optimization.zero_hpz_partition_size' ({k}) cannot be combined with pipeline "
+                            f"parallelism (pipe degree {topology.size(*topology.pipe_axes)}): a pipeline gathers each "
+                            "stage once per batch and keeps it to the stage's last backward, so there is no backward "
+                            "re-gather for hpZ's copy to serve, only its memory to pay; remove zero_hpz_partition_size "
+                            "(mics_shard_size keeps a stage's gathers within the node)")
     if plain.size == 1:
         return plain  # one rank: nothing is gathered
     if plain.size % k:
@@ -125,7 +161,7 @@ def _hpz(topology: Topology, domain: Domain, k: int, plain: DomainGroup) -> Doma
 
 def _mics(topology: Topology, domain: Domain, settings: HierarchySettings, plain: DomainGroup,
           size: int) -> DomainGroup:
-    assert domain == DENSE, f"hierarchical sharding of a {domain} group"
+    assert topology.size(*domain.reduce_axes) == topology.size(*DENSE.reduce_axes), f"MiCS over a {domain} group"
     split = topology.split(domain.reduce_axes, size)
     if settings.hierarchical_gather and split.inner_link == "inter":
         raise TopologyError(f"'zero_optimization.mics_hierarchical_params_gather' is true but a shard group of "
@@ -133,7 +169,8 @@ def _mics(topology: Topology, domain: Domain, settings: HierarchySettings, plain
                             "group in one step: set mics_shard_size to a divisor of the ranks per node, or the key "
                             "to false")
     ranks = split.inner_ranks
-    index_of = tuple(r % size for r in range(topology.world_size))  # data is the only axis: blocks are consecutive
+    # a rank's index in its own shard group: blocks are consecutive in its (sorted) group over the axes
+    index_of = tuple(topology.axis_rank_of(r, *domain.reduce_axes) % size for r in range(topology.world_size))
     return dataclasses.replace(
         plain, group=split.inner, rank=ranks.index(topology.rank), size=size, ranks=ranks, index_of=index_of,
         grad_group=split.inner_grad, replica_group=split.outer,

@@ -11,17 +11,21 @@ communication data type, q_k(S) the bytes of S elements block-quantized to k bit
   replicas: S b_c 2(R-1)/R on their link.
 Stage 3's unit groups gather once in forward and once more in backward unless the unit is kept
 gathered in between (`stage3_max_reuse_distance`), every micro-step; its persistent groups, like
-stages 1-2, gather once after the step.
+stages 1-2, gather once after the step. Under a pipeline a stage is gathered once per batch and
+kept to its last backward, and its gradients are reduced once ([Note: pipeline under ZeRO] in
+zerodist/engine/pipeline.py): one pass, no re-gather (`step_link_bytes`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from zerodist.comm import nodes
 from zerodist.comm.quantize import quantized_nbytes
 from zerodist.comm.topology import Topology
 from zerodist.zero.flat_group import FlatParamGroup
+from zerodist.zero.hierarchy import group_ranks_per_node
 from zerodist.zero.runtime import UnitRuntime
 
 QUANT_BLOCK = 256  # zerodist.comm.quantize.DEFAULT_BLOCK: the block ZeRO++'s collectives use
@@ -41,7 +45,8 @@ def link_bus_bytes(groups: Iterable[FlatParamGroup], topology: Topology, *, rega
         gathers = micro_steps if sharded else int(group.policy.shard_optimizer_state)  # forward / after the step
         syncs = micro_steps if group.policy.shard_gradients else 1
         replicas = topology.size(*dg.domain.reduce_axes) // d
-        replica_link = nodes.link_of_ranks([dg.ranks[0] + j * d for j in range(replicas)], topology.world_size)
+        replica_link = (nodes.link_of_ranks(list(topology.split(dg.domain.reduce_axes, d).outer_ranks),
+                                            topology.world_size) if replicas > 1 else link)
         for span in group.layout.buckets:
             s, n = span.shard_numel, span.numel
             if d == 1:
@@ -50,7 +55,8 @@ def link_bus_bytes(groups: Iterable[FlatParamGroup], topology: Topology, *, rega
             out[link] += gather * (d - 1) / d * gathers
             if sharded and again and dg.secondary is not None:  # hpZ: the backward's gather within the block
                 k = dg.secondary.size
-                block_link = nodes.INTRA if topology.ranks_per_node % k == 0 else nodes.INTER
+                block = dg.ranks[dg.rank // k * k: dg.rank // k * k + k]  # this rank's block of k in its group
+                block_link = nodes.link_of_ranks(list(block), topology.world_size)
                 out[block_link] += n * b * (k - 1) / k * micro_steps
             elif sharded and again:
                 out[link] += gather * (d - 1) / d * micro_steps
@@ -74,10 +80,19 @@ def _gradient(out: dict[str, float], group: FlatParamGroup, d: int, s: int, full
     if quantized.inter_group is None:
         out[link] += d * chunk * (d - 1) / d * syncs
         return
-    per_node = topology.ranks_per_node
+    per_node = group_ranks_per_node(group.domain_group.ranks, topology.world_size)
     hosts = d // per_node
     out[nodes.INTRA] += d * chunk * (per_node - 1) / per_node * syncs
     out[nodes.INTER] += hosts * chunk * (hosts - 1) / hosts * syncs
+
+
+def step_link_bytes(engine: Any) -> dict[str, float]:
+    """`link_bus_bytes` for one optimizer step of an engine: its micro-steps and re-gathered units,
+    or under a pipeline one gather and one reduction per stage and batch (without `max_active_stages`)."""
+    if engine.pipeline is not None:
+        return link_bus_bytes(engine.groups, engine.topology, regathered=set(), micro_steps=1)
+    return link_bus_bytes(engine.groups, engine.topology, regathered=regathered_groups(engine.stage3),
+                          micro_steps=engine.gradient_accumulation_steps())
 
 
 def regathered_groups(runtime: UnitRuntime | None) -> set[int]:
