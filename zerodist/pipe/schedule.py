@@ -378,9 +378,11 @@ def zbv_rank(rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
     return [a for a in actions if a.microbatch < num_microbatches]
 
 
-def dualpipev_rank(rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
+def dualpipev_rank(rank: int, num_ranks: int, num_microbatches: int,
+                   pairs: list[int] | None = None) -> list[Action]:
     """DualPipeV's compute order on `rank` (torch's `ScheduleDualPipeV`, from DeepSeek's
-    open-source DualPipe): steps 1-8 of that code, an overlapped F&B written as F then B."""
+    open-source DualPipe): steps 1-8 of that code, an overlapped F&B written as F then B.
+    `pairs`, if given, gets the index of each overlapped pair's F (its B follows it)."""
     p = num_ranks
     stage = {0: rank, 1: 2 * p - 1 - rank}
     forward = {0: 0, 1: 0}
@@ -412,13 +414,18 @@ def dualpipev_rank(rank: int, num_ranks: int, num_microbatches: int) -> list[Act
         b(1, split=True)
         w()
         f(1)
+    marks = pairs if pairs is not None else []
     for i in range(num_microbatches - 2 * p + rank + 1):  # 4: F0&B1, F1&B0
+        if not (i == 0 and rank == p - 1):       # DeepSeek's last rank runs its first pair apart
+            marks.append(len(actions))
         f(0)
         b(1)
+        marks.append(len(actions))
         f(1)
         b(0)
     for _ in range(p - rank - 1):                # 5: B1, F1&B0
         b(1)
+        marks.append(len(actions))
         f(1)
         b(0)
     split = False
