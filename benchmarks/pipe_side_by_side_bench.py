@@ -32,6 +32,9 @@ arm's step time over local's, and over its ideal base x (1 + bubble), base being
 V arms and local for the others, with bubble (p-1)/m for
 GPipe and 1F1B, (p-1)/(v m) interleaved, (p-1)/(3m) ZB-H1 (T_F = T_I = T_W, Qi et al. 2024),
 (p-1)/(6m) ZB-V and DualPipeV (the V's fill, [Note: V schedules] in zerodist/pipe/schedule.py).
+"cpu x local" is the busier rank's CPU time (time.process_time, so waiting is excluded) over
+local's: it reads about the same on a loaded machine, and says how much of an arm's excess is work
+it adds (copies, the split backward's graph walk, an unbalanced cut) rather than idle.
 DeepSpeed's PipelineEngine is not run here (it lives in another venv).
 """
 
@@ -221,39 +224,46 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
     for config in configs(args):
         arms = Arms(rank, config)
         times: dict[str, list[float]] = {n: [] for n in names}
+        cpu: dict[str, list[float]] = {n: [] for n in names}  # this rank's CPU seconds (waits excluded)
         losses: dict[str, float | None] = {}
         for round_index in range(args.rounds + 1):  # round 0 warms up
             for name in names:
                 comm.barrier()
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 losses[name] = arms.run(name)
+                used = time.process_time() - start_cpu
                 comm.barrier()
                 if round_index:
                     times[name].append(time.perf_counter() - start)
+                    cpu[name].append(used)
         everyone: list = [None] * world
-        comm.all_gather_object(everyone, losses)  # the last stage is on rank 1, or rank 0 in a V
-        merged = {n: next((d[n] for d in everyone if d[n] is not None), None) for n in names}
-        results.append((config, {n: statistics.median(t) for n, t in times.items()}, merged))
+        comm.all_gather_object(everyone, (losses, {n: statistics.median(c) for n, c in cpu.items()}))
+        # the last stage is on rank 1, or rank 0 in a V; the busier rank's CPU time bounds the step
+        merged = {n: next((d[0][n] for d in everyone if d[0][n] is not None), None) for n in names}
+        busiest = {n: max(d[1][n] for d in everyone) for n in names}
+        results.append((config, {n: statistics.median(t) for n, t in times.items()}, merged, busiest))
         del arms
     if rank == 1:
         queue.put(results)
 
 
 def report(config: argparse.Namespace, times: dict[str, float], losses: dict[str, float | None],
-           rounds: int) -> bool:
+           cpu: dict[str, float], rounds: int) -> bool:
+    """The table; "cpu x local" is the busier rank's CPU time over local's (waits excluded, so it
+    reads the same on a loaded machine): above 1 is work the arm adds, the rest of "x local" idle."""
     params = sum(p.numel() for layer in layers_of(config) for p in layer.parameters())
     kib = config.batch * config.seq * config.d_model * 4 / 1024
     print(f"\nGPT {params / 1e6:.1f}M params in 2 stages, {config.micro_batches} micro-batches of "
           f"{config.batch}x{config.seq} (activation messages of {kib:.0f} KiB), AdamW, 2 gloo ranks, 1 thread "
           f"each; median of {rounds} interleaved rounds; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{'arm':<38} {'step s':>8} {'x local':>8} {'ideal':>7} {'x ideal':>8} {'loss':>10}")
+    print(f"{'arm':<38} {'step s':>8} {'x local':>8} {'ideal':>7} {'x ideal':>8} {'cpu x local':>11} {'loss':>10}")
     local = times["local"]
     for name, wall in times.items():
         base = times["local-v"] if name.endswith(V_ARMS) or name == "local-v" else local
         ideal = base / local * (1 + bubble(name, 2, config.micro_batches))  # in units of local
         loss = losses.get(name)
         print(f"{name:<38} {wall:>8.3f} {wall / local:>8.3f} {ideal:>7.3f} {wall / local / ideal:>8.3f} "
-              f"{'' if loss is None else f'{loss:.6f}':>10}")
+              f"{cpu[name] / cpu['local']:>11.3f} {'' if loss is None else f'{loss:.6f}':>10}")
     finals = {f"{loss:.6g}" for name, loss in losses.items() if loss is not None}
     print("same final loss to 6 digits in every pipeline arm:", len(finals) == 1, sorted(finals))
     return len(finals) == 1
@@ -277,7 +287,7 @@ def main() -> int:
     if error:
         print(f"2 ranks: {error}")
         return 1
-    same = [report(config, times, losses, args.rounds) for config, times, losses in queue.get()]
+    same = [report(config, times, losses, cpu, args.rounds) for config, times, losses, cpu in queue.get()]
     return 0 if all(same) else 1
 
 
