@@ -1,8 +1,13 @@
 """zerodist's pipeline schedules side by side with torch.distributed.pipelining's and with "local",
 in one pair of gloo processes, on a real model (a GPT in 2 stages, AdamW).
 
-    python benchmarks/pipe_side_by_side_bench.py [--micro-batches 8] [--batch 4] [--seq 128]
-                                                 [--d-model 512] [--layers 8] [--rounds 3]
+    python benchmarks/pipe_side_by_side_bench.py [--micro-batches 8 16] [--shapes 4x128] [--d-model 512]
+                                                 [--layers 8] [--rounds 3] [--arms zbv local]
+
+Each (micro-batches, shape) configuration runs in the same process pair, one after the other; an
+activation message is batch x seq x d_model fp32 (4x128x512: 1 MiB, over gloo's 256 KiB eager
+size and far over the header's 4 KiB inline area, so every message is a header plus a payload).
+`--arms` keeps the arms whose name contains one of the words (local and local-v always run).
 
 Arms (each runs one training step per round, rounds interleaved, the median reported):
 - zerodist: `PipelineExecutor` on `build_schedule(name)` for 1f1b, gpipe, interleaved (2 stages per
@@ -13,12 +18,23 @@ Arms (each runs one training step per round, rounds interleaved, the median repo
   same layer objects;
 - local: each rank runs its own stage's forwards and backwards on the same micro-batches (the
   first stage from fixed output gradients, the last from a fixed input) and its AdamW step, with no
-  message: the limit a pipeline approaches as its bubble and messages vanish.
+  message: the limit a pipeline approaches as its bubble and messages vanish;
+- local-v: the same for the rank's two stages of the V (ZB-V's and DualPipeV's limit: their
+  ranks hold other layers than the one-stage-per-rank split, see below).
+Every module is cut with partition_method="parameters" (DeepSpeed's default): the GPT's embedding
+and head are cheap, so "uniform" would give the V's rank 1 five blocks against rank 0's three
+(stages of 3, 3, 2, 2 layers; rank 0 holds the first and the last), a 1.24x longer step on rank 1
+that is the cut, not the schedule (it was the whole of ZB-V's and DualPipeV's 1.26-1.28x "over
+ideal" in the first runs).
 Every arm starts from the same weights and optimizer state; the pipeline arms must end at the same
 loss (checked to 6 digits: they compute the same sums, in different orders). Each figure is the
-arm's step time over local's, and over its ideal local x (1 + bubble) with bubble (p-1)/m for
+arm's step time over local's, and over its ideal base x (1 + bubble), base being local-v for the
+V arms and local for the others, with bubble (p-1)/m for
 GPipe and 1F1B, (p-1)/(v m) interleaved, (p-1)/(3m) ZB-H1 (T_F = T_I = T_W, Qi et al. 2024),
 (p-1)/(6m) ZB-V and DualPipeV (the V's fill, [Note: V schedules] in zerodist/pipe/schedule.py).
+"cpu x local" is the busier rank's CPU time (time.process_time, so waiting is excluded) over
+local's: it reads about the same on a loaded machine, and says how much of an arm's excess is work
+it adds (copies, the split backward's graph walk, an unbalanced cut) rather than idle.
 DeepSpeed's PipelineEngine is not run here (it lives in another venv).
 """
 
@@ -43,7 +59,7 @@ V_ARMS = ("zbv", "dualpipev", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 
 def bubble(arm: str, p: int, m: int) -> float:
-    if arm in ("local",):
+    if arm.startswith("local"):
         return 0.0
     if arm.endswith(V_ARMS):  # [Note: V schedules] in zerodist/pipe/schedule.py: idle (p-1) chunk forwards of 6m chunk actions
         return (p - 1) / (6 * m)
@@ -70,11 +86,11 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class Arms:
-    """One rank's arms, all over the same layer objects, reset to the same state before each."""
+    """One rank's arms for one configuration, all over the same layer objects, reset to the same
+    state before each."""
 
     def __init__(self, rank: int, args: argparse.Namespace):
         from zerodist.pipe import PipelineExecutor, PipelineModule, build_schedule
-        from zerodist.pipe.module import partition_uniform
 
         self.rank, self.args, self.m = rank, args, args.micro_batches
         self.layers = layers_of(args)
@@ -83,16 +99,16 @@ class Arms:
         self.tokens = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(self.m)]
         self.targets = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(self.m)]
         self.modules = {v: PipelineModule(self.layers, num_stages=2, stages_per_rank=1 if v == 1 else 2,
-                                          loss_fn=loss_fn, partition_method="uniform",
+                                          loss_fn=loss_fn, partition_method="parameters",
                                           stage_placement="v" if v == "v" else "loop") for v in (1, 2, "v")}
         self.executors = {v: PipelineExecutor(module, [0, 1], timeout_s=600) for v, module in self.modules.items()}
         self.schedules = {name: build_schedule(name, num_ranks=2, num_microbatches=self.m,
                                                stages_per_rank=1 if name in ("1f1b", "gpipe", "zb") else 2)
                           for name in ZD}
-        bounds = partition_uniform(len(self.layers), 2)
-        self.mine = self.layers[bounds[rank]:bounds[rank + 1]]  # this rank's stage at one stage per rank
+        halves, quarters = self.modules[1].parts, self.modules["v"].parts
+        self.mine = self.layers[halves[rank]:halves[rank + 1]]  # this rank's stage at one stage per rank
         self.stage = torch.nn.Sequential(*self.mine)
-        quarters = partition_uniform(len(self.layers), 4)  # the V: stages rank and 3 - rank
+        # the V: stages rank and 3 - rank, cut as the zerodist V module is
         self.v_stages = {s: torch.nn.Sequential(*self.layers[quarters[s]:quarters[s + 1]]) for s in (rank, 3 - rank)}
         shape = (args.batch, args.seq, args.d_model)
         self.fixed = [torch.randn(shape, generator=g) for _ in range(self.m)]  # local: inputs / output grads
@@ -118,6 +134,11 @@ class Arms:
             return float(torch.stack(list(result.losses.values())).mean()) if result.losses else None
         if name in V_ARMS:
             return self._torch_v(name, self.reset([p for s in self.v_stages.values() for p in s.parameters()]))
+        if kind == "local-v":
+            optimizer = self.reset([p for s in self.v_stages.values() for p in s.parameters()])
+            self._local_v()
+            optimizer.step()
+            return None
         optimizer = self.reset(list(self.stage.parameters()))
         if kind == "local":
             self._local()
@@ -131,6 +152,18 @@ class Arms:
                 self.stage(self.tokens[j]).backward(self.fixed[j])
             else:
                 (loss_fn(self.stage(self.fixed[j].requires_grad_(True)), self.targets[j]) / self.m).backward()
+
+    def _local_v(self) -> None:
+        """The V's two stages of this rank, each on its own (rank 0: the first from the tokens and fixed
+        output gradients, the last from fixed inputs to the loss; rank 1: both middle ones)."""
+        for j in range(self.m):
+            for s, module in sorted(self.v_stages.items()):
+                if s == 0:
+                    module(self.tokens[j]).backward(self.fixed[j])
+                elif s == 3:
+                    (loss_fn(module(self.fixed[j].requires_grad_(True)), self.targets[j]) / self.m).backward()
+                else:
+                    module(self.fixed[j].requires_grad_(True)).backward(self.fixed[j])
 
     def _torch(self, name: str, optimizer: torch.optim.Optimizer) -> float | None:
         import torch.distributed.pipelining as pipelining
@@ -163,6 +196,22 @@ class Arms:
         return None
 
 
+def arm_names(args: argparse.Namespace) -> list[str]:
+    names = [f"zerodist:{n}" for n in ZD] + [f"torch:{n}" for n in TORCH]
+    if args.arms:
+        names = [n for n in names if any(word.lower() in n.lower() for word in args.arms)]
+    return ["local", "local-v"] + names
+
+
+def configs(args: argparse.Namespace) -> list[argparse.Namespace]:
+    out = []
+    for m in args.micro_batches:
+        for shape in args.shapes:
+            batch, seq = (int(x) for x in shape.lower().split("x"))
+            out.append(argparse.Namespace(**{**vars(args), "micro_batches": m, "batch": batch, "seq": seq}))
+    return out
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -170,34 +219,65 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
     import zerodist.comm as comm
 
     comm.init_distributed()
-    arms = Arms(rank, args)
-    names = ["local"] + [f"zerodist:{n}" for n in ZD] + [f"torch:{n}" for n in TORCH]
-    times: dict[str, list[float]] = {n: [] for n in names}
-    losses: dict[str, float | None] = {}
-    for round_index in range(args.rounds + 1):  # round 0 warms up
-        for name in names:
-            comm.barrier()
-            start = time.perf_counter()
-            losses[name] = arms.run(name)
-            comm.barrier()
-            if round_index:
-                times[name].append(time.perf_counter() - start)
-    everyone: list = [None] * world
-    comm.all_gather_object(everyone, losses)  # the last stage is on rank 1, or rank 0 in a V
+    names = arm_names(args)
+    results = []
+    for config in configs(args):
+        arms = Arms(rank, config)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        cpu: dict[str, list[float]] = {n: [] for n in names}  # this rank's CPU seconds (waits excluded)
+        losses: dict[str, float | None] = {}
+        for round_index in range(args.rounds + 1):  # round 0 warms up
+            for name in names:
+                comm.barrier()
+                start, start_cpu = time.perf_counter(), time.process_time()
+                losses[name] = arms.run(name)
+                used = time.process_time() - start_cpu
+                comm.barrier()
+                if round_index:
+                    times[name].append(time.perf_counter() - start)
+                    cpu[name].append(used)
+        everyone: list = [None] * world
+        comm.all_gather_object(everyone, (losses, {n: statistics.median(c) for n, c in cpu.items()}))
+        # the last stage is on rank 1, or rank 0 in a V; the busier rank's CPU time bounds the step
+        merged = {n: next((d[0][n] for d in everyone if d[0][n] is not None), None) for n in names}
+        busiest = {n: max(d[1][n] for d in everyone) for n in names}
+        results.append((config, {n: statistics.median(t) for n, t in times.items()}, merged, busiest))
+        del arms
     if rank == 1:
-        merged = {n: next((d[n] for d in everyone if d[n] is not None), None) for n in names}
-        queue.put(({n: statistics.median(t) for n, t in times.items()}, merged))
+        queue.put(results)
+
+
+def report(config: argparse.Namespace, times: dict[str, float], losses: dict[str, float | None],
+           cpu: dict[str, float], rounds: int) -> bool:
+    """The table; "cpu x local" is the busier rank's CPU time over local's (waits excluded, so it
+    reads the same on a loaded machine): above 1 is work the arm adds, the rest of "x local" idle."""
+    params = sum(p.numel() for layer in layers_of(config) for p in layer.parameters())
+    kib = config.batch * config.seq * config.d_model * 4 / 1024
+    print(f"\nGPT {params / 1e6:.1f}M params in 2 stages, {config.micro_batches} micro-batches of "
+          f"{config.batch}x{config.seq} (activation messages of {kib:.0f} KiB), AdamW, 2 gloo ranks, 1 thread "
+          f"each; median of {rounds} interleaved rounds; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"{'arm':<38} {'step s':>8} {'x local':>8} {'ideal':>7} {'x ideal':>8} {'cpu x local':>11} {'loss':>10}")
+    local = times["local"]
+    for name, wall in times.items():
+        base = times["local-v"] if name.endswith(V_ARMS) or name == "local-v" else local
+        ideal = base / local * (1 + bubble(name, 2, config.micro_batches))  # in units of local
+        loss = losses.get(name)
+        print(f"{name:<38} {wall:>8.3f} {wall / local:>8.3f} {ideal:>7.3f} {wall / local / ideal:>8.3f} "
+              f"{cpu[name] / cpu['local']:>11.3f} {'' if loss is None else f'{loss:.6f}':>10}")
+    finals = {f"{loss:.6g}" for name, loss in losses.items() if loss is not None}
+    print("same final loss to 6 digits in every pipeline arm:", len(finals) == 1, sorted(finals))
+    return len(finals) == 1
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--shapes", nargs="+", default=["4x128"], help="micro-batch shapes, batch x seq")
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--arms", nargs="*", default=[], help="keep the arms whose name has one of these words")
     parser.add_argument("--timeout-s", type=float, default=3600)
     args = parser.parse_args()
     import torch.multiprocessing as mp
@@ -207,21 +287,8 @@ def main() -> int:
     if error:
         print(f"2 ranks: {error}")
         return 1
-    times, losses = queue.get()
-    params = sum(p.numel() for layer in layers_of(args) for p in layer.parameters())
-    print(f"GPT {params / 1e6:.1f}M params in 2 stages, {args.micro_batches} micro-batches of {args.batch}x{args.seq}, "
-          f"AdamW, 2 gloo ranks, 1 thread each; median of {args.rounds} interleaved rounds; load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{'arm':<38} {'step s':>8} {'x local':>8} {'ideal':>7} {'x ideal':>8} {'loss':>10}")
-    local = times["local"]
-    for name, wall in times.items():
-        ideal = 1 + bubble(name, 2, args.micro_batches)
-        loss = losses.get(name)
-        print(f"{name:<38} {wall:>8.3f} {wall / local:>8.3f} {ideal:>7.3f} {wall / local / ideal:>8.3f} "
-              f"{'' if loss is None else f'{loss:.6f}':>10}")
-    finals = {f"{loss:.6g}" for name, loss in losses.items() if loss is not None}
-    print("same final loss to 6 digits in every pipeline arm:", len(finals) == 1, sorted(finals))
-    return 0 if len(finals) == 1 else 1
+    same = [report(config, times, losses, cpu, args.rounds) for config, times, losses, cpu in queue.get()]
+    return 0 if all(same) else 1
 
 
 if __name__ == "__main__":

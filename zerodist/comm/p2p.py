@@ -38,6 +38,14 @@ for the timeout, and passes the abort on, so every stage fails by name. A neighb
 closes its connection, which gloo reports at once (`CollectiveError`, named by the watchdog);
 one that is alive but stuck is a `PipeTimeoutError` after `timeout_s`.
 
+[Note: one header device] A header's send and its receive must be on one device: gloo moves CPU
+tensors, NCCL only its rank's GPU's. `header_device()` (the device the rank communicates on:
+`comm.device_for_rank()`) is where every header is built and received: the sender's message,
+the receiver's header buffer and an abort alike, whatever device the payload is on (an inline
+payload is copied into and out of the header's message). Before, the sender's header followed
+the payload's device while the receiver's buffer and the abort stayed on the CPU, so a payload
+on a GPU would have sent a header the receiver could not match.
+
 The payload is counted by the tracer as `send` (sender) and `recv` (receiver); headers as
 `p2p_header`, so `trace.total_bytes("send")` is the activations and gradients moved. The
 collective guard does not apply: the two sides of a message issue different calls by design,
@@ -55,13 +63,13 @@ import torch
 import torch.distributed as dist
 
 from zerodist.comm import timeline, tracer
-from zerodist.comm.init import ensure_initialized
+from zerodist.comm.init import device_for_rank, ensure_initialized
 from zerodist.comm.watchdog import CollectiveError, CollectiveTimeoutError, Ticket, watchdog
 
 __all__ = [
     "HEADER_TAG", "INLINE_BYTES", "IncomingMessage", "MAX_TENSORS", "PAYLOAD_TAG", "PipeMessageError",
     "PipePeerFailedError", "PipeTimeoutError",
-    "SendHandle", "irecv", "isend", "recv", "recv_message", "send", "send_abort", "send_message",
+    "SendHandle", "header_device", "irecv", "isend", "recv", "recv_message", "send", "send_abort", "send_message",
 ]
 
 HEADER_TAG = 7301
@@ -151,8 +159,7 @@ def send_message(tensors: Sequence[torch.Tensor], dst: int, *, label: Label) -> 
         raise PipeMessageError(f"a pipeline message carries 1 to {MAX_TENSORS} tensors, got {len(tensors)}; "
                                "return fewer tensors from a stage's last layer (pack them in one)")
     payload = [t.detach().contiguous() for t in tensors]
-    header = _encode(_OK, label, payload)
-    inline = bool(header[:_INLINE_START].view(torch.int64)[_FIXED - 1])
+    header, inline = _encode(_OK, label, payload, header_device())
     try:  # gloo raises here at once when the peer's connection is closed
         works = [dist.isend(header, dst=dst, tag=HEADER_TAG)]
         _record("p2p_header", header)
@@ -170,7 +177,7 @@ def send_message(tensors: Sequence[torch.Tensor], dst: int, *, label: Label) -> 
 def send_abort(dst: int, label: Label = (0, 0, 0)) -> None:
     """Tell global rank `dst` that this stage failed (best effort: never waits, never raises)."""
     try:
-        header = _encode(_ABORT, label, [])
+        header, _ = _encode(_ABORT, label, [], header_device())
         _ABORTS.append(dist.isend(header, dst=dst, tag=HEADER_TAG))
         _ABORTS.append(header)  # kept alive: the process is failing anyway
     except Exception:  # the peer may be gone already  # noqa: BLE001
@@ -196,8 +203,8 @@ class IncomingMessage:
         ensure_initialized()
         self.src, self.label, self.describe = src, tuple(label), describe
         self.timeout_s, self.timeout_setting = timeout_s, timeout_setting
-        self.device = device or torch.device("cpu")
-        self._header = torch.empty(MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
+        self.device = device or torch.device("cpu")  # where the tensors are received
+        self._header = torch.empty(MESSAGE_BYTES, dtype=torch.uint8, device=header_device())
         self._received: list[torch.Tensor] | None = None  # allocated once the header is checked
         self._works: list[Any] = []
         try:
@@ -307,12 +314,17 @@ def _wait(work: Any, ticket: Ticket, timeout_s: float | None, describe: str | No
             f"{describe or ticket.op}: that stage exited or crashed; its log says why.\n{error}") from error
 
 
-def _encode(status: int, label: Label, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The header's message (MESSAGE_BYTES of uint8): the header words, then the tensors themselves
-    when they fit in INLINE_BYTES together (one message instead of 1 + len(tensors))."""
-    device = tensors[0].device if tensors else torch.device("cpu")
-    message = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8, device=device)
-    header = message[:_INLINE_START].view(torch.int64)
+def header_device() -> torch.device:
+    """The device every pipeline header is built and received on ([Note: one header device])."""
+    return device_for_rank()
+
+
+def _encode(status: int, label: Label, tensors: Sequence[torch.Tensor],
+            device: torch.device) -> tuple[torch.Tensor, bool]:
+    """The header's message (MESSAGE_BYTES of uint8 on `device`): the header words, then the tensors
+    themselves when they fit in INLINE_BYTES together (one message instead of 1 + len(tensors));
+    and whether they did."""
+    words = [0] * HEADER_LENGTH  # built on the host, then one copy to the header's device
     metas: list[Meta] = []
     for index, tensor in enumerate(tensors):
         if tensor.dtype not in _DTYPE_CODES:
@@ -321,16 +333,16 @@ def _encode(status: int, label: Label, tensors: Sequence[torch.Tensor]) -> torch
             raise PipeMessageError(f"pipeline messages carry tensors of at most {MAX_DIMS} dimensions, "
                                    f"got {tuple(tensor.shape)}")
         start = _FIXED + index * _PER_TENSOR
-        header[start] = _DTYPE_CODES[tensor.dtype]
-        header[start + 1] = tensor.dim()
-        header[start + 2: start + 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64, device=device)
+        words[start: start + 2 + tensor.dim()] = [_DTYPE_CODES[tensor.dtype], tensor.dim(), *tensor.shape]
         metas.append((tuple(tensor.shape), tensor.dtype))
     inline = bool(tensors) and _inline_end(metas) <= MESSAGE_BYTES
-    header[:_FIXED] = torch.tensor([_MAGIC, status, *label, len(tensors), int(inline)], device=device)
+    words[:_FIXED] = [_MAGIC, status, *label, len(tensors), int(inline)]
+    message = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8, device=device)
+    message[:_INLINE_START].view(torch.int64)[:HEADER_LENGTH].copy_(torch.tensor(words, dtype=torch.int64))
     if inline:
         for view, tensor in zip(_inline_views(message, metas), tensors):
             view.copy_(tensor)
-    return message
+    return message, inline
 
 
 def _inline_offsets(metas: Sequence[Meta]) -> list[int]:

@@ -191,8 +191,8 @@ def apply_pipeline(model: torch.nn.Module, topology: comm.Topology, settings: Pi
     if not isinstance(model, PipelineModule):
         return None
     if comm.device_for_rank().type != "cpu":
-        # [Note: pipeline messages on the CPU] p2p headers and received tensors are CPU tensors (gloo);
-        # NCCL would need them on the rank's GPU. Refused by name rather than failing mid-batch.
+        # [Note: pipeline messages on the CPU] received tensors are CPU tensors (gloo; the headers are on
+        # p2p.header_device()); NCCL would need them on the rank's GPU. Refused by name rather than failing mid-batch.
         raise PipelineError(f"pipeline parallelism runs on the CPU with gloo in this version; this rank computes on "
                             f"{comm.device_for_rank()} (NCCL): train the PipelineModule on gloo, or without a pipeline")
     if settings.stages_per_rank not in (None, model.stages_per_rank):

@@ -326,12 +326,11 @@ def _interleaved_rank(
 # `ScheduleDualPipeV._calculate_single_rank_operations` in torch 2.13) written on zerodist's IR; an
 # overlapped F&B is an F followed by a B. tests/pipe/test_zb_v.py compares the two action by action.
 #
-# Bubble. The ZB paper (section 6) calls ZB-V "zero bubble" when T_F = T_B = T_W (torch's docstring
-# says the same); DeepSeek's DualPipe README gives DualPipe's bubble as (PP/2 - 1)(F&B + B - 3W).
-# What remains at the paper's unit costs per chunk (F = I = W = 1, B = 2), in this simulator, is
-# the V's fill: every rank idles p - 1 chunk forwards, an idle share of (p - 1)/(6m + p - 1), for
-# both schedules (tests/pipe/test_zb_v.py, p = 2..4; DualPipeV's F&B run one after the other here).
-# With unequal costs the idle is not one linear formula: the simulator gives it.
+# Bubble. At the paper's unit costs per chunk (F = I = W = 1, B = 2) the simulator gives both
+# schedules the V's fill: every rank idles p - 1 chunk forwards over the step, an idle share of
+# (p - 1)/(6m + p - 1) (tests/pipe/test_zb_v.py, p = 2..4). How that meets the published formulas
+# (ZB-V's 0 counted per rank's own span; DualPipeV's (PP/2 - 1)(F&B + B - 3W) with DeepSeek's pairs
+# as one unit, which zerodist relaxes to F then B): [Note: published bubbles] in zerodist/pipe/bubbles.py.
 
 
 def zbv_rank(rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
@@ -378,9 +377,11 @@ def zbv_rank(rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
     return [a for a in actions if a.microbatch < num_microbatches]
 
 
-def dualpipev_rank(rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
+def dualpipev_rank(rank: int, num_ranks: int, num_microbatches: int,
+                   pairs: list[int] | None = None) -> list[Action]:
     """DualPipeV's compute order on `rank` (torch's `ScheduleDualPipeV`, from DeepSeek's
-    open-source DualPipe): steps 1-8 of that code, an overlapped F&B written as F then B."""
+    open-source DualPipe): steps 1-8 of that code, an overlapped F&B written as F then B.
+    `pairs`, if given, gets the index of each overlapped pair's F (its B follows it)."""
     p = num_ranks
     stage = {0: rank, 1: 2 * p - 1 - rank}
     forward = {0: 0, 1: 0}
@@ -412,13 +413,18 @@ def dualpipev_rank(rank: int, num_ranks: int, num_microbatches: int) -> list[Act
         b(1, split=True)
         w()
         f(1)
+    marks = pairs if pairs is not None else []
     for i in range(num_microbatches - 2 * p + rank + 1):  # 4: F0&B1, F1&B0
+        if not (i == 0 and rank == p - 1):       # DeepSeek's last rank runs its first pair apart
+            marks.append(len(actions))
         f(0)
         b(1)
+        marks.append(len(actions))
         f(1)
         b(0)
     for _ in range(p - rank - 1):                # 5: B1, F1&B0
         b(1)
+        marks.append(len(actions))
         f(1)
         b(0)
     split = False
