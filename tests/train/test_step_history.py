@@ -15,7 +15,7 @@ import pytest
 from tests.harness import run_distributed
 from zerodist.train.metrics import StepHistory, StepRecord
 
-STEPS = 30
+STEPS = 14  # past the window: a list of every record would hold 13 at the last row
 
 
 def _live_records() -> int:
@@ -46,6 +46,7 @@ def _train_counting_records(out: str) -> dict[str, Any]:
             "last": summary.last_losses}
 
 
+@pytest.mark.slow  # the demo's start-up on 2 ranks (its FLOP peak, counter, summary): tens of s on 2 cores
 @pytest.mark.multiprocess
 def test_a_run_keeps_at_most_a_window_of_step_records(tmp_path: Path) -> None:
     results = run_distributed(_train_counting_records, 2, str(tmp_path), timeout=120)
