@@ -68,6 +68,40 @@ CASES: list[tuple[str, object, list[str], str]] = [
     ("pp-more-stages-than-blocks", None, ["--model", "tiny", "--pp", "2", "--schedule", "interleaved"],
      "4 pipeline stages for the 2 blocks"),
     ("pp-moe-not-dividing", None, ["--nproc", "4", "--pp", "2", "--moe", "3"], "a pipeline stage"),
+    # keys whose validity depends on the layout (zerodist/cli/layout_checks.py): they passed these checks and
+    # then failed on every rank with a traceback
+    ("mics-not-dividing", {"zero_optimization": {"stage": 3, "mics_shard_size": 3}}, [],
+     "'zero_optimization.mics_shard_size' (3) must divide the data-parallel degree (2)"),
+    ("mics-with-tp", {"zero_optimization": {"stage": 3, "mics_shard_size": 1}}, ["--nproc", "4", "--tp", "2"],
+     "'zero_optimization.mics_shard_size' (1) shards over data-parallel ranks only"),
+    ("hpz-not-dividing", {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}}, [],
+     "'zero_optimization.zero_hpz_partition_size' (3) must divide the 2 ranks"),
+    ("simulated-nodes-not-dividing", {"zerodist": {"simulated_nodes": 3}}, [],
+     "'zerodist.simulated_nodes' (3) does not divide the world of 2 ranks"),
+    ("layout-invariant-with-qwz", {"zerodist": {"deterministic": "layout_invariant"},
+                                   "zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, [],
+     "zero_optimization.zero_quantized_weights change how gradients are reduced"),
+    ("layout-invariant-with-comm-dtype", {"zerodist": {"deterministic": "layout_invariant"},
+                                          "communication_data_type": "bf16"}, [], "communication_data_type change"),
+    ("layout-invariant-three-ranks", {"zerodist": {"deterministic": "layout_invariant"}}, ["--nproc", "3"],
+     "the data-parallel degree 3 is not a power of two"),
+    # wrong types in the sections added since the probe
+    ("deterministic-bool", {"zerodist": {"deterministic": True}}, [], "'zerodist.deterministic': got true"),
+    ("mics-text", {"zero_optimization": {"stage": 3, "mics_shard_size": "2"}}, [], "zero_optimization.mics_shard_size"),
+    ("hpz-zero", {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 0}}, [],
+     "zero_optimization.zero_hpz_partition_size"),
+    ("qwz-int", {"zero_optimization": {"stage": 3, "zero_quantized_weights": 1}}, [],
+     "zero_optimization.zero_quantized_weights"),
+    ("comm-dtype-fp8", {"communication_data_type": "fp8"}, [], "communication_data_type"),
+    ("max-active-stages-text", {"zerodist": {"pipeline": {"max_active_stages": "2"}}}, [],
+     "zerodist.pipeline.max_active_stages"),
+    ("max-active-stages-zero", {"zerodist": {"pipeline": {"max_active_stages": 0}}}, [],
+     "zerodist.pipeline.max_active_stages"),
+    ("timeline-not-object", {"zerodist": {"timeline": True}}, [], "'zerodist.timeline': got true"),
+    ("timeline-steps-text", {"zerodist": {"timeline": {"enabled": True, "num_steps": "1"}}}, [],
+     "zerodist.timeline.num_steps"),
+    ("wandb-enabled-text", {"wandb": {"enabled": "true"}}, [], "'wandb.enabled'"),
+    ("comet-interval-zero", {"comet": {"samples_log_interval": 0}}, [], "comet.samples_log_interval"),
 ]
 
 
@@ -105,6 +139,10 @@ NOW_PASSING = [
     ("pp-with-autotp", {"tensor_parallel": {"autotp_size": 2}}, ["--nproc", "4", "--pp", "2"]),
     ("pp-with-save-and-resume", None, ["--pp", "2", "--save-interval", "2", "--resume"]),
     ("pp-with-moe", None, ["--nproc", "4", "--pp", "2", "--moe", "2"]),
+    # the layout checks let through what the engine runs
+    ("mics-dividing", {"zero_optimization": {"stage": 3, "mics_shard_size": 2}}, ["--nproc", "4"]),
+    ("hpz-dividing", {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, ["--nproc", "4"]),
+    ("layout-invariant", {"zerodist": {"deterministic": "layout_invariant"}}, ["--nproc", "4", "--stage", "3"]),
 ]
 
 

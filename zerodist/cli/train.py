@@ -84,6 +84,7 @@ def default_nproc() -> int:
 
 def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     """The plan every rank will run, validated now: raises ConfigError (or ValueError for the model)."""
+    from zerodist.cli.layout_checks import check_layout_keys
     from zerodist.config import Config, ConfigError
     from zerodist.config.source import read_json_file
     from zerodist.engine.optimizers import optimizer_from_config
@@ -131,9 +132,12 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
             raise ValueError(f"--nproc {world_size} is not divisible by the tensor-parallel degree {tensor} (--tp) x "
                              f"the sequence-parallel degree {sequence} (--sp) x the pipeline degree {pipe} (--pp)")
         _check_sequence(checked, model, getattr(args, "seq_len", None))
-        checked.batch_sizes(world_size // (tensor * sequence * pipe),
-                            world_size_source=f"{world_size} rank(s) / tensor {tensor} / sequence {sequence} "
-                                              f"/ pipe {pipe}")
+        batch = checked.batch_sizes(world_size // (tensor * sequence * pipe),
+                                    world_size_source=f"{world_size} rank(s) / tensor {tensor} / sequence {sequence} "
+                                                      f"/ pipe {pipe}")
+        check_layout_keys(checked, world_size=world_size, tensor=tensor, sequence=sequence, pipe=pipe,
+                          expert=world_size // pipe if args.moe else 1,
+                          accumulation=batch.gradient_accumulation_steps)
         if checked.optimizer is not None:
             optimizer_from_config(checked)
         if checked.scheduler is not None:

@@ -29,7 +29,7 @@ from zerodist.debug.memory import peak_rss_bytes, rss_bytes
 from zerodist.engine import Engine
 from zerodist.models import GPT, count_parameters, gpt_config
 from zerodist.tensor_parallel import schedule_log
-from zerodist.train.metrics import MetricsLog, StepRecord, plot_loss, read_csv, write_csv
+from zerodist.train.metrics import MetricsLog, StepHistory, StepRecord, plot_loss, read_csv, read_losses
 from zerodist.comm.quantized import QGZ_LABEL, measure_quantization_error
 from zerodist.train.link_report import link_lines
 from zerodist.train.observe import StepObserver
@@ -139,8 +139,8 @@ class ProgressBar:
 def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int, metrics: MetricsLog | None = None,
               activations: SavedActivations | None = None,
               observer: StepObserver | None = None,
-              last_step: dict[str, Any] | None = None) -> tuple[list[StepRecord], float, Any, Any]:
-    """Train `steps` optimizer steps; returns (records, seconds, tracer of everything, bytes and
+              last_step: dict[str, Any] | None = None) -> tuple[StepHistory, float, Any, Any]:
+    """Train `steps` optimizer steps; returns (what is kept of the records: [Note: bounded step history], seconds, tracer of everything, bytes and
     bus bytes of the loss averaging alone). The loss averaging runs in a nested trace so the summary can
     tell the engine's traffic from the progress bar's. Each step's row goes to `metrics` before its
     optimizer step, its tokens/s over the time since the previous row (one whole step).
@@ -154,7 +154,7 @@ def run_steps(engine: Engine, loader: Any, steps: int, seq_len: int, metrics: Me
     batches = endless(loader)
     first = engine.global_steps + 1  # after 1 when a checkpoint was resumed
     bar = ProgressBar(steps - first + 1, enabled=comm.get_rank() == 0)
-    records: list[StepRecord] = []
+    records = StepHistory()
     logging_traffic = [0, 0.0]  # bytes and bus bytes of the loss averaging, summed as the steps go
     started = time.perf_counter()
     # Totals only, not a record per collective: memory stays flat however long the run.
@@ -237,7 +237,7 @@ def _psi(engine: Engine, world: int) -> tuple[int, dict[int, int], list[tuple[in
     return psi, psi_by_stage, narrow
 
 
-def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everything: Any, logging_traffic: tuple,
+def summarize(engine: Engine, records: StepHistory, elapsed: float, everything: Any, logging_traffic: tuple,
               memory: list[RankMemory], seq_len: int) -> RunSummary:
     zero = engine.config.zero_optimization
     # the ranks dense parameters are sharded over: the batch shards, times the sequence degree
@@ -248,7 +248,8 @@ def summarize(engine: Engine, records: list[StepRecord], elapsed: float, everyth
     tokens = len(records) * engine.batch.train_batch_size * seq_len
     return RunSummary(
         steps=len(records), world_size=world, stage=zero.stage, precision=engine.policy.name, elapsed_s=elapsed,
-        losses=[r.loss for r in records], tokens_per_s=tokens / elapsed, psi=psi, psi_by_stage=psi_by_stage, memory=memory,
+        first_loss=records.first_loss if records.first_loss is not None else math.nan,
+        last_losses=records.recent_losses() or [math.nan], tokens_per_s=tokens / elapsed, psi=psi, psi_by_stage=psi_by_stage, memory=memory,
         comm_table=everything.format_summary(), comm_bytes=everything.total_bytes(),
         comm_bus_bytes=everything.bus_bytes(),
         logging_bytes=logging_traffic[0],
@@ -274,17 +275,15 @@ def header_lines(plan: TrainPlan, engine: Engine, model: GPT | MoEGPT) -> list[s
             "config:\n" + json.dumps(plan.config, indent=2)]
 
 
-def write_outputs(plan: TrainPlan, records: list[StepRecord], summary: RunSummary,
-                  sections: list[str] | None = None) -> list[str]:
-    """Rank 0's files (summary.txt: the summary and the axes' `sections`); returns the lines that say
-    what was written (or skipped)."""
+def write_outputs(plan: TrainPlan, summary: RunSummary, sections: list[str] | None = None) -> list[str]:
+    """Rank 0's files (summary.txt: the summary and the axes' `sections`; loss.png from metrics.csv,
+    which MetricsLog wrote row by row); returns the lines that say what was written (or skipped)."""
     plan.out.mkdir(parents=True, exist_ok=True)
-    write_csv(records, plan.out / "metrics.csv")
     write_config(plan)
     text = "\n".join([format_summary(summary), *(sections or [])])
     (plan.out / "summary.txt").write_text(text + "\n", encoding="utf-8")
     lines = [f"wrote {plan.out / 'metrics.csv'}, {plan.out / 'config.json'}, {plan.out / 'summary.txt'}"]
-    skipped = plot_loss(records, plan.out / "loss.png", f"GPT {plan.model}, ZeRO stage {summary.stage}, "
+    skipped = plot_loss(*read_losses(plan.out / "metrics.csv"), plan.out / "loss.png", f"GPT {plan.model}, ZeRO stage {summary.stage}, "
                         f"{summary.world_size} rank(s)")
     lines.append(f"loss curve not written: {skipped}" if skipped else f"wrote {plan.out / 'loss.png'}")
     return lines
@@ -306,7 +305,7 @@ def rebuilt_summary(plan: TrainPlan, history: list[StepRecord], resumed: int) ->
     if history and not (plan.out / "summary.txt").is_file():
         text = (f"summary: {len(history)} steps, rebuilt from metrics.csv (the run stopped after its final "
                 f"checkpoint, step {resumed}, before writing its summary: no throughput, memory or traffic figures)\n"
-                f"  {loss_line([r.loss for r in history])}")
+                f"  {loss_line(history[0].loss, [r.loss for r in history[-10:]])}")
         (plan.out / "summary.txt").write_text(text + "\n", encoding="utf-8")
         lines.append(f"wrote {plan.out / 'summary.txt'}")
     return lines
@@ -325,7 +324,7 @@ def finished_already(plan: TrainPlan, resumed: int, rank0: bool) -> TrainOutcome
         return TrainOutcome(0)
     history = read_csv(plan.out / "metrics.csv", resumed)
     if history:  # a run killed between its final save and its outputs: the plot from the kept rows
-        plot_loss(history, plan.out / "loss.png", f"GPT {plan.model}, {comm.get_world_size()} rank(s)")
+        plot_loss([r.step for r in history], [r.loss for r in history], plan.out / "loss.png", f"GPT {plan.model}, {comm.get_world_size()} rank(s)")
     rebuilt = rebuilt_summary(plan, history, resumed)
     return TrainOutcome(0, [f"zerodist train: nothing left to train: the checkpoint in {save_dir} is at step {resumed} "
                             f"of --steps {plan.steps}; the run's outputs are in {plan.out}", *rebuilt])
@@ -434,8 +433,9 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
             progress(header_line(engine, plan.pipe_schedule))
     if rank0:
         write_config(plan)
-    history = read_csv(plan.out / "metrics.csv", resumed) if resumed else []
-    metrics = MetricsLog(plan.out / "metrics.csv", history) if rank0 else None
+    # the rows up to the checkpoint are rewritten, then dropped from memory ([Note: bounded step history])
+    metrics = MetricsLog(plan.out / "metrics.csv", read_csv(plan.out / "metrics.csv", resumed) if resumed else []
+                         ) if rank0 else None
     activations = SavedActivations(engine.module) if engine.topology.size("sequence") > 1 else None
     observer = StepObserver(engine.config, plan.out, engine.module, dtype=engine.policy.param_dtype,
                             module_spans=engine.pipeline is None)
@@ -471,13 +471,13 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
         outcome.lines += [format_summary(summary), *observed, *sections]
         if load is not None:
             outcome.lines += _moe_lines(plan, engine, model, load, everything, len(records), seq_len)
-        outcome.lines += write_outputs(plan, history + records, summary, sections)
+        outcome.lines += write_outputs(plan, summary, sections)
     if engine.interval_saves.last_error is not None:  # the same on every rank: a save's outcome is agreed
         outcome.code = 1
         if rank0:
             outcome.lines.append(f"zerodist train: the run ended with its last interval save failed, so its last steps "
                                  f"are not saved: {engine.interval_saves.last_error}")
-    elif not all(math.isfinite(r.loss) for r in records[-1:]):
+    elif not all(math.isfinite(loss) for loss in records.recent_losses()[-1:]):
         outcome.code = 1
         if rank0:
             outcome.lines.append("zerodist train: the loss is not finite at the last step; lower --lr or use --bf16")

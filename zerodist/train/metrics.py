@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import collections
 import csv
 import dataclasses
 from pathlib import Path
@@ -21,10 +22,9 @@ MIB = 1024 * 1024
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepRecord:
-    """One optimizer step as seen by rank 0 (the loss is already the mean over ranks). A run keeps
-    every step's record for its summary and loss.png: 212 bytes a step with slots (253 without;
-    tracemalloc over 2000 records), so memory grows with the run's length by that much, by design
-    (about 2 MiB per 10,000 steps): part of the 0.46 KiB/step RSS creep issue 37 measured."""
+    """One optimizer step as seen by rank 0 (the loss is already the mean over ranks). A record
+    with its `extra` columns costs about 560 bytes (tracemalloc: the record, its dict, the boxed
+    numbers): a run keeps only `StepHistory.WINDOW` of them ([Note: bounded step history])."""
 
     step: int
     loss: float
@@ -42,11 +42,53 @@ class StepRecord:
         return row
 
 
+class StepHistory:
+    """What a run keeps in memory of its steps: their count, the first loss and the last `WINDOW`
+    records. Bounded whatever the run's length ([Note: bounded step history])."""
+
+    WINDOW = 10  # the summary's "mean of the last 10 steps"
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first_loss: float | None = None
+        self.recent: collections.deque[StepRecord] = collections.deque(maxlen=self.WINDOW)
+
+    def append(self, record: StepRecord) -> None:
+        if self.first_loss is None:
+            self.first_loss = record.loss
+        self.count += 1
+        self.recent.append(record)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def recent_losses(self) -> list[float]:
+        return [r.loss for r in self.recent]
+
+
+# [Note: bounded step history] Every record kept for the run's end (the summary's loss line,
+# loss.png, a rewrite of metrics.csv) grew memory by about 0.5 KiB a step: the RSS creep of the
+# 2000-step demo (issue 37). The rows go to metrics.csv as they are made (MetricsLog); the
+# summary needs the first loss and the last WINDOW; loss.png reads metrics.csv back at the end
+# (rank 0, once). So the records a run holds are at most WINDOW, however long it trains.
+
+
 def write_csv(records: list[StepRecord], path: Path) -> None:
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         writer.writeheader()
         writer.writerows(r.csv_row() for r in records)
+
+
+def read_losses(path: Path) -> tuple[list[int], list[float]]:
+    """The (steps, losses) columns of metrics.csv, for loss.png at the end of a run; empty when
+    the file is absent or unreadable."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
+    except (OSError, KeyError, ValueError, TypeError):
+        return [], []
+    return [step for step, _ in rows], [loss for _, loss in rows]
 
 
 def read_csv(path: Path, up_to_step: int) -> list[StepRecord]:
@@ -86,7 +128,7 @@ class MetricsLog:
 # rows up to it are kept. metrics.csv and loss.png thus always cover steps 1..N of one history.
 
 
-def plot_loss(records: list[StepRecord], path: Path, title: str) -> str | None:
+def plot_loss(steps: list[int], losses: list[float], path: Path, title: str) -> str | None:
     """Write the loss curve to `path`; returns why it was skipped, or None when written."""
     try:
         import matplotlib
@@ -96,7 +138,7 @@ def plot_loss(records: list[StepRecord], path: Path, title: str) -> str | None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4))
-    axes.plot([r.step for r in records], [r.loss for r in records], linewidth=1.2)
+    axes.plot(steps, losses, linewidth=1.2)
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("loss (mean over ranks)")
     axes.set_title(title)

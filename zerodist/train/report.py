@@ -70,7 +70,8 @@ class RunSummary:
     stage: int
     precision: str
     elapsed_s: float
-    losses: list[float]
+    first_loss: float  # this run's first step's
+    last_losses: list[float]  # its last ten steps' (the run keeps no more: [Note: bounded step history])
     tokens_per_s: float
     psi: int
     psi_by_stage: dict[int, int]  # padded elements by the stage their group runs (stage 3: sharded vs persistent)
@@ -89,9 +90,10 @@ class RunSummary:
     pipe_degree: int = 1  # > 1: Ψ is rank 0's stages'; each rank is set beside its own stages' formula
 
 
-def loss_line(losses: list[float]) -> str:
-    first, last = losses[0], losses[-1]
-    tail = losses[-10:]
+def loss_line(first: float, tail: list[float]) -> str:
+    """The summary's loss line from the first loss and the last steps' (at most ten are shown)."""
+    tail = tail[-10:]
+    last = tail[-1]
     fell = 100.0 * (1.0 - last / first) if first else 0.0
     return (f"loss {first:.3f} -> {last:.3f} (mean of the last {len(tail)} steps {sum(tail) / len(tail):.3f}; "
             f"fell {fell:.0f}%)")
@@ -172,7 +174,7 @@ def format_summary(summary: RunSummary) -> str:
     lines = [
         f"summary: {summary.steps} steps on {_ranks(summary)}, ZeRO stage {summary.stage}, "
         f"{summary.precision}, {summary.elapsed_s:.1f} s",
-        "  " + loss_line(summary.losses),
+        "  " + loss_line(summary.first_loss, summary.last_losses),
         f"  throughput {summary.tokens_per_s:,.0f} tokens/s (all ranks)",
     ]
     lines += ["  " + line for line in memory_lines(summary) + comm_lines(summary)]
