@@ -75,20 +75,27 @@ def one_process() -> dict[str, Any]:
     return _result(engine, losses, clipped, prefix="layers.")
 
 
-def pipelined(stage: int, schedule: str) -> dict[str, Any]:
+def pipelined(stage: int, schedule: str, pipe: int = 2, first_step: int = 0, steps: int = STEPS,
+              load: str | None = None, save: str | None = None) -> dict[str, Any]:
+    """`steps` steps from global batch `first_step` on pipe `pipe` x data (world / pipe), accumulation
+    MICROS / data (after loading the checkpoint in `load`; then saving one in `save`)."""
     torch.manual_seed(0)
     per_rank = 2 if schedule == "interleaved" else 1
-    data = comm.get_world_size() // 2
+    data = comm.get_world_size() // pipe
     accumulation = MICROS // data
-    model = layers(2, per_rank)
+    model = layers(pipe, per_rank)
     engine = zerodist.initialize(model=model, config=config(stage, accumulation, pipeline={"schedule": schedule}))[0]
+    if load is not None:
+        engine.load_checkpoint(load)
     rank = engine.topology.axis_rank("data")
     losses, clipped = [], 0
-    for step in range(STEPS):
+    for step in range(first_step, first_step + steps):
         mine = [micro_batch(step, micro_batch_index(rank, j, data, accumulation, shard_gradients=False))
                 for j in range(accumulation)]
         losses.append(engine.train_batch(iter(mine)))
         clipped += engine.last_step.clip_coef < 1.0
+    if save is not None:
+        engine.save_checkpoint(save)
     return _result(engine, losses, clipped)
 
 
@@ -128,3 +135,17 @@ def test_pipe_2_by_data_2_by_accumulation_4_is_bitwise_one_process(stage, schedu
     for result in results:
         assert_bitwise(result, reference())
     assert set().union(*(r["params"] for r in results)) == reference()["params"].keys()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_at_data_4_resumes_at_pipe_2_by_data_2_bitwise(tmp_path):
+    """Saved by the same layers at pipe 1 x data 4 (accumulation 2, ZeRO 3) after 5 steps, resumed at
+    pipe 2 x data 2 (accumulation 4, ZeRO 1, 1F1B): the next 5 steps equal the uninterrupted one-process run."""
+    half = STEPS // 2
+    expected = reference()
+    for result in run_distributed(pipelined, 4, 3, "1f1b", 1, 0, half, None, str(tmp_path), timeout=300):
+        assert torch.equal(result["losses"], expected["losses"][:half])
+    results = run_distributed(pipelined, 4, 1, "1f1b", 2, half, half, str(tmp_path), timeout=300)
+    for result in results:
+        assert_bitwise({**result, "losses": torch.cat([expected["losses"][:half], result["losses"]])}, expected)
+    assert set().union(*(r["params"] for r in results)) == expected["params"].keys()
