@@ -236,10 +236,19 @@ def check_layout(*, data_degree: int, accumulation: int, stage: int, pipe: int, 
     before any collective of the techniques). Tensor parallelism is allowed: bitwise across data
     layouts and stages at a fixed tensor degree, not to one process (docs/determinism.md)."""
     problems = []
-    del pipe  # a pipeline's stages sum by micro-batch: zerodist/engine/pipeline_invariant.py
-    for name, degree in (("sequence", sequence), ("expert", expert)):
-        if degree > 1:
-            problems.append(f"{name} parallelism (degree {degree}) is not supported by the mode yet")
+    if sequence > 1:
+        problems.append(f"sequence parallelism (degree {sequence}) is not supported by the mode yet")
+    # [Note: experts in the mode] an expert's weight is used once per source rank of its expert group
+    # (one call per block, zerodist/moe/experts.py) and autograd adds those uses in its own order: for
+    # two sources that is a + b, the pair (2j, 2j+1) of the tree when micro-batches are dealt interleaved
+    if expert > 2:
+        problems.append(f"expert parallelism of degree {expert} (autograd adds an expert's {expert} per-source "
+                        "gradients in its own order; degree 2 is bitwise)")
+    elif expert == 2 and stage < 2:
+        problems.append("expert parallelism at ZeRO stage 0/1 (an expert adds micro-batches r*A+j of both expert "
+                        "ranks, not a subtree of the tree; use ZeRO stage 2 or 3, which deal interleaved)")
+    if expert > 1 and pipe > 1:
+        problems.append("expert with pipeline parallelism is not supported by the mode")
     if tensor_sequence_parallel:
         problems.append("zerodist.tensor_parallel.sequence_parallel (Megatron's) reduces partial gradients over "
                         "data x tensor together, which the mode does not order yet")
