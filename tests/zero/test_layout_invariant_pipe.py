@@ -42,8 +42,8 @@ class Whole(torch.nn.Module):
         return gpt_loss(self.layers(x), y)
 
 
-def config(stage: int, accumulation: int, **zerodist_keys: Any) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": accumulation,
+def config(stage: int, accumulation: int, extra: dict[str, Any] | None = None, **zerodist_keys: Any) -> dict[str, Any]:
+    return (extra or {}) | {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": accumulation,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
             "gradient_clipping": 0.1, "zero_optimization": {"stage": stage, "reduce_bucket_size": 4096},
             "zerodist": {"deterministic": "layout_invariant", **zerodist_keys}, "steps_per_print": 10**9}
@@ -76,7 +76,7 @@ def one_process() -> dict[str, Any]:
 
 
 def pipelined(stage: int, schedule: str, pipe: int = 2, first_step: int = 0, steps: int = STEPS,
-              load: str | None = None, save: str | None = None) -> dict[str, Any]:
+              load: str | None = None, save: str | None = None, **extra: Any) -> dict[str, Any]:
     """`steps` steps from global batch `first_step` on pipe `pipe` x data (world / pipe), accumulation
     MICROS / data (after loading the checkpoint in `load`; then saving one in `save`)."""
     torch.manual_seed(0)
@@ -84,7 +84,8 @@ def pipelined(stage: int, schedule: str, pipe: int = 2, first_step: int = 0, ste
     data = comm.get_world_size() // pipe
     accumulation = MICROS // data
     model = layers(pipe, per_rank)
-    engine = zerodist.initialize(model=model, config=config(stage, accumulation, pipeline={"schedule": schedule}))[0]
+    engine = zerodist.initialize(model=model, config=config(stage, accumulation, extra,
+                                                                  pipeline={"schedule": schedule}))[0]
     if load is not None:
         engine.load_checkpoint(load)
     rank = engine.topology.axis_rank("data")
