@@ -196,15 +196,20 @@ def exact_squares(pieces: Sequence[torch.Tensor], group: Group, device: torch.de
         return biggest * biggest
     exponent = math.frexp(biggest)[1]
     scale = math.ldexp(1.0, -exponent)
-    halves = torch.zeros(2, dtype=torch.int64, device=device)
-    low_mask = (1 << _HALF_BITS) - 1
+    # Each fixed = round((g * scale * 2^26)^2) < 2^52 (the same integer as round((g * scale)^2 * 2^52):
+    # powers of two are exact in fp64), split into fixed = high * 2^26 + low with both below 2^26; a
+    # chunk's highs (and lows) sum below 2^46, so fp64 adds them exactly in any order (every partial
+    # sum is an integer below 2^53), faster than int64 shifts and masks; chunks add as Python ints.
+    high_total = low_total = 0
+    lift, unit = scale * float(1 << _HALF_BITS), float(1 << _HALF_BITS)
     for piece in pieces:
         flat = piece.detach().reshape(-1)
         for start in range(0, flat.numel(), _NORM_CHUNK):
-            square = flat[start: start + _NORM_CHUNK].double().mul_(scale).square_()
-            fixed = square.mul_(float(1 << _NORM_BITS)).round_().long()
-            halves[0] += (fixed >> _HALF_BITS).sum()
-            halves[1] += (fixed & low_mask).sum()
+            fixed = flat[start: start + _NORM_CHUNK].double().mul_(lift).square_().round_()
+            high = torch.floor(fixed * (1.0 / unit))
+            high_total += int(high.sum())
+            low_total += int(fixed.add_(high, alpha=-unit).sum())
+    halves = torch.tensor([high_total, low_total], dtype=torch.int64, device=device)
     comm.all_reduce(halves, group=group)
     high, low = (int(v) for v in halves.tolist())
     total = (high << _HALF_BITS) + low
