@@ -25,7 +25,10 @@ ZeRO 0-3 compose with the pipeline the way torch's FSDP2 does it (reduce-scatter
 last micro-batch), and the sums are stage 0/1's local accumulation. The optimizer's step agrees
 on the gradient norm and overflow over the world, so every stage clips and skips alike. Tied
 layers (one module on several stages) have their gradients summed over the tie group right
-before that reduction (`TiedGradients`); their units stay gathered until it.
+before that reduction (`TiedGradients`); their units stay gathered until it. In the layout-invariant
+mode (`zerodist.deterministic`) `PipelineGradients` keeps each micro-batch's gradients apart and
+sums them (and the ties) by the canonical tree before that reduction ([Note: pipeline gradients
+by micro-batch] in zerodist/engine/pipeline_invariant.py), and the loss is the canonical average.
 """
 
 from __future__ import annotations
