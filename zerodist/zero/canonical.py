@@ -42,8 +42,9 @@ from zerodist.comm import Group
 from zerodist.comm import collectives
 
 MODE = "layout_invariant"
-_NORM_BITS = 52  # each square's fixed-point share of the largest square: [Note: the exact norm]
-_HALF_BITS = 26
+_NORM_BITS = 42  # each square's fixed-point share of the largest square: [Note: the exact norm]
+_HALF_BITS = 31  # the all-reduce's split of each rank's total (int64 halves: exact to 2^52 elements)
+_NORM_ROW = 512  # fixed-point squares added in fp64 at a time (exact: below 2^51)
 _NORM_CHUNK = 1 << 20  # elements converted to fp64 at a time
 
 
@@ -177,9 +178,10 @@ def all_reduce(source: torch.Tensor, group: Group) -> OrderedReduction:
 # [Note: the exact norm] The clip norm's sum of squares is made exact, so no order (over elements,
 # shards or ranks) can change its bits: one all-reduce (max) finds the largest |g| over the world,
 # m = f * 2^e with f in [0.5, 1); each square (g * 2^-e)^2 < 1 is exact in fp64 and becomes the
-# integer round(square * 2^52), summed in int64 as two 26-bit halves (exact up to 2^37 elements
-# per rank); one all-reduce sums the halves over the world, exactly. The result differs from the
-# true sum of squares by at most half a unit of 2^-52 * m^2 per element.
+# integer round(square * 2^42), summed exactly (fp64 rows of integers, then int64 and Python ints);
+# one all-reduce sums each rank's total, as two int64 halves, over the world, exactly. The result
+# differs from the true sum of squares by at most half a unit of 2^-42 * 2^(2e) per element
+# (relative to the sum at most N * 2^-41: the order of an fp32 sum's own rounding).
 def exact_squares(pieces: Sequence[torch.Tensor], group: Group, device: torch.device) -> float:
     """The sum of squares of every rank's `pieces`, the same bits for any split into pieces or ranks."""
     largest = torch.zeros((), dtype=torch.float32, device=device)
@@ -196,20 +198,19 @@ def exact_squares(pieces: Sequence[torch.Tensor], group: Group, device: torch.de
         return biggest * biggest
     exponent = math.frexp(biggest)[1]
     scale = math.ldexp(1.0, -exponent)
-    # Each fixed = round((g * scale * 2^26)^2) < 2^52 (the same integer as round((g * scale)^2 * 2^52):
-    # powers of two are exact in fp64), split into fixed = high * 2^26 + low with both below 2^26; a
-    # chunk's highs (and lows) sum below 2^46, so fp64 adds them exactly in any order (every partial
-    # sum is an integer below 2^53), faster than int64 shifts and masks; chunks add as Python ints.
-    high_total = low_total = 0
-    lift, unit = scale * float(1 << _HALF_BITS), float(1 << _HALF_BITS)
+    # Each fixed = round((g * scale * 2^21)^2) < 2^42 is an integer in fp64 (powers of two are exact);
+    # rows of 512 add below 2^51, so fp64 adds them exactly in any order (every partial sum is an
+    # integer below 2^53); a chunk's 2048 row sums add in int64 (below 2^62), chunks as Python ints.
+    # Five passes over the chunk, about the default fp32 sum of squares' time.
+    total = 0
+    lift = scale * float(1 << (_NORM_BITS // 2))
     for piece in pieces:
         flat = piece.detach().reshape(-1)
         for start in range(0, flat.numel(), _NORM_CHUNK):
             fixed = flat[start: start + _NORM_CHUNK].double().mul_(lift).square_().round_()
-            high = torch.floor(fixed * (1.0 / unit))
-            high_total += int(high.sum())
-            low_total += int(fixed.add_(high, alpha=-unit).sum())
-    halves = torch.tensor([high_total, low_total], dtype=torch.int64, device=device)
+            whole = fixed.numel() - fixed.numel() % _NORM_ROW
+            total += int(fixed[:whole].view(-1, _NORM_ROW).sum(1).long().sum()) + int(fixed[whole:].sum())
+    halves = torch.tensor([total >> _HALF_BITS, total & ((1 << _HALF_BITS) - 1)], dtype=torch.int64, device=device)
     comm.all_reduce(halves, group=group)
     high, low = (int(v) for v in halves.tolist())
     total = (high << _HALF_BITS) + low
