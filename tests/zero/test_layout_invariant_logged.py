@@ -7,6 +7,7 @@ import csv
 import glob
 import os
 
+import pytest
 import torch
 
 from tests.harness import run_distributed
@@ -24,6 +25,7 @@ def _monitor(folder: str) -> dict:
     return {"enabled": True, "output_path": folder, "job_name": "layout"}
 
 
+@pytest.mark.slow
 def test_the_monitors_write_the_canonical_average(tmp_path):
     plain, piped = str(tmp_path / "plain"), str(tmp_path / "pipe")
     (result, _) = run_distributed(train_in_mode, 2, 1, 3, timeout=240, csv_monitor=_monitor(plain))

@@ -121,7 +121,8 @@ def assert_bitwise(actual: dict[str, Any], expected: dict[str, Any]) -> None:
     assert torch.equal(actual["losses"], expected["losses"]), (actual["losses"], expected["losses"])
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved", "zb"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb", pytest.param("gpipe", marks=pytest.mark.slow),
+                                      pytest.param("interleaved", marks=pytest.mark.slow)])
 def test_pipe_2_by_8_micro_batches_is_bitwise_one_process(schedule):
     results = run_distributed(pipelined, 2, 1, schedule, timeout=240)
     for result in results:
