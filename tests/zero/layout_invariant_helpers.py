@@ -82,6 +82,12 @@ def make_model(kind: str) -> tuple[torch.nn.Module, int, int]:
 
         return hf_class("llama")(hf_config("llama")), VOCAB, SEQ - 1
     cfg = gpt_config("tiny")
+    if kind.startswith("moe"):  # "moe-ep2": the MoE GPT's experts over 2 expert ranks
+        from zerodist.models.moe_gpt import MoEConfig, MoEGPT
+
+        ep = int(kind[len("moe-ep"):]) if kind.startswith("moe-ep") else 1
+        return MoEGPT(cfg, MoEConfig(num_experts=4, ep_size=ep, capacity_factor=1.0, min_capacity=0)), \
+            cfg.vocab_size, cfg.seq_len
     return GPT(cfg), cfg.vocab_size, cfg.seq_len
 
 
@@ -102,8 +108,10 @@ def train_in_mode(stage: int, steps: int = 10, kind: str = "gpt", *, first_step:
         clipped += engine.last_step.clip_coef < 1.0
     if save is not None:
         engine.save_checkpoint(save)
-    result = {"params": engine.module_state_dict(),
-              "optimizer": logical_optimizer_state(engine) if tensor == 1 else {},
+    optimizer = logical_optimizer_state(engine) if tensor == 1 else {}
+    if kind.startswith("moe"):  # an expert's state is under its local name: the dense parameters' only
+        optimizer = {k: v for k, v in optimizer.items() if "experts" not in k}
+    result = {"params": engine.module_state_dict(), "optimizer": optimizer,
               "losses": torch.stack(losses), "clipped_steps": clipped}
     engine.destroy()
     return result

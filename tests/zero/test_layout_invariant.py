@@ -114,9 +114,9 @@ def test_the_sampler_puts_the_same_samples_in_each_micro_batch_for_every_layout(
 
 @pytest.mark.unit
 def test_layouts_the_mode_cannot_honour_are_refused_by_name():
-    with pytest.raises(LayoutInvariantError, match=r"pipeline parallelism \(degree 2\).*"
-                                                   r"gradient_accumulation_steps 3 is not a power of two"):
+    with pytest.raises(LayoutInvariantError, match=r"gradient_accumulation_steps 3 is not a power of two"):
         check_layout(data_degree=2, accumulation=3, stage=1, pipe=2, sequence=1, expert=1, fp16=False)
+    check_layout(data_degree=2, accumulation=4, stage=1, pipe=2, sequence=1, expert=1, fp16=False)  # a pipeline: allowed
     with pytest.raises(LayoutInvariantError, match="data-parallel degree 3.*docs/determinism.md"):
         check_layout(data_degree=3, accumulation=1, stage=0, pipe=1, sequence=1, expert=1, fp16=False)
     with pytest.raises(LayoutInvariantError, match=r"sequence parallelism \(degree 2\).*expert parallelism.*fp16"):
@@ -243,5 +243,5 @@ def test_the_exact_norm_is_split_independent_and_skips_a_nan_on_one_rank():
     g = torch.Generator().manual_seed(8)
     values = (torch.randn(64, generator=g) * 10.0 ** torch.randint(-6, 6, (64,), generator=g).double()).tolist()
     one, two = run_distributed(_exact_squares_of, 1, values)[0], run_distributed(_exact_squares_of, 2, values)
-    assert two == [one, one] and abs(one - sum(v * v for v in torch.tensor(values).tolist())) <= 1e-12 * one
+    assert two == [one, one] and abs(one - sum(v * v for v in torch.tensor(values).tolist())) <= 64 * 2.0**-41 * one
     assert run_distributed(_exact_squares_of, 2, [1.0] * 63 + [float("nan")]) == [float("inf")] * 2

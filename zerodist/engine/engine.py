@@ -43,7 +43,7 @@ from zerodist.engine.pipeline_surface import PipelineEngineSurface
 from zerodist.engine.runners import AccumulationRunner, BatchRunner
 from zerodist.pipe.executor import PipelineError
 from zerodist.utils import get_logger, log_rank0
-from zerodist.zero import StepResult, UnitRuntime, ZeroState, sharded_access
+from zerodist.zero import StepResult, UnitRuntime, ZeroState, canonical, sharded_access
 
 logger = get_logger(__name__)
 
@@ -252,7 +252,7 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
             return
         # The global batch's loss (mean over the data-parallel ranks and this step's micro-batches), not
         # rank 0's own: one scalar all_reduce, only on steps that report it.
-        loss = reduce_loss(torch.stack(losses).float().mean(), group=self.topology.group(*self.topology.batch_axes)).item()
+        loss = self._logged_loss(losses)
         if self.monitors and comm.get_rank() == 0:
             self.monitors.write(self.global_steps * self.batch.train_batch_size, loss=loss, lr=self.get_lr()[0],
                                 loss_scale=self.optimizer.scaler.scale)
@@ -265,6 +265,18 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
             log_rank0(logger, "step %d: %s", self.global_steps, line)
         if self._trace is not None:
             log_rank0(logger, "communication so far:\n%s", self.comms_trace.format_summary())
+
+    def _logged_loss(self, losses: list[torch.Tensor]) -> float:
+        """The loss steps_per_print and the monitors report; in the layout-invariant mode the canonical
+        average train_batch() returns (zerodist/zero/canonical.py), else the mean over ranks and micro-batches."""
+        group = self.topology.group(*self.topology.batch_axes)
+        if self.zero_state.optimizer.exact_norm:
+            if self.runner.only_train_batch:  # a pipeline's: already the canonical average, on every rank
+                return float(losses[0])
+            if len(losses) == self.batch.gradient_accumulation_steps:
+                return float(canonical.loss_mean(losses, group, accumulation=len(losses),
+                                                 shard_gradients=self.sharding.shard_gradients))
+        return reduce_loss(torch.stack(losses).float().mean(), group=group).item()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the engine already does this after each optimizer step); they

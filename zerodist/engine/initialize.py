@@ -284,7 +284,8 @@ def _build_engine(model: torch.nn.Module, parts: PartStates, batch: BatchSizes, 
         sampler = (LayoutInvariantSampler(len(training_data), micro_batch_size=batch.micro_batch_size,  # type: ignore[arg-type]
                                           accumulation=batch.gradient_accumulation_steps,
                                           num_replicas=topology.num_batch_shards, rank=topology.batch_rank,
-                                          shard_gradients=zero.sharding.shard_gradients)
+                                          # a pipeline reduces once per step: contiguous at every stage
+                                          shard_gradients=zero.sharding.shard_gradients and "pipe" not in parts)
                    if validated.zero.layout_invariant else None)
         loader = parts.wrap_loader(EngineDataLoader(training_data, batch_size=batch.micro_batch_size,
                                                     num_replicas=topology.num_batch_shards, rank=topology.batch_rank,

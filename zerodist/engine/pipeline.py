@@ -25,7 +25,10 @@ ZeRO 0-3 compose with the pipeline the way torch's FSDP2 does it (reduce-scatter
 last micro-batch), and the sums are stage 0/1's local accumulation. The optimizer's step agrees
 on the gradient norm and overflow over the world, so every stage clips and skips alike. Tied
 layers (one module on several stages) have their gradients summed over the tie group right
-before that reduction (`TiedGradients`); their units stay gathered until it.
+before that reduction (`TiedGradients`); their units stay gathered until it. In the layout-invariant
+mode (`zerodist.deterministic`) `PipelineGradients` keeps each micro-batch's gradients apart and
+sums them (and the ties) by the canonical tree before that reduction ([Note: pipeline gradients
+by micro-batch] in zerodist/engine/pipeline_invariant.py), and the loss is the canonical average.
 """
 
 from __future__ import annotations
@@ -42,7 +45,10 @@ from zerodist.engine.runners import data_iterator
 from zerodist.pipe.apply import PipelineState
 from zerodist.pipe.executor import PipelineError, RunResult
 from zerodist.pipe.schedule import Action, Kind
+from zerodist.engine.pipeline_invariant import PipelineGradients
 from zerodist.zero import UnitRuntime, sharded_access
+from zerodist.zero.canonical import MODE
+from zerodist.zero.canonical import loss_mean as canonical_loss_mean
 from zerodist.zero.units import Unit
 
 __all__ = ["PipelineEngine", "PipelineError", "PipelineRunner"]
@@ -55,6 +61,7 @@ class PipelineRunner:
 
     def __init__(self, pipeline: PipelineState):
         self.pipeline = pipeline
+        self.canonical: PipelineGradients | None = None
 
     def train_batch(self, engine: Engine, data_iter: Iterator[Any] | None) -> torch.Tensor:
         """Pull `gradient_accumulation_steps` micro-batches `(inputs, labels)` (first and last stage
@@ -64,16 +71,33 @@ class PipelineRunner:
         inputs, labels = self._pull(engine, data_iter, count)
         runtime, schedule = engine.units, engine.zero_state.schedule
         runtime.finish_gathers(release=True)  # the schedule gathers what each stage needs, when
-        gathers = StageGathers(runtime, pipeline, schedule.end_backward)
+        actions, after_backward = pipeline.actions(), schedule.end_backward
+        canonical = self._canonical_gradients(engine)  # the layout-invariant mode's hook, else None
+        if canonical is not None:
+            canonical.begin(actions)
+            after_backward = canonical.after_backward(schedule.end_backward)
+        gathers = StageGathers(runtime, pipeline, schedule.end_backward,
+                               before_reduce=canonical.finish if canonical is not None else None)
         with sharded_access.suspended(), runtime.driven():
             pipeline.last_run = pipeline.executor.run(
-                pipeline.actions(), inputs=inputs, labels=labels, loss_scale=engine.optimizer.scaler.scale / count,
-                after_backward=schedule.end_backward, sharding=gathers)
+                actions, inputs=inputs, labels=labels, loss_scale=engine.optimizer.scaler.scale / count,
+                after_backward=after_backward, sharding=gathers)
             gathers.finish()
         loss = self._agreed_loss(engine, pipeline.last_run)
         engine.agg_train_loss = loss
         engine.apply_batch([loss], count)
         return loss
+
+    def _canonical_gradients(self, engine: Engine) -> PipelineGradients | None:
+        """The layout-invariant mode: each stage's gradients by micro-batch, summed by the canonical
+        tree ([Note: pipeline gradients by micro-batch] in zerodist/engine/pipeline_invariant.py)."""
+        if engine.config.zerodist.deterministic != MODE:
+            return None
+        if self.canonical is None:
+            zero = engine.zero_state
+            self.canonical = PipelineGradients(zero.groups, zero.reducer, self.pipeline.tied,
+                                               self.pipeline.micro_batches)
+        return self.canonical
 
     def eval_batch(self, engine: Engine, data_iter: Iterator[Any] | None, *, return_logits: bool,
                    compute_loss: bool, num_micro_batches: int | None) -> Any:
@@ -132,7 +156,12 @@ class PipelineRunner:
         data-parallel group, then broadcast over the pipe (every rank returns the same)."""
         topology, pipe_ranks = engine.topology, self.pipeline.pipe_ranks
         loss = torch.zeros((), dtype=torch.float64)
-        if self.pipeline.is_last_stage():
+        if self.pipeline.is_last_stage() and engine.config.zerodist.deterministic == MODE:
+            # the K losses by the canonical tree, dealt contiguously ([Note: pipeline gradients by micro-batch])
+            losses = [result.losses[j] for j in sorted(result.losses)]
+            loss = canonical_loss_mean(losses, topology.group(*topology.batch_axes), accumulation=len(losses),
+                                       shard_gradients=False).double()
+        elif self.pipeline.is_last_stage():
             loss = torch.stack([result.losses[j].double() for j in sorted(result.losses)]).mean()
             if topology.num_batch_shards > 1:
                 comm.all_reduce(loss, op=comm.ReduceOp.AVG, group=topology.group(*topology.batch_axes))
@@ -149,8 +178,10 @@ class StageGathers:
     parameters (the root unit: those outside every other unit); it is gathered while any of them
     is, and freed when none is (a unit with tied parameters: after the tie sum)."""
 
-    def __init__(self, runtime: UnitRuntime, pipeline: PipelineState, end_backward: Callable[[], None]):
+    def __init__(self, runtime: UnitRuntime, pipeline: PipelineState, end_backward: Callable[[], None],
+                 before_reduce: Callable[[], None] | None = None):
         self.runtime, self.pipeline, self.end_backward = runtime, pipeline, end_backward
+        self.before_reduce = before_reduce  # the layout-invariant mode's tree (it does the tie sum too)
         runtime.early_gathers = False  # the schedule gathers each stage when it needs it
         module = pipeline.module
         params = {u.index: {id(p) for p in u.module.parameters()} for u in runtime.units[1:]}
@@ -185,7 +216,9 @@ class StageGathers:
     def _reduce(self) -> None:
         """Every stage's gradients are complete: the tie sum, then the one reduction of the part."""
         tied = self.pipeline.tied
-        if tied is not None and tied.active:
+        if self.before_reduce is not None:
+            self.before_reduce()
+        elif tied is not None and tied.active:
             tied.reduce()  # the tie sum, before the data-parallel reduction averages it
             self.end_backward()
         self.runtime.reduce_gradients()

@@ -93,6 +93,7 @@ class Bucket:
         self.accumulated = False
         # The layout-invariant mode sets a counter here (zero/apply.py): [Note: the canonical tree] in canonical.py
         self.tree: canonical.CanonicalSum | None = None
+        self.paired = False  # stages 0/1 in the mode: the full buffer holds g_2i, the next micro-step adds g_2i+1
         self._pending: tuple[comm.CommHandle | canonical.OrderedReduction, torch.Tensor, torch.Tensor] | None = None
         self._begin_window()
         self.reset()
@@ -259,11 +260,17 @@ class Bucket:
                 self.tree.fold()  # lands in grad_owned, the first leaf
 
     def end_micro_step(self) -> None:
-        """Stages 0/1 in the layout-invariant mode, after a micro-step that did not sync: its gradient
-        becomes a leaf of the canonical tree and the next micro-step writes the buffer afresh."""
+        """Stages 0/1 in the layout-invariant mode, after a micro-step that did not sync: after an even
+        one (2i) the next adds into the buffer (g_2i + g_2i+1: the tree's first level, as the default
+        accumulation adds, no copy); after an odd one the pair becomes a leaf of the counter one level up
+        (a copy) and the next micro-step writes the buffer afresh. At most log2(A) - 1 copies are kept."""
         if self.tree is not None and self.plan.persistent_full_grad:
-            self.zero_unwritten()
-            self.tree.push_copy(self.grad_target())
+            self.zero_unwritten()  # the buffer holds exactly this window's sum; later writes add to it
+            if not self.paired:  # g_2i: the next micro-step adds g_2i+1 in place, the tree's first level, no copy
+                self.paired = True
+                return
+            self.paired = False
+            self.tree.push_copy(self.grad_target())  # a pair: a leaf of the counter one level up
             self._begin_window()
 
     def clear_gradients(self) -> None:
@@ -271,6 +278,7 @@ class Bucket:
         ([Note: no gradient memset]): the first gradients overwrite, the first sync overwrites `grad_owned`."""
         if self.tree is not None:
             self.tree.clear()
+        self.paired = False
         self.reset()
         self.accumulated = False
         self._begin_window()

@@ -42,8 +42,9 @@ from zerodist.comm import Group
 from zerodist.comm import collectives
 
 MODE = "layout_invariant"
-_NORM_BITS = 52  # each square's fixed-point share of the largest square: [Note: the exact norm]
-_HALF_BITS = 26
+_NORM_BITS = 42  # each square's fixed-point share of the largest square: [Note: the exact norm]
+_HALF_BITS = 31  # the all-reduce's split of each rank's total (int64 halves: exact to 2^52 elements)
+_NORM_ROW = 512  # fixed-point squares added in fp64 at a time (exact: below 2^51)
 _NORM_CHUNK = 1 << 20  # elements converted to fp64 at a time
 
 
@@ -177,9 +178,10 @@ def all_reduce(source: torch.Tensor, group: Group) -> OrderedReduction:
 # [Note: the exact norm] The clip norm's sum of squares is made exact, so no order (over elements,
 # shards or ranks) can change its bits: one all-reduce (max) finds the largest |g| over the world,
 # m = f * 2^e with f in [0.5, 1); each square (g * 2^-e)^2 < 1 is exact in fp64 and becomes the
-# integer round(square * 2^52), summed in int64 as two 26-bit halves (exact up to 2^37 elements
-# per rank); one all-reduce sums the halves over the world, exactly. The result differs from the
-# true sum of squares by at most half a unit of 2^-52 * m^2 per element.
+# integer round(square * 2^42), summed exactly (fp64 rows of integers, then int64 and Python ints);
+# one all-reduce sums each rank's total, as two int64 halves, over the world, exactly. The result
+# differs from the true sum of squares by at most half a unit of 2^-42 * 2^(2e) per element
+# (relative to the sum at most N * 2^-41: the order of an fp32 sum's own rounding).
 def exact_squares(pieces: Sequence[torch.Tensor], group: Group, device: torch.device) -> float:
     """The sum of squares of every rank's `pieces`, the same bits for any split into pieces or ranks."""
     largest = torch.zeros((), dtype=torch.float32, device=device)
@@ -196,15 +198,19 @@ def exact_squares(pieces: Sequence[torch.Tensor], group: Group, device: torch.de
         return biggest * biggest
     exponent = math.frexp(biggest)[1]
     scale = math.ldexp(1.0, -exponent)
-    halves = torch.zeros(2, dtype=torch.int64, device=device)
-    low_mask = (1 << _HALF_BITS) - 1
+    # Each fixed = round((g * scale * 2^21)^2) < 2^42 is an integer in fp64 (powers of two are exact);
+    # rows of 512 add below 2^51, so fp64 adds them exactly in any order (every partial sum is an
+    # integer below 2^53); a chunk's 2048 row sums add in int64 (below 2^62), chunks as Python ints.
+    # Five passes over the chunk, about the default fp32 sum of squares' time.
+    total = 0
+    lift = scale * float(1 << (_NORM_BITS // 2))
     for piece in pieces:
         flat = piece.detach().reshape(-1)
         for start in range(0, flat.numel(), _NORM_CHUNK):
-            square = flat[start: start + _NORM_CHUNK].double().mul_(scale).square_()
-            fixed = square.mul_(float(1 << _NORM_BITS)).round_().long()
-            halves[0] += (fixed >> _HALF_BITS).sum()
-            halves[1] += (fixed & low_mask).sum()
+            fixed = flat[start: start + _NORM_CHUNK].double().mul_(lift).square_().round_()
+            whole = fixed.numel() - fixed.numel() % _NORM_ROW
+            total += int(fixed[:whole].view(-1, _NORM_ROW).sum(1).long().sum()) + int(fixed[whole:].sum())
+    halves = torch.tensor([total >> _HALF_BITS, total & ((1 << _HALF_BITS) - 1)], dtype=torch.int64, device=device)
     comm.all_reduce(halves, group=group)
     high, low = (int(v) for v in halves.tolist())
     total = (high << _HALF_BITS) + low
@@ -236,9 +242,19 @@ def check_layout(*, data_degree: int, accumulation: int, stage: int, pipe: int, 
     before any collective of the techniques). Tensor parallelism is allowed: bitwise across data
     layouts and stages at a fixed tensor degree, not to one process (docs/determinism.md)."""
     problems = []
-    for name, degree in (("pipeline", pipe), ("sequence", sequence), ("expert", expert)):
-        if degree > 1:
-            problems.append(f"{name} parallelism (degree {degree}) is not supported by the mode yet")
+    if sequence > 1:
+        problems.append(f"sequence parallelism (degree {sequence}) is not supported by the mode yet")
+    # [Note: experts in the mode] an expert's weight is used once per source rank of its expert group
+    # (one call per block, zerodist/moe/experts.py) and autograd adds those uses in its own order: for
+    # two sources that is a + b, the pair (2j, 2j+1) of the tree when micro-batches are dealt interleaved
+    if expert > 2:
+        problems.append(f"expert parallelism of degree {expert} (autograd adds an expert's {expert} per-source "
+                        "gradients in its own order; degree 2 is bitwise)")
+    elif expert == 2 and stage < 2:
+        problems.append("expert parallelism at ZeRO stage 0/1 (an expert adds micro-batches r*A+j of both expert "
+                        "ranks, not a subtree of the tree; use ZeRO stage 2 or 3, which deal interleaved)")
+    if expert > 1 and pipe > 1:
+        problems.append("expert with pipeline parallelism is not supported by the mode")
     if tensor_sequence_parallel:
         problems.append("zerodist.tensor_parallel.sequence_parallel (Megatron's) reduces partial gradients over "
                         "data x tensor together, which the mode does not order yet")
