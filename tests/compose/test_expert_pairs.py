@@ -2,15 +2,20 @@
 expert x tensor, on the demo MoE GPT (the only model with MoE layers; Hugging Face Llama has none),
 4 gloo ranks, ZeRO 1 and 3, 5 SGD steps: parameters (experts under their global ids) within 1e-6
 of the model with every expert in one process on the same global batch, and each axis' bytes equal
-their formulas. Tokens are never dropped and the balance loss has weight 0 (capacity and the balance
-loss are statistics of a rank's own tokens, as in DeepSpeed: tests/pipe/test_pipe_expert.py).
+their formulas. The balance loss has weight 0 and the capacity is every token of the call
+(`capacity_factor` = the number of experts), so no token is dropped on a rank or in one process
+(capacity and the balance loss are statistics of a rank's own tokens, as in DeepSpeed:
+tests/pipe/test_pipe_expert.py), and the MoE layer's all-to-alls have the fixed capacity-mode size:
+4 per layer per micro-batch (dispatch and combine, forward and backward) of E x C x hidden.
 
 - expert 2 x sequence 2: the batch is dealt over the expert ranks (each reads other samples), each
   sequence rank keeps its slice; the MoE layer routes the rank's own tokens over the expert group;
-  Ulysses' all-to-alls are those of every attention layer (`ulysses_bytes`).
+  Ulysses' all-to-alls are those of every attention layer (`ulysses_bytes`), the MoE layer's
+  capacity is that of the slice's tokens.
 - expert 2 x tensor 2: the dense blocks' MLP and the head tensor-parallel, the experts replicated
-  over the tensor axis (each tensor rank routes the same tokens); the tensor axis' bytes are the
-  schedule log's formula.
+  over the tensor axis (each tensor rank routes the same tokens); the tensor axis' bytes: the
+  dense MLP's row-parallel all-reduce and the gathered logits forward, the MLP's and the head's
+  input-gradient all-reduces backward (the schedule log).
 """
 
 from __future__ import annotations
@@ -26,18 +31,21 @@ from zerodist.models.moe_gpt import MoEConfig, MoEGPT
 from zerodist.sequence import SequenceLayout
 from zerodist.sequence.data import shard_batch
 from zerodist.sequence.layout import ulysses_bytes
+from zerodist.tensor_parallel import schedule_log
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 VOCAB, SEQ, HIDDEN, HEADS, LAYERS, MICRO, STEPS, LR = 32, 8, 16, 2, 2, 2, 5, 0.1
 SHARDS = 2  # the expert ranks: each reads its own micro-batch
+EXPERTS = 2
 
 
 def build(ep_size: int) -> MoEGPT:
     torch.manual_seed(0)
     return MoEGPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=HIDDEN, n_layers=LAYERS, n_heads=HEADS,
                             d_ff=32, dropout=0.0),
-                  MoEConfig(num_experts=2, ep_size=ep_size, drop_tokens=False, aux_loss_coef=0.0, moe_every=2))
+                  MoEConfig(num_experts=EXPERTS, ep_size=ep_size, drop_tokens=True, capacity_factor=float(EXPERTS),
+                            min_capacity=0, aux_loss_coef=0.0, moe_every=2))
 
 
 def samples(step: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,14 +97,26 @@ def pair_body(stage: int, axis: str):
     states, traces = [], []
     for step in range(STEPS):
         batch = samples(step, shard)
-        with comm.trace() as trace:
+        with schedule_log() as log, comm.trace() as trace:
             loss = engine(*(shard_batch(batch, layout) if layout else batch))
             engine.backward(loss)
             engine.step()
-        traces.append(trace.bus_bytes("all_to_all"))
+        traces.append((trace.bus_bytes("all_to_all"), log.all_bytes("forward"), log.all_bytes("backward")))
         states.append(engine.module_state_dict())
     engine.destroy()
     return states, traces
+
+
+def expected_bytes(axis: str) -> tuple[float, int, int]:
+    """(all-to-all bus bytes, tensor forward bytes, tensor backward bytes) of one step on a rank."""
+    tokens = MICRO * SEQ // (2 if axis == "sequence" else 1)  # this rank's tokens: C = E x tokens / E
+    moe = 4 * EXPERTS * tokens * HIDDEN * 4 / 2  # bus factor (P-1)/P of the expert group of 2
+    if axis == "sequence":  # every attention layer, forward and backward
+        one = ulysses_bytes(batch=MICRO, seq=SEQ, heads=HEADS, kv_heads=HEADS, head_dim=HIDDEN // HEADS, degree=2,
+                            element_size=4)
+        return moe + 2 * LAYERS * one, 0, 0
+    activation = 4 * tokens * HIDDEN
+    return moe, activation + 4 * tokens * VOCAB, 2 * activation
 
 
 def check(stage: int, axis: str) -> None:
@@ -104,6 +124,7 @@ def check(stage: int, axis: str) -> None:
     results = run_distributed(pair_body, 4, stage, axis, timeout=300)
     keys: set[str] = set()
     for states, traces in results:
+        assert all(trace == expected_bytes(axis) for trace in traces), (traces, expected_bytes(axis))
         for step, state in enumerate(states):
             keys |= set(state)
             for key, value in state.items():
