@@ -231,10 +231,12 @@ def timing_requested() -> bool:
 
 
 def record(op: str, tensor: torch.Tensor | None, numel: int, group_size: int, duration_s: float | None,
-           link: str | None = None) -> None:
+           link: str | None = None, label: str | None = None) -> None:
+    """`label`: the axis a point-to-point message belongs to (`comm.p2p`: "pipe" for a stage's
+    messages, "sequence" for the ring's blocks), so a trace under both can tell them apart."""
     dtype = None if tensor is None else tensor.dtype
     num_bytes = 0 if tensor is None else numel * tensor.element_size()
-    entry = CollectiveRecord(op, dtype, numel, num_bytes, group_size, duration_s, link=link)
+    entry = CollectiveRecord(op, dtype, numel, num_bytes, group_size, duration_s, label=label, link=link)
     for current in active_traces:
         if current.wants(op):
             current.add(entry)

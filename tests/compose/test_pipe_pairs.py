@@ -1,0 +1,172 @@
+"""Issue 31's pairs and triple with the pipe axis, where the earlier tests left a gap (the acceptance
+matrix: docs/design/composition.md): pipe x sequence at ZeRO 0 and 2, under interleaved virtual
+stages, on Hugging Face GPT-2 and on the demo MoE GPT, and the ring's bytes under a pipeline (its
+blocks and the stages' activations are both point-to-point sends: the tracer labels them by axis,
+"sequence" and "pipe"); the bytes of the tensor axis on GPT-2 cut in two stages; and the triple
+pipe 2 x data 2 x expert 2 at ZeRO 3 with the expert axis' bytes. Each: 5 SGD steps (momentum)
+through `train_batch`, parameters within 1e-6 of the unsplit model in one process on the same
+micro-batches (whole sequences), every rank's bytes per axis equal to their formulas. All slow
+(4-8 gloo ranks each)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerodist
+import zerodist.comm as comm
+from tests.harness import run_distributed
+from tests.pipe import test_pipe_sequence as pipe_sequence
+from tests.pipe.test_split import GAS, LR, MICRO, SEQ, STEPS, VOCAB, build, config, logits_of, micro_batch
+from zerodist.pipe import split_model, token_cross_entropy
+from zerodist.sequence.layout import ring_backward_bytes, ring_bytes, ulysses_bytes
+from zerodist.tensor_parallel import schedule_log
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+HIDDEN = 16
+EXPERTS = 2
+
+
+def moe_gpt(ep_size: int) -> torch.nn.Module:
+    """The demo MoE GPT, 2 blocks (one MoE layer per stage), no token dropped: the capacity is every
+    token of a call (`capacity_factor` = the number of experts), the balance loss weighted 0."""
+    from zerodist.models import GPTConfig
+    from zerodist.models.moe_gpt import MoEConfig, MoEGPT
+
+    torch.manual_seed(0)
+    return MoEGPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=HIDDEN, n_layers=2, n_heads=2, dropout=0.0),
+                  MoEConfig(num_experts=EXPERTS, ep_size=ep_size, drop_tokens=True, capacity_factor=float(EXPERTS),
+                            min_capacity=0, aux_loss_coef=0.0))
+
+
+def model_of(family: str, ep_size: int = 1, reference: bool = False) -> torch.nn.Module:
+    model = moe_gpt(ep_size) if family == "moe-gpt" else build(family)
+    if reference and family in ("llama", "gpt2"):  # the kernel the sequence-parallel attention runs locally
+        model.set_attn_implementation("sdpa")
+    return model
+
+
+def reference_body(family: str, shards: int = 1):
+    """One process, the unsplit model (every expert) on whole sequences: accumulation over the
+    micro-batches of every batch shard, SGD with momentum; the state after each step."""
+    model = model_of(family, reference=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    states = []
+    for step in range(STEPS):
+        for micro in range(GAS):
+            parts = [micro_batch(step, micro, d) for d in range(shards)]
+            x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            (token_cross_entropy(logits_of(model, x), y) / GAS).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    return states
+
+
+def compose_body(family: str, stage: int, *, sequence: int = 1, method: str = "ulysses", tensor: int = 1,
+                 expert: int = 1, stages_per_rank: int = 1):
+    """The model cut in 2 (x `stages_per_rank`) stages and trained; per step the rank's bytes:
+    {"pipe": the stages' sent payloads, "ring": the ring's sends, "all_to_all": bus bytes,
+     "tensor": (forward, backward) of the schedule log}."""
+    module = split_model(model_of(family, expert), num_stages=2, stages_per_rank=stages_per_rank,
+                         split_points=["model.layers.1"] if family == "llama" and stages_per_rank == 1 else None)
+    settings = config(stage, "interleaved" if stages_per_rank > 1 else "1f1b", stages_per_rank)
+    if sequence > 1:
+        settings["sequence_parallel_size"] = sequence
+        settings["zerodist"]["sequence_parallel"] = {"method": method}
+    if tensor > 1:
+        settings["tensor_parallel"] = {"autotp_size": tensor}
+    engine = zerodist.initialize(model=module, config=settings)[0]
+    shard = engine.topology.batch_rank  # data x expert: each reads its own micro-batches
+    states, tallies = [], []
+    for step in range(STEPS):
+        with schedule_log() as log, comm.trace() as trace:
+            engine.train_batch(iter([micro_batch(step, m, shard) for m in range(GAS)]))
+        sends = [r for r in trace.records if r.op == "send"]
+        tallies.append({"pipe": sum(r.num_bytes for r in sends if r.label == "pipe"),
+                        "ring": sum(r.num_bytes for r in sends if r.label == "sequence"),
+                        "unlabelled": sum(r.num_bytes for r in sends if r.label not in ("pipe", "sequence")),
+                        "all_to_all": trace.bus_bytes("all_to_all"),
+                        "tensor": (log.all_bytes("forward"), log.all_bytes("backward"))})
+        states.append(engine.module_state_dict())
+    degrees = dict(engine.topology.degrees)
+    pipe_rank = engine.topology.axis_rank("pipe")
+    engine.destroy()
+    return states, tallies, degrees, pipe_rank
+
+
+def run(family: str, world: int, stage: int, shards: int = 1, **options) -> list:
+    """The composed run against one process: every parameter of every stage within 1e-6."""
+    reference = run_distributed(reference_body, 1, family, shards)[0]
+    results = run_distributed(compose_body, world, family, stage, timeout=400, **options)
+    keys: set[str] = set()
+    for states, _, _, _ in results:
+        for step, state in enumerate(states):
+            keys |= set(state)
+            for key, value in state.items():
+                assert value.shape == reference[step][key].shape, key
+                assert torch.allclose(value, reference[step][key], rtol=0, atol=1e-6), (family, step, key)
+    assert keys == set(reference[0])
+    return results
+
+
+def activation_bytes(sequence: int = 1) -> int:
+    """One micro-batch's hidden states between two stages: [micro, seq / sequence, hidden] floats."""
+    return 4 * MICRO * (SEQ // sequence) * HIDDEN
+
+
+# ---------------------------------------------------------------------------------------- pipe x sequence
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_pipe2_sequence2_llama_ulysses_at_zero_0_and_2(stage):
+    """tests/pipe/test_pipe_sequence.py's check (parameters, eval_batch, Ulysses' and the pipe's
+    bytes) at the two stages it leaves out."""
+    pipe_sequence.check("llama", stage, "ulysses")
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pipe2_sequence2_ring_bytes_are_told_from_the_stages_messages(stage):
+    """The ring's K/V blocks (label "sequence") and the stages' activations (label "pipe") both
+    travel as sends: each equals its own formula. Llama (2 query over 1 key/value head), one
+    attention layer per stage, per micro-batch its forward and its backward rotations."""
+    results = run("llama", 4, stage, sequence=2, method="ring")
+    shape = dict(batch=MICRO, seq=SEQ, kv_heads=1, head_dim=8, degree=2, element_size=4)
+    ring = GAS * (ring_bytes(**shape) + ring_backward_bytes(**shape))
+    for _, tallies, degrees, _ in results:
+        assert degrees["sequence"] == 2 and degrees["pipe"] == 2
+        for tally in tallies:
+            assert (tally["ring"], tally["pipe"], tally["unlabelled"]) == (ring, GAS * activation_bytes(2), 0), tally
+
+
+def test_pipe2_sequence2_interleaved_stages():
+    """2 virtual stages per rank (the demo GPT of 4 blocks, its head tied to the embedding across
+    rank 0's first and rank 1's last stage), Ulysses, ZeRO 3: each virtual stage's attention over
+    the sequence group; the pipe sends 2 boundaries' worth per rank."""
+    results = run("gpt-deep", 4, 3, sequence=2, stages_per_rank=2)
+    one = ulysses_bytes(batch=MICRO, seq=SEQ, heads=2, kv_heads=2, head_dim=8, degree=2, element_size=4)
+    for _, tallies, _, _ in results:
+        for tally in tallies:
+            assert tally["all_to_all"] == 2 * 2 * GAS * one, tally  # 2 blocks per rank, forward and backward
+            # 3 boundaries' messages per rank and micro-batch: rank 0 sends 0->1 and 2->3 forward and
+            # 2->1 backward, rank 1 sends 1->2 forward and 3->2 and 1->0 backward
+            assert tally["pipe"] == 3 * GAS * activation_bytes(2), tally
+
+
+def test_pipe2_sequence2_hf_gpt2():
+    """Hugging Face GPT-2 (Conv1D; `wte` tied to the head across the stages), Ulysses, ZeRO 1."""
+    results = run("gpt2", 4, 1, sequence=2)
+    one = ulysses_bytes(batch=MICRO, seq=SEQ, heads=2, kv_heads=2, head_dim=8, degree=2, element_size=4)
+    for _, tallies, _, _ in results:
+        for tally in tallies:
+            assert (tally["all_to_all"], tally["pipe"]) == (2 * GAS * one, GAS * activation_bytes(2)), tally
+
+
+def test_pipe2_sequence2_moe_gpt():
+    """The demo MoE GPT (all experts on each rank), Ulysses, ZeRO 3: the summed balance loss rides
+    with each slice's hidden states (one float more per message: tests/pipe/test_pipe_expert.py)."""
+    results = run("moe-gpt", 4, 3, sequence=2)
+    one = ulysses_bytes(batch=MICRO, seq=SEQ, heads=2, kv_heads=2, head_dim=8, degree=2, element_size=4)
+    for _, tallies, _, _ in results:
+        for tally in tallies:
+            assert (tally["all_to_all"], tally["pipe"]) == (2 * GAS * one, GAS * (activation_bytes(2) + 4)), tally
