@@ -47,10 +47,11 @@ def model_of(family: str, ep_size: int = 1, reference: bool = False) -> torch.nn
     return model
 
 
-def reference_body(family: str, shards: int = 1):
+def reference_body(family: str, shards: int = 1, sdpa: bool = False):
     """One process, the unsplit model (every expert) on whole sequences: accumulation over the
-    micro-batches of every batch shard, SGD with momentum; the state after each step."""
-    model = model_of(family, reference=True)
+    micro-batches of every batch shard, SGD with momentum; the state after each step. `sdpa`:
+    Hugging Face attention by torch's kernel, the one a sequence-parallel rank runs locally."""
+    model = model_of(family, reference=sdpa)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     states = []
     for step in range(STEPS):
@@ -98,7 +99,7 @@ def compose_body(family: str, stage: int, *, sequence: int = 1, method: str = "u
 
 def run(family: str, world: int, stage: int, shards: int = 1, **options) -> list:
     """The composed run against one process: every parameter of every stage within 1e-6."""
-    reference = run_distributed(reference_body, 1, family, shards)[0]
+    reference = run_distributed(reference_body, 1, family, shards, options.get("sequence", 1) > 1)[0]
     results = run_distributed(compose_body, world, family, stage, timeout=400, **options)
     keys: set[str] = set()
     for states, _, _, _ in results:
@@ -170,3 +171,40 @@ def test_pipe2_sequence2_moe_gpt():
     for _, tallies, _, _ in results:
         for tally in tallies:
             assert (tally["all_to_all"], tally["pipe"]) == (2 * GAS * one, GAS * (activation_bytes(2) + 4)), tally
+
+
+# ---------------------------------------------------------------------------------------- pipe x tensor
+
+@pytest.mark.parametrize("family, stage", [("gpt2", 1), ("llama-kv2", 3)])
+def test_pipe2_tensor2_bytes_of_each_stage(family, stage):
+    """The tensor axis' bytes of each stage (the schedule log), per micro-batch with A = micro x seq x
+    hidden floats: the first stage's forward all-reduces the vocab-parallel embedding and each of its
+    block's two row-parallel outputs (3 A), its backward the block's two shared column inputs' gradients
+    (2 A); the last stage's forward its block's 2 A and the gathered logits (micro x seq x vocab), its
+    backward 2 A and the head's input gradient (A). Hugging Face GPT-2's head is tied to `wte` across
+    the stages (the tie kept on the vocab-parallel slices), the Llama has 4 query over 2 key/value heads."""
+    results = run(family, 4, stage, tensor=2)
+    a, logits = activation_bytes(), 4 * MICRO * SEQ * VOCAB
+    expected = {0: (GAS * 3 * a, GAS * 2 * a), 1: (GAS * (2 * a + logits), GAS * 3 * a)}
+    for _, tallies, degrees, pipe_rank in results:
+        assert degrees["tensor"] == 2 and degrees["pipe"] == 2
+        for tally in tallies:
+            assert tally["tensor"] == expected[pipe_rank], (pipe_rank, tally)
+            assert tally["pipe"] == GAS * activation_bytes(), tally  # the replicated hidden states
+
+
+# ---------------------------------------------------------------------------------------- pipe x expert
+
+@pytest.mark.parametrize("stage, data", [(1, 1), (3, 1), (3, 2)])
+def test_pipe2_expert2_bytes_and_the_triple_with_data_at_zero_3(stage, data):
+    """pipe 2 x expert 2 (4 ranks), and the triple pipe 2 x data 2 x expert 2 (8 ranks) at ZeRO 3
+    (tests/pipe/test_pipe_expert.py has it at ZeRO 1): the batch dealt over data x expert; per
+    micro-batch the stage's one MoE layer moves 4 all-to-alls of E x C x hidden over its expert
+    group of 2 (C = the call's tokens), the pipe the hidden states and the summed balance loss."""
+    results = run("moe-gpt", 4 * data, stage, shards=2 * data, expert=EXPERTS)
+    tokens = MICRO * SEQ
+    moe = GAS * 4 * EXPERTS * tokens * HIDDEN * 4 / 2  # bus factor (P-1)/P over the expert group of 2
+    for _, tallies, degrees, _ in results:
+        assert degrees == {"pipe": 2, "data": data, "expert": 2, "sequence": 1, "tensor": 1}, degrees
+        for tally in tallies:
+            assert (tally["all_to_all"], tally["pipe"]) == (moe, GAS * (activation_bytes() + 4)), tally
