@@ -69,7 +69,7 @@ def compose_body(family: str, stage: int, *, sequence: int = 1, method: str = "u
                  expert: int = 1, stages_per_rank: int = 1):
     """The model cut in 2 (x `stages_per_rank`) stages and trained; per step the rank's bytes:
     {"pipe": the stages' sent payloads, "ring": the ring's sends, "all_to_all": bus bytes,
-     "tensor": (forward, backward) of the schedule log}."""
+     "tensor": (forward, backward) of the schedule log, "zero": bus bytes over a data group of 2}."""
     module = split_model(model_of(family, expert), num_stages=2, stages_per_rank=stages_per_rank,
                          split_points=["model.layers.1"] if family == "llama" and stages_per_rank == 1 else None)
     settings = config(stage, "interleaved" if stages_per_rank > 1 else "1f1b", stages_per_rank)
@@ -89,12 +89,16 @@ def compose_body(family: str, stage: int, *, sequence: int = 1, method: str = "u
                         "ring": sum(r.num_bytes for r in sends if r.label == "sequence"),
                         "unlabelled": sum(r.num_bytes for r in sends if r.label not in ("pipe", "sequence")),
                         "all_to_all": trace.bus_bytes("all_to_all"),
-                        "tensor": (log.all_bytes("forward"), log.all_bytes("backward"))})
+                        "tensor": (log.all_bytes("forward"), log.all_bytes("backward")),
+                        # ZeRO's reduce-scatters and all-gathers over a data group of 2 (no other axis has one)
+                        "zero": sum(r.bus_bytes for r in trace.records
+                                    if r.op in ("reduce_scatter", "all_gather") and r.group_size == 2)})
         states.append(engine.module_state_dict())
     degrees = dict(engine.topology.degrees)
     pipe_rank = engine.topology.axis_rank("pipe")
+    psi = sum(g.layout.total_numel for g in engine.groups)  # this stage's (padded) parameter count
     engine.destroy()
-    return states, tallies, degrees, pipe_rank
+    return states, tallies, degrees, pipe_rank, psi
 
 
 def run(family: str, world: int, stage: int, shards: int = 1, **options) -> list:
@@ -102,7 +106,7 @@ def run(family: str, world: int, stage: int, shards: int = 1, **options) -> list
     reference = run_distributed(reference_body, 1, family, shards, options.get("sequence", 1) > 1)[0]
     results = run_distributed(compose_body, world, family, stage, timeout=400, **options)
     keys: set[str] = set()
-    for states, _, _, _ in results:
+    for states, *_ in results:
         for step, state in enumerate(states):
             keys |= set(state)
             for key, value in state.items():
@@ -134,7 +138,7 @@ def test_pipe2_sequence2_ring_bytes_are_told_from_the_stages_messages(stage):
     results = run("llama", 4, stage, sequence=2, method="ring")
     shape = dict(batch=MICRO, seq=SEQ, kv_heads=1, head_dim=8, degree=2, element_size=4)
     ring = GAS * (ring_bytes(**shape) + ring_backward_bytes(**shape))
-    for _, tallies, degrees, _ in results:
+    for _, tallies, degrees, *_ in results:
         assert degrees["sequence"] == 2 and degrees["pipe"] == 2
         for tally in tallies:
             assert (tally["ring"], tally["pipe"], tally["unlabelled"]) == (ring, GAS * activation_bytes(2), 0), tally
@@ -146,7 +150,7 @@ def test_pipe2_sequence2_interleaved_stages():
     the sequence group; the pipe sends 2 boundaries' worth per rank."""
     results = run("gpt-deep", 4, 3, sequence=2, stages_per_rank=2)
     one = ulysses_bytes(batch=MICRO, seq=SEQ, heads=2, kv_heads=2, head_dim=8, degree=2, element_size=4)
-    for _, tallies, _, _ in results:
+    for _, tallies, *_ in results:
         for tally in tallies:
             assert tally["all_to_all"] == 2 * 2 * GAS * one, tally  # 2 blocks per rank, forward and backward
             # 3 boundaries' messages per rank and micro-batch: rank 0 sends 0->1 and 2->3 forward and
@@ -158,7 +162,7 @@ def test_pipe2_sequence2_hf_gpt2():
     """Hugging Face GPT-2 (Conv1D; `wte` tied to the head across the stages), Ulysses, ZeRO 1."""
     results = run("gpt2", 4, 1, sequence=2)
     one = ulysses_bytes(batch=MICRO, seq=SEQ, heads=2, kv_heads=2, head_dim=8, degree=2, element_size=4)
-    for _, tallies, _, _ in results:
+    for _, tallies, *_ in results:
         for tally in tallies:
             assert (tally["all_to_all"], tally["pipe"]) == (2 * GAS * one, GAS * activation_bytes(2)), tally
 
@@ -168,7 +172,7 @@ def test_pipe2_sequence2_moe_gpt():
     with each slice's hidden states (one float more per message: tests/pipe/test_pipe_expert.py)."""
     results = run("moe-gpt", 4, 3, sequence=2)
     one = ulysses_bytes(batch=MICRO, seq=SEQ, heads=2, kv_heads=2, head_dim=8, degree=2, element_size=4)
-    for _, tallies, _, _ in results:
+    for _, tallies, *_ in results:
         for tally in tallies:
             assert (tally["all_to_all"], tally["pipe"]) == (2 * GAS * one, GAS * (activation_bytes(2) + 4)), tally
 
@@ -186,7 +190,7 @@ def test_pipe2_tensor2_bytes_of_each_stage(family, stage):
     results = run(family, 4, stage, tensor=2)
     a, logits = activation_bytes(), 4 * MICRO * SEQ * VOCAB
     expected = {0: (GAS * 3 * a, GAS * 2 * a), 1: (GAS * (2 * a + logits), GAS * 3 * a)}
-    for _, tallies, degrees, pipe_rank in results:
+    for _, tallies, degrees, pipe_rank, _ in results:
         assert degrees["tensor"] == 2 and degrees["pipe"] == 2
         for tally in tallies:
             assert tally["tensor"] == expected[pipe_rank], (pipe_rank, tally)
@@ -204,7 +208,26 @@ def test_pipe2_expert2_bytes_and_the_triple_with_data_at_zero_3(stage, data):
     results = run("moe-gpt", 4 * data, stage, shards=2 * data, expert=EXPERTS)
     tokens = MICRO * SEQ
     moe = GAS * 4 * EXPERTS * tokens * HIDDEN * 4 / 2  # bus factor (P-1)/P over the expert group of 2
-    for _, tallies, degrees, _ in results:
+    for _, tallies, degrees, *_ in results:
         assert degrees == {"pipe": 2, "data": data, "expert": 2, "sequence": 1, "tensor": 1}, degrees
         for tally in tallies:
             assert (tally["all_to_all"], tally["pipe"]) == (moe, GAS * (activation_bytes() + 4)), tally
+
+
+# ---------------------------------------------------------------------------------------- pipe x data
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pipe2_data2_llama_zero_bytes(stage):
+    """pipe 2 x data 2 on Hugging Face Llama: each stage's flat groups are reduced once per batch (after
+    the rank's last REDUCE_GRAD) over the stage's data group, and at ZeRO 3 each stage is gathered once
+    per batch (one stage per rank: in flight from its first forward to its last backward), so the data
+    axis' bytes are docs/design/zero.md's formula for one accumulation step with this stage's Ψ."""
+    from zerodist.train.report import expected_bus_bytes
+
+    results = run("llama", 4, stage, shards=2)
+    for _, tallies, degrees, _, psi in results:
+        assert degrees == {"pipe": 2, "data": 2, "expert": 1, "sequence": 1, "tensor": 1}, degrees
+        expected = expected_bus_bytes(stage=stage, psi=psi, world_size=2, accumulation_steps=1, reduce_scatter=True,
+                                      element_bytes=4)
+        for tally in tallies:
+            assert (tally["zero"], tally["pipe"]) == (expected, GAS * activation_bytes()), (tally, expected)
