@@ -101,10 +101,10 @@ def compose_body(family: str, stage: int, *, sequence: int = 1, method: str = "u
     return states, tallies, degrees, pipe_rank, psi
 
 
-def run(family: str, world: int, stage: int, shards: int = 1, **options) -> list:
+def run(family: str, world: int, stage: int, shards: int = 1, timeout: int = 280, **options) -> list:
     """The composed run against one process: every parameter of every stage within 1e-6."""
     reference = run_distributed(reference_body, 1, family, shards, options.get("sequence", 1) > 1)[0]
-    results = run_distributed(compose_body, world, family, stage, timeout=400, **options)
+    results = run_distributed(compose_body, world, family, stage, timeout=timeout, **options)
     keys: set[str] = set()
     for states, *_ in results:
         for step, state in enumerate(states):
@@ -199,13 +199,14 @@ def test_pipe2_tensor2_bytes_of_each_stage(family, stage):
 
 # ---------------------------------------------------------------------------------------- pipe x expert
 
+@pytest.mark.timeout(600)  # the 8-rank triple: about 3-5 min on the shared 2-core machine
 @pytest.mark.parametrize("stage, data", [(1, 1), (3, 1), (3, 2)])
 def test_pipe2_expert2_bytes_and_the_triple_with_data_at_zero_3(stage, data):
     """pipe 2 x expert 2 (4 ranks), and the triple pipe 2 x data 2 x expert 2 (8 ranks) at ZeRO 3
     (tests/pipe/test_pipe_expert.py has it at ZeRO 1): the batch dealt over data x expert; per
     micro-batch the stage's one MoE layer moves 4 all-to-alls of E x C x hidden over its expert
     group of 2 (C = the call's tokens), the pipe the hidden states and the summed balance loss."""
-    results = run("moe-gpt", 4 * data, stage, shards=2 * data, expert=EXPERTS)
+    results = run("moe-gpt", 4 * data, stage, shards=2 * data, expert=EXPERTS, timeout=280 * data)
     tokens = MICRO * SEQ
     moe = GAS * 4 * EXPERTS * tokens * HIDDEN * 4 / 2  # bus factor (P-1)/P over the expert group of 2
     for _, tallies, degrees, *_ in results:
@@ -231,3 +232,21 @@ def test_pipe2_data2_llama_zero_bytes(stage):
                                       element_bytes=4)
         for tally in tallies:
             assert (tally["zero"], tally["pipe"]) == (expected, GAS * activation_bytes()), (tally, expected)
+
+
+# ---------------------------------------------------------------------------------------- the triple's three axes
+
+@pytest.mark.timeout(600)  # 8 ranks of 3 axes: about 5 min on the shared 2-core machine
+def test_pipe2_tensor2_sequence2_bytes_of_all_three_axes():
+    """The triple pipe 2 x tensor 2 x sequence 2 on 8 ranks (Hugging Face Llama, 4 query over 2
+    key/value heads, Ulysses, ZeRO 1), each axis' bytes: Ulysses over the heads a tensor rank holds,
+    the tensor axis' per stage as in test_pipe2_tensor2_bytes_of_each_stage over the slice's tokens,
+    and the pipe's slices (tests/pipe/test_pipe_sequence.py checks the first and the last)."""
+    results = run("llama-kv2", 8, 1, sequence=2, tensor=2, timeout=560)
+    one = ulysses_bytes(batch=MICRO, seq=SEQ, heads=2, kv_heads=1, head_dim=4, degree=2, element_size=4)
+    a, logits = activation_bytes(2), 4 * MICRO * (SEQ // 2) * VOCAB
+    expected = {0: (GAS * 3 * a, GAS * 2 * a), 1: (GAS * (2 * a + logits), GAS * 3 * a)}
+    for _, tallies, degrees, pipe_rank, _ in results:
+        assert degrees == {"pipe": 2, "data": 1, "expert": 1, "sequence": 2, "tensor": 2}, degrees
+        for tally in tallies:
+            assert (tally["all_to_all"], tally["tensor"], tally["pipe"]) == (2 * GAS * one, expected[pipe_rank], GAS * a)
