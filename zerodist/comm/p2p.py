@@ -126,10 +126,11 @@ class SendHandle:
 
 # ---------------------------------------------------------------------------------------- the plain forms
 
-def isend(tensor: torch.Tensor, dst: int, tag: int = 0) -> SendHandle:
-    """Send `tensor` to global rank `dst` without blocking; `.wait()` before changing it."""
+def isend(tensor: torch.Tensor, dst: int, tag: int = 0, axis: str | None = None) -> SendHandle:
+    """Send `tensor` to global rank `dst` without blocking; `.wait()` before changing it. `axis`
+    labels its tracer record (the ring passes "sequence"; a pipeline's messages are "pipe")."""
     ensure_initialized()
-    _record("send", tensor)
+    _record("send", tensor, axis)
     return SendHandle([dist.isend(tensor.contiguous(), dst=dst, tag=tag)], [tensor], dst)
 
 
@@ -137,10 +138,10 @@ def send(tensor: torch.Tensor, dst: int, tag: int = 0, timeout_s: float | None =
     isend(tensor, dst, tag).wait(timeout_s)
 
 
-def irecv(tensor: torch.Tensor, src: int, tag: int = 0) -> Any:
+def irecv(tensor: torch.Tensor, src: int, tag: int = 0, axis: str | None = None) -> Any:
     """Post a receive into `tensor` from global rank `src`; returns the work (`wait()` it)."""
     ensure_initialized()
-    _record("recv", tensor)
+    _record("recv", tensor, axis)
     return dist.irecv(tensor, src=src, tag=tag)
 
 
@@ -162,11 +163,11 @@ def send_message(tensors: Sequence[torch.Tensor], dst: int, *, label: Label) -> 
     header, inline = _encode(_OK, label, payload, header_device())
     try:  # gloo raises here at once when the peer's connection is closed
         works = [dist.isend(header, dst=dst, tag=HEADER_TAG)]
-        _record("p2p_header", header)
+        _record("p2p_header", header, "pipe")
         for tensor in payload:
             if not inline:
                 works.append(dist.isend(tensor, dst=dst, tag=PAYLOAD_TAG))
-            _record("send", tensor)
+            _record("send", tensor, "pipe")
     except RuntimeError as error:
         raise PipePeerFailedError(
             f"rank {dist.get_rank()}: sending message {tuple(label)} to rank {dst} failed: that stage exited or "
@@ -245,7 +246,7 @@ class IncomingMessage:
             received = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
             self._works = [dist.irecv(t, src=self.src, tag=PAYLOAD_TAG) for t in received]
         for tensor in received:
-            _record("recv", tensor)
+            _record("recv", tensor, "pipe")
         self._received = received
 
     def tensors(self, expect: Sequence[Meta] | None = None) -> list[torch.Tensor]:
@@ -386,8 +387,8 @@ def _decode(message: torch.Tensor, src: int, describe: str) -> tuple[int, Label,
     return status, label, metas, inline
 
 
-def _record(op: str, tensor: torch.Tensor) -> None:
+def _record(op: str, tensor: torch.Tensor, axis: str | None = None) -> None:
     if tracer.active_traces:
-        tracer.record(op, tensor, tensor.numel(), 2, None)
+        tracer.record(op, tensor, tensor.numel(), 2, None, label=axis)
     if timeline.recording:
         timeline.p2p_message(op, tensor)

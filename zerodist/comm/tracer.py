@@ -258,11 +258,15 @@ def labelled(label: str) -> Iterator[None]:
 
 
 def record(op: str, tensor: torch.Tensor | None, numel: int, group_size: int, duration_s: float | None,
-           link: str | None = None) -> None:
+           link: str | None = None, label: str | None = None) -> None:
+    """`label`: the axis a point-to-point message belongs to (`comm.p2p`: "pipe" for a stage's
+    messages, "sequence" for the ring's blocks), so a trace under both can tell them apart; without
+    one, the innermost enclosing `labelled()` block's label, if any."""
     dtype = None if tensor is None else tensor.dtype
     num_bytes = 0 if tensor is None else numel * tensor.element_size()
-    entry = CollectiveRecord(op, dtype, numel, num_bytes, group_size, duration_s, link=link,
-                             label=_labels[-1] if _labels else None)
+    if label is None and _labels:
+        label = _labels[-1]
+    entry = CollectiveRecord(op, dtype, numel, num_bytes, group_size, duration_s, link=link, label=label)
     for current in active_traces:
         if current.wants(op):
             current.add(entry)

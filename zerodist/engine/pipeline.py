@@ -18,9 +18,12 @@ zerodist/pipe/schedule.py) reach `StageGathers`, which maps a stage to the units
 parameters and calls the runtime's verbs. At stage 3 a stage's units are gathered before its first
 compute and freed after its last (or as `zerodist.pipeline.max_active_stages` bounds them), so a
 rank holds gathered only its stages in flight; every backward accumulates gradients locally (the
-reducer defers), and once every stage of the rank has passed its REDUCE_GRAD the gradients are
-reduced once over the stage's own data-parallel group (the flat groups hold only this rank's
-parameters, over groups without the pipe axis: one flat layout per part, so one reduction). So
+reducer defers), and a stage's REDUCE_GRAD reduces the buckets whose parameters belong only to
+stages past theirs (interleaved virtual stages: the later chunk's buckets before the rank's last
+backward, where its units are buckets of their own, e.g. at stage 3); once every stage of the rank
+has passed its REDUCE_GRAD the rest is reduced, once, over the stage's own data-parallel group (the
+flat groups hold only this rank's parameters, over groups without the pipe axis). Each bucket is
+reduced once either way, so the result is bitwise the same whenever it runs. So
 ZeRO 0-3 compose with the pipeline the way torch's FSDP2 does it (reduce-scatter deferred to the
 last micro-batch), and the sums are stage 0/1's local accumulation. The optimizer's step agrees
 on the gradient norm and overflow over the world, so every stage clips and skips alike. Tied
@@ -196,6 +199,7 @@ class StageGathers:
         self.holders: collections.Counter[int] = collections.Counter()  # unit -> stages holding it gathered
         self.to_reduce = set(module.local_stages)
         self.reduced = False
+        self.stages_of = self._bucket_stages(runtime, module, tied_ids)
 
     def __call__(self, action: Action) -> None:
         units = self.units_of.get(action.stage, [])
@@ -212,6 +216,26 @@ class StageGathers:
             self.to_reduce.discard(action.stage)
             if not self.to_reduce:
                 self._reduce()
+            elif self.reduce_early:
+                done = [b for b, stages in self.stages_of if stages and not stages & self.to_reduce]
+                if done:  # every data-parallel peer runs this schedule too: the same buckets, in order
+                    self.runtime.reducer.reduce_deferred_buckets(done)
+
+    reduce_early = True  # a stage's own buckets at its REDUCE_GRAD (False: all at the rank's last one)
+
+    @staticmethod
+    def _bucket_stages(runtime: UnitRuntime, module: Any, tied_ids: set[int]) -> list[tuple[Any, set[int]]]:
+        """Each bucket with the local stages whose parameters it holds; empty (reduced last, after
+        the tie sum) for a bucket holding a tied parameter."""
+        stage_of = {id(p): stage for stage in module.local_stages
+                    for m in module.stage_modules(stage) for p in m.parameters()}
+        result = []
+        for group in runtime.reducer.groups:
+            for bucket in group.buckets:
+                ids = {id(group.params[i]) for i in bucket.span.param_indices}
+                stages = set() if ids & tied_ids or not ids <= stage_of.keys() else {stage_of[i] for i in ids}
+                result.append((bucket, stages))
+        return result
 
     def _reduce(self) -> None:
         """Every stage's gradients are complete: the tie sum, then the one reduction of the part."""

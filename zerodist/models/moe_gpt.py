@@ -100,10 +100,12 @@ class MoEGPT(nn.Module):
     def moe_layers(self) -> list[nn.Module]:
         return [block.moe for block in self.blocks if isinstance(block, MoEBlock)]
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` as `GPT.forward`'s: a sequence-parallel rank passes its slice's positions."""
         if idx.dim() != 2 or idx.shape[1] > self.config.seq_len:
             raise ValueError(f"MoEGPT expects token ids (batch, seq <= {self.config.seq_len}), got {tuple(idx.shape)}")
-        positions = torch.arange(idx.shape[1], device=idx.device)
+        positions = torch.arange(idx.shape[1], device=idx.device) if position_ids is None else position_ids.long()
         x = self.tok_emb(idx.long()) + self.pos_emb(positions)
         aux = x.new_zeros((), dtype=torch.float32)
         for block in self.blocks:

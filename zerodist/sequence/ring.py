@@ -54,8 +54,8 @@ class _Ring:
         """Send `block` to the next rank and receive the previous rank's into a new buffer, both
         started now: (incoming buffer, receive work, send handle); `arrive` waits for both."""
         incoming = torch.empty_like(block)
-        received = p2p.irecv(incoming, self.previous, RING_TAG)
-        sent = p2p.isend(block, self.next, RING_TAG)
+        received = p2p.irecv(incoming, self.previous, RING_TAG, axis="sequence")
+        sent = p2p.isend(block, self.next, RING_TAG, axis="sequence")
         return incoming, received, sent
 
     def arrive(self, transfer: tuple[torch.Tensor, Any, Any]) -> torch.Tensor:

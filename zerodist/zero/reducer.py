@@ -12,7 +12,11 @@ missing gradients are zeros.
 
 While `deferring` (a caller drives the unit runtime: [Note: driving the runtime] in runtime.py)
 no bucket is reduced in backward: each keeps its full-size gradient across backwards, as stages
-0/1 always do, and `reduce_deferred()` reduces them all once, in the same fixed order.
+0/1 always do, and `reduce_deferred()` reduces them all once, in the same fixed order. A caller
+that knows some buckets' gradients are complete earlier (a pipeline stage's REDUCE_GRAD:
+zerodist/engine/pipeline.py) reduces those with `reduce_deferred_buckets(...)`, in the fixed order
+among themselves; `reduce_deferred()` then reduces only the rest. Each bucket's collective is the
+same whenever it runs, so the result is bitwise the one reduction's.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class GradReducer:
         self.deferring = False  # a caller reduces, once, with reduce_deferred()
         self._deferred = False  # a backward ran while deferring and its gradients are not reduced yet
         self.grads_seen = 0
+        self._early: set[int] = set()  # ids of buckets reduce_deferred_buckets reduced in this accumulation
         self._next = 0
         self._in_flight: collections.deque[Bucket] = collections.deque()
         # The hooks hold the reducer weakly: torch does not let the garbage collector see through a
@@ -82,6 +87,9 @@ class GradReducer:
     def _start_complete_buckets(self, force: bool = False) -> None:
         while self._next < len(self.order) and (force or self.order[self._next].is_complete):
             bucket = self.order[self._next]
+            if id(bucket) in self._early:  # reduced already (reduce_deferred_buckets)
+                self._next += 1
+                continue
             bucket.start_grad_sync()
             self._in_flight.append(bucket)
             self._next += 1
@@ -107,12 +115,32 @@ class GradReducer:
                 bucket.end_micro_step()  # a no-op but in the layout-invariant mode (zero/canonical.py)
             bucket.reset()
         self._next = 0
+        if sync:
+            self._early.clear()
 
     def reduce_deferred(self) -> None:
         """Reduce every bucket's gradient accumulated while deferring (collective), once."""
         if self._deferred:
             self._deferred = False
             self._reduce_all(sync=True)
+
+    def reduce_deferred_buckets(self, buckets: list[Bucket]) -> None:
+        """While deferring: reduce `buckets` now (collective over each one's group; every rank of
+        that group must call it alike), in the fixed order, the others staying deferred. The caller
+        promises no later backward of this accumulation writes to them; `reduce_deferred()` skips them."""
+        assert self.deferring and not self._in_flight, "reduce_deferred_buckets: only while deferring, between backwards"
+        wanted = {id(b) for b in buckets}
+        chosen = [b for b in self.order if id(b) in wanted and id(b) not in self._early]
+        for bucket in chosen:
+            bucket.start_grad_sync()
+            self._in_flight.append(bucket)
+            if self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
+                self._in_flight.popleft().finish_grad_sync()
+        while self._in_flight:
+            self._in_flight.popleft().finish_grad_sync()
+        for bucket in chosen:
+            bucket.reset()
+            self._early.add(id(bucket))
 
     def settle_gradients(self) -> None:
         """Before the optimizer reads the buckets: zero what no gradient was written to (already done
@@ -121,6 +149,7 @@ class GradReducer:
             bucket.settle()
 
     def clear_gradients(self) -> None:
+        self._early.clear()
         for bucket in self.order:
             bucket.clear_gradients()
 
