@@ -216,7 +216,8 @@ class StageGathers:
             self.to_reduce.discard(action.stage)
             if not self.to_reduce:
                 self._reduce()
-            elif self.reduce_early:
+            elif self.reduce_early and self.before_reduce is None:
+                # (the layout-invariant tree rewrites every bucket at the last REDUCE_GRAD: none goes early)
                 done = [b for b, stages in self.stages_of if stages and not stages & self.to_reduce]
                 if done:  # every data-parallel peer runs this schedule too: the same buckets, in order
                     self.runtime.reducer.reduce_deferred_buckets(done)
