@@ -8,7 +8,9 @@
 
 Ranks are real processes on gloo over loopback, initialised through zerodist's own launch path
 (torchrun variables). Process start-up (importing torch) dominates on small machines, so one
-pool of workers per world size lives for the whole session and runs test after test. A pool
+pool of workers per world size lives for the whole session and runs test after test, and its
+ranks fork from the suite's warm forkserver (tests.processes.warm_context), which imported torch
+once: a pool starts in about a second rather than ~3 s of CPU per rank. A pool
 that saw a failure is torn down, since its ranks may be stuck in a collective or out of step,
 and the next test gets a fresh one.
 
@@ -22,7 +24,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import multiprocessing as mp
 import os
 import queue
 import socket
@@ -88,7 +89,9 @@ class WorkerPool:
     """`world_size` worker processes that run one task at a time, all ranks together."""
 
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        from tests.processes import warm_context
+
+        ctx = warm_context()
         self.world_size = world_size
         self.results = ctx.Queue()
         self.task_queues = [ctx.Queue() for _ in range(world_size)]

@@ -1,4 +1,5 @@
-"""Run a command that starts a process group (zerodist run / train / bench) without leaking it.
+"""Run a command that starts a process group (zerodist run / train / bench) without leaking it;
+and the suite's warm forkserver, from which the harness's ranks and the crash tests' ranks fork.
 
 `subprocess.run(..., timeout=...)` kills only the direct child on timeout: torchrun's worker
 ranks would live on as orphans, possibly stuck in a rendezvous. Here the command gets its own
@@ -7,10 +8,31 @@ session and the whole group is killed when the deadline passes, and the test fai
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import subprocess
 from typing import Any
+
+_warm: Any = None
+
+
+def warm_context() -> Any:
+    """A multiprocessing context whose processes fork from one server that imported torch, zerodist
+    and what the first step imports (tests/warm_start.py), once per session: a rank then starts in
+    a fraction of a second instead of paying ~3 s of CPU for its imports (spawn). The server ran no
+    torch op on more than one thread and holds no socket, so forking it is safe. Like a spawned
+    process, a forked one gets the environment of its start (the server's: the pytest process's when
+    the server started), so a body sets what it needs in os.environ itself."""
+    global _warm
+    if _warm is None:
+        from multiprocessing import forkserver
+
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(["tests.warm_start"])
+        forkserver.ensure_running()
+        _warm = context
+    return _warm
 
 
 def run_group(args: list[str], *, timeout: float, capture_output: bool = True, text: bool = True,
