@@ -1,5 +1,7 @@
 """`zerodist train` restarted: a finished run exits 0 with one line, `--steps` below the
-checkpoint is a named error, metrics.csv keeps the whole history across resumes, --keep-last."""
+checkpoint is a named error, metrics.csv keeps the whole history across resumes, --keep-last.
+The runs that are not killed run on the harness's pooled ranks as each launched rank runs them
+(harness.run_cli): their subject is what the ranks do on a restart, not the launch."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import run_cli
 from tests.processes import run_group
 
 REPO = Path(__file__).resolve().parents[2]
@@ -17,10 +20,7 @@ COMMON = ("--model", "tiny", "--nproc", "1", "--save-interval", "2", "--keep-las
 
 
 def _train(out: Path, *args: str):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    return run_group([sys.executable, "-m", "zerodist", "train", *COMMON, "--out", str(out), *args], cwd=REPO,
-                     env=env, timeout=150)
+    return run_cli(1, "train", *COMMON, "--out", str(out), *args, timeout=150)
 
 
 def _rows(out: Path) -> list[tuple[int, str]]:
@@ -99,7 +99,7 @@ def test_a_kill_right_after_the_final_save_keeps_every_row_and_the_restart_write
     assert killed.returncode != 0 and (out / "checkpoints" / "global_step3").is_dir(), killed.stderr[-3000:]
     assert [s for s, _ in _rows(out)] == [1, 2, 3]
     assert (out / "config.json").is_file() and not (out / "summary.txt").exists()
-    again = run_group(command + ["--resume"], cwd=REPO, env=env, timeout=150)
+    again = run_cli(int(layout[1]), *command[3:], "--resume", timeout=150)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.splitlines()[1:] == [f"wrote {out / 'summary.txt'}"]
     summary = (out / "summary.txt").read_text()
