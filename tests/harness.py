@@ -33,6 +33,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import tests.processes  # noqa: F401  (its snapshot of the session's environment: warm_context)
+
 DEFAULT_TIMEOUT_S = 90.0
 GRACE_AFTER_FAILURE_S = 3.0
 COLLECTIVE_TIMEOUT_S = "60"

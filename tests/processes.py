@@ -15,22 +15,35 @@ import subprocess
 from typing import Any
 
 _warm: Any = None
+# The environment and directory of the session's start (this module is imported with the harness,
+# by conftest.py): the forkserver starts from them, whichever test first needs it, so that a test's
+# monkeypatched variable or chdir never becomes every later rank's.
+_SESSION_ENV, _SESSION_CWD = dict(os.environ), os.getcwd()
 
 
 def warm_context() -> Any:
     """A multiprocessing context whose processes fork from one server that imported torch, zerodist
     and what the first step imports (tests/warm_start.py), once per session: a rank then starts in
     a fraction of a second instead of paying ~3 s of CPU for its imports (spawn). The server ran no
-    torch op on more than one thread and holds no socket, so forking it is safe. Like a spawned
-    process, a forked one gets the environment of its start (the server's: the pytest process's when
-    the server started), so a body sets what it needs in os.environ itself."""
+    torch op on more than one thread and holds no socket, so forking it is safe. A forked rank gets
+    the server's environment and working directory: the session's at its start, not those of the
+    test that first needs the server, so a body sets what it needs in os.environ itself."""
     global _warm
     if _warm is None:
         from multiprocessing import forkserver
 
         context = mp.get_context("forkserver")
         context.set_forkserver_preload(["tests.warm_start"])
-        forkserver.ensure_running()
+        environment, directory = dict(os.environ), os.getcwd()
+        os.environ.clear()
+        os.environ.update(_SESSION_ENV)
+        os.chdir(_SESSION_CWD)
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(environment)
+            os.chdir(directory)
         _warm = context
     return _warm
 
