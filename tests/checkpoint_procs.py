@@ -14,10 +14,8 @@ peer vanished may wait in a collective, and that wait is not what these tests ex
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import io
 import logging
-import multiprocessing as mp
 import os
 import queue
 import socket
@@ -28,46 +26,10 @@ from typing import Any
 
 import torch
 
-import zerodist  # noqa: F401  (preloaded in the forkserver)
-import zerodist.checkpoint  # noqa: F401
+from tests.processes import warm_context
 
 GRACE_AFTER_DEATH_S = 8.0
-_WARM_UP_ENV = "ZERODIST_TEST_FORKSERVER_WARM_UP"
-_context: Any = None
-
-
-def _warm_up() -> None:
-    """In the forkserver only: import what the first optimizer step and config load import
-    lazily (torch._dynamo alone takes seconds), on one thread and tiny tensors, so no thread
-    pool exists to be broken by fork."""
-    torch.set_num_threads(1)
-    importlib.import_module("torch._dynamo")
-
-    param = torch.zeros(3, requires_grad=True)
-    param.grad = torch.ones(3)
-    torch.optim.AdamW([param]).step()
-    zerodist.Config.load({})
-    for module in ("zerodist.engine", "tests.engine_helpers", "pytest"):  # what test bodies import
-        importlib.import_module(module)
-
-
-if os.environ.get(_WARM_UP_ENV):
-    _warm_up()
-
-
-def _get_context() -> Any:
-    global _context
-    if _context is None:
-        from multiprocessing import forkserver
-
-        _context = mp.get_context("forkserver")
-        _context.set_forkserver_preload(["tests.checkpoint_procs"])
-        os.environ[_WARM_UP_ENV] = "1"  # read by the forkserver as it imports this module
-        try:
-            forkserver.ensure_running()
-        finally:
-            del os.environ[_WARM_UP_ENV]
-    return _context
+_get_context = warm_context
 
 
 def _free_port() -> int:

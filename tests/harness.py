@@ -8,7 +8,9 @@
 
 Ranks are real processes on gloo over loopback, initialised through zerodist's own launch path
 (torchrun variables). Process start-up (importing torch) dominates on small machines, so one
-pool of workers per world size lives for the whole session and runs test after test. A pool
+pool of workers per world size lives for the whole session and runs test after test, and its
+ranks fork from the suite's warm forkserver (tests.processes.warm_context), which imported torch
+once: a pool starts in about a second rather than ~3 s of CPU per rank. A pool
 that saw a failure is torn down, since its ranks may be stuck in a collective or out of step,
 and the next test gets a fresh one.
 
@@ -22,14 +24,16 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import multiprocessing as mp
 import os
 import queue
 import socket
+import subprocess
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+import tests.processes  # noqa: F401  (its snapshot of the session's environment: warm_context)
 
 DEFAULT_TIMEOUT_S = 90.0
 GRACE_AFTER_FAILURE_S = 3.0
@@ -88,7 +92,9 @@ class WorkerPool:
     """`world_size` worker processes that run one task at a time, all ranks together."""
 
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        from tests.processes import warm_context
+
+        ctx = warm_context()
         self.world_size = world_size
         self.results = ctx.Queue()
         self.task_queues = [ctx.Queue() for _ in range(world_size)]
@@ -189,6 +195,17 @@ def _run(target: Any, world_size: int, args: tuple, kwargs: dict, timeout: float
         raise
 
 
+def start_pool(world_size: int) -> None:
+    """Have `world_size` ranks up and ready: a test that bounds how long a failure takes to be named
+    starts its clock after this, so that the bound never counts a fresh pool's start-up (a pool is
+    torn down after every failing test) on a loaded machine."""
+    _run(_ready, world_size, (), {}, DEFAULT_TIMEOUT_S)
+
+
+def _ready() -> None:
+    return None
+
+
 def close_pools() -> None:
     for pool in list(_pools.values()):
         pool.close()
@@ -226,3 +243,40 @@ def distributed_test(world_size: int | list[int] = 2, *, timeout: float = DEFAUL
         return pytest.mark.multiprocess(pytest.mark.parametrize("world_size", sizes)(test))
 
     return decorate
+
+
+def run_cli(world_size: int, *argv: str, timeout: float = DEFAULT_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    """Run `zerodist *argv` (e.g. "train", "--pp", "2", ...) on each of `world_size` pooled ranks,
+    as each rank of a `zerodist train --nproc N` launch runs it: `RANK` is set, so the command takes
+    its in-place path with this world (a `--nproc` in argv is not read). Returns what the launch's
+    `subprocess.run` would: the first non-zero rank's exit code (else 0), and every rank's stdout and
+    stderr (the zerodist log included) one after another in rank order.
+
+    What the launch adds around the ranks (torchrun's agent, the pre-spawn checks, leaving
+    together) is tested by the CLI tests that start `python -m zerodist`; this spares the tests
+    that examine what the ranks compute ~3 s of CPU per rank for a fresh interpreter's imports."""
+    ranks = run_distributed(_cli_in_rank, world_size, list(argv), timeout=timeout)
+    code = next((code for code, _, _ in ranks if code != 0), 0)
+    return subprocess.CompletedProcess(["zerodist", *argv], code, "".join(out for _, out, _ in ranks),
+                                       "".join(err for _, _, err in ranks))
+
+
+def _cli_in_rank(argv: list[str]) -> tuple[int, str, str]:
+    import contextlib
+    import io
+    import logging
+
+    from zerodist.cli.main import main
+    from zerodist.utils.logging import get_logger
+
+    get_logger("zerodist")  # its handler exists before the streams are redirected, and is pointed at them
+    out, err = io.StringIO(), io.StringIO()
+    handlers = [h for h in logging.getLogger("zerodist").handlers if isinstance(h, logging.StreamHandler)]
+    streams = [h.setStream(err) for h in handlers]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        for handler, stream in zip(handlers, streams):
+            handler.setStream(stream)
+    return code, out.getvalue(), err.getvalue()

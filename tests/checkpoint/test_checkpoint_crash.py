@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 import torch
@@ -101,14 +102,40 @@ def previous(tmp_path_factory):
     return save_dir, reference
 
 
-@pytest.mark.parametrize("point,rank", CASES, ids=[f"{p}@{r}" for p, r in CASES])
-def test_kill_inside_save_keeps_previous_checkpoint(previous, tmp_path, point, rank):
-    template, reference = previous
-    save_dir = tmp_path / "ckpt"
+CONCURRENT_CASES = 2  # a case whose survivor waits out the agreement timeout is mostly idle
+
+
+def _crash_and_resume(template, save_dir, point: str, rank: int):
     shutil.copytree(template, save_dir)
     crashed = launch(crash_body, 2, str(save_dir), f"{point}@{rank}", timeout=60)
+    if crashed.exitcodes[rank] != -9:
+        return save_dir, crashed, None
+    return save_dir, crashed, launch(resume_body, 2, str(save_dir), timeout=60)
+
+
+@pytest.fixture(scope="module")
+def crashes(previous, tmp_path_factory):
+    """Every case's crash and resume, CONCURRENT_CASES at a time (each in its own directory, with its
+    own ranks and port): a case killed on rank 1 spends most of its time with rank 0 waiting out the
+    2 s agreement timeout, idle. {(point, rank): future of (save dir, crash launch, resume launch or None)}"""
+    template, _ = previous
+    with ThreadPoolExecutor(CONCURRENT_CASES) as pool:
+        futures = {(point, rank): pool.submit(_crash_and_resume, template,
+                                              tmp_path_factory.mktemp(f"crash-{point}-{rank}") / "ckpt", point, rank)
+                   for point, rank in CASES}
+        wait(futures.values())
+    return futures
+
+
+# The first case's setup runs every case (each launch bounded by its 60 s): pytest's 300 s would count
+# them all on a loaded machine.
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("point,rank", CASES, ids=[f"{p}@{r}" for p, r in CASES])
+def test_kill_inside_save_keeps_previous_checkpoint(previous, crashes, point, rank):
+    _, reference = previous
+    save_dir, crashed, resumed = crashes[(point, rank)].result()  # a case's own error is raised in its test
     assert crashed.exitcodes[rank] == -9, f"rank {rank} was not killed at {point}: {crashed}"
-    (old_tag, old_state), (new_tag, new_state) = launch(resume_body, 2, str(save_dir), timeout=60).check()[0]
+    (old_tag, old_state), (new_tag, new_state) = resumed.check()[0]
     # Rank 0 commits once every rank has reported its files written, even if another rank dies after.
     committed = KILL_POINTS.index(point) >= (COMMIT_POINT if rank == 0 else REPORTED)
     assert old_tag == f"global_step{PREVIOUS}"

@@ -13,7 +13,7 @@ import torch
 
 import zerodist.comm as comm
 from zerodist.comm.init import read_launch_env, resolve_timeout
-from tests.harness import DistributedTestFailure, distributed_test, run_distributed
+from tests.harness import DistributedTestFailure, distributed_test, run_distributed, start_pool
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FULL_TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -371,6 +371,7 @@ def _fail_on_rank_one_while_rank_zero_waits():
 
 @pytest.mark.multiprocess
 def test_harness_fails_all_ranks_fast_when_one_rank_fails():
+    start_pool(2)  # the bound below times the failure, not a fresh pool's start-up
     start = time.monotonic()
     with pytest.raises(DistributedTestFailure) as info:
         run_distributed(_fail_on_rank_one_while_rank_zero_waits, 2, timeout=60)

@@ -66,14 +66,26 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def disagreeing_runs(tmp_path_factory) -> dict[str, tuple[list[subprocess.Popen], list[str], float]]:
-    """Every case's two ranks, run at once: each waits out the same collective timeout, idle."""
-    started = {case: _start(case, tmp_path_factory.mktemp(case)) for case in CASES}
+    """Every case's two ranks, and the frozen case's, run at once: each waits out the same collective
+    timeout, idle, so together they take the time of one."""
+    started = {case: _start(case, tmp_path_factory.mktemp(case)) for case in [*CASES, "frozen"]}
     deadline = time.monotonic() + DEADLINE_S
-    runs = {}
+    runs = {"frozen": _finish_frozen(*started.pop("frozen"), deadline)}
     for case, ranks in started.items():
         outs = [_finish(p, deadline) for p in ranks]
         runs[case] = (ranks, outs, time.time())
     return runs
+
+
+def _finish_frozen(rank0: subprocess.Popen, rank1: subprocess.Popen, deadline: float):
+    """Rank 0 fails while rank 1 is stopped; rank 1 is continued after that. The time is how long
+    after rank 1 stopped itself rank 0 had failed."""
+    out0 = _finish(rank0, deadline)
+    frozen_at = _blocked_at(rank1.stdout.readline())
+    failed_after = time.time() - frozen_at
+    os.kill(rank1.pid, signal.SIGCONT)
+    out1 = _finish(rank1, deadline)
+    return (rank0, rank1), (out0, out1), failed_after
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -104,14 +116,8 @@ def test_ranks_that_disagree_name_each_other_then_fail_by_name(case, disagreeing
     assert finished - _blocked_at(rank0) < TIMEOUT_S + 30
 
 
-def test_a_frozen_rank_is_named_and_every_rank_fails_by_name(tmp_path):
-    rank0, rank1 = _start("frozen", tmp_path)
-    deadline = time.monotonic() + DEADLINE_S
-    out0 = _finish(rank0, deadline)
-    frozen_at = _blocked_at(rank1.stdout.readline())
-    failed_after = time.time() - frozen_at
-    os.kill(rank1.pid, signal.SIGCONT)
-    out1 = _finish(rank1, deadline)
+def test_a_frozen_rank_is_named_and_every_rank_fails_by_name(disagreeing_runs):
+    (rank0, rank1), (out0, out1), failed_after = disagreeing_runs["frozen"]
     assert rank0.returncode != 0 and rank1.returncode != 0
     assert re.search(r"rank 0: waiting \d+ s for rank\(s\) \[1\] at all_reduce #2 on group 'world'", out0), out0
     assert "rank 1 has not been blocked in a collective for long" in out0

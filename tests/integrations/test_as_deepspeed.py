@@ -94,13 +94,22 @@ def launch(out: Path, template: str | None, as_deepspeed: bool) -> tuple[dict, s
     return json.loads((out / "result.json").read_text()), result.stderr
 
 
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> tuple[dict, Path]:
+    """The same script under DDP: one reference for every stage (it reads no template)."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("ddp")
+    return launch(out, None, as_deepspeed=False)[0], out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_trainer_with_deepspeed_argument_trains_on_zerodist_with_ddps_losses(tmp_path, stage):
+def test_trainer_with_deepspeed_argument_trains_on_zerodist_with_ddps_losses(tmp_path, stage, ddp_run):
     pytest.importorskip("accelerate")
     transformers = pytest.importorskip("transformers")
     served, log = launch(tmp_path / "zerodist", f"llamafactory_ds_z{stage}_config.json", as_deepspeed=True)
-    ddp, _ = launch(tmp_path / "ddp", None, as_deepspeed=False)
+    ddp, ddp_out = ddp_run
     assert served["engine"] == "zerodist.engine.engine.Engine"
     assert ddp["engine"] == "torch.nn.parallel.distributed.DistributedDataParallel"
     assert "[zerodist INFO rank 0] zerodist trains: `import deepspeed` is served by zerodist" in log
@@ -109,7 +118,7 @@ def test_trainer_with_deepspeed_argument_trains_on_zerodist_with_ddps_losses(tmp
     for key in ("losses", "grad_norms", "lrs"):
         assert served[key] == pytest.approx(ddp[key], abs=1e-5), key
     ours = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "zerodist" / "final").state_dict()
-    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ddp" / "final").state_dict()
+    theirs = transformers.LlamaForCausalLM.from_pretrained(ddp_out / "final").state_dict()
     assert ours.keys() == theirs.keys()
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-5
     assert all(torch.isfinite(v).all() for v in ours.values())

@@ -34,11 +34,13 @@ def status() -> dict[str, int]:
     return {key: int(value.split()[0]) * 1024 for key, value in fields.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """`argv`: MODE NVME_PATH OUT CAP_BYTES (the command line's, by default)."""
     import zerodist
     from zerodist.models import make_mlp
 
-    mode, nvme_path, out, cap = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    mode, nvme_path, out, cap_text = sys.argv[1:5] if argv is None else argv
+    cap = int(cap_text)
     torch.set_num_threads(1)
     zero: dict = {"stage": 3 if mode in ("nvme3", "param") else 2, "sub_group_size": 500_000}
     if mode != "memory":

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import run_distributed
-from tests.train.test_train_cli import run_train
+from tests.harness import run_cli, run_distributed
 from zerodist.checkpoint import consolidate_checkpoint
 
 
@@ -47,6 +46,14 @@ def test_zerodist_train_pp_2_on_4_ranks(tmp_path, schedule):
     assert "= 1.00 x the formula 2 m x" in text
     assert "bubble: " in text and " measured (executor's timed actions" in text
     assert _rows(tmp_path) and [r["step"] for r in _rows(tmp_path)] == ["1", "2", "3"]
+
+
+def run_train(*args: str, timeout: float = 240):
+    """`zerodist train ARGS` as each of its ranks runs it, on the harness's pooled ranks (`--nproc N`:
+    N ranks): what the ranks compute and write is this file's subject; the launch itself is
+    tests/train/test_train_cli.py's."""
+    nproc = int(args[args.index("--nproc") + 1])
+    return run_cli(nproc, "train", *args, timeout=timeout)
 
 
 def _rows(out: Path) -> list[dict[str, str]]:

@@ -1,4 +1,6 @@
-"""`zerodist train --moe N`: the MoE demo end to end (subprocesses, as a user runs it)."""
+"""`zerodist train --moe N`: the MoE demo on the harness's pooled ranks, as each launched rank runs it
+(harness.run_cli; the launch is tests/train/test_train_cli.py's), and its named error before any
+rank starts (a subprocess, as a user runs it)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import run_cli
 from tests.train.test_train_cli import read_losses, run_train
 
 pytestmark = pytest.mark.multiprocess
@@ -15,7 +18,8 @@ pytestmark = pytest.mark.multiprocess
 @pytest.mark.slow
 def test_moe_demo_trains_and_reports_the_load_per_layer(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = run_train("--moe", "4", "--steps", "12", "--model", "tiny", "--nproc", "2", "--out", str(out))
+    result = run_cli(2, "train", "--moe", "4", "--steps", "12", "--model", "tiny", "--nproc", "2", "--out", str(out),
+                     timeout=150)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     layers = re.findall(r"MoE layer (\d): ((?:\s+[\d.]+%){4})\s+imbalance ([\d.]+), dropped ([\d.]+)%", result.stdout)
     assert [layer for layer, *_ in layers] == ["0", "1"], result.stdout[-3000:]

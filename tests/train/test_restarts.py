@@ -1,26 +1,30 @@
 """`zerodist train` restarted: a finished run exits 0 with one line, `--steps` below the
-checkpoint is a named error, metrics.csv keeps the whole history across resumes, --keep-last."""
+checkpoint is a named error, metrics.csv keeps the whole history across resumes, --keep-last.
+The runs that are not killed run on the harness's pooled ranks as each launched rank runs them
+(harness.run_cli): their subject is what the ranks do on a restart, not the launch."""
 
 from __future__ import annotations
 
 import csv
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.processes import run_group
+from tests.checkpoint_procs import launch
+from tests.harness import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 COMMON = ("--model", "tiny", "--nproc", "1", "--save-interval", "2", "--keep-last", "1")
 
 
 def _train(out: Path, *args: str):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    return run_group([sys.executable, "-m", "zerodist", "train", *COMMON, "--out", str(out), *args], cwd=REPO,
-                     env=env, timeout=150)
+    return run_cli(1, "train", *COMMON, "--out", str(out), *args, timeout=150)
+
+
+def _zerodist(argv: list[str]) -> int:
+    from zerodist.cli.main import main
+
+    return main(argv)
 
 
 def _rows(out: Path) -> list[tuple[int, str]]:
@@ -91,15 +95,14 @@ def test_a_kill_right_after_the_final_save_keeps_every_row_and_the_restart_write
     from zerodist.checkpoint import KILL_ENV
 
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    command = [sys.executable, "-m", "zerodist", "train", "--model", "tiny", *layout, "--save-interval", "3",
-               "--steps", "3", "--out", str(out)]
-    killed = run_group(command, cwd=REPO, env={**env, KILL_ENV: "save-done"}, timeout=150)
-    assert killed.returncode != 0 and (out / "checkpoints" / "global_step3").is_dir(), killed.stderr[-3000:]
+    nproc = int(layout[1])
+    argv = ["train", "--model", "tiny", *layout, "--save-interval", "3", "--steps", "3", "--out", str(out)]
+    # fresh ranks forked as a launch's are (the kill ends them): a rank runs `zerodist train` in place
+    killed = launch(_zerodist, nproc, argv, env={KILL_ENV: "save-done"}, timeout=150)
+    assert -9 in killed.exitcodes and (out / "checkpoints" / "global_step3").is_dir(), killed
     assert [s for s, _ in _rows(out)] == [1, 2, 3]
     assert (out / "config.json").is_file() and not (out / "summary.txt").exists()
-    again = run_group(command + ["--resume"], cwd=REPO, env=env, timeout=150)
+    again = run_cli(nproc, *argv, "--resume", timeout=150)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.splitlines()[1:] == [f"wrote {out / 'summary.txt'}"]
     summary = (out / "summary.txt").read_text()

@@ -1,5 +1,6 @@
-"""`zerodist train --sp P --seq-len N`: the sequence-parallel demo end to end (subprocesses, as a
-user runs it), and its named errors before any rank starts."""
+"""`zerodist train --sp P --seq-len N`: the sequence-parallel demo on the harness's pooled ranks, as
+each launched rank runs it (harness.run_cli; the launch is tests/train/test_train_cli.py's), and its
+named errors before any rank starts (subprocesses, as a user runs it)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import run_cli
 from tests.train.test_train_cli import read_losses, run_train
 
 pytestmark = pytest.mark.multiprocess
@@ -16,8 +18,8 @@ pytestmark = pytest.mark.multiprocess
 @pytest.mark.slow
 def test_sequence_demo_reports_all_to_all_bytes_against_the_formula(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = run_train("--sp", "2", "--nproc", "2", "--seq-len", "64", "--model", "tiny", "--steps", "4",
-                       "--out", str(out))
+    result = run_cli(2, "train", "--sp", "2", "--nproc", "2", "--seq-len", "64", "--model", "tiny", "--steps", "4",
+                     "--out", str(out), timeout=150)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "sequence parallel (ulysses, degree 2):" in result.stdout
     line = re.search(r"all-to-all per micro-step on rank 0: (.+) sent \(tracer\); formula .* = (.+) \((\w+)\)",

@@ -1,5 +1,6 @@
 """`zerodist train --nnodes-sim K`: the demo as K simulated nodes, its bytes per link class against
-docs/design/zero.md's formulas (subprocesses, as a user runs it), and its named error."""
+docs/design/zero.md's formulas (on the harness's pooled ranks, as each launched rank runs it: the
+launch is tests/train/test_train_cli.py's), and its named error (a subprocess, as a user runs it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import run_cli
 from tests.train.test_train_cli import read_losses, run_train
 
 pytestmark = pytest.mark.multiprocess
@@ -24,8 +26,8 @@ def test_simulated_nodes_demo_reports_bytes_per_link_against_the_formula(tmp_pat
     # every parameter sharded, so that qwZ has gathers to quantize
     config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **keys}}))
     out = tmp_path / "run"
-    result = run_train("--nproc", "4", "--nnodes-sim", "2", "--model", "tiny", "--steps", "3", "--config", str(config),
-                       "--out", str(out))
+    result = run_cli(4, "train", "--nproc", "4", "--nnodes-sim", "2", "--model", "tiny", "--steps", "3",
+                     "--config", str(config), "--out", str(out), timeout=150)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "links: 2 node(s) of 2 rank(s) (simulated)" in result.stdout
     for link in ("intra", "inter"):

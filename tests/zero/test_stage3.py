@@ -19,7 +19,7 @@ from zerodist.zero import (GatheredParameters, Init, ShardedParameterError, full
                            is_sharded, sharded_access)
 from tests.engine_helpers import (assert_close_relative, base_config, global_batch, train_distributed,
                                   train_reference)
-from tests.harness import DistributedTestFailure, distributed_test, run_distributed
+from tests.harness import DistributedTestFailure, distributed_test, run_distributed, start_pool
 from tests.processes import run_group
 
 pytestmark = pytest.mark.multiprocess
@@ -329,6 +329,7 @@ def _run_divergent(reuse):
 
 @pytest.mark.parametrize("reuse", [0, 10**9])
 def test_divergent_control_flow_is_an_error_on_every_rank(reuse):
+    start_pool(2)  # the bound below times the failure, not a fresh pool's start-up
     start = time.monotonic()
     with pytest.raises(DistributedTestFailure) as info:
         run_distributed(_run_divergent, 2, reuse, timeout=60)
@@ -456,6 +457,7 @@ def _run_skipping_a_backward():
 def test_a_rank_skipping_a_backward_is_named():
     """Everything stays gathered, so rank 1's second forward moves no data and the ranks'
     reduce-scatters pair up; the run-order check in the step names the divergence."""
+    start_pool(2)  # the bound below times the failure, not a fresh pool's start-up
     start = time.monotonic()
     with pytest.raises(DistributedTestFailure) as info:
         run_distributed(_run_skipping_a_backward, 2, timeout=60)
