@@ -72,8 +72,13 @@ CASES: list[tuple[str, object, list[str], str]] = [
     # then failed on every rank with a traceback
     ("mics-not-dividing", {"zero_optimization": {"stage": 3, "mics_shard_size": 3}}, [],
      "'zero_optimization.mics_shard_size' (3) must divide the data-parallel degree (2)"),
-    ("mics-with-tp", {"zero_optimization": {"stage": 3, "mics_shard_size": 1}}, ["--nproc", "4", "--tp", "2"],
-     "'zero_optimization.mics_shard_size' (1) shards over data-parallel ranks only"),
+    ("mics-with-moe", {"zero_optimization": {"stage": 3, "mics_shard_size": 1}}, ["--nproc", "4", "--moe", "4"],
+     "'zero_optimization.mics_shard_size' (1) cannot be combined with expert parallelism"),
+    ("hpz-with-pp", {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
+     ["--nproc", "4", "--pp", "2"], "'zero_optimization.zero_hpz_partition_size' (2) cannot be combined with pipeline"),
+    ("hsdp-degrees-not-the-group", {"zero_optimization": {"stage": 3},
+                                    "zerodist": {"hsdp": {"shard_degree": 2, "replicate_degree": 3}}},
+     ["--nproc", "4"], "'zerodist.hsdp': shard_degree (2) x replicate_degree (3) must be the 4 ranks"),
     ("hpz-not-dividing", {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}}, [],
      "'zero_optimization.zero_hpz_partition_size' (3) must divide the 2 ranks"),
     ("simulated-nodes-not-dividing", {"zerodist": {"simulated_nodes": 3}}, [],
@@ -142,6 +147,8 @@ NOW_PASSING = [
     # the layout checks let through what the engine runs
     ("mics-dividing", {"zero_optimization": {"stage": 3, "mics_shard_size": 2}}, ["--nproc", "4"]),
     ("hpz-dividing", {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, ["--nproc", "4"]),
+    ("mics-with-tp", {"zero_optimization": {"stage": 3, "mics_shard_size": 1}}, ["--nproc", "4", "--tp", "2"]),
+    ("hpz-with-tp", {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, ["--nproc", "8", "--tp", "2"]),
     ("layout-invariant", {"zerodist": {"deterministic": "layout_invariant"}}, ["--nproc", "4", "--stage", "3"]),
 ]
 

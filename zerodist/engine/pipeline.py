@@ -228,13 +228,17 @@ class StageGathers:
     def _bucket_stages(runtime: UnitRuntime, module: Any, tied_ids: set[int]) -> list[tuple[Any, set[int]]]:
         """Each bucket with the local stages whose parameters it holds; empty (reduced last, after
         the tie sum) for a bucket holding a tied parameter."""
-        stage_of = {id(p): stage for stage in module.local_stages
-                    for m in module.stage_modules(stage) for p in m.parameters()}
+        stages_of: dict[int, set[int]] = {}  # a module tied within this rank (a V's embed and head) is in both
+        for stage in module.local_stages:
+            for m in module.stage_modules(stage):
+                for p in m.parameters():
+                    stages_of.setdefault(id(p), set()).add(stage)
         result = []
         for group in runtime.reducer.groups:
             for bucket in group.buckets:
                 ids = {id(group.params[i]) for i in bucket.span.param_indices}
-                stages = set() if ids & tied_ids or not ids <= stage_of.keys() else {stage_of[i] for i in ids}
+                stages = (set() if ids & tied_ids or not ids <= stages_of.keys()
+                          else set().union(*(stages_of[i] for i in ids)))
                 result.append((bucket, stages))
         return result
 

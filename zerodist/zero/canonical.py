@@ -207,7 +207,7 @@ def exact_squares(pieces: Sequence[torch.Tensor], group: Group, device: torch.de
     for piece in pieces:
         flat = piece.detach().reshape(-1)
         for start in range(0, flat.numel(), _NORM_CHUNK):
-            fixed = flat[start: start + _NORM_CHUNK].double().mul_(lift).square_().round_()
+            fixed = flat[start: start + _NORM_CHUNK].to(torch.float64, copy=True).mul_(lift).square_().round_()  # never the gradient itself (an fp64 one)
             whole = fixed.numel() - fixed.numel() % _NORM_ROW
             total += int(fixed[:whole].view(-1, _NORM_ROW).sum(1).long().sum()) + int(fixed[whole:].sum())
     halves = torch.tensor([total >> _HALF_BITS, total & ((1 << _HALF_BITS) - 1)], dtype=torch.int64, device=device)

@@ -73,28 +73,51 @@ class HierarchySettings:
         """The shard group's size on this topology, or None for plain ZeRO (every rank of the dense
         group). Raises, naming the key and the fix, where it cannot apply: the same on every rank,
         before any of ZeRO's collectives ([Note: composed axes])."""
-        size = self.shard_size
-        data = topology.size(*topology.dense_axes)
-        if self.replicate_degree is not None and size * self.replicate_degree != data:
-            raise TopologyError(f"'zerodist.hsdp': shard_degree ({size}) x replicate_degree ({self.replicate_degree}) "
-                                f"must be the {data} ranks ZeRO shards over (the data-parallel degree, times the "
-                                "sequence degree with Ulysses); fix one of them, or drop replicate_degree")
-        if size in (-1, data):
-            return None
-        _refuse_experts(topology, "mics_shard_size", size)
-        if size < 1 or data % size:
-            within = " x ".join(f"{a} ({topology.size(a)})" for a in topology.dense_axes if topology.size(a) > 1)
-            raise TopologyError(f"'zero_optimization.mics_shard_size' ({size}) must divide the data-parallel degree "
-                                f"({data}{': ' + within if ' x ' in within else ''}); choose one of "
-                                f"{[d for d in range(1, data + 1) if data % d == 0]}")
-        return size
+        within = " x ".join(f"{a} ({topology.size(a)})" for a in topology.dense_axes if topology.size(a) > 1)
+        return shard_size_on(self, dense=topology.size(*topology.dense_axes),
+                             expert=topology.size(*topology.expert_axes), within=within if " x " in within else "")
 
 
-def _refuse_experts(topology: Topology, key: str, value: int) -> None:
+def shard_size_on(settings: HierarchySettings, *, dense: int, expert: int, within: str = "") -> int | None:
+    """`HierarchySettings.shard_size_for` on bare degrees (`dense`: the ranks ZeRO shards a dense
+    parameter over), so that `zerodist train` applies the engine's rules before it spawns a rank."""
+    size = settings.shard_size
+    if settings.replicate_degree is not None and size * settings.replicate_degree != dense:
+        raise TopologyError(f"'zerodist.hsdp': shard_degree ({size}) x replicate_degree ({settings.replicate_degree}) "
+                            f"must be the {dense} ranks ZeRO shards over (the data-parallel degree, times the "
+                            "sequence degree with Ulysses); fix one of them, or drop replicate_degree")
+    if size in (-1, dense):
+        return None
+    _refuse_experts(expert, "mics_shard_size", size)
+    if size < 1 or dense % size:
+        raise TopologyError(f"'zero_optimization.mics_shard_size' ({size}) must divide the data-parallel degree "
+                            f"({dense}{': ' + within if within else ''}); choose one of "
+                            f"{[d for d in range(1, dense + 1) if dense % d == 0]}")
+    return size
+
+
+def check_hpz_on(k: int, *, sharded: int, expert: int, pipe: int, ranks_per_node: int | None = None) -> None:
+    """hpZ's refusals on bare degrees (`sharded`: the ranks a parameter is sharded over, the shard
+    group's with MiCS): the engine's (`_hpz`) and `zerodist train`'s before it spawns."""
+    _refuse_experts(expert, "zero_hpz_partition_size", k)
+    if pipe > 1:
+        raise TopologyError(f"'zero_optimization.zero_hpz_partition_size' ({k}) cannot be combined with pipeline "
+                            f"parallelism (pipe degree {pipe}): a pipeline gathers each "
+                            "stage once per batch and keeps it to the stage's last backward, so there is no backward "
+                            "re-gather for hpZ's copy to serve, only its memory to pay; remove zero_hpz_partition_size "
+                            "(mics_shard_size keeps a stage's gathers within the node)")
+    if sharded > 1 and sharded % k:
+        per_node = f"the ranks per node ({ranks_per_node})" if ranks_per_node else "the ranks per node"
+        raise TopologyError(f"'zero_optimization.zero_hpz_partition_size' ({k}) must divide the {sharded} ranks "
+                            "parameters are sharded over (the data-parallel degree, or mics_shard_size); set it to "
+                            f"{per_node} where that divides them")
+
+
+def _refuse_experts(expert: int, key: str, value: int) -> None:
     """MiCS and hpZ with expert parallelism: refused by name ([Note: composed axes])."""
-    if topology.size(*topology.expert_axes) > 1:
+    if expert > 1:
         raise TopologyError(f"'zero_optimization.{key}' ({value}) cannot be combined with expert parallelism "
-                            f"(expert degree {topology.size(*topology.expert_axes)}): an expert's parameters shard over "
+                            f"(expert degree {expert}): an expert's parameters shard over "
                             "the smaller expert-data group, which the shard groups would have to cut differently from "
                             f"the dense ones; remove {key} or the expert degree")
 
@@ -140,19 +163,10 @@ def group_ranks_per_node(ranks: tuple[int, ...] | list[int], world_size: int) ->
 
 def _hpz(topology: Topology, domain: Domain, k: int, plain: DomainGroup) -> DomainGroup:
     """hpZ's secondary groups: blocks of k consecutive ranks of the (shard) group ([Note: secondary partition])."""
-    _refuse_experts(topology, "zero_hpz_partition_size", k)
-    if topology.size(*topology.pipe_axes) > 1:
-        raise TopologyError(f"'zero_optimization.zero_hpz_partition_size' ({k}) cannot be combined with pipeline "
-                            f"parallelism (pipe degree {topology.size(*topology.pipe_axes)}): a pipeline gathers each "
-                            "stage once per batch and keeps it to the stage's last backward, so there is no backward "
-                            "re-gather for hpZ's copy to serve, only its memory to pay; remove zero_hpz_partition_size "
-                            "(mics_shard_size keeps a stage's gathers within the node)")
+    check_hpz_on(k, sharded=plain.size, expert=topology.size(*topology.expert_axes),
+                 pipe=topology.size(*topology.pipe_axes), ranks_per_node=topology.ranks_per_node)
     if plain.size == 1:
         return plain  # one rank: nothing is gathered
-    if plain.size % k:
-        raise TopologyError(f"'zero_optimization.zero_hpz_partition_size' ({k}) must divide the {plain.size} ranks "
-                            "parameters are sharded over (the data-parallel degree, or mics_shard_size); set it to the "
-                            f"ranks per node ({topology.ranks_per_node}) where that divides them")
     if k == plain.size:
         return plain  # the secondary would be the primary partition
     split = topology.split(domain.reduce_axes, k)
