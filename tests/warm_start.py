@@ -26,4 +26,7 @@ def _warm_up() -> None:
         importlib.import_module(module)
 
 
-_warm_up()
+try:
+    _warm_up()
+except Exception:  # noqa: BLE001 (a warm-up that fails leaves the ranks to import for themselves: slower, not wrong;
+    pass  # forkserver would swallow it anyway, but an error here must not take the server and every test down)

@@ -157,6 +157,10 @@ class Trace:
     def bus_bytes(self, op: str | None = None) -> float:
         return sum(t.bus_bytes for t in self._selected(op))
 
+    def labelled_bytes(self, label: str, op: str | None = None) -> int:
+        """Bytes of the records labelled `label` (a `labelled()` block's, or a p2p message's axis)."""
+        return sum(t.num_bytes for (name, kind), t in self._labelled.items() if name == label and op in (None, kind))
+
     def labelled_bus_bytes(self, label: str, op: str | None = None) -> float:
         """Bus bytes of the collectives issued under `labelled(label)` (of `op` only, if given)."""
         return sum(t.bus_bytes for (name, kind), t in self._labelled.items() if name == label and op in (None, kind))

@@ -30,6 +30,7 @@ def _keys(names: str) -> tuple[str, ...]:
 NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
     "": _keys("""
         activation_checkpointing aio amp autotuning
+        dataloader_drop_last disable_allgather fp32_allreduce use_data_before_expert_parallel_
         compile compression_training curriculum_learning data_efficiency data_types
         dump_state eigenvalue elasticity gradient_predivide_factor
         graph_harvesting hybrid_engine nebula prescale_gradients
@@ -55,6 +56,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
     "comms_logger": _keys("debug"),
     "checkpoint": _keys("load_universal parallel_write use_node_local_storage"),
     "pipeline": _keys("stages partition seed_layers pipe_partitioned grad_partitioned"),
+    "optimizer": _keys("legacy_fusion"),
 }
 
 # Old DeepSpeed spellings of keys zerodist does implement: (section, old name) -> new name.

@@ -196,7 +196,10 @@ def install() -> None:
                                "zerodist.integrations.as_deepspeed.install() before anything imports deepspeed")
         del sys.modules[name]
     sys.meta_path.insert(0, _FINDER)
-    if trl_zero3.MODULE in sys.modules:  # imported before the switch: its later users still get the answer
+    # imported before the switch: its later users still get the answer, but a TRL module that already did
+    # `from trl.trainer.utils import maybe_gather_lm_head_ctx` keeps TRL's own, which reads `param.ds_status`
+    # under ZeRO-3: serve deepspeed before TRL is imported (`zerodist run --as-deepspeed` does)
+    if trl_zero3.MODULE in sys.modules:
         trl_zero3.replace_lm_head_gather(sys.modules[trl_zero3.MODULE])
     os.environ[ENV_FLAG] = "1"
 

@@ -353,8 +353,8 @@ def _moe_lines(plan: TrainPlan, engine: Engine, model: Any, load: Any, everythin
 def _sequence_report(engine: Engine, model: Any, everything: Any, activations: SavedActivations | None, steps: int,
                      seq_len: int) -> SequenceReport | None:
     """The sequence-parallel section (a collective: every rank's activation bytes are gathered). With a
-    pipeline the formulas count this rank's stages' blocks; the ring's sends then share the tracer's
-    'send' count with the pipeline's, so the ring has no formula to match there."""
+    pipeline the formulas count this rank's stages' blocks; the ring's measured sends are its own
+    (labelled "sequence", the stages' "pipe"), but its formula is not drawn up per stage yet."""
     if activations is None:
         return None
     from zerodist.models.gpt import Block
@@ -367,7 +367,8 @@ def _sequence_report(engine: Engine, model: Any, everything: Any, activations: S
     micro_steps_run = max(1, steps * engine.batch.gradient_accumulation_steps)
     # qgZ's gradient all-to-alls are not Ulysses' (zerodist/comm/quantized.py labels them)
     ulysses = everything.bus_bytes("all_to_all") - everything.labelled_bus_bytes(QGZ_LABEL, "all_to_all")
-    measured = ulysses if method == "ulysses" else everything.total_bytes("send")
+    # the ring's blocks are labelled "sequence", a pipeline's messages "pipe" (comm.p2p)
+    measured = ulysses if method == "ulysses" else everything.labelled_bytes("sequence", "send")
     layers = sum(isinstance(m, Block) for m in engine.module.modules())
     ring = ring_formula(engine, seq_len, model.config, layers) if method == "ring" and engine.pipeline is None else None
     return SequenceReport(engine.topology.size("sequence"), method, measured / micro_steps_run,
@@ -385,7 +386,7 @@ def _pipeline_lines(plan: TrainPlan, engine: Engine, model: Any, everything: Any
     title = (f"GPT {plan.model}, {plan.pipe_schedule}, {plan.pipe} pipe ranks, "
              f"{engine.pipeline.micro_batches} micro-batches")
     return pipeline_section(engine, plan.pipe_schedule, model.config.seq_len, model.config.d_model,
-                            float(everything.total_bytes("send")), steps, title, observer, plan.out)
+                            float(everything.labelled_bytes("pipe", "send")), steps, title, observer, plan.out)
 
 
 def build_model(plan: TrainPlan) -> tuple[GPT | MoEGPT, torch.nn.Module, Any]:
