@@ -15,40 +15,19 @@ launcher (``LOCAL_RANK``), not on the CPU by request, with no backend found and 
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.machinery
 import os
-import sys
 from typing import Any
+
+from zerodist.integrations import import_patch
 
 _PATCHED = "_zerodist_cpu_backend"
 
 
 def patched_spec(finder: Any, fullname: str, path: Any, target: Any) -> importlib.machinery.ModuleSpec | None:
     """`accelerate.state`'s own spec, its loader wrapped to complete the backend choice after it runs."""
-    for other in sys.meta_path:
-        if other is finder or not hasattr(other, "find_spec"):
-            continue
-        spec = other.find_spec(fullname, path, target)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _PatchingLoader(spec.loader)
-            return spec
-    return None
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self.inner.exec_module(module)
-        complete_backend_choice(module.PartialState, module.DistributedType)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    return import_patch.patched_spec(finder, fullname, path, target,
+                                     lambda module: complete_backend_choice(module.PartialState, module.DistributedType))
 
 
 def complete_backend_choice(partial_state: type, distributed_type: Any) -> None:

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
 import importlib.machinery
-import sys
 from typing import Any
+
+from zerodist.integrations import import_patch
 
 MODULE = "trl.trainer.utils"
 FUNCTION = "maybe_gather_lm_head_ctx"
@@ -36,29 +36,7 @@ _PATCHED = "_zerodist_side_table"
 
 def patched_spec(finder: Any, fullname: str, path: Any, target: Any) -> importlib.machinery.ModuleSpec | None:
     """`trl.trainer.utils`'s own spec, its loader wrapped to replace the one function after it runs."""
-    for other in sys.meta_path:
-        if other is finder or not hasattr(other, "find_spec"):
-            continue
-        spec = other.find_spec(fullname, path, target)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _PatchingLoader(spec.loader)
-            return spec
-    return None
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self.inner.exec_module(module)
-        replace_lm_head_gather(module)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    return import_patch.patched_spec(finder, fullname, path, target, replace_lm_head_gather)
 
 
 def replace_lm_head_gather(module: Any) -> None:
