@@ -3,8 +3,10 @@ same global batches, so every distributed result can be compared with one proces
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any
+import logging
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -79,3 +81,20 @@ def assert_close_relative(actual: dict[str, torch.Tensor], expected: dict[str, t
 
 def clone_model(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
+
+
+@contextlib.contextmanager
+def zerodist_log() -> Iterator[list[str]]:
+    """The zerodist logger's messages (it does not propagate to the root logger, so caplog misses them)."""
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Collect(level=logging.INFO)
+    logging.getLogger("zerodist").addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logging.getLogger("zerodist").removeHandler(handler)

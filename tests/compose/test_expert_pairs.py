@@ -25,6 +25,7 @@ import torch
 
 import zerodist
 import zerodist.comm as comm
+from tests.compose.parity import assert_states_match
 from tests.harness import run_distributed
 from zerodist.models import GPTConfig
 from zerodist.models.moe_gpt import MoEConfig, MoEGPT
@@ -122,15 +123,9 @@ def expected_bytes(axis: str) -> tuple[float, int, int]:
 def check(stage: int, axis: str) -> None:
     (reference,), = [run_distributed(reference_body, 1)]
     results = run_distributed(pair_body, 4, stage, axis, timeout=300)
-    keys: set[str] = set()
-    for states, traces in results:
+    for _, traces in results:
         assert all(trace == expected_bytes(axis) for trace in traces), (traces, expected_bytes(axis))
-        for step, state in enumerate(states):
-            keys |= set(state)
-            for key, value in state.items():
-                assert value.shape == reference[step][key].shape, key
-                assert torch.allclose(value, reference[step][key], rtol=0, atol=1e-6), (axis, step, key)
-    assert keys == set(reference[0])
+    assert_states_match((states for states, _ in results), reference, axis)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

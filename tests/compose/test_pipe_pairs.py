@@ -15,6 +15,7 @@ import torch
 
 import zerodist
 import zerodist.comm as comm
+from tests.compose.parity import assert_states_match
 from tests.harness import run_distributed
 from tests.pipe import test_pipe_sequence as pipe_sequence
 from tests.pipe.test_split import GAS, LR, MICRO, SEQ, STEPS, VOCAB, build, config, logits_of, micro_batch
@@ -105,14 +106,7 @@ def run(family: str, world: int, stage: int, shards: int = 1, timeout: int = 280
     """The composed run against one process: every parameter of every stage within 1e-6."""
     reference = run_distributed(reference_body, 1, family, shards, options.get("sequence", 1) > 1)[0]
     results = run_distributed(compose_body, world, family, stage, timeout=timeout, **options)
-    keys: set[str] = set()
-    for states, *_ in results:
-        for step, state in enumerate(states):
-            keys |= set(state)
-            for key, value in state.items():
-                assert value.shape == reference[step][key].shape, key
-                assert torch.allclose(value, reference[step][key], rtol=0, atol=1e-6), (family, step, key)
-    assert keys == set(reference[0])
+    assert_states_match((states for states, *_ in results), reference, family)
     return results
 
 

@@ -5,10 +5,7 @@ keywords and `deepspeed.comm`'s names. The tutorial script itself is tests/engin
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import os
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,25 +16,8 @@ import zerodist.comm as comm
 from zerodist.config import Config, ConfigError
 from zerodist.engine.deepspeed_args import resolve_initialize_arguments
 from zerodist.models import make_mlp
-from tests.engine_helpers import base_config, global_batch
+from tests.engine_helpers import base_config, global_batch, zerodist_log
 from tests.harness import distributed_test
-
-
-@contextlib.contextmanager
-def zerodist_log() -> Iterator[list[str]]:
-    """The zerodist logger's messages (it does not propagate to the root logger, so caplog misses them)."""
-    messages: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
-
-    handler = Collect(level=logging.INFO)
-    logging.getLogger("zerodist").addHandler(handler)
-    try:
-        yield messages
-    finally:
-        logging.getLogger("zerodist").removeHandler(handler)
 
 
 # ---------------------------------------------------------------- config keys that change nothing

@@ -4,36 +4,18 @@ keeps the "did you mean", and one DeepSpeed refuses (or acts on) is still refuse
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import Iterator
 
 import pytest
 
 from zerodist.config import Config, ConfigError
 from zerodist.config import unknown_keys
 
+from tests.engine_helpers import zerodist_log
+
 pytestmark = pytest.mark.unit
 
 # DeepSpeed's own tests/unit/runtime/pipe/test_pipe.py writes this key.
 MISSPELT = {"train_batch_size": 4, "grandient_accumulation_steps": 1, "steps_per_print": 20}
-
-
-@contextlib.contextmanager
-def zerodist_log() -> Iterator[list[str]]:
-    """The zerodist logger's messages (it does not propagate, so caplog misses them)."""
-    messages: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
-
-    handler = Collect(level=logging.INFO)
-    logging.getLogger("zerodist").addHandler(handler)
-    try:
-        yield messages
-    finally:
-        logging.getLogger("zerodist").removeHandler(handler)
 
 
 @pytest.fixture(autouse=True)
