@@ -1,7 +1,9 @@
 """The layout-invariant mode with a pipeline (issue 35, docs/determinism.md): the demo GPT as pipeline
 layers, its token embedding tied across the first and last stage, pipe 2 under 1F1B, GPipe,
 interleaved and ZB-H1, AdamW with clipping active: parameters, AdamW state and per-step losses
-torch.equal to one process x 8 micro-batches (a plain engine, no pipeline), 10 steps.
+torch.equal to one process x 8 micro-batches (a plain engine, no pipeline), 10 steps; a Hugging Face
+Llama cut by split_model at pipe 2 x data 2 x 4; a checkpoint from pipe 1 x data 4 resumed at pipe 2
+x data 2 for 10 steps.
 [Note: pipeline gradients by micro-batch] in zerodist/engine/pipeline_invariant.py."""
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from tests.harness import run_distributed
 from tests.zero.layout_invariant_helpers import logical_optimizer_state
 from zerodist.models import GPTConfig
 from zerodist.models.gpt_pipe import gpt_loss, gpt_pipeline_layers
-from zerodist.pipe import PipelineModule
+from zerodist.pipe import PipelineModule, split_model, token_cross_entropy
 from zerodist.zero.canonical import micro_batch_index
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=3, n_heads=2)
 MICROS, ROWS, STEPS = 8, 2, 10
 HEAD = CONFIG.n_layers + 2  # the head's layer index: its tied copy of the embeddings
+LLAMA_VOCAB = 96  # tests/hf_models.py's tiny Llama (eager attention), on CONFIG.seq_len tokens
 
 
 def layers(stages: int, per_rank: int = 1) -> PipelineModule:
@@ -31,14 +34,31 @@ def layers(stages: int, per_rank: int = 1) -> PipelineModule:
                           partition_method="uniform", stages_per_rank=per_rank)
 
 
-class Whole(torch.nn.Module):
-    """The same layers in one module (the tied embedding used twice), returning the loss."""
+def llama() -> torch.nn.Module:
+    from tests.hf_models import hf_class, hf_config
 
-    def __init__(self) -> None:
+    torch.manual_seed(0)
+    return hf_class("llama")(hf_config("llama"))
+
+
+def staged(kind: str, stages: int, per_rank: int = 1) -> torch.nn.Module:
+    """This rank's pipeline module: the demo GPT's layers, or the Llama cut by split_model (its own names)."""
+    if kind == "llama":
+        return split_model(llama(), num_stages=stages, stages_per_rank=per_rank)
+    return layers(stages, per_rank)
+
+
+class Whole(torch.nn.Module):
+    """The same model in one module (the GPT's tied embedding used twice), returning the loss."""
+
+    def __init__(self, kind: str = "gpt") -> None:
         super().__init__()
-        self.layers = layers(1)
+        self.kind = kind
+        self.layers = llama() if kind == "llama" else layers(1)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.kind == "llama":
+            return token_cross_entropy(self.layers(x).logits, y)
         return gpt_loss(self.layers(x), y)
 
 
@@ -49,9 +69,10 @@ def config(stage: int, accumulation: int, extra: dict[str, Any] | None = None, *
             "zerodist": {"deterministic": "layout_invariant", **zerodist_keys}, "steps_per_print": 10**9}
 
 
-def micro_batch(step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def micro_batch(step: int, k: int, kind: str = "gpt") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7000 + step)
-    tokens = torch.randint(0, CONFIG.vocab_size, (MICROS * ROWS, CONFIG.seq_len + 1), generator=g)
+    vocab = LLAMA_VOCAB if kind == "llama" else CONFIG.vocab_size
+    tokens = torch.randint(0, vocab, (MICROS * ROWS, CONFIG.seq_len + 1), generator=g)
     rows = tokens[k * ROWS: (k + 1) * ROWS]
     return rows[:, :-1], rows[:, 1:]
 
@@ -65,25 +86,25 @@ def _result(engine: Any, losses: list[torch.Tensor], clipped: int, prefix: str =
     return result
 
 
-def one_process() -> dict[str, Any]:
+def one_process(kind: str = "gpt", steps: int = STEPS) -> dict[str, Any]:
     torch.manual_seed(0)
-    engine = zerodist.initialize(model=Whole(), config=config(0, MICROS))[0]
+    engine = zerodist.initialize(model=Whole(kind), config=config(0, MICROS))[0]
     losses, clipped = [], 0
-    for step in range(STEPS):
-        losses.append(engine.train_batch(iter([micro_batch(step, k) for k in range(MICROS)])))
+    for step in range(steps):
+        losses.append(engine.train_batch(iter([micro_batch(step, k, kind) for k in range(MICROS)])))
         clipped += engine.last_step.clip_coef < 1.0
     return _result(engine, losses, clipped, prefix="layers.")
 
 
 def pipelined(stage: int, schedule: str, pipe: int = 2, first_step: int = 0, steps: int = STEPS,
-              load: str | None = None, save: str | None = None, **extra: Any) -> dict[str, Any]:
+              load: str | None = None, save: str | None = None, kind: str = "gpt", **extra: Any) -> dict[str, Any]:
     """`steps` steps from global batch `first_step` on pipe `pipe` x data (world / pipe), accumulation
     MICROS / data (after loading the checkpoint in `load`; then saving one in `save`)."""
     torch.manual_seed(0)
     per_rank = 2 if schedule == "interleaved" else 1
     data = comm.get_world_size() // pipe
     accumulation = MICROS // data
-    model = layers(pipe, per_rank)
+    model = staged(kind, pipe, per_rank)
     engine = zerodist.initialize(model=model, config=config(stage, accumulation, extra,
                                                                   pipeline={"schedule": schedule}))[0]
     if load is not None:
@@ -91,7 +112,7 @@ def pipelined(stage: int, schedule: str, pipe: int = 2, first_step: int = 0, ste
     rank = engine.topology.axis_rank("data")
     losses, clipped = [], 0
     for step in range(first_step, first_step + steps):
-        mine = [micro_batch(step, micro_batch_index(rank, j, data, accumulation, shard_gradients=False))
+        mine = [micro_batch(step, micro_batch_index(rank, j, data, accumulation, shard_gradients=False), kind)
                 for j in range(accumulation)]
         losses.append(engine.train_batch(iter(mine)))
         clipped += engine.last_step.clip_coef < 1.0
@@ -101,8 +122,8 @@ def pipelined(stage: int, schedule: str, pipe: int = 2, first_step: int = 0, ste
 
 
 @functools.cache
-def reference() -> dict[str, Any]:
-    result = run_distributed(one_process, 1, timeout=240)[0]
+def reference(kind: str = "gpt", steps: int = STEPS) -> dict[str, Any]:
+    result = run_distributed(one_process, 1, kind, steps, timeout=240)[0]
     assert result["clipped_steps"] > 0, "the test needs gradient clipping active"
     return result
 
@@ -140,14 +161,26 @@ def test_pipe_2_by_data_2_by_accumulation_4_is_bitwise_one_process(stage, schedu
 
 
 @pytest.mark.slow
+def test_hugging_face_llama_at_pipe_2_by_data_2_by_accumulation_4_is_bitwise_one_process():
+    """The tiny HF Llama (tests/hf_models.py) cut by split_model, ZeRO 1, 1F1B, against the whole
+    Llama in one plain engine x 8 micro-batches."""
+    results = run_distributed(pipelined, 4, 1, "1f1b", kind="llama", timeout=300)
+    expected = reference("llama")
+    for result in results:
+        assert_bitwise(result, expected)
+    assert set().union(*(r["params"] for r in results)) == expected["params"].keys()
+
+
+@pytest.mark.slow
 def test_a_checkpoint_at_data_4_resumes_at_pipe_2_by_data_2_bitwise(tmp_path):
     """Saved by the same layers at pipe 1 x data 4 (accumulation 2, ZeRO 3) after 5 steps, resumed at
-    pipe 2 x data 2 (accumulation 4, ZeRO 1, 1F1B): the next 5 steps equal the uninterrupted one-process run."""
-    half = STEPS // 2
-    expected = reference()
-    for result in run_distributed(pipelined, 4, 3, "1f1b", 1, 0, half, None, str(tmp_path), timeout=300):
-        assert torch.equal(result["losses"], expected["losses"][:half])
-    results = run_distributed(pipelined, 4, 1, "1f1b", 2, half, half, str(tmp_path), timeout=300)
+    pipe 2 x data 2 (accumulation 4, ZeRO 1, 1F1B): the next 10 steps (parameters, AdamW state and
+    losses) equal the uninterrupted one-process run of 15 steps."""
+    before, after = 5, STEPS
+    expected = reference("gpt", before + after)
+    for result in run_distributed(pipelined, 4, 3, "1f1b", 1, 0, before, None, str(tmp_path), timeout=300):
+        assert torch.equal(result["losses"], expected["losses"][:before])
+    results = run_distributed(pipelined, 4, 1, "1f1b", 2, before, after, str(tmp_path), timeout=300)
     for result in results:
-        assert_bitwise({**result, "losses": torch.cat([expected["losses"][:half], result["losses"]])}, expected)
+        assert_bitwise({**result, "losses": torch.cat([expected["losses"][:before], result["losses"]])}, expected)
     assert set().union(*(r["params"] for r in results)) == expected["params"].keys()
