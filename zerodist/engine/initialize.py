@@ -33,7 +33,7 @@ from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimiz
 from zerodist.engine.pipeline import PipelineRunner
 from zerodist.engine.schedulers import build_scheduler
 from zerodist.moe.layer import routing_lines
-from zerodist.moe.parallel import apply_expert_parallel_part, restore_routing_clock
+from zerodist.moe.parallel import LayoutInvariantDealing, apply_expert_parallel_part, restore_routing_clock
 from zerodist.offload import OffloadSettings, SwappedOptimizer, close_offload, offloaded_build
 from zerodist.pipe.apply import PipelineSettings, PipelineState, apply_pipeline, pipe_degree_of, pipeline_fingerprint
 from zerodist.pipe.split import SplitPipelineModule
@@ -52,12 +52,22 @@ from zerodist.zero.partition import continue_recording, is_recorded
 from zerodist.zero.plan import bucket_capacity
 from zerodist.zero.policy import ShardingPolicy
 from zerodist.zero.apply import offload_stepped_values
-from zerodist.zero.canonical import check_layout
+from zerodist.zero.canonical import check_layout, micro_batch_index, tree_sum
 
 logger = get_logger(__name__)
 
 # Models already wrapped, held weakly: zerodist keeps this record itself instead of marking the model.
 _INITIALIZED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _expert_dealing(validated: Validated, topology: comm.Topology, accumulation: int) -> LayoutInvariantDealing | None:
+    """The layout-invariant mode's micro-batch order for the MoE layers (routing keys, expert gradients)."""
+    if not validated.zero.layout_invariant:
+        return None
+    shard = validated.zero.sharding.shard_gradients
+    degree = topology.num_batch_shards
+    return LayoutInvariantDealing(lambda rank, micro: micro_batch_index(rank, micro, degree, accumulation, shard),
+                                  interleaved=shard, tree_sum=tree_sum)
 
 
 def _reduction_keys(config: Config, mics_shards: bool) -> tuple[str, ...]:
@@ -169,7 +179,8 @@ def _apply_techniques(part: Part, parts: PartStates, model_parameters: Iterable[
         wrap_loader=lambda loader: SequenceShardLoader(loader, sequence.layout))
         if sequence.layout.size > 1 and pipeline is None else None)
     # MoE layers get their expert group and routing keys; random routing is keyed by micro-batch
-    experts = apply_expert_parallel_part(module, topology, batch.gradient_accumulation_steps)
+    experts = apply_expert_parallel_part(module, topology, batch.gradient_accumulation_steps,
+                                         _expert_dealing(validated, topology, batch.gradient_accumulation_steps))
     parts.add("expert", experts, PartRoles(resume=lambda micro_steps: restore_routing_clock(module, micro_steps),
                                            step_lines=lambda: routing_lines(module)))
     zero = _apply_zero(part, model_parameters, optimizer, topology, validated)

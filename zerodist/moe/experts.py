@@ -20,6 +20,7 @@ from torch import nn
 
 from zerodist.comm.domains import declare_placement
 from zerodist.comm.topology import EXPERT
+from zerodist.moe.ordered import call_with, expert_order, per_source_weights
 
 
 # Every live expert container; weak, so a dropped model leaves nothing behind.
@@ -53,9 +54,16 @@ class Experts(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """`[ep, E_local, C, M]` -> same shape; see [Note: one call per block]."""
+        order = expert_order(self)  # the layout-invariant mode: [Note: experts in the mode] in ordered.py
         outputs = []
         for local, expert in enumerate(self.deepspeed_experts):
-            blocks = [_first(expert(inputs[source:source + 1, local:local + 1])) for source in range(inputs.shape[0])]
+            if order is not None and torch.is_grad_enabled():
+                weights = per_source_weights(expert, order)
+                blocks = [_first(call_with(expert, weights[source], inputs[source:source + 1, local:local + 1]))
+                          for source in range(inputs.shape[0])]
+            else:
+                blocks = [_first(expert(inputs[source:source + 1, local:local + 1]))
+                          for source in range(inputs.shape[0])]
             outputs.append(torch.cat(blocks, dim=0))
         return torch.cat(outputs, dim=1)
 
@@ -67,7 +75,13 @@ class Experts(nn.Module):
         sizes = [count for per_source in block_rows for count in per_source]
         blocks = rows.split(sizes, dim=0)
         num_local = self.num_local_experts
-        outputs = [_first(self.deepspeed_experts[i % num_local](block)) for i, block in enumerate(blocks)]
+        order = expert_order(self)  # the layout-invariant mode: [Note: experts in the mode] in ordered.py
+        if order is not None and torch.is_grad_enabled():
+            weights = [per_source_weights(expert, order) for expert in self.deepspeed_experts]
+            outputs = [_first(call_with(self.deepspeed_experts[i % num_local], weights[i % num_local][i // num_local],
+                                        block)) for i, block in enumerate(blocks)]
+        else:
+            outputs = [_first(self.deepspeed_experts[i % num_local](block)) for i, block in enumerate(blocks)]
         return torch.cat(outputs, dim=0)
 
 

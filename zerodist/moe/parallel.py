@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 
 import torch
 
 from zerodist import comm
+from zerodist.moe.experts import expert_containers
+from zerodist.moe.ordered import ExpertOrder, set_expert_order
 from zerodist.moe.state import gather_global_state_dict, localize_state_dict, moe_layers
 
 
@@ -47,9 +50,12 @@ class RoutingClock:
     (`restore_routing_clock`). After each step's last forward it runs the aux-loss-free
     balancing update of the layers that have it (`MoE.update_expert_bias`)."""
 
-    def __init__(self, model: torch.nn.Module, gradient_accumulation_steps: int, topology: comm.Topology) -> None:
+    def __init__(self, model: torch.nn.Module, gradient_accumulation_steps: int, topology: comm.Topology,
+                 micro_batch_index: Callable[[int, int], int] | None = None) -> None:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.num_batch_shards, self.batch_rank = topology.num_batch_shards, topology.batch_rank
+        # the layout-invariant mode's dealing (batch rank, micro-step) -> micro-batch k; else interleaved
+        self.micro_batch_index = micro_batch_index or (lambda rank, micro: micro * self.num_batch_shards + rank)
         self.forwards = 0
         self._layers = [layer for _, layer in moe_layers(model)]
         self._handles = [model.register_forward_pre_hook(self._before_forward),
@@ -61,7 +67,7 @@ class RoutingClock:
             return
         step, micro = divmod(self.forwards, self.gradient_accumulation_steps)
         for layer in self._layers:
-            layer.set_routing_key(step=step, shard=micro * self.num_batch_shards + self.batch_rank)
+            layer.set_routing_key(step=step, shard=self.micro_batch_index(self.batch_rank, micro))
         self.forwards += 1
 
     def _after_forward(self, module: torch.nn.Module, args: object, output: object) -> None:
@@ -116,12 +122,38 @@ class ExpertParallelState:
 
     def remove_hooks(self) -> None:
         remove_routing_clock(self.module)
+        mine = {id(m) for m in self.module.modules()}
+        for container in expert_containers():
+            if id(container) in mine:
+                set_expert_order(container, None)
 
 
-def apply_expert_parallel_part(model: torch.nn.Module, topology: comm.Topology,
-                               gradient_accumulation_steps: int) -> ExpertParallelState:
-    """The engine's step: `apply_expert_parallel`, and a `RoutingClock` when the part has MoE layers."""
+@dataclasses.dataclass(frozen=True)
+class LayoutInvariantDealing:
+    """The layout-invariant mode's order, from the engine: which micro-batch k a batch rank runs at
+    a micro-step, whether they are dealt interleaved (ZeRO 2/3), and the canonical counter's sum."""
+
+    micro_batch_index: Callable[[int, int], int]
+    interleaved: bool
+    tree_sum: Callable[[list[torch.Tensor]], torch.Tensor]
+
+
+def apply_expert_parallel_part(model: torch.nn.Module, topology: comm.Topology, gradient_accumulation_steps: int,
+                               dealing: LayoutInvariantDealing | None = None) -> ExpertParallelState:
+    """The engine's step: `apply_expert_parallel`, and a `RoutingClock` when the part has MoE layers;
+    in the layout-invariant mode (`dealing`), routing keyed by its micro-batch index and every expert
+    container's per-source gradients summed in its order ([Note: experts in the mode] in ordered.py)."""
     num_layers = apply_expert_parallel(model, topology)
     if num_layers:
-        RoutingClock(model, gradient_accumulation_steps, topology)
-    return ExpertParallelState(model, num_layers, topology.size("expert"))
+        RoutingClock(model, gradient_accumulation_steps, topology,
+                     dealing.micro_batch_index if dealing is not None else None)
+    degree = topology.size("expert")
+    if dealing is not None and num_layers and degree > 1:
+        first = topology.batch_rank - topology.axis_rank("expert")  # the expert group: consecutive batch ranks
+        window = 1 if dealing.interleaved else gradient_accumulation_steps
+        index = (lambda source, micro: dealing.micro_batch_index(first + source, micro))
+        mine = {id(m) for m in model.modules()}
+        for container in expert_containers():
+            if id(container) in mine:
+                set_expert_order(container, ExpertOrder(degree, window, index, dealing.tree_sum))
+    return ExpertParallelState(model, num_layers, degree)

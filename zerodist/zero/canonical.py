@@ -132,6 +132,16 @@ class CanonicalSum:
         return sum(t.numel() for t in self.levels if t is not None) + sum(t.numel() for t in self.spares)
 
 
+def tree_sum(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The canonical counter's sum of `leaves` in order (a new tensor; the leaves are not written)."""
+    total = CanonicalSum()
+    for leaf in leaves:
+        total.push(leaf.clone())
+    result = total.fold()
+    assert result is not None, "tree_sum of no leaves"
+    return result
+
+
 class OrderedReduction:
     """A started ordered reduce-scatter (or all-reduce): `wait()` finishes it, as a CommHandle's."""
 
@@ -244,17 +254,13 @@ def check_layout(*, data_degree: int, accumulation: int, stage: int, pipe: int, 
     problems = []
     if sequence > 1:
         problems.append(f"sequence parallelism (degree {sequence}) is not supported by the mode yet")
-    # [Note: experts in the mode] an expert's weight is used once per source rank of its expert group
-    # (one call per block, zerodist/moe/experts.py) and autograd adds those uses in its own order: for
-    # two sources that is a + b, the pair (2j, 2j+1) of the tree when micro-batches are dealt interleaved
-    if expert > 2:
-        problems.append(f"expert parallelism of degree {expert} (autograd adds an expert's {expert} per-source "
-                        "gradients in its own order; degree 2 is bitwise)")
-    elif expert == 2 and stage < 2:
-        problems.append("expert parallelism at ZeRO stage 0/1 (an expert adds micro-batches r*A+j of both expert "
-                        "ranks, not a subtree of the tree; use ZeRO stage 2 or 3, which deal interleaved)")
+    # an expert's per-source gradients are summed by the tree in micro-batch order ([Note: experts in
+    # the mode] in zerodist/moe/ordered.py): any power-of-two degree, at every ZeRO stage
+    if not is_power_of_two(expert):
+        problems.append(f"the expert-parallel degree {expert} is not a power of two")
     if expert > 1 and pipe > 1:
-        problems.append("expert with pipeline parallelism is not supported by the mode")
+        problems.append("expert with pipeline parallelism (the pipeline's per-micro-batch gradients and the "
+                        "experts' per-source ones are not combined in one tree yet) is not supported by the mode")
     if tensor_sequence_parallel:
         problems.append("zerodist.tensor_parallel.sequence_parallel (Megatron's) reduces partial gradients over "
                         "data x tensor together, which the mode does not order yet")
