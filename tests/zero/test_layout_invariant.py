@@ -156,9 +156,17 @@ def test_bf16_is_bitwise_one_process(stage, world_size):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,world_size", [(0, 2), (3, 4)])
+@pytest.mark.parametrize("stage,world_size", [(0, 2), (3, 2), (0, 4), (3, 4)])
 def test_hugging_face_llama_is_bitwise_one_process(stage, world_size):
+    """Data 2 x 4 and 4 x 2 at ZeRO 0 and 3 (the pipeline row: tests/zero/test_layout_invariant_pipe.py)."""
     for result in run_distributed(train_in_mode, world_size, stage, STEPS, "llama", timeout=300):
+        assert_bitwise(result, reference("llama"))
+
+
+@pytest.mark.slow
+def test_hugging_face_llama_with_nvme_offload_at_zero_2_is_bitwise_one_process(tmp_path):
+    nvme = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    for result in run_distributed(train_in_mode, 2, 2, STEPS, "llama", timeout=300, **nvme):
         assert_bitwise(result, reference("llama"))
 
 

@@ -17,9 +17,12 @@ from zerodist.zero.canonical import LayoutInvariantError, check_layout
 STEPS = 10
 
 
+BF16 = {"bf16": {"enabled": True}}
+
+
 @functools.cache
-def reference() -> dict:
-    result = run_distributed(train_in_mode, 1, 0, STEPS, "moe", timeout=240)[0]
+def reference(bf16: bool = False) -> dict:
+    result = run_distributed(train_in_mode, 1, 0, STEPS, "moe", timeout=240, **(BF16 if bf16 else {}))[0]
     assert result["clipped_steps"] > 0, "the test needs gradient clipping active"
     return result
 
@@ -37,6 +40,12 @@ def test_expert_4_on_4_ranks_is_bitwise_one_process(stage):
     them in its own order)."""
     for result in run_distributed(train_in_mode, 4, stage, STEPS, "moe-ep4", timeout=300):
         assert_bitwise(result, reference())
+
+
+@pytest.mark.slow
+def test_bf16_expert_2_is_bitwise_one_process():
+    for result in run_distributed(train_in_mode, 2, 1, STEPS, "moe-ep2", timeout=240, **BF16):
+        assert_bitwise(result, reference(bf16=True))
 
 
 @pytest.mark.unit

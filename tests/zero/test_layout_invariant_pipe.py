@@ -86,9 +86,9 @@ def _result(engine: Any, losses: list[torch.Tensor], clipped: int, prefix: str =
     return result
 
 
-def one_process(kind: str = "gpt", steps: int = STEPS) -> dict[str, Any]:
+def one_process(kind: str = "gpt", steps: int = STEPS, **extra: Any) -> dict[str, Any]:
     torch.manual_seed(0)
-    engine = zerodist.initialize(model=Whole(kind), config=config(0, MICROS))[0]
+    engine = zerodist.initialize(model=Whole(kind), config=config(0, MICROS, extra))[0]
     losses, clipped = [], 0
     for step in range(steps):
         losses.append(engine.train_batch(iter([micro_batch(step, k, kind) for k in range(MICROS)])))
@@ -121,9 +121,12 @@ def pipelined(stage: int, schedule: str, pipe: int = 2, first_step: int = 0, ste
     return _result(engine, losses, clipped)
 
 
+BF16 = {"bf16": {"enabled": True}}
+
+
 @functools.cache
-def reference(kind: str = "gpt", steps: int = STEPS) -> dict[str, Any]:
-    result = run_distributed(one_process, 1, kind, steps, timeout=240)[0]
+def reference(kind: str = "gpt", steps: int = STEPS, bf16: bool = False) -> dict[str, Any]:
+    result = run_distributed(one_process, 1, kind, steps, timeout=240, **(BF16 if bf16 else {}))[0]
     assert result["clipped_steps"] > 0, "the test needs gradient clipping active"
     return result
 
@@ -158,6 +161,15 @@ def test_pipe_2_by_data_2_by_accumulation_4_is_bitwise_one_process(stage, schedu
     for result in results:
         assert_bitwise(result, reference())
     assert set().union(*(r["params"] for r in results)) == reference()["params"].keys()
+
+
+@pytest.mark.slow
+def test_bf16_at_pipe_2_by_data_2_by_accumulation_4_is_bitwise_one_process():
+    """bf16 parameters, activations and gradients (the tree's adds in bf16), fp32 master and AdamW state."""
+    results = run_distributed(pipelined, 4, 1, "1f1b", timeout=300, **BF16)
+    for result in results:
+        assert_bitwise(result, reference(bf16=True))
+    assert not torch.equal(reference(bf16=True)["losses"], reference()["losses"])  # bf16 did take effect
 
 
 @pytest.mark.slow
