@@ -10,8 +10,14 @@ import functools
 
 import pytest
 
+import torch
+
+import zerodist
 from tests.harness import run_distributed
-from tests.zero.layout_invariant_helpers import assert_bitwise, train_in_mode
+from tests.zero.layout_invariant_helpers import assert_bitwise, mode_config, train_in_mode
+from zerodist.models import gpt_config
+from zerodist.models.moe_gpt import MoEConfig, MoEGPT
+from zerodist.pipe import split_model
 from zerodist.zero.canonical import LayoutInvariantError, check_layout
 
 STEPS = 10
@@ -56,3 +62,25 @@ def test_expert_layouts_the_mode_cannot_order_are_refused_by_name():
         check_layout(data_degree=1, accumulation=4, stage=1, pipe=2, sequence=1, expert=2, fp16=False)
     check_layout(data_degree=1, accumulation=2, stage=1, pipe=1, sequence=1, expert=4, fp16=False)
     check_layout(data_degree=2, accumulation=2, stage=0, pipe=1, sequence=1, expert=2, fp16=False)
+
+
+def _refused_everywhere(experts: int, pipe: int) -> str:
+    """The MoE GPT with `experts` experts over every rank of a stage (`pipe` stages) in the mode."""
+    torch.manual_seed(0)
+    ep = torch.distributed.get_world_size() // pipe
+    model: torch.nn.Module = MoEGPT(gpt_config("tiny"), MoEConfig(num_experts=experts, ep_size=ep))
+    if pipe > 1:
+        model = split_model(model, num_stages=pipe)
+    try:
+        zerodist.initialize(model=model, config=mode_config(1, 4))
+    except LayoutInvariantError as error:
+        return str(error)
+    return "initialized"
+
+
+@pytest.mark.slow
+def test_expert_layouts_the_mode_refuses_are_refused_on_every_rank_before_any_collective():
+    for message in run_distributed(_refused_everywhere, 3, 3, 1, timeout=120):
+        assert "the expert-parallel degree 3 is not a power of two" in message, message
+    for message in run_distributed(_refused_everywhere, 4, 2, 2, timeout=180):
+        assert "expert with pipeline parallelism" in message, message
