@@ -119,8 +119,8 @@ def test_layouts_the_mode_cannot_honour_are_refused_by_name():
     check_layout(data_degree=2, accumulation=4, stage=1, pipe=2, sequence=1, expert=1, fp16=False)  # a pipeline: allowed
     with pytest.raises(LayoutInvariantError, match="data-parallel degree 3.*docs/determinism.md"):
         check_layout(data_degree=3, accumulation=1, stage=0, pipe=1, sequence=1, expert=1, fp16=False)
-    with pytest.raises(LayoutInvariantError, match=r"sequence parallelism \(degree 2\).*expert parallelism.*fp16"):
-        check_layout(data_degree=1, accumulation=1, stage=0, pipe=1, sequence=2, expert=2, fp16=True)
+    with pytest.raises(LayoutInvariantError, match=r"sequence parallelism \(degree 2\).*expert-parallel degree 3.*fp16"):
+        check_layout(data_degree=1, accumulation=1, stage=0, pipe=1, sequence=2, expert=3, fp16=True)
     with pytest.raises(LayoutInvariantError, match="tensor_parallel.sequence_parallel"):
         check_layout(data_degree=2, accumulation=1, stage=0, pipe=1, sequence=1, expert=1, fp16=False,
                      tensor_sequence_parallel=True)
