@@ -33,7 +33,7 @@ def reference(bf16: bool = False) -> dict:
     return result
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_expert_2_is_bitwise_one_process(stage):
     for result in run_distributed(train_in_mode, 2, stage, STEPS, "moe-ep2", timeout=240):
         assert_bitwise(result, reference())
