@@ -164,6 +164,12 @@ def test_hugging_face_llama_is_bitwise_one_process(stage, world_size):
 
 
 @pytest.mark.slow
+def test_hugging_face_llama_in_bf16_is_bitwise_one_process():
+    for result in run_distributed(train_in_mode, 2, 3, STEPS, "llama", timeout=300, **BF16):
+        assert_bitwise(result, reference("llama", bf16=True))
+
+
+@pytest.mark.slow
 def test_hugging_face_llama_with_nvme_offload_at_zero_2_is_bitwise_one_process(tmp_path):
     nvme = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
     for result in run_distributed(train_in_mode, 2, 2, STEPS, "llama", timeout=300, **nvme):
