@@ -58,21 +58,23 @@ def test_bf16_expert_2_is_bitwise_one_process():
 def test_expert_layouts_the_mode_cannot_order_are_refused_by_name():
     with pytest.raises(LayoutInvariantError, match="expert-parallel degree 3 is not a power of two"):
         check_layout(data_degree=1, accumulation=4, stage=1, pipe=1, sequence=1, expert=3, fp16=False)
-    with pytest.raises(LayoutInvariantError, match="expert with pipeline parallelism"):
-        check_layout(data_degree=1, accumulation=4, stage=1, pipe=2, sequence=1, expert=2, fp16=False)
+    with pytest.raises(LayoutInvariantError, match="experts with the 'interleaved' pipeline schedule"):
+        check_layout(data_degree=1, accumulation=4, stage=1, pipe=2, sequence=1, expert=2, fp16=False,
+                     schedule="interleaved")
+    check_layout(data_degree=1, accumulation=4, stage=3, pipe=2, sequence=1, expert=2, fp16=False, schedule="zb")
     check_layout(data_degree=1, accumulation=2, stage=1, pipe=1, sequence=1, expert=4, fp16=False)
     check_layout(data_degree=2, accumulation=2, stage=0, pipe=1, sequence=1, expert=2, fp16=False)
 
 
 def _refused_everywhere(experts: int, pipe: int) -> str:
-    """The MoE GPT with `experts` experts over every rank of a stage (`pipe` stages) in the mode."""
+    """The MoE GPT with `experts` experts over every rank of a stage (`pipe` stages; interleaved) in the mode."""
     torch.manual_seed(0)
     ep = torch.distributed.get_world_size() // pipe
-    model: torch.nn.Module = MoEGPT(gpt_config("tiny"), MoEConfig(num_experts=experts, ep_size=ep))
+    model: torch.nn.Module = MoEGPT(gpt_config("tiny", n_layers=4), MoEConfig(num_experts=experts, ep_size=ep))
     if pipe > 1:
-        model = split_model(model, num_stages=pipe)
+        model = split_model(model, num_stages=pipe, stages_per_rank=2)
     try:
-        zerodist.initialize(model=model, config=mode_config(1, 4))
+        zerodist.initialize(model=model, config=mode_config(1, 4, zerodist={"pipeline": {"schedule": "interleaved"}}))
     except LayoutInvariantError as error:
         return str(error)
     return "initialized"
@@ -83,4 +85,40 @@ def test_expert_layouts_the_mode_refuses_are_refused_on_every_rank_before_any_co
     for message in run_distributed(_refused_everywhere, 3, 3, 1, timeout=120):
         assert "the expert-parallel degree 3 is not a power of two" in message, message
     for message in run_distributed(_refused_everywhere, 4, 2, 2, timeout=180):
-        assert "expert with pipeline parallelism" in message, message
+        assert "experts with the 'interleaved' pipeline schedule" in message, message
+
+
+def _pipelined_moe(stage: int, schedule: str, steps: int = STEPS) -> dict:
+    """The MoE GPT cut by split_model into pipe 2, each stage's experts over expert 2 (4 ranks),
+    accumulation 4, fed by the mode's contiguous rule (a pipeline reduces once per step)."""
+    from tests.zero.layout_invariant_helpers import MICROS, global_tokens, logical_optimizer_state, make_model
+    from zerodist.zero.canonical import micro_batch_index
+
+    model, vocab, seq = make_model("moe-ep2")
+    config = mode_config(stage, MICROS // 2, zerodist={"pipeline": {"schedule": schedule}})
+    engine = zerodist.initialize(model=split_model(model, num_stages=2), config=config)[0]
+    shards, rank = engine.topology.num_batch_shards, engine.topology.batch_rank
+    losses = []
+    for step in range(steps):
+        tokens = global_tokens(step, vocab, seq)
+        mine = [tokens[k * 2: (k + 1) * 2] for k in (micro_batch_index(rank, j, shards, MICROS // shards, False)
+                                                      for j in range(MICROS // shards))]
+        losses.append(engine.train_batch(iter([(rows[:, :-1], rows[:, 1:]) for rows in mine])))
+    optimizer = {k: v for k, v in logical_optimizer_state(engine).items() if "experts" not in k}
+    result = {"params": engine.module_state_dict(), "optimizer": optimizer, "losses": torch.stack(losses)}
+    engine.destroy()
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,schedule", [(1, "1f1b"), (1, "zb"), (1, "gpipe"), (3, "1f1b")])
+def test_pipe_2_by_expert_2_is_bitwise_one_process(stage, schedule):
+    expected = reference()
+    results = run_distributed(_pipelined_moe, 4, stage, schedule, timeout=300)
+    for result in results:
+        differing = [k for k, v in result["params"].items() if not torch.equal(v, expected["params"][k])]
+        assert not differing, differing[:5]
+        differing = [k for k, v in result["optimizer"].items() if not torch.equal(v, expected["optimizer"][k])]
+        assert not differing, differing[:5]
+        assert torch.equal(result["losses"], expected["losses"]), (result["losses"], expected["losses"])
+    assert set().union(*(r["params"] for r in results)) == expected["params"].keys()

@@ -64,7 +64,8 @@ def _expert_dealing(validated: Validated, topology: comm.Topology, accumulation:
     """The layout-invariant mode's micro-batch order for the MoE layers (routing keys, expert gradients)."""
     if not validated.zero.layout_invariant:
         return None
-    shard = validated.zero.sharding.shard_gradients
+    # a pipeline reduces once per step and deals contiguously at every stage (engine/pipeline_invariant.py)
+    shard = validated.zero.sharding.shard_gradients and topology.size("pipe") == 1
     degree = topology.num_batch_shards
     return LayoutInvariantDealing(lambda rank, micro: micro_batch_index(rank, micro, degree, accumulation, shard),
                                   interleaved=shard, tree_sum=tree_sum)
@@ -137,6 +138,7 @@ def _initialize(model: torch.nn.Module | None, model_parameters: Iterable[Any] |
                      sequence=topology.size("sequence"), expert=topology.size("expert"),
                      fp16=validated.zero.precision.loss_scaling,
                      tensor_sequence_parallel=validated.config.zerodist.tensor_parallel.sequence_parallel,
+                     schedule=validated.config.zerodist.pipeline.schedule,
                      reduction_keys=_reduction_keys(
                          validated.config, validated.zero.hierarchy.shard_size_for(topology) is not None))
     # A PipelineModule: its tie groups made and synced (before ZeRO flattens), its schedule and executor

@@ -246,8 +246,12 @@ def loss_mean(losses: Sequence[torch.Tensor], group: Group, *, accumulation: int
     return result / len(by_index)
 
 
+EXPERT_PIPE_SCHEDULES = ("1f1b", "gpipe", "zb")  # tested with experts in the mode
+
+
 def check_layout(*, data_degree: int, accumulation: int, stage: int, pipe: int, sequence: int, expert: int,
-                 fp16: bool, tensor_sequence_parallel: bool = False, reduction_keys: tuple[str, ...] = ()) -> None:
+                 fp16: bool, tensor_sequence_parallel: bool = False, reduction_keys: tuple[str, ...] = (),
+                 schedule: str = "1f1b") -> None:
     """Refuse, by name, what the mode cannot make bitwise (config arithmetic: every rank raises alike,
     before any collective of the techniques). Tensor parallelism is allowed: bitwise across data
     layouts and stages at a fixed tensor degree, not to one process (docs/determinism.md)."""
@@ -258,9 +262,10 @@ def check_layout(*, data_degree: int, accumulation: int, stage: int, pipe: int, 
     # the mode] in zerodist/moe/ordered.py): any power-of-two degree, at every ZeRO stage
     if not is_power_of_two(expert):
         problems.append(f"the expert-parallel degree {expert} is not a power of two")
-    if expert > 1 and pipe > 1:
-        problems.append("expert with pipeline parallelism (the pipeline's per-micro-batch gradients and the "
-                        "experts' per-source ones are not combined in one tree yet) is not supported by the mode")
+    if expert > 1 and pipe > 1 and schedule not in EXPERT_PIPE_SCHEDULES:
+        problems.append(f"experts with the {schedule!r} pipeline schedule (an expert's per-source gradients are "
+                        f"ordered by its stage's backward count, checked for {', '.join(EXPERT_PIPE_SCHEDULES)} "
+                        "only); use one of those")
     if tensor_sequence_parallel:
         problems.append("zerodist.tensor_parallel.sequence_parallel (Megatron's) reduces partial gradients over "
                         "data x tensor together, which the mode does not order yet")
