@@ -49,6 +49,14 @@ def test_expert_4_on_4_ranks_is_bitwise_one_process(stage):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_expert_2_by_data_2_on_4_ranks_is_bitwise_one_process(stage):
+    """Two expert groups of two ranks: each expert's block sums, then the expert-data reduction over the groups."""
+    for result in run_distributed(train_in_mode, 4, stage, STEPS, "moe-ep2", timeout=300):
+        assert_bitwise(result, reference())
+
+
+@pytest.mark.slow
 def test_bf16_expert_2_is_bitwise_one_process():
     for result in run_distributed(train_in_mode, 2, 1, STEPS, "moe-ep2", timeout=240, **BF16):
         assert_bitwise(result, reference(bf16=True))
