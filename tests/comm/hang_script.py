@@ -11,7 +11,8 @@ A barrier case may add what a loaded machine does to the timing:
 The late rank waits for its peer's block as the peer's watchdog publishes it (1-2 s into the block),
 not for a fixed time from the end of step 2: under load the peer's extra step could outlast a fixed
 4 s sleep, and then the "late" rank blocked first, timed out first, and the case tested the other
-order (rank0-late failed once so in a loaded suite run). Each order's margins are then a few
+order (the likely cause of rank0-late's one failure in a loaded suite run: with rank 1's extra step
+delayed 6 s the old script failed that case 4 times in 5, this one in none of 4). Each order's margins are then a few
 seconds of an idle process's wake-ups, not a loaded machine's compute: the late rank blocks 3-4 s
 after its peer, has published where it is 4-6 s after, and the first timeout comes at 12 s.
 """
