@@ -9,7 +9,6 @@ import logging
 import os
 import random
 import re
-import time
 
 import numpy as np
 import pytest
@@ -159,9 +158,8 @@ def test_ranks_with_different_tags_fail_or_use_rank0s(tmp_path):
     assert run_distributed(tag_body, 2, str(tmp_path / "warn"), "Warn") == ["rank0", "rank0"]
 
 
-def some_ranks_body(save_dir: str) -> float:
+def some_ranks_body(save_dir: str) -> None:
     engine, _ = gpt_engine(0, agreement_timeout=2)
-    started = time.monotonic()
     if comm.get_rank() == 0:
         with pytest.raises(ckpt.CheckpointAgreementError, match=r"rank\(s\) \[1\] did not reach"):
             engine.save_checkpoint(save_dir)
@@ -170,12 +168,12 @@ def some_ranks_body(save_dir: str) -> float:
         with pytest.raises(ckpt.CheckpointAgreementError, match="after the others gave up"):
             engine.save_checkpoint(save_dir)
     comm.barrier()
-    return time.monotonic() - started
 
 
 def test_save_called_on_some_ranks_only_fails_there_not_hangs(tmp_path):
-    seconds = run_distributed(some_ranks_body, 2, str(tmp_path))
-    assert max(seconds) < 15
+    # Rank 0 names rank 1 after the 2 s agreement timeout and rank 1 "after the others gave up" at once:
+    # the messages tell those paths from the 60 s collective timeout's; the harness's deadline, a hang.
+    run_distributed(some_ranks_body, 2, str(tmp_path))
     assert not any(tmp_path.iterdir())
 
 

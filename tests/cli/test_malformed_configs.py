@@ -107,6 +107,13 @@ CASES: list[tuple[str, object, list[str], str]] = [
      "zerodist.timeline.num_steps"),
     ("wandb-enabled-text", {"wandb": {"enabled": "true"}}, [], "'wandb.enabled'"),
     ("comet-interval-zero", {"comet": {"samples_log_interval": 0}}, [], "comet.samples_log_interval"),
+    # DeepSpeed's aio section, ignored here but type-checked as DeepSpeed's schema has it (it passed before)
+    ("aio-block-size-text", {"aio": {"block_size": "1M"}}, [], "'aio.block_size': got \"1M\"; expected an integer >= 1"),
+    ("aio-queue-depth-zero", {"aio": {"queue_depth": 0}}, [], "'aio.queue_depth': got 0"),
+    ("aio-thread-count-negative", {"aio": {"thread_count": -1}}, [], "'aio.thread_count': got -1"),
+    ("aio-single-submit-int", {"aio": {"single_submit": 1}}, [], "'aio.single_submit': got 1; expected true or false"),
+    ("aio-overlap-events-text", {"aio": {"overlap_events": "yes"}}, [], "'aio.overlap_events'"),
+    ("aio-unknown-key", {"aio": {"threads": 2}}, [], "unknown key 'aio.threads'"),
 ]
 
 

@@ -83,11 +83,15 @@ def test_init_with_partial_env_fails_within_a_second(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    start = time.monotonic()
+
+    def joined(*args, **kwargs):
+        raise AssertionError("init_distributed began a rendezvous")
+
+    # Not the 300 s join: no wait at all, shown by the rendezvous never being begun (not by a clock).
+    monkeypatch.setattr("zerodist.comm.init.join_store", joined)
+    monkeypatch.setattr("torch.distributed.init_process_group", joined)
     with pytest.raises(comm.DistributedInitError, match="missing MASTER_ADDR, MASTER_PORT"):
         comm.init_distributed()
-    # Not the 300 s join: no wait at all. The bound is far above the noise of a loaded 2-core machine.
-    assert time.monotonic() - start < 30
     assert not comm.is_initialized()
 
 
@@ -329,7 +333,7 @@ def test_tracer_timing_gives_bandwidth():
 def test_blocked_meter_counts_synchronous_collectives_and_waits():
     """Rank 1 arrives late to each collective, so rank 0 must block: inside the synchronous call,
     then inside wait() (a second wait blocks no more). Nested meters both count; none is left on."""
-    late, rank = 0.5, comm.get_rank()
+    late, rank = 1.0, comm.get_rank()
     comm.barrier()
     with comm.measure_blocked() as outer:
         with comm.measure_blocked() as sync_meter:
@@ -345,8 +349,9 @@ def test_blocked_meter_counts_synchronous_collectives_and_waits():
     assert comm.tracer.blocked_meters == []
     assert sync_meter.num_blocking_calls == 1 and wait_meter.num_blocking_calls == 1
     assert outer.num_blocking_calls == 2 and outer.seconds == pytest.approx(sync_meter.seconds + wait_meter.seconds)
-    if rank == 0:  # lower bounds only: rank 0 waited for rank 1's sleep, less any delay of its own
-        assert sync_meter.seconds > late / 2 and wait_meter.seconds > late / 2
+    if rank == 0:  # lower bounds only: rank 0 waited for rank 1's sleep, less any delay of its own (up to
+        # 0.75 s of it here: 0.25 s of 0.5 s was a margin a loaded machine's wake-ups could eat)
+        assert sync_meter.seconds > late / 4 and wait_meter.seconds > late / 4
     with comm.trace(timing=True), comm.measure_blocked() as timed:
         comm.all_reduce(torch.ones(4), async_op=True).wait()  # a timed trace blocks where it issues
     assert timed.num_blocking_calls == 1
@@ -374,11 +379,13 @@ def test_harness_fails_all_ranks_fast_when_one_rank_fails():
     start_pool(2)  # the bound below times the failure, not a fresh pool's start-up
     start = time.monotonic()
     with pytest.raises(DistributedTestFailure) as info:
-        run_distributed(_fail_on_rank_one_while_rank_zero_waits, 2, timeout=60)
+        run_distributed(_fail_on_rank_one_while_rank_zero_waits, 2, timeout=240)
     message = str(info.value)
     assert "rank 1" in message and "injected failure on rank 1" in message
     assert "did not finish" in message and "[0]" in message
-    assert time.monotonic() - start < 30
+    # the 3 s grace after the failure, not the 240 s deadline: a margin of minutes, far above a loaded
+    # machine's noise (a bound of 30 s against a 60 s deadline was not)
+    assert time.monotonic() - start < 120
 
 
 def _return_rank_and_sum(offset):

@@ -42,7 +42,28 @@ def test_deepspeeds_pipeline_and_aio_sections_load_with_one_info_line():
 
 @pytest.mark.parametrize("section, value, message", [
     ("pipeline", {"stagez": 2}, "unknown key 'pipeline.stagez' \\(did you mean 'stages'"),
-    ("aio", {"block_size": 1, "threads": 2}, "'aio' is a DeepSpeed setting")])
+    ("aio", {"block_size": 1, "threads": 2}, "unknown key 'aio.threads' \\(did you mean 'thread_count'")])
 def test_an_unknown_key_in_them_is_refused_naming_it(section, value, message):
     with pytest.raises(zerodist.ConfigError, match=message):
         zerodist.Config.load({"train_batch_size": 2, section: value})
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"block_size": "1M"}, "'aio.block_size': got \"1M\"; expected an integer >= 1"),
+    ({"queue_depth": 0}, "'aio.queue_depth': got 0; expected an integer >= 1"),
+    ({"intra_op_parallelism": -2}, "'aio.intra_op_parallelism': got -2"),
+    ({"thread_count": 2.5}, "'aio.thread_count': got 2.5"),
+    ({"single_submit": 1}, "'aio.single_submit': got 1; expected true or false"),
+    ({"overlap_events": "true"}, "'aio.overlap_events'"),
+    ({"use_gds": None}, "'aio.use_gds'")])
+def test_an_aio_value_of_the_wrong_type_is_refused_naming_the_key(value, message):
+    """zerodist ignores the aio section, but not a value DeepSpeed's schema would refuse (it passed before)."""
+    with pytest.raises(zerodist.ConfigError, match=message):
+        zerodist.Config.load({"train_batch_size": 2, "aio": {**AIO, **value}})
+
+
+def test_the_aio_keys_dropped_are_the_aio_sections_fields():
+    from zerodist.config.deepspeed_keys import AIO_KEYS
+    from zerodist.config.offload_sections import AioConfig
+
+    assert AIO_KEYS == set(AioConfig.model_fields)

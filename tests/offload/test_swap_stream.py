@@ -65,15 +65,43 @@ def test_every_sub_group_is_stepped_on_its_own_file_across_steps():
     stream.close()
 
 
-def test_reads_go_as_far_ahead_as_the_measured_times_ask():
+class _ThreadClock:
+    """Seconds per thread that pass only when a read or a step spends them: the stream's measured read
+    and step times are then exactly what the test gives them. (Real 20 ms sleeps against steps of
+    microseconds decided the depth by a margin a loaded 2-core machine's scheduling can exceed.)"""
+
+    def __init__(self):
+        self._now = threading.local()
+
+    def perf_counter(self) -> float:
+        return getattr(self._now, "seconds", 0.0)
+
+    def spend(self, seconds: float) -> None:
+        self._now.seconds = self.perf_counter() + seconds
+
+
+def test_reads_go_as_far_ahead_as_the_measured_times_ask(monkeypatch):
+    import zerodist.offload.stream as stream_module
+
+    clock = _ThreadClock()
+    monkeypatch.setattr(stream_module, "time", clock)  # the module's only use of time is perf_counter
+    monkeypatch.setattr(_Files, "read", lambda self, index, target: (clock.spend(self.read_s), target.copy_(self.data[index])))
+
+    def step(step_s: float):
+        return lambda sub_group, buffer: (clock.spend(step_s), buffer[:NBYTES].add_(1))
+
     slow_reads = _stream(_Files(8, read_s=0.02))
-    slow_reads.stream(_plan(8), lambda sg: NBYTES, _add_one())
+    slow_reads.stream(_plan(8), lambda sg: NBYTES, step(0.0001))
     assert slow_reads.read_depth == 3  # reads far slower than steps: as deep as the buffers allow
     slow_reads.close()
-    slow_steps = _stream(_Files(8))
-    slow_steps.stream(_plan(8), lambda sg: NBYTES, _add_one(step_s=0.02))
-    assert slow_steps.read_depth <= 2  # steps far slower than reads: one or two ahead
+    slow_steps = _stream(_Files(8, read_s=0.0001))
+    slow_steps.stream(_plan(8), lambda sg: NBYTES, step(0.02))
+    assert slow_steps.read_depth == 2  # steps far slower than reads: one ahead is enough, plus one
     slow_steps.close()
+    even = _stream(_Files(8, read_s=0.02), buffers=6)
+    even.stream(_plan(8), lambda sg: NBYTES, step(0.01))
+    assert even.read_depth == 3  # reads twice the step, buffers to spare: two ahead, plus one
+    even.close()
 
 
 def test_the_last_writes_finish_after_the_step_and_before_the_next_read_of_their_file():

@@ -13,7 +13,7 @@ import torch
 
 import zerodist
 import zerodist.comm as comm
-from tests.harness import DistributedTestFailure, run_distributed, start_pool
+from tests.harness import DistributedTestFailure, run_distributed
 from zerodist.comm import p2p
 from zerodist.pipe import PipelineError, PipelineModule
 from tests.pipe.test_pipeline_engine import GAS, config, micro_batch, mlp_layers
@@ -107,11 +107,11 @@ def test_a_stage_that_raises_stops_every_stage_by_name():
 
 @pytest.mark.slow  # a fresh pool of ranks after the failure
 def test_a_dead_stage_is_named():
-    start_pool(2)  # the bound below times the failure, not a fresh pool's start-up
-    start = time.monotonic()
-    with pytest.raises(DistributedTestFailure, match="PipePeerFailedError|PipeTimeoutError"):
-        run_distributed(failing_stage_body, 2, "dies", timeout=40)
-    assert time.monotonic() - start < 40
+    # Named for the lost connection, or at the stage's own 1 s timeout (not at the 60 s collective
+    # timeout, which would read "within the collective timeout"): the message, not a clock, says which.
+    with pytest.raises(DistributedTestFailure,
+                       match=r"PipePeerFailedError: rank 0: the connection to rank 1 failed|PipeTimeoutError: .* within 1 s"):
+        run_distributed(failing_stage_body, 2, "dies", timeout=120)
 
 
 @pytest.mark.slow  # a fresh pool of ranks after the failure

@@ -6,7 +6,6 @@ import gc
 import os
 import re
 import sys
-import time
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from zerodist.zero import (GatheredParameters, Init, ShardedParameterError, full
                            is_sharded, sharded_access)
 from tests.engine_helpers import (assert_close_relative, base_config, global_batch, train_distributed,
                                   train_reference)
-from tests.harness import DistributedTestFailure, distributed_test, run_distributed, start_pool
+from tests.harness import DistributedTestFailure, distributed_test, run_distributed
 from tests.processes import run_group
 
 pytestmark = pytest.mark.multiprocess
@@ -327,14 +326,21 @@ def _run_divergent(reuse):
     engine.step()
 
 
+def _named_by_the_check_on_every_rank(message: str) -> bool:
+    """Every rank's own error is the control-flow check's: none waited out the harness's 60 s
+    collective timeout (that would be a CollectiveTimeoutError, or a rank killed at the deadline).
+    This, not a clock, tells "named at once" from "named at the timeout"."""
+    ranks = message.split("\n---- rank ")[1:]
+    return ("failed on 2 of 2" in message and "did not finish" not in message and len(ranks) == 2
+            and all("UnitControlFlowError" in r and "CollectiveTimeoutError" not in r for r in ranks))
+
+
 @pytest.mark.parametrize("reuse", [0, 10**9])
 def test_divergent_control_flow_is_an_error_on_every_rank(reuse):
-    start_pool(2)  # the bound below times the failure, not a fresh pool's start-up
-    start = time.monotonic()
     with pytest.raises(DistributedTestFailure) as info:
-        run_distributed(_run_divergent, 2, reuse, timeout=60)
+        run_distributed(_run_divergent, 2, reuse, timeout=120)
     message = str(info.value)
-    assert "failed on 2 of 2" in message and "UnitControlFlowError" in message
+    assert _named_by_the_check_on_every_rank(message), message
     if reuse == 0:
         # the second run of blocks.1 on rank 1 needs a gather that rank 0 never makes
         assert "rank 1 would gather for forward unit 'blocks.1' (time 2)" in message
@@ -344,7 +350,6 @@ def test_divergent_control_flow_is_an_error_on_every_rank(reuse):
         # everything stays gathered, so no collective differs: the step's run-order check names it
         assert "rank 0 ran '<root>' x1, 'blocks.0' x1, 'blocks.1' x1, 'blocks.2' x1" in message
         assert "rank 1 ran '<root>' x1, 'blocks.0' x1, 'blocks.1' x2, 'blocks.2' x1" in message
-    assert time.monotonic() - start < 30
 
 
 @pytest.mark.parametrize("stage", [3])
@@ -457,11 +462,8 @@ def _run_skipping_a_backward():
 def test_a_rank_skipping_a_backward_is_named():
     """Everything stays gathered, so rank 1's second forward moves no data and the ranks'
     reduce-scatters pair up; the run-order check in the step names the divergence."""
-    start_pool(2)  # the bound below times the failure, not a fresh pool's start-up
-    start = time.monotonic()
     with pytest.raises(DistributedTestFailure) as info:
-        run_distributed(_run_skipping_a_backward, 2, timeout=60)
+        run_distributed(_run_skipping_a_backward, 2, timeout=120)
     message = str(info.value)
-    assert "failed on 2 of 2" in message and "UnitControlFlowError" in message
+    assert _named_by_the_check_on_every_rank(message), message
     assert "rank 1 ran '<root>' x2, '0' x2, '2' x2, '4' x2" in message
-    assert time.monotonic() - start < 30

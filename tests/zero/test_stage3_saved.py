@@ -52,8 +52,10 @@ def test_freed_units_buffers_are_not_held_by_autograd_until_backward():
     # Freed, or back in the engine's buffer pool for the next gather ([Note: buffer pool]), which
     # takes a buffer back only when nothing else (autograd) holds its storage.
     # gloo's worker thread may hold a gathered buffer for a moment after its gather (see that Note):
-    # give it a second, which is nothing to autograd's hold until backward.
-    deadline = time.monotonic() + 1
+    # give it up to 10 s (a loaded machine can hold that thread off for more than the second this was),
+    # which is nothing to autograd's hold: that lasts until the backward below, so a longer wait
+    # lets nothing through that autograd holds.
+    deadline = time.monotonic() + 10
     while True:
         pooled = {b.untyped_storage().data_ptr() for b in blocks[0].groups[0].buffer_pool.free_buffers}
         alive = sum(s is not None and s.data_ptr() not in pooled for s in (ref() for ref in seen))  # holds none

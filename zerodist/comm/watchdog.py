@@ -361,6 +361,11 @@ class Watchdog:
                 with self._store_failures():
                     store.set(_key(self._my_rank()), json.dumps(position))
 
+    def position_of(self, rank: int) -> dict[str, Any] | None:
+        """What `rank` last published (`state`: blocked / failed / exited / left, `op`, `at`, ...),
+        read from the store now; None while it has published nothing (never blocked for long)."""
+        return self._read_positions([rank])[rank]
+
     def _read_positions(self, ranks: list[int]) -> dict[int, dict[str, Any] | None]:
         found: dict[int, dict[str, Any] | None] = {}
         with self._lock:

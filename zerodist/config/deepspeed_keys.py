@@ -17,6 +17,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from zerodist.config.offload_sections import is_valid_aio_section
 from zerodist.utils import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -29,7 +30,7 @@ def _keys(names: str) -> tuple[str, ...]:
 
 NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
     "": _keys("""
-        activation_checkpointing aio amp autotuning
+        activation_checkpointing amp autotuning
         dataloader_drop_last disable_allgather fp32_allreduce use_data_before_expert_parallel_
         compile compression_training curriculum_learning data_efficiency data_types
         dump_state eigenvalue elasticity gradient_predivide_factor
@@ -143,11 +144,6 @@ AIO_KEYS = frozenset(_keys("block_size queue_depth intra_op_parallelism thread_c
                            "use_gds"))
 
 
-def _section_of(keys: frozenset[str]) -> Callable[[Any], bool]:
-    def matches(value: Any) -> bool:
-        return isinstance(value, Mapping) and set(value) <= keys
-    return matches
-
 # (section, key) -> (the values that change nothing here, those values in words).
 NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("", "prescale_gradients"): (_same(False), "false"),
@@ -165,8 +161,9 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("pipeline", "seed_layers"): (_any_bool, "true or false (the PipelineModule's seed_layers decides)"),
     ("pipeline", "pipe_partitioned"): (_any_bool, "true or false (the same activations arrive)"),
     ("pipeline", "grad_partitioned"): (_any_bool, "true or false (the same gradients arrive)"),
-    ("", "aio"): (_section_of(AIO_KEYS), "DeepSpeed's aio keys (" + ", ".join(sorted(AIO_KEYS))
-                  + "): tuning of DeepSpeed's own swap I/O"),
+    # Only a section whose values have DeepSpeed's types: another stays, and the schema's AioConfig names the key.
+    ("", "aio"): (is_valid_aio_section, "DeepSpeed's aio keys (" + ", ".join(sorted(AIO_KEYS))
+                  + ", each of its type: integers > 0, booleans): tuning of DeepSpeed's own swap I/O"),
     **{("", name): _OFF_SECTION for name in (
         "amp", "nebula", "elasticity", "autotuning", "curriculum_learning",
         "data_efficiency", "progressive_layer_drop", "eigenvalue", "hybrid_engine", "torch_autocast",

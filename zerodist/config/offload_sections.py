@@ -94,3 +94,33 @@ def offload_problems(stage: int, optimizer: OffloadOptimizerConfig | None, param
                             f"offload_optimizer.nvme_path is {optimizer.nvme_path!r}: the parameter shards live in "
                             "the optimizer's swap files; leave offload_param.nvme_path unset or make them equal")
     return problems
+
+
+class AioConfig(Section):
+    """DeepSpeed's `aio` section: the tuning of DeepSpeed's libaio swap I/O, with DeepSpeed's defaults
+    (deepspeed/runtime/swap_tensor/aio_config.py). zerodist's swap files are read and written by its
+    own pread/pwrite threads (docs/offload.md), whose results do not depend on these: a section that
+    checks is dropped with the info line naming it (config/deepspeed_keys.py); a value of the wrong
+    type or range is refused naming its key, as DeepSpeed's own engine would fail with it."""
+
+    block_size: int = Field(1048576, ge=1, description="Accepted for DeepSpeed compatibility (bytes per libaio "
+                            "request); an integer > 0.")
+    queue_depth: int = Field(8, ge=1, description="Accepted for DeepSpeed compatibility (libaio requests in "
+                             "flight); an integer > 0.")
+    intra_op_parallelism: int = Field(1, ge=1, description="Accepted for DeepSpeed compatibility (libaio threads "
+                                      "per request); an integer > 0.")
+    thread_count: int = Field(1, ge=1, description="Accepted for DeepSpeed compatibility (the older name of "
+                              "intra_op_parallelism); an integer > 0.")
+    single_submit: bool = Field(False, description="Accepted for DeepSpeed compatibility; true or false.")
+    overlap_events: bool = Field(True, description="Accepted for DeepSpeed compatibility; true or false.")
+    use_gds: bool = Field(False, description="Accepted for DeepSpeed compatibility (GPUDirect Storage); true or "
+                          "false.")
+
+
+def is_valid_aio_section(value: Any) -> bool:
+    """Whether `value` is an `aio` section DeepSpeed's schema accepts (the keys and their types)."""
+    try:
+        AioConfig.model_validate(value)
+    except ValueError:  # pydantic's ValidationError is a ValueError
+        return False
+    return True

@@ -24,7 +24,7 @@ from zerodist.config.batch import BatchSizes, resolve_batch_sizes
 from zerodist.config.deepspeed_keys import drop_no_op_keys, unalias_zero_keys
 from zerodist.config.errors import ConfigError
 from zerodist.config.fields import BatchCount, ConstructorArgument, ElementCount, Section
-from zerodist.config.offload_sections import OffloadOptimizerConfig, OffloadParamConfig, offload_problems
+from zerodist.config.offload_sections import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, offload_problems
 from zerodist.config.problems import validation_problems
 from zerodist.config.unknown_keys import validate
 from zerodist.config.source import read_source
@@ -426,6 +426,10 @@ class Config(Section):
     sequence_parallel_size: int = Field(
         1, ge=1, description="Sequence-parallel degree (DeepSpeed-Ulysses' key): ranks that split each sample's "
         "sequence; ZeRO shards and reduces over data x sequence. 1 turns it off."
+    )
+    aio: AioConfig = Field(
+        default_factory=AioConfig, description="DeepSpeed's libaio tuning (NVMe offload): type-checked, then "
+        "ignored; zerodist's swap files use their own threads."
     )
     flops_profiler: FlopsProfilerConfig = Field(
         default_factory=FlopsProfilerConfig, description="FLOPs per step and module, FLOP/s and MFU (DeepSpeed's keys)."
