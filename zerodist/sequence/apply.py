@@ -106,6 +106,12 @@ class SequenceParallelState:
         self.group: Group | None = None
         self.handles: list[Any] = []
 
+    @property
+    def shards_batches(self) -> bool:
+        """Whether the engine's data loader hands each sequence rank its slice (not in the manual mode,
+        where the script does)."""
+        return self.layout.size > 1 and self.settings.method != "manual"
+
     def local_micro_batch(self, inputs: Any, labels: Any) -> tuple[Any, Any]:
         """A pipeline's micro-batch of whole sequences (token ids and labels, (batch, seq)): this
         rank's slice of both, their shapes agreed over the sequence group first (every rank of a
@@ -163,6 +169,9 @@ def apply_sequence_parallel(part: Part, topology: Topology, settings: SequenceSe
     layout = SequenceLayout(topology.axis_rank(*topology.sequence_axes), degree, head_tail=settings.method == "ring")
     state = SequenceParallelState(part.module, settings, layout)
     if degree == 1:
+        return state
+    if settings.method == "manual":  # [Note: DeepSpeed's manual sequence parallelism] in engine/deepspeed_args.py
+        state.group = topology.group(*topology.sequence_axes)
         return state
     if topology.size(*topology.pipe_axes) > 1:
         _apply_to_stages(stages, topology, settings, state)
