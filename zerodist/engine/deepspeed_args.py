@@ -22,7 +22,9 @@ A `sequence_parallel_size` alone keeps zerodist's own meaning (the engine applie
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,6 +80,8 @@ def manual_sequence_config(config: Any, mpu: Any, mesh_param: Any) -> Any:
         raw: dict[str, Any] = config.model_dump(exclude_unset=True)
     elif config is None:
         raw = {}
+    elif isinstance(config, (str, os.PathLike)) and not Path(config).is_file() and mpu is None and mesh_param is None:
+        return config  # Config.load names what is wrong with it
     else:
         raw, _ = read_source(config)
     mesh = _mesh(raw, mpu, mesh_param)
