@@ -28,10 +28,14 @@ import importlib.machinery
 from typing import Any
 
 from zerodist.integrations import import_patch
+from zerodist.utils import get_logger, log_rank0
+
+logger = get_logger(__name__)
 
 MODULE = "trl.trainer.utils"
 FUNCTION = "maybe_gather_lm_head_ctx"
 _PATCHED = "_zerodist_side_table"
+_SAID: set[str] = set()  # the one line saying the gather ran, once per process
 
 
 def patched_spec(finder: Any, fullname: str, path: Any, target: Any) -> importlib.machinery.ModuleSpec | None:
@@ -66,4 +70,8 @@ def gather_if_sharded(*params: Any) -> contextlib.AbstractContextManager[Any]:
     to_gather = {id(p): p for p in params if p is not None and is_sharded(p)}
     if not to_gather:
         return contextlib.nullcontext()
+    if "gathered" not in _SAID:
+        _SAID.add("gathered")
+        log_rank0(logger, f"TRL's lm-head gather: {len(to_gather)} sharded parameter(s) of {len(params)} gathered "
+                          "by zerodist's GatheredParameters (said once)")
     return GatheredParameters(list(to_gather.values()))
