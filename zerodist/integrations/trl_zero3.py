@@ -68,10 +68,11 @@ def gather_if_sharded(*params: Any) -> contextlib.AbstractContextManager[Any]:
     from zerodist.zero.registry import is_sharded
 
     to_gather = {id(p): p for p in params if p is not None and is_sharded(p)}
+    if "asked" not in _SAID:  # once per process: a log shows that TRL's question reached the side table
+        _SAID.add("asked")
+        log_rank0(logger, f"TRL's lm-head gather (trl.trainer.utils.{FUNCTION}) asked zerodist's side table: "
+                          f"{len(to_gather)} of {sum(p is not None for p in params)} parameter(s) sharded now, "
+                          "gathered by zerodist's GatheredParameters (the rest are whole at this point); said once")
     if not to_gather:
         return contextlib.nullcontext()
-    if "gathered" not in _SAID:
-        _SAID.add("gathered")
-        log_rank0(logger, f"TRL's lm-head gather: {len(to_gather)} sharded parameter(s) of {len(params)} gathered "
-                          "by zerodist's GatheredParameters (said once)")
     return GatheredParameters(list(to_gather.values()))
