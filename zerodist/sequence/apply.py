@@ -15,6 +15,8 @@ for each part this:
    (zerodist/sequence/loss.py).
 ZeRO then shards and reduces dense parameters over data x sequence (`DENSE` in
 comm/topology.py), and the gradient divisor stays data x expert ([Note: sequence gradients]).
+With `method: "manual"` (DeepSpeed's manual mode, [Note: DeepSpeed's manual sequence parallelism]
+in engine/deepspeed_args.py) only the group is kept: steps 1-3 are the script's.
 
 [Note: sequence x tensor] Tensor parallelism runs first (engine/initialize.py) and gives each
 tensor rank H/t query heads and H_kv/t key/value heads; the attention then runs sequence-parallel
