@@ -77,6 +77,8 @@ def manual_sequence_config(config: Any, mpu: Any, mesh_param: Any) -> Any:
     """The config with DeepSpeed's manual sequence-parallel mesh in zerodist's keys ([Note: DeepSpeed's
     manual sequence parallelism]); `config` as it was when none is asked for."""
     if isinstance(config, Config):
+        if mpu is None and mesh_param is None:
+            return config  # a validated Config has no data_parallel_size
         raw: dict[str, Any] = config.model_dump(exclude_unset=True)
     elif config is None:
         raw = {}
