@@ -93,8 +93,13 @@ def test_initialize_takes_the_config_as_deepspeed_does():
 def test_initialize_refuses_what_it_cannot_honour():
     with pytest.raises(ValueError, match="takes no model-parallel unit; remove mpu"):
         _resolve(mpu=object())
-    with pytest.raises(ValueError, match="remove mesh_param"):
+    # DeepSpeed's sequence-parallel mesh is taken (tests/integrations/test_manual_sequence.py) when it fits the world
+    with pytest.raises(ValueError, match="data 2 x sequence 1 = 2 ranks, but the world has 1"):
         _resolve(mesh_param=(2, 1))
+    with pytest.raises(ValueError, match=r"\(data_parallel_size, sequence_parallel_size\), two positive ints"):
+        _resolve(mesh_param="2x1")
+    assert _resolve(config={"train_batch_size": 1}, mesh_param=(1, 1))["zerodist"]["sequence_parallel"] == {
+        "method": "manual"}
     with pytest.raises(TypeError, match="first positional argument is `args`"):
         _resolve(args=torch.nn.Linear(1, 1), model=None)
     with pytest.raises(TypeError, match="requires a model"):

@@ -283,9 +283,11 @@ class ZerodistPipelineConfig(Section):
 
 
 class ZerodistSequenceParallelConfig(Section):
-    method: Literal["ulysses", "ring"] = Field(
+    method: Literal["ulysses", "ring", "manual"] = Field(
         "ulysses", description="Sequence-parallel attention: ulysses (all-to-all sequence <-> heads; the degree must "
-        "divide the heads) or ring (blockwise, merged by log-sum-exp; any degree, causal head-tail balance)."
+        "divide the heads), ring (blockwise, merged by log-sum-exp; any degree, causal head-tail balance), or manual "
+        "(DeepSpeed's: the engine makes the sequence groups, engine.seq_parallel_group, and the script shards its "
+        "sequence and calls the exchanges itself)."
     )
 
 

@@ -12,6 +12,7 @@ attribute the engine does not have is looked up on the wrapped model, read-only.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -21,6 +22,15 @@ from zerodist import compat
 from zerodist.utils import get_logger
 
 logger = get_logger(__name__)
+
+# The engine built last, for `deepspeed.utils.groups` (DeepSpeed's groups are process-wide, set by the
+# engine it built last too); weak, so it keeps no engine alive.
+_LATEST: weakref.ref[Any] | None = None
+
+
+def latest_engine() -> Any:
+    """The engine `initialize()` built last in this process and still alive, or None."""
+    return _LATEST() if _LATEST is not None else None
 
 
 class DeepSpeedEngineAPI:
@@ -43,6 +53,8 @@ class DeepSpeedEngineAPI:
         # DeepSpeed's engine reports this rank's step as applied only after an optimizer step
         # that was not skipped; False before the first one and after every non-boundary step().
         self._step_applied = False
+        global _LATEST
+        _LATEST = weakref.ref(self)
 
     # ------------------------------------------------------------------ batch sizes
     def train_batch_size(self) -> int:
@@ -72,6 +84,40 @@ class DeepSpeedEngineAPI:
     def mp_world_size(self) -> int:
         """The model-parallel (tensor) degree."""
         return self.topology.size(*self.topology.tensor_axes)  # type: ignore[attr-defined]
+
+    @property
+    def checkpoint_mp_rank(self) -> int:
+        """This rank's index in its model-parallel (tensor) group; 0 without one (DeepSpeed's attribute)."""
+        return self.topology.axis_rank(*self.topology.tensor_axes)  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ DeepSpeed's process groups
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.topology.size(*self.topology.sequence_axes)  # type: ignore[attr-defined]
+
+    @property
+    def seq_parallel_group(self) -> Any:
+        """The ranks that split each sample's sequence with this one (one rank without sequence parallelism)."""
+        return self.topology.group(*self.topology.sequence_axes)  # type: ignore[attr-defined]
+
+    def get_sequence_parallel_group(self) -> Any:
+        return self.seq_parallel_group
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The ranks that see other samples (`dp_world_size` of them)."""
+        return self.topology.group(*self.topology.batch_axes)  # type: ignore[attr-defined]
+
+    @property
+    def seq_data_parallel_group(self) -> Any:
+        """Data x sequence: where DeepSpeed (and ZeRO here) reduces the gradients of dense parameters."""
+        topology = self.topology  # type: ignore[attr-defined]
+        return topology.group(*topology.batch_axes, *topology.sequence_axes)
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        topology = self.topology  # type: ignore[attr-defined]
+        return topology.size(*topology.batch_axes, *topology.sequence_axes)
 
     def was_step_applied(self) -> bool:
         """Whether the latest `step()` updated the parameters: False between accumulation

@@ -179,7 +179,7 @@ def _apply_techniques(part: Part, parts: PartStates, model_parameters: Iterable[
     parts.add("sequence", sequence, PartRoles(
         # each sequence rank keeps its slice of every sample (a pipeline's runner slices its micro-batches)
         wrap_loader=lambda loader: SequenceShardLoader(loader, sequence.layout))
-        if sequence.layout.size > 1 and pipeline is None else None)
+        if sequence.shards_batches and pipeline is None else None)
     # MoE layers get their expert group and routing keys; random routing is keyed by micro-batch
     experts = apply_expert_parallel_part(module, topology, batch.gradient_accumulation_steps,
                                          _expert_dealing(validated, topology, batch.gradient_accumulation_steps))

@@ -121,12 +121,26 @@ def resolve_optimizer(
     if optimizer is not None:
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable params -> optimizer, "
                         f"got {type(optimizer).__name__}")
-    if config.optimizer is None:
-        raise ConfigError("no optimizer: add an \"optimizer\": {\"type\": ..., \"params\": {...}} section to the "
-                          "config, or pass optimizer= to initialize()")
+    if config.optimizer is None:  # DeepSpeed's engine without an optimizer: forward and backward only
+        return specs, lambda groups: NoOptimizer(groups)
     cls, kwargs = optimizer_from_config(config)
     _check_elementwise(cls)
     return specs, lambda groups: cls(groups, **kwargs)
+
+
+class NoOptimizer(torch.optim.Optimizer):
+    """What `initialize()` without an optimizer (none passed, no config section) builds, as DeepSpeed
+    builds an engine without one: forward and backward run (a script that only wants the engine's
+    groups, or evaluates); `step()` refuses on every rank, naming the fix."""
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        super().__init__(groups, {"lr": 0.0})
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        raise ConfigError("no optimizer: this engine was built without one (initialize() got no optimizer= and the "
+                          "config has no \"optimizer\" section), so it cannot step; add an \"optimizer\": "
+                          "{\"type\": ..., \"params\": {...}} section to the config, or pass optimizer= to "
+                          "initialize()")
 
 
 def _groups_from_parameters(model: torch.nn.Module, model_parameters: Iterable[Any] | None) -> list[ParamGroupSpec]:

@@ -28,10 +28,14 @@ import importlib.machinery
 from typing import Any
 
 from zerodist.integrations import import_patch
+from zerodist.utils import get_logger, log_rank0
+
+logger = get_logger(__name__)
 
 MODULE = "trl.trainer.utils"
 FUNCTION = "maybe_gather_lm_head_ctx"
 _PATCHED = "_zerodist_side_table"
+_SAID: set[str] = set()  # the one line saying the gather ran, once per process
 
 
 def patched_spec(finder: Any, fullname: str, path: Any, target: Any) -> importlib.machinery.ModuleSpec | None:
@@ -64,6 +68,11 @@ def gather_if_sharded(*params: Any) -> contextlib.AbstractContextManager[Any]:
     from zerodist.zero.registry import is_sharded
 
     to_gather = {id(p): p for p in params if p is not None and is_sharded(p)}
+    if "asked" not in _SAID:  # once per process: a log shows that TRL's question reached the side table
+        _SAID.add("asked")
+        log_rank0(logger, f"TRL's lm-head gather (trl.trainer.utils.{FUNCTION}) asked zerodist's side table: "
+                          f"{len(to_gather)} of {sum(p is not None for p in params)} parameter(s) sharded now, "
+                          "gathered by zerodist's GatheredParameters (the rest are whole at this point); said once")
     if not to_gather:
         return contextlib.nullcontext()
     return GatheredParameters(list(to_gather.values()))

@@ -11,7 +11,9 @@
 - `hf`: attention for Hugging Face models through transformers' attention-function registry.
 - `agreement`: the ranks agree on the shapes before the exchanges (a disagreement is a named
   error on every rank, not a gloo abort).
-- `apply`: `apply_sequence_parallel`, the engine's front door (with tensor parallelism too).
+- `apply`: `apply_sequence_parallel`, the engine's front door (with tensor parallelism too), and
+  DeepSpeed's manual mode (`method: manual`: the groups only).
+- `head_exchange`: DeepSpeed's 5-argument `_SeqAllToAll` (layout from `batch_dim_idx`, uneven heads).
 See docs/sequence_parallel.md.
 """
 

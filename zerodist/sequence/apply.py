@@ -15,6 +15,8 @@ for each part this:
    (zerodist/sequence/loss.py).
 ZeRO then shards and reduces dense parameters over data x sequence (`DENSE` in
 comm/topology.py), and the gradient divisor stays data x expert ([Note: sequence gradients]).
+With `method: "manual"` (DeepSpeed's manual mode, [Note: DeepSpeed's manual sequence parallelism]
+in engine/deepspeed_args.py) only the group is kept: steps 1-3 are the script's.
 
 [Note: sequence x tensor] Tensor parallelism runs first (engine/initialize.py) and gives each
 tensor rank H/t query heads and H_kv/t key/value heads; the attention then runs sequence-parallel
@@ -106,6 +108,12 @@ class SequenceParallelState:
         self.group: Group | None = None
         self.handles: list[Any] = []
 
+    @property
+    def shards_batches(self) -> bool:
+        """Whether the engine's data loader hands each sequence rank its slice (not in the manual mode,
+        where the script does)."""
+        return self.layout.size > 1 and self.settings.method != "manual"
+
     def local_micro_batch(self, inputs: Any, labels: Any) -> tuple[Any, Any]:
         """A pipeline's micro-batch of whole sequences (token ids and labels, (batch, seq)): this
         rank's slice of both, their shapes agreed over the sequence group first (every rank of a
@@ -163,6 +171,9 @@ def apply_sequence_parallel(part: Part, topology: Topology, settings: SequenceSe
     layout = SequenceLayout(topology.axis_rank(*topology.sequence_axes), degree, head_tail=settings.method == "ring")
     state = SequenceParallelState(part.module, settings, layout)
     if degree == 1:
+        return state
+    if settings.method == "manual":  # [Note: DeepSpeed's manual sequence parallelism] in engine/deepspeed_args.py
+        state.group = topology.group(*topology.sequence_axes)
         return state
     if topology.size(*topology.pipe_axes) > 1:
         _apply_to_stages(stages, topology, settings, state)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
+from zerodist.sequence import head_exchange
 from zerodist.comm import Group
 from zerodist.sequence.agreement import agree_attention_shapes
 from zerodist.sequence.errors import SequenceParallelError
@@ -37,15 +38,33 @@ from zerodist.sequence.ring import ring_attention
 
 class _SeqAllToAll(torch.autograd.Function):
     """Split `input` into P pieces along `scatter_idx`, send piece i to rank i, and concatenate what
-    arrives along `gather_idx`, in rank order. Its backward is the same exchange the other way."""
+    arrives along `gather_idx`, in rank order. Its backward is the same exchange the other way.
+
+    DeepSpeed's longer form, `apply(group, input, scatter_idx, gather_idx, batch_dim_idx, stream=None,
+    handle=None, type=None, is_fwd=True, num_kv_heads=None)`, has DeepSpeed's meaning: the layout
+    comes from `batch_dim_idx`, and heads the degree does not divide are dealt by DeepSpeed's rule
+    ([Note: DeepSpeed's head exchange] in zerodist/sequence/head_exchange.py). `stream`, `handle`,
+    `type` and `is_fwd` are DeepSpeed's CUDA-stream overlap; the exchange runs in order here."""
 
     @staticmethod
-    def forward(ctx: Any, group: Group, input: torch.Tensor, scatter_idx: int, gather_idx: int) -> torch.Tensor:
-        ctx.group, ctx.scatter_idx, ctx.gather_idx = group, scatter_idx, gather_idx
+    def forward(ctx: Any, group: Group, input: torch.Tensor, scatter_idx: int, gather_idx: int,
+                batch_dim_idx: int | None = None, stream: Any = None, handle: Any = None, type: Any = None,
+                is_fwd: bool = True, num_kv_heads: int | None = None) -> torch.Tensor:
+        ctx.group = group
+        if batch_dim_idx is not None or num_kv_heads is not None:
+            ctx.plan = head_exchange.plan(input, group, scatter_idx, batch_dim_idx if batch_dim_idx is not None else 0,
+                                          num_kv_heads)
+            return head_exchange.exchange(input, group, *ctx.plan)
+        ctx.plan, ctx.scatter_idx, ctx.gather_idx = None, scatter_idx, gather_idx
         return seq_all_to_all(input, group, scatter_idx, gather_idx)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        if ctx.plan is not None:  # the same exchange the other way, with the sizes the forward saw
+            scatter_dim, gather_dim, scatter_sizes, gather_sizes = ctx.plan
+            grad = head_exchange.exchange(grads[0].contiguous(), ctx.group, gather_dim, scatter_dim, gather_sizes,
+                                          scatter_sizes)
+            return (None, grad, *([None] * 8))
         return None, seq_all_to_all(grads[0], ctx.group, ctx.gather_idx, ctx.scatter_idx), None, None
 
 

@@ -23,7 +23,7 @@ import torch
 
 from zerodist.sequence.errors import SequenceParallelError
 
-METHODS = ("ulysses", "ring")
+METHODS = ("ulysses", "ring", "manual")
 
 
 @dataclasses.dataclass(frozen=True)
