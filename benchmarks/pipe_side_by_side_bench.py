@@ -35,7 +35,13 @@ GPipe and 1F1B, (p-1)/(v m) interleaved, (p-1)/(3m) ZB-H1 (T_F = T_I = T_W, Qi e
 "cpu x local" is the busier rank's CPU time (time.process_time, so waiting is excluded) over
 local's: it reads about the same on a loaded machine, and says how much of an arm's excess is work
 it adds (copies, the split backward's graph walk, an unbalanced cut) rather than idle.
-DeepSpeed's PipelineEngine is not run here (it lives in another venv).
+- deepspeed: DeepSpeed's `PipelineEngine` (`TrainSchedule`, 1F1B) over the same layer objects, cut
+  by DeepSpeed's own `partition_method="parameters"` (checked equal to zerodist's cut), one engine
+  per configuration, its `train_batch` over the same micro-batches, the same AdamW passed in as the
+  client optimizer (state cleared each round). It runs when `import deepspeed` works in the
+  interpreter running the benchmark (DS_ACCELERATOR=cpu, on the gloo group already up), and is
+  left out with a note otherwise (a python with DeepSpeed 0.19.8 next to this torch: see
+  benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -56,6 +62,17 @@ ZD = ["1f1b", "gpipe", "interleaved", "zb", "zbv", "dualpipev"]
 TORCH = ["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
          "ScheduleDualPipeV"]
 V_ARMS = ("zbv", "dualpipev", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+DEEPSPEED = "deepspeed:TrainSchedule"
+
+
+def deepspeed_missing() -> str | None:
+    """Why DeepSpeed's arm cannot run in this interpreter (None when it can)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as error:  # an ImportError, or DeepSpeed failing at import on this torch
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def bubble(arm: str, p: int, m: int) -> float:
@@ -112,13 +129,32 @@ class Arms:
         self.v_stages = {s: torch.nn.Sequential(*self.layers[quarters[s]:quarters[s + 1]]) for s in (rank, 3 - rank)}
         shape = (args.batch, args.seq, args.d_model)
         self.fixed = [torch.randn(shape, generator=g) for _ in range(self.m)]  # local: inputs / output grads
+        self.deepspeed = self._deepspeed_engine() if DEEPSPEED in arm_names(args) else None
+
+    def _deepspeed_engine(self):  # type: ignore[no-untyped-def]
+        """DeepSpeed's PipelineEngine over this rank's layers of the one-stage-per-rank cut."""
+        import deepspeed
+        from deepspeed.pipe import PipelineModule as DeepSpeedPipelineModule
+
+        module = DeepSpeedPipelineModule(self.layers, num_stages=2, loss_fn=loss_fn, partition_method="parameters")
+        if list(module.parts) != list(self.modules[1].parts):
+            raise RuntimeError(f"DeepSpeed cut {list(module.parts)}, zerodist {list(self.modules[1].parts)}")
+        config = {"train_micro_batch_size_per_gpu": self.args.batch, "gradient_accumulation_steps": self.m,
+                  "train_batch_size": self.args.batch * self.m, "steps_per_print": 10**9,
+                  "wall_clock_breakdown": False}
+        optimizer = torch.optim.AdamW(list(self.stage.parameters()), lr=1e-4)
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+        return engine
 
     def reset(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        self.reset_layers()
+        return torch.optim.AdamW(params, lr=1e-4)
+
+    def reset_layers(self) -> None:
         for layer, state in zip(self.layers, self.initial):
             layer.load_state_dict(state)
             for p in layer.parameters():
                 p.grad = None
-        return torch.optim.AdamW(params, lr=1e-4)
 
     def run(self, arm: str) -> float | None:
         """One training step of `arm`; the last stage's mean loss (None on the first)."""
@@ -139,12 +175,20 @@ class Arms:
             self._local_v()
             optimizer.step()
             return None
+        if kind == "deepspeed":
+            return self._deepspeed()
         optimizer = self.reset(list(self.stage.parameters()))
         if kind == "local":
             self._local()
             optimizer.step()
             return None
         return self._torch(name, optimizer)
+
+    def _deepspeed(self) -> float | None:
+        self.reset_layers()
+        self.deepspeed.optimizer.state.clear()  # a fresh AdamW: its state starts at the first step
+        loss = self.deepspeed.train_batch(iter(list(zip(self.tokens, self.targets))))
+        return float(loss) if self.rank == 1 else None
 
     def _local(self) -> None:
         for j in range(self.m):
@@ -198,6 +242,8 @@ class Arms:
 
 def arm_names(args: argparse.Namespace) -> list[str]:
     names = [f"zerodist:{n}" for n in ZD] + [f"torch:{n}" for n in TORCH]
+    if deepspeed_missing() is None:
+        names.append(DEEPSPEED)
     if args.arms:
         names = [n for n in names if any(word.lower() in n.lower() for word in args.arms)]
     return ["local", "local-v"] + names
@@ -219,6 +265,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
     import zerodist.comm as comm
 
     comm.init_distributed()
+    if deepspeed_missing() is None:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")  # wraps the group zerodist set up
     names = arm_names(args)
     results = []
     for config in configs(args):
@@ -287,6 +337,10 @@ def main() -> int:
     if error:
         print(f"2 ranks: {error}")
         return 1
+    missing = deepspeed_missing()
+    if missing is not None:
+        print(f"DeepSpeed's PipelineEngine arm left out: `import deepspeed` fails here ({missing}); run this "
+              "benchmark with a python where DeepSpeed imports (benchmarks/README.md)")
     same = [report(config, times, losses, cpu, args.rounds) for config, times, losses, cpu in queue.get()]
     return 0 if all(same) else 1
 
