@@ -34,7 +34,10 @@ GPipe and 1F1B, (p-1)/(v m) interleaved, (p-1)/(3m) ZB-H1 (T_F = T_I = T_W, Qi e
 (p-1)/(6m) ZB-V and DualPipeV (the V's fill, [Note: V schedules] in zerodist/pipe/schedule.py).
 "cpu x local" is the busier rank's CPU time (time.process_time, so waiting is excluded) over
 local's: it reads about the same on a loaded machine, and says how much of an arm's excess is work
-it adds (copies, the split backward's graph walk, an unbalanced cut) rather than idle.
+it adds (copies, the split backward's graph walk, an unbalanced cut) rather than idle. "sys ms"
+and "faults" are the busier rank's kernel CPU time and minor page faults per step (getrusage):
+memory an arm holds longer (GPipe's m activations, zero-bubble's deferred W) is memory the
+allocator gets fresh from the kernel, zeroed page by page, where local reuses its own.
 - deepspeed: DeepSpeed's `PipelineEngine` (`TrainSchedule`, 1F1B) over the same layer objects, cut
   by DeepSpeed's own `partition_method="parameters"` (checked equal to zerodist's cut), one engine
   per configuration, its `train_batch` over the same micro-batches, the same AdamW passed in as the
@@ -49,6 +52,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import resource
 import statistics
 import sys
 import time
@@ -275,30 +279,37 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
         arms = Arms(rank, config)
         times: dict[str, list[float]] = {n: [] for n in names}
         cpu: dict[str, list[float]] = {n: [] for n in names}  # this rank's CPU seconds (waits excluded)
+        kernel: dict[str, list[tuple[float, int]]] = {n: [] for n in names}  # its system seconds, minor faults
         losses: dict[str, float | None] = {}
         for round_index in range(args.rounds + 1):  # round 0 warms up
             for name in names:
                 comm.barrier()
+                usage = resource.getrusage(resource.RUSAGE_SELF)
                 start, start_cpu = time.perf_counter(), time.process_time()
                 losses[name] = arms.run(name)
                 used = time.process_time() - start_cpu
+                after = resource.getrusage(resource.RUSAGE_SELF)
                 comm.barrier()
                 if round_index:
                     times[name].append(time.perf_counter() - start)
                     cpu[name].append(used)
+                    kernel[name].append((after.ru_stime - usage.ru_stime, after.ru_minflt - usage.ru_minflt))
         everyone: list = [None] * world
-        comm.all_gather_object(everyone, (losses, {n: statistics.median(c) for n, c in cpu.items()}))
+        comm.all_gather_object(everyone, (losses, {n: statistics.median(c) for n, c in cpu.items()},
+                                           {n: (statistics.median(k[0] for k in ks), statistics.median(k[1] for k in ks))
+                                            for n, ks in kernel.items()}))
         # the last stage is on rank 1, or rank 0 in a V; the busier rank's CPU time bounds the step
         merged = {n: next((d[0][n] for d in everyone if d[0][n] is not None), None) for n in names}
         busiest = {n: max(d[1][n] for d in everyone) for n in names}
-        results.append((config, {n: statistics.median(t) for n, t in times.items()}, merged, busiest))
+        system = {n: (max(d[2][n][0] for d in everyone), max(d[2][n][1] for d in everyone)) for n in names}
+        results.append((config, {n: statistics.median(t) for n, t in times.items()}, merged, busiest, system))
         del arms
     if rank == 1:
         queue.put(results)
 
 
 def report(config: argparse.Namespace, times: dict[str, float], losses: dict[str, float | None],
-           cpu: dict[str, float], rounds: int) -> bool:
+           cpu: dict[str, float], system: dict[str, tuple[float, float]], rounds: int) -> bool:
     """The table; "cpu x local" is the busier rank's CPU time over local's (waits excluded, so it
     reads the same on a loaded machine): above 1 is work the arm adds, the rest of "x local" idle."""
     params = sum(p.numel() for layer in layers_of(config) for p in layer.parameters())
@@ -306,14 +317,15 @@ def report(config: argparse.Namespace, times: dict[str, float], losses: dict[str
     print(f"\nGPT {params / 1e6:.1f}M params in 2 stages, {config.micro_batches} micro-batches of "
           f"{config.batch}x{config.seq} (activation messages of {kib:.0f} KiB), AdamW, 2 gloo ranks, 1 thread "
           f"each; median of {rounds} interleaved rounds; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{'arm':<38} {'step s':>8} {'x local':>8} {'ideal':>7} {'x ideal':>8} {'cpu x local':>11} {'loss':>10}")
+    print(f"{'arm':<38} {'step s':>8} {'x local':>8} {'ideal':>7} {'x ideal':>8} {'cpu x local':>11} {'sys ms':>7} {'faults':>7} {'loss':>10}")
     local = times["local"]
     for name, wall in times.items():
         base = times["local-v"] if name.endswith(V_ARMS) or name == "local-v" else local
         ideal = base / local * (1 + bubble(name, 2, config.micro_batches))  # in units of local
         loss = losses.get(name)
         print(f"{name:<38} {wall:>8.3f} {wall / local:>8.3f} {ideal:>7.3f} {wall / local / ideal:>8.3f} "
-              f"{cpu[name] / cpu['local']:>11.3f} {'' if loss is None else f'{loss:.6f}':>10}")
+              f"{cpu[name] / cpu['local']:>11.3f} {system[name][0] * 1e3:>7.0f} {system[name][1]:>7.0f} "
+              f"{'' if loss is None else f'{loss:.6f}':>10}")
     finals = {f"{loss:.6g}" for name, loss in losses.items() if loss is not None}
     print("same final loss to 6 digits in every pipeline arm:", len(finals) == 1, sorted(finals))
     return len(finals) == 1
@@ -341,7 +353,8 @@ def main() -> int:
     if missing is not None:
         print(f"DeepSpeed's PipelineEngine arm left out: `import deepspeed` fails here ({missing}); run this "
               "benchmark with a python where DeepSpeed imports (benchmarks/README.md)")
-    same = [report(config, times, losses, cpu, args.rounds) for config, times, losses, cpu in queue.get()]
+    same = [report(config, times, losses, cpu, system, args.rounds)
+            for config, times, losses, cpu, system in queue.get()]
     return 0 if all(same) else 1
 
 
