@@ -34,8 +34,19 @@ GPipe and 1F1B, (p-1)/(v m) interleaved, (p-1)/(3m) ZB-H1 (T_F = T_I = T_W, Qi e
 (p-1)/(6m) ZB-V and DualPipeV (the V's fill, [Note: V schedules] in zerodist/pipe/schedule.py).
 "cpu x local" is the busier rank's CPU time (time.process_time, so waiting is excluded) over
 local's: it reads about the same on a loaded machine, and says how much of an arm's excess is work
-it adds (copies, the split backward's graph walk, an unbalanced cut) rather than idle.
-DeepSpeed's PipelineEngine is not run here (it lives in another venv).
+it adds (copies, the split backward's graph walk, an unbalanced cut) rather than idle. "sys ms"
+and "faults" are the busier rank's kernel CPU time and minor page faults per step (getrusage):
+memory an arm holds longer (GPipe's m activations, zero-bubble's deferred W) is memory the
+allocator gets fresh from the kernel, zeroed page by page, where local reuses its own.
+`--keep-heap` runs the ranks with glibc told to keep what is freed (every arm alike): GPipe's
+excess CPU over 1F1B went from 3.5% to 0.4% with it (benchmarks/README.md).
+- deepspeed: DeepSpeed's `PipelineEngine` (`TrainSchedule`, 1F1B) over the same layer objects, cut
+  by DeepSpeed's own `partition_method="parameters"` (checked equal to zerodist's cut), one engine
+  per configuration, its `train_batch` over the same micro-batches, the same AdamW passed in as the
+  client optimizer (state cleared each round). It runs when `import deepspeed` works in the
+  interpreter running the benchmark (DS_ACCELERATOR=cpu, on the gloo group already up), and is
+  left out with a note otherwise (a python with DeepSpeed 0.19.8 next to this torch: see
+  benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import resource
 import statistics
 import sys
 import time
@@ -56,6 +68,17 @@ ZD = ["1f1b", "gpipe", "interleaved", "zb", "zbv", "dualpipev"]
 TORCH = ["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
          "ScheduleDualPipeV"]
 V_ARMS = ("zbv", "dualpipev", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+DEEPSPEED = "deepspeed:TrainSchedule"
+
+
+def deepspeed_missing() -> str | None:
+    """Why DeepSpeed's arm cannot run in this interpreter (None when it can)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as error:  # an ImportError, or DeepSpeed failing at import on this torch
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def bubble(arm: str, p: int, m: int) -> float:
@@ -112,13 +135,32 @@ class Arms:
         self.v_stages = {s: torch.nn.Sequential(*self.layers[quarters[s]:quarters[s + 1]]) for s in (rank, 3 - rank)}
         shape = (args.batch, args.seq, args.d_model)
         self.fixed = [torch.randn(shape, generator=g) for _ in range(self.m)]  # local: inputs / output grads
+        self.deepspeed = self._deepspeed_engine() if DEEPSPEED in arm_names(args) else None
+
+    def _deepspeed_engine(self):  # type: ignore[no-untyped-def]
+        """DeepSpeed's PipelineEngine over this rank's layers of the one-stage-per-rank cut."""
+        import deepspeed
+        from deepspeed.pipe import PipelineModule as DeepSpeedPipelineModule
+
+        module = DeepSpeedPipelineModule(self.layers, num_stages=2, loss_fn=loss_fn, partition_method="parameters")
+        if list(module.parts) != list(self.modules[1].parts):
+            raise RuntimeError(f"DeepSpeed cut {list(module.parts)}, zerodist {list(self.modules[1].parts)}")
+        config = {"train_micro_batch_size_per_gpu": self.args.batch, "gradient_accumulation_steps": self.m,
+                  "train_batch_size": self.args.batch * self.m, "steps_per_print": 10**9,
+                  "wall_clock_breakdown": False}
+        optimizer = torch.optim.AdamW(list(self.stage.parameters()), lr=1e-4)
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+        return engine
 
     def reset(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        self.reset_layers()
+        return torch.optim.AdamW(params, lr=1e-4)
+
+    def reset_layers(self) -> None:
         for layer, state in zip(self.layers, self.initial):
             layer.load_state_dict(state)
             for p in layer.parameters():
                 p.grad = None
-        return torch.optim.AdamW(params, lr=1e-4)
 
     def run(self, arm: str) -> float | None:
         """One training step of `arm`; the last stage's mean loss (None on the first)."""
@@ -139,12 +181,20 @@ class Arms:
             self._local_v()
             optimizer.step()
             return None
+        if kind == "deepspeed":
+            return self._deepspeed()
         optimizer = self.reset(list(self.stage.parameters()))
         if kind == "local":
             self._local()
             optimizer.step()
             return None
         return self._torch(name, optimizer)
+
+    def _deepspeed(self) -> float | None:
+        self.reset_layers()
+        self.deepspeed.optimizer.state.clear()  # a fresh AdamW: its state starts at the first step
+        loss = self.deepspeed.train_batch(iter(list(zip(self.tokens, self.targets))))
+        return float(loss) if self.rank == 1 else None
 
     def _local(self) -> None:
         for j in range(self.m):
@@ -198,6 +248,8 @@ class Arms:
 
 def arm_names(args: argparse.Namespace) -> list[str]:
     names = [f"zerodist:{n}" for n in ZD] + [f"torch:{n}" for n in TORCH]
+    if deepspeed_missing() is None:
+        names.append(DEEPSPEED)
     if args.arms:
         names = [n for n in names if any(word.lower() in n.lower() for word in args.arms)]
     return ["local", "local-v"] + names
@@ -219,36 +271,47 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
     import zerodist.comm as comm
 
     comm.init_distributed()
+    if deepspeed_missing() is None:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")  # wraps the group zerodist set up
     names = arm_names(args)
     results = []
     for config in configs(args):
         arms = Arms(rank, config)
         times: dict[str, list[float]] = {n: [] for n in names}
         cpu: dict[str, list[float]] = {n: [] for n in names}  # this rank's CPU seconds (waits excluded)
+        kernel: dict[str, list[tuple[float, int]]] = {n: [] for n in names}  # its system seconds, minor faults
         losses: dict[str, float | None] = {}
         for round_index in range(args.rounds + 1):  # round 0 warms up
             for name in names:
                 comm.barrier()
+                usage = resource.getrusage(resource.RUSAGE_SELF)
                 start, start_cpu = time.perf_counter(), time.process_time()
                 losses[name] = arms.run(name)
                 used = time.process_time() - start_cpu
+                after = resource.getrusage(resource.RUSAGE_SELF)
                 comm.barrier()
                 if round_index:
                     times[name].append(time.perf_counter() - start)
                     cpu[name].append(used)
+                    kernel[name].append((after.ru_stime - usage.ru_stime, after.ru_minflt - usage.ru_minflt))
         everyone: list = [None] * world
-        comm.all_gather_object(everyone, (losses, {n: statistics.median(c) for n, c in cpu.items()}))
+        comm.all_gather_object(everyone, (losses, {n: statistics.median(c) for n, c in cpu.items()},
+                                           {n: (statistics.median(k[0] for k in ks), statistics.median(k[1] for k in ks))
+                                            for n, ks in kernel.items()}))
         # the last stage is on rank 1, or rank 0 in a V; the busier rank's CPU time bounds the step
         merged = {n: next((d[0][n] for d in everyone if d[0][n] is not None), None) for n in names}
         busiest = {n: max(d[1][n] for d in everyone) for n in names}
-        results.append((config, {n: statistics.median(t) for n, t in times.items()}, merged, busiest))
+        system = {n: (max(d[2][n][0] for d in everyone), max(d[2][n][1] for d in everyone)) for n in names}
+        results.append((config, {n: statistics.median(t) for n, t in times.items()}, merged, busiest, system))
         del arms
     if rank == 1:
         queue.put(results)
 
 
 def report(config: argparse.Namespace, times: dict[str, float], losses: dict[str, float | None],
-           cpu: dict[str, float], rounds: int) -> bool:
+           cpu: dict[str, float], system: dict[str, tuple[float, float]], rounds: int) -> bool:
     """The table; "cpu x local" is the busier rank's CPU time over local's (waits excluded, so it
     reads the same on a loaded machine): above 1 is work the arm adds, the rest of "x local" idle."""
     params = sum(p.numel() for layer in layers_of(config) for p in layer.parameters())
@@ -256,14 +319,15 @@ def report(config: argparse.Namespace, times: dict[str, float], losses: dict[str
     print(f"\nGPT {params / 1e6:.1f}M params in 2 stages, {config.micro_batches} micro-batches of "
           f"{config.batch}x{config.seq} (activation messages of {kib:.0f} KiB), AdamW, 2 gloo ranks, 1 thread "
           f"each; median of {rounds} interleaved rounds; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{'arm':<38} {'step s':>8} {'x local':>8} {'ideal':>7} {'x ideal':>8} {'cpu x local':>11} {'loss':>10}")
+    print(f"{'arm':<38} {'step s':>8} {'x local':>8} {'ideal':>7} {'x ideal':>8} {'cpu x local':>11} {'sys ms':>7} {'faults':>7} {'loss':>10}")
     local = times["local"]
     for name, wall in times.items():
         base = times["local-v"] if name.endswith(V_ARMS) or name == "local-v" else local
         ideal = base / local * (1 + bubble(name, 2, config.micro_batches))  # in units of local
         loss = losses.get(name)
         print(f"{name:<38} {wall:>8.3f} {wall / local:>8.3f} {ideal:>7.3f} {wall / local / ideal:>8.3f} "
-              f"{cpu[name] / cpu['local']:>11.3f} {'' if loss is None else f'{loss:.6f}':>10}")
+              f"{cpu[name] / cpu['local']:>11.3f} {system[name][0] * 1e3:>7.0f} {system[name][1]:>7.0f} "
+              f"{'' if loss is None else f'{loss:.6f}':>10}")
     finals = {f"{loss:.6g}" for name, loss in losses.items() if loss is not None}
     print("same final loss to 6 digits in every pipeline arm:", len(finals) == 1, sorted(finals))
     return len(finals) == 1
@@ -279,7 +343,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--arms", nargs="*", default=[], help="keep the arms whose name has one of these words")
     parser.add_argument("--timeout-s", type=float, default=3600)
+    parser.add_argument("--keep-heap", action="store_true",
+                        help="ranks run with glibc told to keep freed memory (MALLOC_TRIM_THRESHOLD_, "
+                             "MALLOC_MMAP_THRESHOLD_, MALLOC_TOP_PAD_): no page faults from memory handed back")
     args = parser.parse_args()
+    if args.keep_heap:  # read by glibc when each spawned rank starts
+        os.environ.update(MALLOC_TRIM_THRESHOLD_=str(4 << 30), MALLOC_MMAP_THRESHOLD_=str(4 << 30),
+                          MALLOC_TOP_PAD_=str(1 << 30))
     import torch.multiprocessing as mp
 
     queue = mp.get_context("spawn").SimpleQueue()
@@ -287,7 +357,12 @@ def main() -> int:
     if error:
         print(f"2 ranks: {error}")
         return 1
-    same = [report(config, times, losses, cpu, args.rounds) for config, times, losses, cpu in queue.get()]
+    missing = deepspeed_missing()
+    if missing is not None:
+        print(f"DeepSpeed's PipelineEngine arm left out: `import deepspeed` fails here ({missing}); run this "
+              "benchmark with a python where DeepSpeed imports (benchmarks/README.md)")
+    same = [report(config, times, losses, cpu, system, args.rounds)
+            for config, times, losses, cpu, system in queue.get()]
     return 0 if all(same) else 1
 
 

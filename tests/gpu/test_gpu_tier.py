@@ -56,9 +56,16 @@ def test_host_offload_matches_in_device_training(stage):
     assert len(offload["losses"]) == STEPS
 
 
-def test_pipeline_on_one_device():
-    pytest.skip("zerodist's pipeline executor runs one stage per rank and sends activations over gloo: "
-                "zerodist/pipe/apply.py refuses parameters on a GPU (NCCL), so two stages on one GPU cannot run yet")
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_pipeline_on_one_device(schedule):
+    """Two pipeline stages on the one rank's GPU (NCCL; they exchange no message) against one plain loop of
+    gradient accumulation on the same GPU, within 1e-6 (tests/pipe/one_rank_pipeline.py; its gloo run is
+    tests/pipe/test_one_rank_pipeline.py). Pipelines across ranks on NCCL are refused ([Note: p2p on NCCL])."""
+    from tests.pipe.one_rank_pipeline import check, one_rank_pipeline
+
+    result = run_distributed(one_rank_pipeline, 1, schedule, "float32", timeout=180)[0]
+    assert result["backend"] == "nccl" and result["devices"] == ["cuda:0"], (result["backend"], result["devices"])
+    check(result, "float32")
 
 
 def test_every_allocation_follows_the_parameters_device_on_cuda():

@@ -44,7 +44,17 @@ tensors, NCCL only its rank's GPU's. `header_device()` (the device the rank comm
 the receiver's header buffer and an abort alike, whatever device the payload is on (an inline
 payload is copied into and out of the header's message). Before, the sender's header followed
 the payload's device while the receiver's buffer and the abort stayed on the CPU, so a payload
-on a GPU would have sent a header the receiver could not match.
+on a GPU would have sent a header the receiver could not match. Received payloads land on the
+header device too (unless the caller names another), so on NCCL a stage receives GPU tensors.
+
+[Note: p2p on NCCL] NCCL ignores tags: it matches a pair's sends and receives in the order each
+side posts them, on one stream per pair. Receives posted ahead (every header at the start) would
+match a header buffer to the previous message's payload, so `posts_ahead()` is False there and a
+receiver posts each header, then its payloads, in the sender's order. A pipeline *across* ranks on
+NCCL is still refused (zerodist/pipe/apply.py): with one stream per pair, a rank's send queued
+before its receive of the reverse direction can wait on a peer doing the same (torch batches a
+step's sends and receives for this), and no GPU has been lent to test a fix; a pipeline whose
+stages all sit on one rank sends no message and runs on any device.
 
 The payload is counted by the tracer as `send` (sender) and `recv` (receiver); headers as
 `p2p_header`, so `trace.total_bytes("send")` is the activations and gradients moved. The
@@ -69,7 +79,7 @@ from zerodist.comm.watchdog import CollectiveError, CollectiveTimeoutError, Tick
 __all__ = [
     "HEADER_TAG", "INLINE_BYTES", "IncomingMessage", "MAX_TENSORS", "PAYLOAD_TAG", "PipeMessageError",
     "PipePeerFailedError", "PipeTimeoutError",
-    "SendHandle", "header_device", "irecv", "isend", "recv", "recv_message", "send", "send_abort", "send_message",
+    "SendHandle", "header_device", "irecv", "posts_ahead", "isend", "recv", "recv_message", "send", "send_abort", "send_message",
 ]
 
 HEADER_TAG = 7301
@@ -204,7 +214,7 @@ class IncomingMessage:
         ensure_initialized()
         self.src, self.label, self.describe = src, tuple(label), describe
         self.timeout_s, self.timeout_setting = timeout_s, timeout_setting
-        self.device = device or torch.device("cpu")  # where the tensors are received
+        self.device = device or header_device()  # where the tensors are received
         self._header = torch.empty(MESSAGE_BYTES, dtype=torch.uint8, device=header_device())
         self._received: list[torch.Tensor] | None = None  # allocated once the header is checked
         self._works: list[Any] = []
@@ -313,6 +323,12 @@ def _wait(work: Any, ticket: Ticket, timeout_s: float | None, describe: str | No
         raise PipePeerFailedError(
             f"rank {dist.get_rank()}: the connection to rank {ticket.ranks[-1]} failed while waiting for "
             f"{describe or ticket.op}: that stage exited or crashed; its log says why.\n{error}") from error
+
+
+def posts_ahead() -> bool:
+    """Whether receives may be posted ahead of the sender's earlier messages ([Note: p2p on NCCL]):
+    gloo matches by tag, NCCL by order."""
+    return ensure_initialized().backend == "gloo"
 
 
 def header_device() -> torch.device:

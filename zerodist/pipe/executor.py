@@ -20,7 +20,9 @@ zerodist/comm/p2p.py for the messages):
   payload receive was posted as soon as the header was there (polled before every action):
   [Note: receives posted ahead] in zerodist/comm/p2p.py. A sender never waits for its receiver
   to reach the RECV. `receive_ahead=False` posts each receive at its RECV (the benchmark's
-  baseline).
+  baseline; always so where the backend matches messages by order, not tag: [Note: p2p on NCCL]).
+- Inputs and labels are moved to the rank's device (`comm.device_for_rank()`) at F, so a loader of
+  CPU tensors feeds a pipeline on a GPU.
 
 `after_backward()` is called after every backward that wrote weight gradients (B, W): the engine
 hands them to ZeRO's reducer, which defers them until the batch's one reduction. UNSHARD, RESHARD
@@ -127,6 +129,11 @@ class PipelineExecutor:
         self._stage_params: dict[int, list[torch.nn.Parameter]] = {}
         self.failed: str | None = None  # why a run failed: the messages are out of step after it
 
+    @property
+    def device(self) -> torch.device:
+        """The rank's device: inputs and labels are moved there."""
+        return p2p.header_device()
+
     def _neighbour_ranks(self) -> list[int]:
         """The global ranks this rank exchanges messages with: those holding the stage before or after
         each of its stages (with interleaving, the last pipe rank's stage feeds the first's next one)."""
@@ -188,6 +195,7 @@ class _Run:
         self.loss_scale, self.train, self.after_backward, self.keep_outputs = (loss_scale, train, after_backward,
                                                                               keep_outputs)
         self.sharding = sharding
+        self.device = executor.device  # inputs and labels are moved to it
         self.received: dict[tuple[int, int], tuple[list[torch.Tensor], bool]] = {}  # (stage, mb) -> input
         self.grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}               # output gradients
         self.grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}              # input gradients
@@ -256,7 +264,7 @@ class _Run:
         if stage == 0:
             if self.data is None:
                 raise RuntimeError("the first pipeline stage needs the micro-batches' inputs")
-            value = self.data[mb]
+            value = _on(self.data[mb], self.device)
             return value, [t for t in _leaves(value) if t.is_floating_point() and t.requires_grad]
         tensors, was_tuple = self.received.pop((stage, mb))
         leaves = []
@@ -295,7 +303,7 @@ class _Run:
         elif self.labels is None:
             raise RuntimeError("the last pipeline stage needs the micro-batches' labels")
         else:
-            loss = loss_fn(output, self.labels[mb])
+            loss = loss_fn(output, _on(self.labels[mb], self.device))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("the last pipeline stage must produce a scalar loss: give PipelineModule a loss_fn, "
                              f"or make the last layer return one (got {type(loss).__name__} "
@@ -367,7 +375,7 @@ class _Inbox:
         self.unopened: dict[int, deque[tuple[tuple[Kind, int, int], p2p.IncomingMessage]]] = {}
 
     def post(self, actions: Sequence[Action]) -> None:
-        if not self.run.x.receive_ahead:
+        if not (self.run.x.receive_ahead and p2p.posts_ahead()):
             return
         for action in actions:
             if action.kind.is_recv:
@@ -400,6 +408,15 @@ class _Inbox:
         # the earlier messages from this source were taken (so opened) before: RECVs come in send order
         assert all(m is not message for _, m in queue), f"{key} taken out of its source's order"
         return message.tensors(expect)
+
+
+def _on(value: Any, device: torch.device) -> Any:
+    """`value` (a tensor, or tuples and lists of them) with its tensors on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on(v, device) for v in value)
+    return value
 
 
 def _leaves(value: Any) -> list[torch.Tensor]:
