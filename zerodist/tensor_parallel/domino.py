@@ -241,10 +241,15 @@ class DominoStreamError(TypeError):
 
 class ChunkedStream:
     """What a block returns to the next one under inter-layer overlap: the chunks, some still
-    inside this block (parked at their last reduction). Only the next Domino block reads it."""
+    inside this block (parked at their last reduction). Only the next Domino block reads their
+    values; its `shape`, `dtype` and `device` are those of the block's input (a residual block's
+    output has them), so glue between the blocks that computes positions, rotary embeddings or a
+    causal mask from the hidden states' shape (a pipeline stage's: zerodist/pipe/split_plans.py)
+    runs unchanged."""
 
-    def __init__(self, runner: ChunkRunner, batch: int):
+    def __init__(self, runner: ChunkRunner, batch: int, like: Any):
         self._runner, self._batch = runner, batch
+        self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
         self._finalizer = weakref.finalize(self, runner.close)  # a forward abandoned between blocks
 
     def take(self) -> tuple[ChunkRunner, int]:
@@ -318,7 +323,7 @@ def _run_in_turns(block: DominoTurns, forward: Callable[..., Any], x: Any, args:
     if inter:
         # Every chunk may wait at its last reduction of this block, under the next block's chunks.
         runner.run(lambda chunk: not chunk.queue and settings.issues is not None and chunk.issues >= settings.issues)
-        return ChunkedStream(runner, batch)
+        return ChunkedStream(runner, batch, x)
     runner.run()
     values = runner.values()
     runner.close()
