@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="Domino: split each block's batch into K >= 2 chunks to overlap tensor-parallel all-reduces")
     p.add_argument("--pp", type=_positive_int, default=None, metavar="P",
                    help="pipeline parallelism: the GPT cut into P stages by zerodist.pipe.split_model; composes "
-                        "with --tp, --sp, --moe, checkpoints and --resume (not yet with --domino)")
+                        "with --tp, --sp, --moe, --domino, checkpoints and --resume")
     p.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved", "zb"),
                    help="pipeline schedule with --pp (default 1f1b; interleaved puts 2 stages on each rank)")
     p.add_argument("--nnodes-sim", type=_positive_int, default=None, metavar="K",
@@ -96,11 +96,6 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     model = args.model or DEFAULT_MODEL
     if model not in GPT_PRESETS:
         raise ValueError(f"unknown --model {model!r}; choose one of: {', '.join(GPT_PRESETS)}")
-    if args.moe is not None and (args.tp or 1) > 1:
-        raise ValueError("--moe with --tp: the demo does not combine expert and tensor parallelism yet; "
-                         "use one of them")
-    if args.moe is not None and (args.sp or 1) > 1:
-        raise ValueError("--moe with --sp: the demo does not combine expert and sequence parallelism yet; use one")
     pipe = getattr(args, "pp", None) or 1  # absent from hand-made Namespaces
     schedule = getattr(args, "schedule", None) or "1f1b"
     _check_pipeline_flags(args, model, pipe, schedule, world_size)
@@ -135,8 +130,9 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
         batch = checked.batch_sizes(world_size // (tensor * sequence * pipe),
                                     world_size_source=f"{world_size} rank(s) / tensor {tensor} / sequence {sequence} "
                                                       f"/ pipe {pipe}")
-        check_layout_keys(checked, world_size=world_size, tensor=tensor, sequence=sequence, pipe=pipe,
-                          expert=world_size // pipe if args.moe else 1,
+        expert = world_size // (tensor * sequence * pipe) if args.moe else 1
+        _check_experts(args.moe, expert, tensor, sequence, pipe)
+        check_layout_keys(checked, world_size=world_size, tensor=tensor, sequence=sequence, pipe=pipe, expert=expert,
                           accumulation=batch.gradient_accumulation_steps)
         if checked.optimizer is not None:
             optimizer_from_config(checked)
@@ -145,20 +141,14 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     except ConfigError as err:
         raise ConfigError(err.problems, source=source) from None
     return TrainPlan(model=model, steps=steps, seed=DEFAULT_SEED if args.seed is None else args.seed, out=out,
-                     config=config, moe_experts=args.moe or 0, seq_len=getattr(args, "seq_len", None),
+                     config=config, moe_experts=args.moe or 0, expert_degree=expert, seq_len=getattr(args, "seq_len", None),
                      pipe=pipe, pipe_schedule=schedule)
 
 
 def _check_pipeline_flags(args: argparse.Namespace, model: str, pipe: int, schedule: str, world_size: int) -> None:
-    """--pp against the ranks, the preset's blocks and the flags it does not compose with yet (and --moe
-    against one stage's ranks)."""
+    """--pp against the ranks and the preset's blocks."""
     if pipe > 1 and world_size % pipe:
         raise ValueError(f"--nproc {world_size} is not divisible by the pipeline degree {pipe} (--pp)")
-    stage_ranks = world_size // pipe  # the ranks of one pipeline stage
-    if args.moe is not None and args.moe % stage_ranks:
-        raise ValueError(f"--moe {args.moe}: the experts are spread over the {stage_ranks} rank(s) of "
-                         f"{'a pipeline stage' if pipe > 1 else 'the run'}, so their number must be a multiple of "
-                         f"{stage_ranks}")
     if pipe > 1:  # split_model gives each stage at least one block
         from zerodist.models import gpt_config
 
@@ -168,9 +158,17 @@ def _check_pipeline_flags(args: argparse.Namespace, model: str, pipe: int, sched
                              f"{stages} pipeline stages for the {blocks} blocks of --model {model}; each stage needs "
                              "a block: use fewer stages or a larger --model (small has "
                              f"{gpt_config('small').n_layers} blocks)")
-    if pipe > 1 and args.domino is not None:
-        raise ValueError(f"--pp {pipe} with --domino: Domino's overlap is not composed with the pipeline's "
-                         "schedule yet; use --pp --tp without --domino")
+
+
+def _check_experts(experts: int | None, degree: int, tensor: int, sequence: int, pipe: int) -> None:
+    """--moe N: the experts are spread over the expert axis, the ranks of a stage that do not share a
+    sample (nproc / (tensor x sequence x pipe), Megatron's folding of experts over data)."""
+    if experts is not None and experts % degree:
+        others = [f"{name} {value}" for name, value in (("tensor", tensor), ("sequence", sequence), ("pipe", pipe))
+                  if value > 1]
+        raise ValueError(f"--moe {experts}: the experts are spread over the {degree} expert-parallel rank(s) "
+                         f"(nproc{' / ' + ' / '.join(others) if others else ''}), so their number must be a multiple "
+                         f"of {degree}")
 
 
 def _enable_trace(config: dict[str, Any], spec: str, steps: int) -> None:

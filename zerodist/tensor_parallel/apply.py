@@ -25,7 +25,8 @@ from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLin
 from zerodist.tensor_parallel.layers import slice_tensor, unslice_tensor
 from zerodist.tensor_parallel.operators import TensorRegion
 from zerodist.tensor_parallel.plan import PlanError, _check_ties, _match, parallelize, plan_from_deepspeed, sliced_parameters
-from zerodist.tensor_parallel.plans import gpt_block_branches, gpt_domino, gpt_plan, hf_gpt2_plan, hf_llama_plan
+from zerodist.tensor_parallel.plans import (gpt_block_branches, gpt_domino, gpt_plan, hf_gpt2_plan, hf_llama_plan,
+                                            moe_gpt_plan)
 from zerodist.tensor_parallel.random import RNGTracker, attach_rng_tracker, tensor_parallel_rng
 from zerodist.tensor_parallel.shared_input import detach_shared_inputs
 from zerodist.utils import get_logger, log_rank0
@@ -56,6 +57,11 @@ def _is_demo_gpt(model: nn.Module) -> bool:
     return isinstance(model, GPT)
 
 
+def _is_demo_moe_gpt(model: nn.Module) -> bool:
+    # by its class's path, without importing zerodist.models (as zerodist/pipe/split_plans.py does)
+    return f"{type(model).__module__}.{type(model).__qualname__}" == "zerodist.models.moe_gpt.MoEGPT"
+
+
 TENSOR_PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelConv1D,
                           RowParallelConv1D)
 
@@ -74,6 +80,8 @@ def choose_plan(model: nn.Module, settings: TensorParallelSettings, rng: RNGTrac
         return plan_from_deepspeed(model, settings.partition_config), "tensor_parallel.partition_config"
     if _is_demo_gpt(model):
         return gpt_plan(sequence_parallel=settings.sequence_parallel, rng=rng), "the built-in GPT plan"
+    if _is_demo_moe_gpt(model):
+        return moe_gpt_plan(model, sequence_parallel=settings.sequence_parallel, rng=rng), "the built-in MoE GPT plan"
     if getattr(getattr(model, "config", None), "model_type", None) == "gpt2":  # Hugging Face GPT-2
         return hf_gpt2_plan(model, sequence_parallel=settings.sequence_parallel), "the built-in GPT-2 plan"
     if getattr(getattr(model, "config", None), "base_model_tp_plan", None):

@@ -398,9 +398,9 @@ def build_model(plan: TrainPlan) -> tuple[GPT | MoEGPT, torch.nn.Module, Any]:
     if plan.moe_experts:
         from zerodist.train import moe_report
 
-        # the experts spread over one stage's ranks
-        model: GPT | MoEGPT = moe_report.build_moe_model(plan.model, plan.moe_experts,
-                                                         comm.get_world_size() // plan.pipe)
+        # the experts spread over the expert axis (a stage's ranks that do not share a sample)
+        model: GPT | MoEGPT = moe_report.build_moe_model(plan.model, plan.moe_experts, plan.expert_degree,
+                                                         seq_len=plan.seq_len)
         tracker = moe_report.LoadTracker(model)
     else:
         model = GPT(gpt_config(plan.model, **({"seq_len": plan.seq_len} if plan.seq_len else {})))
@@ -462,7 +462,8 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
         sections = list(pipe_lines)  # each axis' bytes against its formula: on screen and in summary.txt
         if engine.topology.size("tensor") > 1:
             report = measure_from_log(engine, model.config, tensor_parallel_log,
-                                      len(records) * engine.batch.gradient_accumulation_steps)
+                                      len(records) * engine.batch.gradient_accumulation_steps,
+                                      moe=bool(plan.moe_experts))
             sections.append("\n".join("  " + line for line in report_lines(report)))
         if sequence is not None:
             sections.append("\n".join("  " + line for line in sequence_report_lines(sequence)))

@@ -82,6 +82,7 @@ class TrainPlan:
     config: dict[str, Any]
     corpus_bytes: int = CORPUS_BYTES
     moe_experts: int = 0  # > 0: every block's MLP is an MoE layer of this many experts, expert parallel
+    expert_degree: int = 1  # the expert-parallel ranks the experts are spread over (with moe_experts)
     seq_len: int | None = None  # --seq-len: the GPT's sequence length (None: the preset's)
     pipe: int = 1  # > 1: the GPT cut into this many pipeline stages by split_model (zerodist/train/loop.py)
     pipe_schedule: str = "1f1b"
