@@ -335,10 +335,13 @@ def _moe_lines(plan: TrainPlan, engine: Engine, model: Any, load: Any, everythin
     """Rank 0: the MoE demo's load-balance section and its expert_load.png."""
     from zerodist.train import moe_report
 
-    measured = everything.total_bytes("all_to_all") / max(1, steps)
+    # the all-to-alls that are not Ulysses' (labelled "sequence") nor qgZ's: the MoE layers'
+    others = everything.labelled_bytes("sequence", "all_to_all") + everything.labelled_bytes(QGZ_LABEL, "all_to_all")
+    measured = (everything.total_bytes("all_to_all") - others) / max(1, steps)
     from zerodist.moe import MoE
 
-    formula = moe_report.all_to_all_formula_bytes(model, engine.batch.micro_batch_size * seq_len,
+    tokens = engine.batch.micro_batch_size * seq_len // engine.topology.size("sequence")  # the rank's slices
+    formula = moe_report.all_to_all_formula_bytes(model, tokens,
                                                   engine.batch.gradient_accumulation_steps, engine.policy.param_dtype.itemsize,
                                                   layers=sum(isinstance(m, MoE) for m in engine.module.modules()))
     lines = moe_report.load_lines(load, measured_bytes_per_step=measured, formula_bytes_per_step=formula)
@@ -357,7 +360,7 @@ def _sequence_report(engine: Engine, model: Any, everything: Any, activations: S
     (labelled "sequence", the stages' "pipe"), but its formula is not drawn up per stage yet."""
     if activations is None:
         return None
-    from zerodist.models.gpt import Block
+    from zerodist.train.pipe_report import rank_blocks
 
     everyone: list[Any] = [None] * comm.get_world_size()
     comm.all_gather_object(everyone, activations.bytes)
@@ -365,11 +368,11 @@ def _sequence_report(engine: Engine, model: Any, everything: Any, activations: S
         everyone = []
     method = engine.config.zerodist.sequence_parallel.method
     micro_steps_run = max(1, steps * engine.batch.gradient_accumulation_steps)
-    # qgZ's gradient all-to-alls are not Ulysses' (zerodist/comm/quantized.py labels them)
-    ulysses = everything.bus_bytes("all_to_all") - everything.labelled_bus_bytes(QGZ_LABEL, "all_to_all")
+    # Ulysses' all-to-alls are labelled "sequence" (zerodist/sequence/layer.py): told from qgZ's and MoE's
+    ulysses = everything.labelled_bus_bytes("sequence", "all_to_all")
     # the ring's blocks are labelled "sequence", a pipeline's messages "pipe" (comm.p2p)
     measured = ulysses if method == "ulysses" else everything.labelled_bytes("sequence", "send")
-    layers = sum(isinstance(m, Block) for m in engine.module.modules())
+    layers = rank_blocks(engine)
     ring = ring_formula(engine, seq_len, model.config, layers) if method == "ring" and engine.pipeline is None else None
     return SequenceReport(engine.topology.size("sequence"), method, measured / micro_steps_run,
                           ulysses_formula(engine, seq_len, model.config, layers) if method == "ulysses" else None,

@@ -4,8 +4,9 @@ and the activation memory of each rank.
 Ulysses, per attention layer and micro-batch (zerodist/sequence/layout.py; B micro-batch, N the
 sequence length, H heads, d head dim, P the degree, e bytes per element): each rank sends
 e B N d (2H + 2H_kv) (P-1)/P^2 bytes in forward (q, k, v and the output) and the same in backward,
-so a micro-step of L layers sends 2 L times that. The tracer's all-to-all bus bytes are exactly
-what a rank sends; the demo has no other all-to-all (MoE is not combined with --sp).
+so a micro-step of L layers sends 2 L times that. The tracer's bus bytes of the all-to-alls
+labelled "sequence" (zerodist/sequence/layer.py) are exactly what a rank sends, told from the MoE
+layers' all-to-alls under --moe --sp.
 
 Activation memory: the bytes of the tensors autograd saves for backward during one micro-step's
 forward (torch's saved-tensor hooks), parameters left out, each storage counted once. It is
