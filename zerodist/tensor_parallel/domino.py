@@ -283,9 +283,11 @@ def _split_argument(value: Any, batch: int, chunks: int) -> list[Any]:
 
 
 def _join(values: list[Any]) -> Any:
+    """The chunks' outputs as one: tensors concatenated along the batch; a 0-dim tensor (a per-token
+    mean such as an MoE block's balance loss) is the mean over the chunks; tuples element by element."""
     first = values[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat(values, dim=0)
+        return torch.stack(values).mean(dim=0) if first.dim() == 0 else torch.cat(values, dim=0)
     if type(first) is tuple:
         return tuple(_join([value[i] for value in values]) for i in range(len(first)))
     return first

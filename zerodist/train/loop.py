@@ -340,9 +340,12 @@ def _moe_lines(plan: TrainPlan, engine: Engine, model: Any, load: Any, everythin
     measured = (everything.total_bytes("all_to_all") - others) / max(1, steps)
     from zerodist.moe import MoE
 
-    tokens = engine.batch.micro_batch_size * seq_len // engine.topology.size("sequence")  # the rank's slices
-    formula = moe_report.all_to_all_formula_bytes(model, tokens,
-                                                  engine.batch.gradient_accumulation_steps, engine.policy.param_dtype.itemsize,
+    # a call routes the rank's slice of each sequence, and under Domino one chunk of the micro-batch
+    domino = engine.config.zerodist.tensor_parallel.domino
+    chunks = domino.chunks if domino is not None and engine.topology.size("tensor") > 1 else 1
+    tokens = engine.batch.micro_batch_size // chunks * seq_len // engine.topology.size("sequence")
+    formula = moe_report.all_to_all_formula_bytes(model, tokens, engine.batch.gradient_accumulation_steps * chunks,
+                                                  engine.policy.param_dtype.itemsize,
                                                   layers=sum(isinstance(m, MoE) for m in engine.module.modules()))
     lines = moe_report.load_lines(load, measured_bytes_per_step=measured, formula_bytes_per_step=formula)
     plan.out.mkdir(parents=True, exist_ok=True)

@@ -69,6 +69,7 @@ class Overrides:
     domino_chunks: int | None = None  # --domino: zerodist.tensor_parallel.domino.chunks (inter-layer overlap)
     sequence_parallel: int | None = None  # --sp: sequence_parallel_size
     sequence_method: str | None = None  # --sp-method: zerodist.sequence_parallel.method
+    moe: bool = False  # --moe given (Domino's overlap is then "intra")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +149,8 @@ def apply_overrides(config: dict[str, Any], overrides: Overrides) -> None:
         _section(config, "tensor_parallel", {})["autotp_size"] = overrides.tensor_parallel
     if overrides.domino_chunks is not None:
         zerodist_tp = _section(_section(config, "zerodist", {}), "tensor_parallel", {})
-        zerodist_tp["domino"] = {"chunks": overrides.domino_chunks, "overlap": "inter"}
+        # the MoE demo's blocks return (hidden, balance loss): each block joins its chunks ("intra")
+        zerodist_tp["domino"] = {"chunks": overrides.domino_chunks, "overlap": "intra" if overrides.moe else "inter"}
     if overrides.sequence_parallel is not None:
         config["sequence_parallel_size"] = overrides.sequence_parallel
     if overrides.sequence_method is not None:
