@@ -128,7 +128,7 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
             raise ValueError(f"--nproc {world_size} is not divisible by the tensor-parallel degree {tensor} (--tp) x "
                              f"the sequence-parallel degree {sequence} (--sp) x the pipeline degree {pipe} (--pp)")
         _check_sequence(checked, model, getattr(args, "seq_len", None))
-        _check_domino(checked, moe=args.moe is not None)
+        _check_domino(checked)
         batch = checked.batch_sizes(world_size // (tensor * sequence * pipe),
                                     world_size_source=f"{world_size} rank(s) / tensor {tensor} / sequence {sequence} "
                                                       f"/ pipe {pipe}")
@@ -162,20 +162,15 @@ def _check_pipeline_flags(args: argparse.Namespace, model: str, pipe: int, sched
                              f"{gpt_config('small').n_layers} blocks)")
 
 
-def _check_domino(config: Any, *, moe: bool) -> None:
-    """Domino against the tensor degree and, for the MoE demo, the ZeRO stage (the engine's own rules,
-    zerodist/tensor_parallel/apply.py, said before any rank starts)."""
+def _check_domino(config: Any) -> None:
+    """Domino against the tensor degree (the engine's own rule, zerodist/tensor_parallel/apply.py,
+    said before any rank starts)."""
     domino = config.zerodist.tensor_parallel.domino
     if domino is None:
         return
     if config.tensor_degree == 1:
         raise ValueError(f"--domino {domino.chunks} overlaps the tensor-parallel all-reduces of a block's chunks; "
                          "it needs a tensor-parallel degree of 2 or more: add --tp 2")
-    if moe and config.zero_optimization.stage == 3:
-        raise ValueError("--moe --domino at --stage 3: the MoE demo's blocks run Domino's chunks in turns inside "
-                         "their own forward, where ZeRO stage 3 gathers and releases parameters; use --stage 0-2 "
-                         "with --moe --domino")
-
 
 def _check_experts(experts: int | None, degree: int, tensor: int, sequence: int, pipe: int) -> None:
     """--moe N: the experts are spread over the expert axis, the ranks of a stage that do not share a

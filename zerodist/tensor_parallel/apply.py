@@ -99,10 +99,6 @@ def _apply_domino(model: nn.Module, topology: Topology, settings: TensorParallel
     pipeline stage module `model` was cut from ([Note: Domino per stage])."""
     assert settings.domino is not None
     demo = _is_demo_gpt(source if source is not None else model)
-    if not demo and settings.sharded_parameters:
-        raise PlanError("Domino on a model other than the demo GPT runs each block's chunks in turns, inside the "
-                        "block's own forward and its modules' hooks, which ZeRO stage 3 uses to gather and release "
-                        "parameters; use ZeRO stages 0-2 with Domino on this model")
     region = TensorRegion.of(topology)
     if source is not None:
         for container, names in stage_blocks(model):

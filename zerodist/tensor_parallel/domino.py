@@ -261,6 +261,21 @@ class ChunkedStream:
                                 '"overlap": "inter" the chunks pass from block to block unjoined: use "intra"')
 
 
+def _flatten_stream(stream: ChunkedStream) -> tuple[list[Any], Any]:
+    """[Note: Domino at ZeRO-3] The tensors a block hands on in a `ChunkedStream`: each chunk's
+    value when it finished the block, else the reduction it is parked at, as pytree leaves, so that
+    ZeRO-3 arms the block's backward gather on them (as for `ChunkedActivations`)."""
+    leaves: list[Any] = [chunk.parked_at if chunk.running else chunk.value for chunk in stream._runner.chunks]
+    return leaves, stream
+
+
+def _unflatten_stream(leaves: Any, stream: ChunkedStream) -> ChunkedStream:
+    return stream  # the leaves are only read (hooks on them), never replaced
+
+
+register_pytree_node(ChunkedStream, _flatten_stream, _unflatten_stream)
+
+
 def _is_cache(value: Any) -> bool:
     return any(cls.__name__ == "Cache" for cls in type(value).__mro__)
 
