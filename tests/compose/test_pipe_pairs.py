@@ -81,6 +81,7 @@ def compose_body(family: str, stage: int, *, sequence: int = 1, method: str = "u
         settings["tensor_parallel"] = {"autotp_size": tensor}
     engine = zerodist.initialize(model=module, config=settings)[0]
     shard = engine.topology.batch_rank  # data x expert: each reads its own micro-batches
+    flat_sizes = {g.layout.total_numel for g in engine.groups}
     states, tallies = [], []
     for step in range(STEPS):
         with schedule_log() as log, comm.trace() as trace:
@@ -94,9 +95,10 @@ def compose_body(family: str, stage: int, *, sequence: int = 1, method: str = "u
                         # ZeRO's reduce-scatters and all-gathers over a data group of 2 (no other axis has one)
                         "zero": sum(r.bus_bytes for r in trace.records
                                     if r.op in ("reduce_scatter", "all_gather") and r.group_size == 2),
-                        # every ZeRO reduce-scatter and all-gather, whatever its group (dense and expert)
-                        "zero_all": sum(r.bus_bytes for r in trace.records
-                                        if r.op in ("reduce_scatter", "all_gather"))})
+                        # ZeRO's reduce-scatters and all-gathers of the flat groups, whatever their ranks
+                        # (dense and expert; the MoE layers' small all-gathers are not ZeRO's)
+                        "zero_all": sum(r.bus_bytes for r in trace.records if r.op in ("reduce_scatter", "all_gather")
+                                        and r.numel in flat_sizes)})
         states.append(engine.module_state_dict())
     degrees = dict(engine.topology.degrees)
     pipe_rank = engine.topology.axis_rank("pipe")
