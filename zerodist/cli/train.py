@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     precision.add_argument("--bf16", action="store_true", help="bf16 parameters and gradients, fp32 master weights")
     precision.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
     p.add_argument("--moe", type=_positive_int, default=None, metavar="N",
-                   help="MoE demo: every block's MLP becomes N experts, expert parallel over the ranks")
+                   help="MoE demo: every block's MLP becomes N experts, expert parallel over nproc / (T x P x pipe) "
+                        "ranks; composes with --tp (experts replicated over tensor), --sp, --pp and --domino")
     p.add_argument("--seed", type=int, default=None, help="model and corpus seed (default 0)")
     p.add_argument("--out", default=None, help="output folder (default runs/train-<timestamp>)")
     p.add_argument("--save-interval", type=_positive_int, default=None, metavar="N",
