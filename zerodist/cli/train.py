@@ -208,11 +208,20 @@ def _check_sequence(config: Any, model: str, seq_len: int | None) -> None:
     from zerodist.sequence.layout import SequenceLayout, check_heads
 
     gpt = gpt_config(model, **({"seq_len": seq_len} if seq_len else {}))
-    degree, method = config.sequence_parallel_size, config.zerodist.sequence_parallel.method
+    degree, method, tensor = config.sequence_parallel_size, config.zerodist.sequence_parallel.method, config.tensor_degree
+    if gpt.n_heads % tensor:
+        raise ValueError(f"--tp {tensor}: tensor parallelism splits the {gpt.n_heads} attention heads of --model {model} "
+                         f"over the tensor ranks; choose a degree that divides {gpt.n_heads}")
     if degree == 1:
         return
-    if method == "ulysses":
-        check_heads(gpt.n_heads, gpt.n_heads, degree)
+    if method == "ulysses":  # over the heads a tensor rank holds
+        try:
+            check_heads(gpt.n_heads // tensor, gpt.n_heads // tensor, degree)
+        except ValueError as error:
+            if tensor == 1:
+                raise
+            raise ValueError(f"--tp {tensor} --sp {degree}: each tensor rank holds {gpt.n_heads // tensor} of the "
+                             f"{gpt.n_heads} heads of --model {model}, and Ulysses splits those: {error}") from None
     SequenceLayout(0, degree, head_tail=method == "ring").check_length(gpt.seq_len)
 
 
