@@ -63,8 +63,10 @@ class SequenceReport:
 
 def ulysses_formula(engine: Any, seq_len: int, gpt: Any, layers: int) -> int:
     """Bytes a rank sends in the all-to-alls of one micro-step (forward and backward) through `layers`
-    blocks of the demo GPT configured by `gpt` (all of them, or this rank's pipeline stages')."""
-    one_layer = ulysses_bytes(batch=engine.batch.micro_batch_size, seq=seq_len, heads=gpt.n_heads, kv_heads=gpt.n_heads,
+    blocks of the demo GPT configured by `gpt` (all of them, or this rank's pipeline stages'), over
+    the heads this rank's tensor slice holds."""
+    heads = gpt.n_heads // engine.topology.size("tensor")  # Ulysses splits the heads a tensor rank holds
+    one_layer = ulysses_bytes(batch=engine.batch.micro_batch_size, seq=seq_len, heads=heads, kv_heads=heads,
                               head_dim=gpt.d_model // gpt.n_heads, degree=engine.topology.size("sequence"),
                               element_size=engine.policy.param_dtype.itemsize)
     return 2 * layers * one_layer
