@@ -81,6 +81,8 @@ def test_moe_with_sequence_or_tensor_and_domino_trains_with_each_axis_bytes(tmp_
 @pytest.mark.unit
 @pytest.mark.parametrize("flags, words", [
     (("--domino", "2"), "needs a tensor-parallel degree of 2 or more"),
+    (("--tp", "2", "--sp", "2", "--model", "tiny"), "each tensor rank holds 1 of the 2 heads of --model tiny"),
+    (("--tp", "4", "--model", "tiny"), "splits the 2 attention heads of --model tiny"),
 ])
 def test_impossible_products_are_refused_by_name_before_spawn(flags, words, capsys) -> None:
     from zerodist.cli.main import main
