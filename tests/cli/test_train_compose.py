@@ -78,6 +78,25 @@ def test_moe_with_sequence_or_tensor_and_domino_trains_with_each_axis_bytes(tmp_
     _no_formula_differs(done.stdout)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pp2_tp2_sp2_domino_on_8_ranks_reports_every_axis_against_its_formula(tmp_path: Path) -> None:
+    """Issue 31's `zerodist train --pp 2 --tp 2 --sp 2 --nproc 8`, with Domino: each rank's state, the
+    pipe's p2p, the tensor axis' schedule-log bytes (over the slice's tokens) and Ulysses' all-to-alls
+    (over the heads a tensor rank holds) each match their formula; a checkpoint is written."""
+    done = run_train("--pp", "2", "--tp", "2", "--sp", "2", "--domino", "2", "--nproc", "8", "--model", "small",
+                     "--seq-len", "32", "--steps", "2", "--micro-batch", "2", "--save-interval", "2",
+                     "--out", str(tmp_path), timeout=500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "2 steps on 8 ranks (pipe 2 x data 1 x sequence 2 x tensor 2" in summary
+    for section in ("Domino 2 chunks", "sequence parallel (ulysses, degree 2)", "= 1.00 x the formula 2 m x"):
+        assert section in summary
+    _no_formula_differs(summary)
+    assert [r["step"] for r in _rows(tmp_path)] == ["1", "2"]
+    assert (tmp_path / "checkpoints" / "global_step2").is_dir()
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("flags, words", [
     (("--domino", "2"), "needs a tensor-parallel degree of 2 or more"),
