@@ -74,7 +74,7 @@ def ulysses_formula(engine: Any, seq_len: int, gpt: Any, layers: int) -> int:
 
 def ring_formula(engine: Any, seq_len: int, gpt: Any, layers: int) -> int:
     """Bytes a rank sends for the ring in one micro-step (forward and backward) through `layers` blocks."""
-    shape = dict(batch=engine.batch.micro_batch_size, seq=seq_len, kv_heads=gpt.n_heads,
+    shape = dict(batch=engine.batch.micro_batch_size, seq=seq_len, kv_heads=gpt.n_heads // engine.topology.size("tensor"),
                  head_dim=gpt.d_model // gpt.n_heads, degree=engine.topology.size("sequence"),
                  element_size=engine.policy.param_dtype.itemsize)
     return layers * (ring_bytes(**shape) + ring_backward_bytes(**shape))
