@@ -60,14 +60,14 @@ CASES: list[tuple[str, object, list[str], str]] = [
     # incompatible axes and flags
     ("pp-sp-not-dividing", None, ["--nproc", "2", "--pp", "2", "--sp", "2"], "--pp"),
     ("pp-sp-file-not-dividing", {"sequence_parallel_size": 2}, ["--nproc", "2", "--pp", "2"], "--sp"),
-    ("pp-with-domino", None, ["--nproc", "4", "--pp", "2", "--tp", "2", "--domino", "2"], "--domino"),
+    ("domino-without-tp", None, ["--nproc", "4", "--pp", "2", "--domino", "2"], "--domino"),
     ("pp-tp-not-dividing", None, ["--nproc", "4", "--pp", "2", "--tp", "4"], "--pp"),
     ("tp-not-dividing", None, ["--tp", "3"], "--tp"),
     ("tp-times-sp", None, ["--tp", "2", "--sp", "2"], "--sp"),
     ("moe-not-dividing", None, ["--moe", "3"], "--moe"),
     ("pp-more-stages-than-blocks", None, ["--model", "tiny", "--pp", "2", "--schedule", "interleaved"],
      "4 pipeline stages for the 2 blocks"),
-    ("pp-moe-not-dividing", None, ["--nproc", "4", "--pp", "2", "--moe", "3"], "a pipeline stage"),
+    ("pp-moe-not-dividing", None, ["--nproc", "4", "--pp", "2", "--moe", "3"], "(nproc / pipe 2)"),
     # keys whose validity depends on the layout (zerodist/cli/layout_checks.py): they passed these checks and
     # then failed on every rank with a traceback
     ("mics-not-dividing", {"zero_optimization": {"stage": 3, "mics_shard_size": 3}}, [],

@@ -81,6 +81,7 @@ def compose_body(family: str, stage: int, *, sequence: int = 1, method: str = "u
         settings["tensor_parallel"] = {"autotp_size": tensor}
     engine = zerodist.initialize(model=module, config=settings)[0]
     shard = engine.topology.batch_rank  # data x expert: each reads its own micro-batches
+    flat_sizes = {g.layout.total_numel for g in engine.groups}
     states, tallies = [], []
     for step in range(STEPS):
         with schedule_log() as log, comm.trace() as trace:
@@ -93,13 +94,18 @@ def compose_body(family: str, stage: int, *, sequence: int = 1, method: str = "u
                         "tensor": (log.all_bytes("forward"), log.all_bytes("backward")),
                         # ZeRO's reduce-scatters and all-gathers over a data group of 2 (no other axis has one)
                         "zero": sum(r.bus_bytes for r in trace.records
-                                    if r.op in ("reduce_scatter", "all_gather") and r.group_size == 2)})
+                                    if r.op in ("reduce_scatter", "all_gather") and r.group_size == 2),
+                        # ZeRO's reduce-scatters and all-gathers of the flat groups, whatever their ranks
+                        # (dense and expert; the MoE layers' small all-gathers are not ZeRO's)
+                        "zero_all": sum(r.bus_bytes for r in trace.records if r.op in ("reduce_scatter", "all_gather")
+                                        and r.numel in flat_sizes)})
         states.append(engine.module_state_dict())
     degrees = dict(engine.topology.degrees)
     pipe_rank = engine.topology.axis_rank("pipe")
     psi = sum(g.layout.total_numel for g in engine.groups)  # this stage's (padded) parameter count
+    groups = [(g.layout.total_numel, g.world_size) for g in engine.groups]  # (Ψ, ranks it is sharded over)
     engine.destroy()
-    return states, tallies, degrees, pipe_rank, psi
+    return states, tallies, degrees, pipe_rank, psi, groups
 
 
 def run(family: str, world: int, stage: int, shards: int = 1, timeout: int = 280, **options) -> list:
@@ -184,7 +190,7 @@ def test_pipe2_tensor2_bytes_of_each_stage(family, stage):
     results = run(family, 4, stage, tensor=2)
     a, logits = activation_bytes(), 4 * MICRO * SEQ * VOCAB
     expected = {0: (GAS * 3 * a, GAS * 2 * a), 1: (GAS * (2 * a + logits), GAS * 3 * a)}
-    for _, tallies, degrees, pipe_rank, _ in results:
+    for _, tallies, degrees, pipe_rank, *_ in results:
         assert degrees["tensor"] == 2 and degrees["pipe"] == 2
         for tally in tallies:
             assert tally["tensor"] == expected[pipe_rank], (pipe_rank, tally)
@@ -200,13 +206,20 @@ def test_pipe2_expert2_bytes_and_the_triple_with_data_at_zero_3(stage, data):
     (tests/pipe/test_pipe_expert.py has it at ZeRO 1): the batch dealt over data x expert; per
     micro-batch the stage's one MoE layer moves 4 all-to-alls of E x C x hidden over its expert
     group of 2 (C = the call's tokens), the pipe the hidden states and the summed balance loss."""
+    from zerodist.train.report import expected_bus_bytes
+
     results = run("moe-gpt", 4 * data, stage, shards=2 * data, expert=EXPERTS, timeout=280 * data)
     tokens = MICRO * SEQ
     moe = GAS * 4 * EXPERTS * tokens * HIDDEN * 4 / 2  # bus factor (P-1)/P over the expert group of 2
-    for _, tallies, degrees, *_ in results:
+    for _, tallies, degrees, _, _, groups in results:
         assert degrees == {"pipe": 2, "data": data, "expert": 2, "sequence": 1, "tensor": 1}, degrees
+        # the data axis: ZeRO over each flat group's ranks (dense over data x expert, experts over data),
+        # zero.md's formula for one accumulation step (the stage's buckets reduced once per batch)
+        zero = sum(expected_bus_bytes(stage=stage, psi=psi, world_size=ranks, accumulation_steps=1,
+                                      reduce_scatter=True, element_bytes=4) for psi, ranks in groups)
         for tally in tallies:
             assert (tally["all_to_all"], tally["pipe"]) == (moe, GAS * (activation_bytes() + 4)), tally
+            assert tally["zero_all"] == zero, (tally, groups)
 
 
 # ---------------------------------------------------------------------------------------- pipe x data
@@ -220,7 +233,7 @@ def test_pipe2_data2_llama_zero_bytes(stage):
     from zerodist.train.report import expected_bus_bytes
 
     results = run("llama", 4, stage, shards=2)
-    for _, tallies, degrees, _, psi in results:
+    for _, tallies, degrees, _, psi, _ in results:
         assert degrees == {"pipe": 2, "data": 2, "expert": 1, "sequence": 1, "tensor": 1}, degrees
         expected = expected_bus_bytes(stage=stage, psi=psi, world_size=2, accumulation_steps=1, reduce_scatter=True,
                                       element_bytes=4)
@@ -231,16 +244,17 @@ def test_pipe2_data2_llama_zero_bytes(stage):
 # ---------------------------------------------------------------------------------------- the triple's three axes
 
 @pytest.mark.timeout(600)  # 8 ranks of 3 axes: about 5 min on the shared 2-core machine
-def test_pipe2_tensor2_sequence2_bytes_of_all_three_axes():
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pipe2_tensor2_sequence2_bytes_of_all_three_axes(stage):
     """The triple pipe 2 x tensor 2 x sequence 2 on 8 ranks (Hugging Face Llama, 4 query over 2
-    key/value heads, Ulysses, ZeRO 1), each axis' bytes: Ulysses over the heads a tensor rank holds,
+    key/value heads, Ulysses, ZeRO 1 and 3), each axis' bytes: Ulysses over the heads a tensor rank holds,
     the tensor axis' per stage as in test_pipe2_tensor2_bytes_of_each_stage over the slice's tokens,
     and the pipe's slices (tests/pipe/test_pipe_sequence.py checks the first and the last)."""
-    results = run("llama-kv2", 8, 1, sequence=2, tensor=2, timeout=560)
+    results = run("llama-kv2", 8, stage, sequence=2, tensor=2, timeout=560)
     one = ulysses_bytes(batch=MICRO, seq=SEQ, heads=2, kv_heads=1, head_dim=4, degree=2, element_size=4)
     a, logits = activation_bytes(2), 4 * MICRO * (SEQ // 2) * VOCAB
     expected = {0: (GAS * 3 * a, GAS * 2 * a), 1: (GAS * (2 * a + logits), GAS * 3 * a)}
-    for _, tallies, degrees, pipe_rank, _ in results:
+    for _, tallies, degrees, pipe_rank, *_ in results:
         assert degrees == {"pipe": 2, "data": 1, "expert": 1, "sequence": 2, "tensor": 2}, degrees
         for tally in tallies:
             assert (tally["all_to_all"], tally["tensor"], tally["pipe"]) == (2 * GAS * one, expected[pipe_rank], GAS * a)

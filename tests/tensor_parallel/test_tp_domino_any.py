@@ -95,9 +95,12 @@ def test_domino_on_any_model_named_errors_and_threads_ended():
     with pytest.raises(DominoChunkError, match="splits the batch into 4 chunks, but the batch has 6"):
         loss_of(domino, idx, targets)
     _, domino, blocks, loss_of, vocab = _pair("llama_like", DominoConfig(2, "inter"))
-    stream = blocks[0](domino.embed_tokens(idx))
+    hidden = domino.embed_tokens(idx)
+    stream = blocks[0](hidden)
+    # its metadata is the input's (glue between blocks reads the shape); its values are the next block's
+    assert (stream.shape, stream.dtype, stream.device) == (hidden.shape, hidden.dtype, hidden.device)
     with pytest.raises(DominoStreamError, match="between Domino blocks"):
-        stream.shape
+        stream.sum()
     del stream  # an abandoned forward: its chunks' threads are ended
     loss_of(domino, idx, targets).backward()
     assert not [t for t in threading.enumerate() if t.name.startswith("zerodist-domino-chunk")]

@@ -37,4 +37,4 @@ def test_moe_demo_trains_and_reports_the_load_per_layer(tmp_path: Path) -> None:
 def test_moe_expert_count_must_divide_over_the_ranks(tmp_path: Path) -> None:
     result = run_train("--moe", "3", "--nproc", "2", "--model", "tiny", "--out", str(tmp_path / "run"), timeout=60)
     assert result.returncode == 2
-    assert "--moe 3: the experts are spread over the 2 rank(s)" in result.stderr
+    assert "--moe 3: the experts are spread over the 2 expert-parallel rank(s)" in result.stderr

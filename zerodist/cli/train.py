@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     precision.add_argument("--bf16", action="store_true", help="bf16 parameters and gradients, fp32 master weights")
     precision.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
     p.add_argument("--moe", type=_positive_int, default=None, metavar="N",
-                   help="MoE demo: every block's MLP becomes N experts, expert parallel over the ranks")
+                   help="MoE demo: every block's MLP becomes N experts, expert parallel over nproc / (T x P x pipe) "
+                        "ranks; composes with --tp (experts replicated over tensor), --sp, --pp and --domino")
     p.add_argument("--seed", type=int, default=None, help="model and corpus seed (default 0)")
     p.add_argument("--out", default=None, help="output folder (default runs/train-<timestamp>)")
     p.add_argument("--save-interval", type=_positive_int, default=None, metavar="N",
@@ -57,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="Domino: split each block's batch into K >= 2 chunks to overlap tensor-parallel all-reduces")
     p.add_argument("--pp", type=_positive_int, default=None, metavar="P",
                    help="pipeline parallelism: the GPT cut into P stages by zerodist.pipe.split_model; composes "
-                        "with --tp, --sp, --moe, checkpoints and --resume (not yet with --domino)")
+                        "with --tp, --sp, --moe, --domino, checkpoints and --resume")
     p.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved", "zb"),
                    help="pipeline schedule with --pp (default 1f1b; interleaved puts 2 stages on each rank)")
     p.add_argument("--nnodes-sim", type=_positive_int, default=None, metavar="K",
@@ -96,11 +97,6 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     model = args.model or DEFAULT_MODEL
     if model not in GPT_PRESETS:
         raise ValueError(f"unknown --model {model!r}; choose one of: {', '.join(GPT_PRESETS)}")
-    if args.moe is not None and (args.tp or 1) > 1:
-        raise ValueError("--moe with --tp: the demo does not combine expert and tensor parallelism yet; "
-                         "use one of them")
-    if args.moe is not None and (args.sp or 1) > 1:
-        raise ValueError("--moe with --sp: the demo does not combine expert and sequence parallelism yet; use one")
     pipe = getattr(args, "pp", None) or 1  # absent from hand-made Namespaces
     schedule = getattr(args, "schedule", None) or "1f1b"
     _check_pipeline_flags(args, model, pipe, schedule, world_size)
@@ -111,7 +107,8 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
                           bf16=args.bf16, fp16=args.fp16, save_interval=args.save_interval, resume=args.resume,
                           keep_last=getattr(args, "keep_last", None),  # absent from hand-made Namespaces
                           save_dir=str(out / "checkpoints"), tensor_parallel=args.tp, domino_chunks=args.domino,
-                          sequence_parallel=getattr(args, "sp", None), sequence_method=getattr(args, "sp_method", None))
+                          sequence_parallel=getattr(args, "sp", None), sequence_method=getattr(args, "sp_method", None),
+                          moe=args.moe is not None)
     config = merge_config(file_config, overrides, steps)
     if getattr(args, "trace", None):
         _enable_trace(config, args.trace, steps)
@@ -132,11 +129,13 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
             raise ValueError(f"--nproc {world_size} is not divisible by the tensor-parallel degree {tensor} (--tp) x "
                              f"the sequence-parallel degree {sequence} (--sp) x the pipeline degree {pipe} (--pp)")
         _check_sequence(checked, model, getattr(args, "seq_len", None))
+        _check_domino(checked)
         batch = checked.batch_sizes(world_size // (tensor * sequence * pipe),
                                     world_size_source=f"{world_size} rank(s) / tensor {tensor} / sequence {sequence} "
                                                       f"/ pipe {pipe}")
-        check_layout_keys(checked, world_size=world_size, tensor=tensor, sequence=sequence, pipe=pipe,
-                          expert=world_size // pipe if args.moe else 1,
+        expert = world_size // (tensor * sequence * pipe) if args.moe else 1
+        _check_experts(args.moe, expert, tensor, sequence, pipe)
+        check_layout_keys(checked, world_size=world_size, tensor=tensor, sequence=sequence, pipe=pipe, expert=expert,
                           accumulation=batch.gradient_accumulation_steps)
         if checked.optimizer is not None:
             optimizer_from_config(checked)
@@ -145,20 +144,14 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
     except ConfigError as err:
         raise ConfigError(err.problems, source=source) from None
     return TrainPlan(model=model, steps=steps, seed=DEFAULT_SEED if args.seed is None else args.seed, out=out,
-                     config=config, moe_experts=args.moe or 0, seq_len=getattr(args, "seq_len", None),
+                     config=config, moe_experts=args.moe or 0, expert_degree=expert, seq_len=getattr(args, "seq_len", None),
                      pipe=pipe, pipe_schedule=schedule)
 
 
 def _check_pipeline_flags(args: argparse.Namespace, model: str, pipe: int, schedule: str, world_size: int) -> None:
-    """--pp against the ranks, the preset's blocks and the flags it does not compose with yet (and --moe
-    against one stage's ranks)."""
+    """--pp against the ranks and the preset's blocks."""
     if pipe > 1 and world_size % pipe:
         raise ValueError(f"--nproc {world_size} is not divisible by the pipeline degree {pipe} (--pp)")
-    stage_ranks = world_size // pipe  # the ranks of one pipeline stage
-    if args.moe is not None and args.moe % stage_ranks:
-        raise ValueError(f"--moe {args.moe}: the experts are spread over the {stage_ranks} rank(s) of "
-                         f"{'a pipeline stage' if pipe > 1 else 'the run'}, so their number must be a multiple of "
-                         f"{stage_ranks}")
     if pipe > 1:  # split_model gives each stage at least one block
         from zerodist.models import gpt_config
 
@@ -168,9 +161,27 @@ def _check_pipeline_flags(args: argparse.Namespace, model: str, pipe: int, sched
                              f"{stages} pipeline stages for the {blocks} blocks of --model {model}; each stage needs "
                              "a block: use fewer stages or a larger --model (small has "
                              f"{gpt_config('small').n_layers} blocks)")
-    if pipe > 1 and args.domino is not None:
-        raise ValueError(f"--pp {pipe} with --domino: Domino's overlap is not composed with the pipeline's "
-                         "schedule yet; use --pp --tp without --domino")
+
+
+def _check_domino(config: Any) -> None:
+    """Domino against the tensor degree (the engine's own rule, zerodist/tensor_parallel/apply.py,
+    said before any rank starts)."""
+    domino = config.zerodist.tensor_parallel.domino
+    if domino is None:
+        return
+    if config.tensor_degree == 1:
+        raise ValueError(f"--domino {domino.chunks} overlaps the tensor-parallel all-reduces of a block's chunks; "
+                         "it needs a tensor-parallel degree of 2 or more: add --tp 2")
+
+def _check_experts(experts: int | None, degree: int, tensor: int, sequence: int, pipe: int) -> None:
+    """--moe N: the experts are spread over the expert axis, the ranks of a stage that do not share a
+    sample (nproc / (tensor x sequence x pipe), Megatron's folding of experts over data)."""
+    if experts is not None and experts % degree:
+        others = [f"{name} {value}" for name, value in (("tensor", tensor), ("sequence", sequence), ("pipe", pipe))
+                  if value > 1]
+        raise ValueError(f"--moe {experts}: the experts are spread over the {degree} expert-parallel rank(s) "
+                         f"(nproc{' / ' + ' / '.join(others) if others else ''}), so their number must be a multiple "
+                         f"of {degree}")
 
 
 def _enable_trace(config: dict[str, Any], spec: str, steps: int) -> None:
@@ -197,11 +208,20 @@ def _check_sequence(config: Any, model: str, seq_len: int | None) -> None:
     from zerodist.sequence.layout import SequenceLayout, check_heads
 
     gpt = gpt_config(model, **({"seq_len": seq_len} if seq_len else {}))
-    degree, method = config.sequence_parallel_size, config.zerodist.sequence_parallel.method
+    degree, method, tensor = config.sequence_parallel_size, config.zerodist.sequence_parallel.method, config.tensor_degree
+    if gpt.n_heads % tensor:
+        raise ValueError(f"--tp {tensor}: tensor parallelism splits the {gpt.n_heads} attention heads of --model {model} "
+                         f"over the tensor ranks; choose a degree that divides {gpt.n_heads}")
     if degree == 1:
         return
-    if method == "ulysses":
-        check_heads(gpt.n_heads, gpt.n_heads, degree)
+    if method == "ulysses":  # over the heads a tensor rank holds
+        try:
+            check_heads(gpt.n_heads // tensor, gpt.n_heads // tensor, degree)
+        except ValueError as error:
+            if tensor == 1:
+                raise
+            raise ValueError(f"--tp {tensor} --sp {degree}: each tensor rank holds {gpt.n_heads // tensor} of the "
+                             f"{gpt.n_heads} heads of --model {model}, and Ulysses splits those: {error}") from None
     SequenceLayout(0, degree, head_tail=method == "ring").check_length(gpt.seq_len)
 
 

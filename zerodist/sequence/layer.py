@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 import zerodist.comm as comm
-from zerodist.sequence import head_exchange
+from zerodist.comm import tracer
 from zerodist.comm import Group
+from zerodist.sequence import head_exchange
 from zerodist.sequence.agreement import agree_attention_shapes
 from zerodist.sequence.errors import SequenceParallelError
 from zerodist.sequence.layout import SequenceLayout, check_heads
@@ -76,7 +77,8 @@ def seq_all_to_all(input: torch.Tensor, group: Group, scatter_idx: int, gather_i
                                     f"the {size} sequence-parallel ranks it is split over")
     pieces = torch.stack(input.chunk(size, dim=scatter_idx)).contiguous()  # piece i goes to rank i
     received = torch.empty_like(pieces)
-    comm.all_to_all_single(received, pieces, group=group)
+    with tracer.labelled("sequence"):  # told from an MoE layer's all-to-alls in a trace (zerodist train --moe --sp)
+        comm.all_to_all_single(received, pieces, group=group)
     return torch.cat(received.unbind(0), dim=gather_idx)
 
 

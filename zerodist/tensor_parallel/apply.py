@@ -25,7 +25,8 @@ from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLin
 from zerodist.tensor_parallel.layers import slice_tensor, unslice_tensor
 from zerodist.tensor_parallel.operators import TensorRegion
 from zerodist.tensor_parallel.plan import PlanError, _check_ties, _match, parallelize, plan_from_deepspeed, sliced_parameters
-from zerodist.tensor_parallel.plans import gpt_domino, gpt_plan, hf_gpt2_plan, hf_llama_plan
+from zerodist.tensor_parallel.plans import (gpt_block_branches, gpt_domino, gpt_plan, hf_gpt2_plan, hf_llama_plan,
+                                            moe_gpt_plan)
 from zerodist.tensor_parallel.random import RNGTracker, attach_rng_tracker, tensor_parallel_rng
 from zerodist.tensor_parallel.shared_input import detach_shared_inputs
 from zerodist.utils import get_logger, log_rank0
@@ -56,6 +57,11 @@ def _is_demo_gpt(model: nn.Module) -> bool:
     return isinstance(model, GPT)
 
 
+def _is_demo_moe_gpt(model: nn.Module) -> bool:
+    # by its class's path, without importing zerodist.models (as zerodist/pipe/split_plans.py does)
+    return f"{type(model).__module__}.{type(model).__qualname__}" == "zerodist.models.moe_gpt.MoEGPT"
+
+
 TENSOR_PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelConv1D,
                           RowParallelConv1D)
 
@@ -74,6 +80,8 @@ def choose_plan(model: nn.Module, settings: TensorParallelSettings, rng: RNGTrac
         return plan_from_deepspeed(model, settings.partition_config), "tensor_parallel.partition_config"
     if _is_demo_gpt(model):
         return gpt_plan(sequence_parallel=settings.sequence_parallel, rng=rng), "the built-in GPT plan"
+    if _is_demo_moe_gpt(model):
+        return moe_gpt_plan(model, sequence_parallel=settings.sequence_parallel, rng=rng), "the built-in MoE GPT plan"
     if getattr(getattr(model, "config", None), "model_type", None) == "gpt2":  # Hugging Face GPT-2
         return hf_gpt2_plan(model, sequence_parallel=settings.sequence_parallel), "the built-in GPT-2 plan"
     if getattr(getattr(model, "config", None), "base_model_tp_plan", None):
@@ -84,22 +92,66 @@ def choose_plan(model: nn.Module, settings: TensorParallelSettings, rng: RNGTrac
                     "zerodist.tensor_parallel.parallelize(model, plan, topology) before initialize()")
 
 
-def _apply_domino(model: nn.Module, topology: Topology, settings: TensorParallelSettings) -> None:
+def _apply_domino(model: nn.Module, topology: Topology, settings: TensorParallelSettings,
+                  source: nn.Module | None = None) -> None:
     """The demo GPT's blocks by their residual branches; any other model's blocks (found from its
-    structure: `find_blocks`) by their own forward, the chunks taking turns."""
+    structure: `find_blocks`) by their own forward, the chunks taking turns. `source`: the model a
+    pipeline stage module `model` was cut from ([Note: Domino per stage])."""
     assert settings.domino is not None
-    if _is_demo_gpt(model):
+    demo = _is_demo_gpt(source if source is not None else model)
+    region = TensorRegion.of(topology)
+    if source is not None:
+        for container, names in stage_blocks(model):
+            _domino_in_place(container, names, gpt_block_branches if demo else None, region, settings.domino)
+        return
+    if demo:
         gpt_domino(model, topology, settings.domino)
         return
-    if settings.sharded_parameters:
-        raise PlanError("Domino on a model other than the demo GPT runs each block's chunks in turns, inside the "
-                        "block's own forward and its modules' hooks, which ZeRO stage 3 uses to gather and release "
-                        "parameters; use ZeRO stages 0-2 with Domino on this model")
     try:
         blocks = find_blocks(model)
     except ValueError as error:
         raise PlanError(str(error)) from None
-    apply_domino(blocks, None, TensorRegion.of(topology), settings.domino)
+    apply_domino(blocks, None, region, settings.domino)
+
+
+# [Note: Domino per stage] A pipeline stage module (zerodist.pipe.split_model's) holds the blocks of
+# its stages under the model's names (`blocks.2`) in containers of its own, and runs each block as
+# one pipeline layer, in order, each on the previous one's output. So Domino applies per stage: the
+# blocks of one stage are one chain, whose last block joins its chunks (what a stage sends, or what
+# the final norm reads, is a tensor), and inter-layer overlap runs between the blocks of a stage.
+# A rank with several stages (interleaved) has one chain per stage. The stage module runs each
+# block by looking it up by name, so a block swapped in the container is the one that runs.
+def stage_blocks(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
+    """Per stage this rank holds, (the container of the blocks, the names in it of the stage's
+    blocks in order), read from a split stage module's surface: `plan.blocks` (the blocks' dotted
+    name), `local_stages`, `stage_modules(stage)`."""
+    plan, stage_modules = getattr(model, "plan", None), getattr(model, "stage_modules", None)
+    blocks_name = getattr(plan, "blocks", None)
+    if not isinstance(blocks_name, str) or stage_modules is None:
+        raise PlanError(f"Domino needs the blocks of each pipeline stage; {type(model).__name__} does not say where "
+                        "they are (a zerodist.pipe.split_model stage module does)")
+    if getattr(model, "activation_checkpoint_interval", 0):
+        raise PlanError("Domino inside a pipeline stage with activation checkpointing: a checkpointed run of layers "
+                        "would cut a chain of Domino blocks; set the pipeline's activation_checkpoint_interval to 0")
+    try:
+        container = model.get_submodule(blocks_name)
+    except AttributeError:
+        return []  # a stage module with no block on this rank (only the embedding, or the head)
+    result = []
+    for stage in model.local_stages:  # type: ignore[union-attr]
+        held = {id(module) for module in stage_modules(stage)}
+        names = sorted((name for name, child in container.named_children() if id(child) in held), key=int)
+        if names:
+            result.append((container, names))
+    return result
+
+
+def _domino_in_place(container: nn.Module, names: list[str], branches: Any, region: TensorRegion,
+                     config: DominoConfig) -> None:
+    chain = nn.ModuleList([container.get_submodule(name) for name in names])
+    apply_domino(chain, branches, region, config)
+    for name, block in zip(names, chain):
+        setattr(container, name, block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +231,7 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
             raise PlanError("Domino's inter-layer overlap at ZeRO stage 3 needs torch.utils._pytree.register_pytree_"
                             "node (absent from this torch), so that ZeRO-3 sees a block's chunked output; use "
                             '"overlap": "intra" at stage 3, or stages 0-2')
-        _apply_domino(model, topology, settings)
+        _apply_domino(model, topology, settings, plan_for)
     log_rank0(logger, "tensor parallel: degree %d from %s%s%s", topology.size("tensor"), source,
               ", sequence parallel" if settings.sequence_parallel else "",
               f", Domino {settings.domino.chunks} chunks ({settings.domino.overlap})" if settings.domino else "")

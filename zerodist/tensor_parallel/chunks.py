@@ -99,6 +99,7 @@ class Chunk:
         self.queue: collections.deque[Callable[[Any], Any]] = collections.deque()
         self.running = False  # inside an item (so parked at a reduction when it is not its turn)
         self.issues = 0       # reductions issued in the current item
+        self.parked_at: torch.Tensor | None = None  # the reduction it waits for while parked
         self.error: BaseException | None = None
         self.abort, self.alive = False, True
         self._turn = threading.Semaphore(0)
@@ -141,7 +142,11 @@ class Chunk:
         schedule.log_compute("forward", "body")
         out = IssueReduction.apply(partial, region, pending)
         self.issues += 1
-        self.park()
+        self.parked_at = out  # what a block hands on while this chunk waits here (a pytree leaf: domino.py)
+        try:
+            self.park()
+        finally:
+            self.parked_at = None
         return WaitReduction.apply(out, pending)
 
     def step(self) -> None:

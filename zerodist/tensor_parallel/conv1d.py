@@ -31,6 +31,7 @@ from zerodist.tensor_parallel.layers import (
     SliceSpec,
     _check_fused,
     column_linear,
+    chunk_bias,
     row_reduce,
     slice_tensor,
 )
@@ -111,9 +112,10 @@ class RowParallelConv1D(nn.Module):
         partial = torch.matmul(x, self.weight)
         if self.sequence_parallel:
             reduced = ops.reduce_scatter_to_sequence_region(partial, self.region)
-        else:
-            reduced = row_reduce(partial, self.region)
-        return reduced if self.bias is None else reduced + self.bias
+            return reduced if self.bias is None else reduced + self.bias
+        bias = chunk_bias(self.bias)  # [Note: Domino at ZeRO-3] in layers.py
+        reduced = row_reduce(partial, self.region)
+        return reduced if bias is None else reduced + bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.weight.shape[0]}), out_features={self.out_features}, "

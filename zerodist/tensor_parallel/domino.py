@@ -241,10 +241,15 @@ class DominoStreamError(TypeError):
 
 class ChunkedStream:
     """What a block returns to the next one under inter-layer overlap: the chunks, some still
-    inside this block (parked at their last reduction). Only the next Domino block reads it."""
+    inside this block (parked at their last reduction). Only the next Domino block reads their
+    values; its `shape`, `dtype` and `device` are those of the block's input (a residual block's
+    output has them), so glue between the blocks that computes positions, rotary embeddings or a
+    causal mask from the hidden states' shape (a pipeline stage's: zerodist/pipe/split_plans.py)
+    runs unchanged."""
 
-    def __init__(self, runner: ChunkRunner, batch: int):
+    def __init__(self, runner: ChunkRunner, batch: int, like: Any):
         self._runner, self._batch = runner, batch
+        self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
         self._finalizer = weakref.finalize(self, runner.close)  # a forward abandoned between blocks
 
     def take(self) -> tuple[ChunkRunner, int]:
@@ -254,6 +259,21 @@ class ChunkedStream:
     def __getattr__(self, name: str) -> Any:
         raise DominoStreamError(f"the model read .{name} of a block's output between Domino blocks; with "
                                 '"overlap": "inter" the chunks pass from block to block unjoined: use "intra"')
+
+
+def _flatten_stream(stream: ChunkedStream) -> tuple[list[Any], Any]:
+    """[Note: Domino at ZeRO-3] The tensors a block hands on in a `ChunkedStream`: each chunk's
+    value when it finished the block, else the reduction it is parked at, as pytree leaves, so that
+    ZeRO-3 arms the block's backward gather on them (as for `ChunkedActivations`)."""
+    leaves: list[Any] = [chunk.parked_at if chunk.running else chunk.value for chunk in stream._runner.chunks]
+    return leaves, stream
+
+
+def _unflatten_stream(leaves: Any, stream: ChunkedStream) -> ChunkedStream:
+    return stream  # the leaves are only read (hooks on them), never replaced
+
+
+register_pytree_node(ChunkedStream, _flatten_stream, _unflatten_stream)
 
 
 def _is_cache(value: Any) -> bool:
@@ -278,9 +298,11 @@ def _split_argument(value: Any, batch: int, chunks: int) -> list[Any]:
 
 
 def _join(values: list[Any]) -> Any:
+    """The chunks' outputs as one: tensors concatenated along the batch; a 0-dim tensor (a per-token
+    mean such as an MoE block's balance loss) is the mean over the chunks; tuples element by element."""
     first = values[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat(values, dim=0)
+        return torch.stack(values).mean(dim=0) if first.dim() == 0 else torch.cat(values, dim=0)
     if type(first) is tuple:
         return tuple(_join([value[i] for value in values]) for i in range(len(first)))
     return first
@@ -318,7 +340,7 @@ def _run_in_turns(block: DominoTurns, forward: Callable[..., Any], x: Any, args:
     if inter:
         # Every chunk may wait at its last reduction of this block, under the next block's chunks.
         runner.run(lambda chunk: not chunk.queue and settings.issues is not None and chunk.issues >= settings.issues)
-        return ChunkedStream(runner, batch)
+        return ChunkedStream(runner, batch, x)
     runner.run()
     values = runner.values()
     runner.close()

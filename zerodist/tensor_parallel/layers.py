@@ -149,6 +149,14 @@ def column_linear(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias:
     return _ColumnLinearFunction.apply(x, weight, bias, region, sequence_dim, None)
 
 
+def chunk_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """[Note: Domino at ZeRO-3] A row-parallel layer's bias, to add after its reduction: inside a
+    Domino chunk that reduction may be waited in the next block, after ZeRO-3 released this
+    block's parameters, so the chunk adds a copy taken now, while they are gathered (the same
+    values; the gradient reaches the bias through the copy)."""
+    return bias * 1 if bias is not None and chunk_turn() is not None else bias
+
+
 def row_reduce(partial: torch.Tensor, region: TensorRegion) -> torch.Tensor:
     """A row-parallel layer's partial product summed over the tensor axis, in place (the layer
     made it): inside a Domino chunk, asynchronously, the other chunks computing meanwhile."""
@@ -253,10 +261,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = self.partial(x)
         if self.sequence_parallel:
-            reduced = ops.reduce_scatter_to_sequence_region(partial, self.region)
-        else:
-            reduced = row_reduce(partial, self.region)
-        return self.add_bias(reduced)
+            return self.add_bias(ops.reduce_scatter_to_sequence_region(partial, self.region))
+        bias = chunk_bias(self.bias)
+        reduced = row_reduce(partial, self.region)
+        return reduced if bias is None else reduced + bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "

@@ -105,6 +105,23 @@ def gpt_plan(*, sequence_parallel: bool = False, rng: RNGTracker | None = None) 
     return plan
 
 
+def moe_gpt_plan(model: nn.Module, *, sequence_parallel: bool = False, rng: RNGTracker | None = None
+                 ) -> dict[str, str | PlanEntry]:
+    """The plan for the demo MoE GPT (`zerodist.models.moe_gpt.MoEGPT`, the same attention and MLP
+    classes as the demo GPT): `gpt_plan`'s entries for the modules it has, the dense blocks' MLPs
+    named one by one, so that the MoE blocks' experts stay whole, replicated over the tensor axis
+    (each tensor rank routes the same tokens; Megatron's experts without expert-tensor parallelism)."""
+    if sequence_parallel:
+        raise PlanError("Megatron-style sequence parallelism on the demo MoE GPT: its MoE layers route whole "
+                        "tokens of the replicated stream; leave zerodist.tensor_parallel.sequence_parallel off")
+    plan = gpt_plan(rng=rng)
+    del plan["blocks.*.mlp.fc_in"], plan["blocks.*.mlp.fc_out"]
+    for index, block in enumerate(cast(nn.ModuleList, model.blocks)):
+        if isinstance(getattr(block, "mlp", None), nn.Module):
+            plan[f"blocks.{index}.mlp.fc_in"], plan[f"blocks.{index}.mlp.fc_out"] = "colwise", "rowwise"
+    return plan
+
+
 def _build_attention(module: nn.Module, region: TensorRegion, sequence_parallel: bool,
                      rng: RNGTracker | None) -> HeadParallelAttention:
     return HeadParallelAttention(module, region, sequence_parallel, rng)

@@ -335,11 +335,17 @@ def _moe_lines(plan: TrainPlan, engine: Engine, model: Any, load: Any, everythin
     """Rank 0: the MoE demo's load-balance section and its expert_load.png."""
     from zerodist.train import moe_report
 
-    measured = everything.total_bytes("all_to_all") / max(1, steps)
+    # the all-to-alls that are not Ulysses' (labelled "sequence") nor qgZ's: the MoE layers'
+    others = everything.labelled_bytes("sequence", "all_to_all") + everything.labelled_bytes(QGZ_LABEL, "all_to_all")
+    measured = (everything.total_bytes("all_to_all") - others) / max(1, steps)
     from zerodist.moe import MoE
 
-    formula = moe_report.all_to_all_formula_bytes(model, engine.batch.micro_batch_size * seq_len,
-                                                  engine.batch.gradient_accumulation_steps, engine.policy.param_dtype.itemsize,
+    # a call routes the rank's slice of each sequence, and under Domino one chunk of the micro-batch
+    domino = engine.config.zerodist.tensor_parallel.domino
+    chunks = domino.chunks if domino is not None and engine.topology.size("tensor") > 1 else 1
+    tokens = engine.batch.micro_batch_size // chunks * seq_len // engine.topology.size("sequence")
+    formula = moe_report.all_to_all_formula_bytes(model, tokens, engine.batch.gradient_accumulation_steps * chunks,
+                                                  engine.policy.param_dtype.itemsize,
                                                   layers=sum(isinstance(m, MoE) for m in engine.module.modules()))
     lines = moe_report.load_lines(load, measured_bytes_per_step=measured, formula_bytes_per_step=formula)
     plan.out.mkdir(parents=True, exist_ok=True)
@@ -357,7 +363,7 @@ def _sequence_report(engine: Engine, model: Any, everything: Any, activations: S
     (labelled "sequence", the stages' "pipe"), but its formula is not drawn up per stage yet."""
     if activations is None:
         return None
-    from zerodist.models.gpt import Block
+    from zerodist.train.pipe_report import rank_blocks
 
     everyone: list[Any] = [None] * comm.get_world_size()
     comm.all_gather_object(everyone, activations.bytes)
@@ -365,11 +371,11 @@ def _sequence_report(engine: Engine, model: Any, everything: Any, activations: S
         everyone = []
     method = engine.config.zerodist.sequence_parallel.method
     micro_steps_run = max(1, steps * engine.batch.gradient_accumulation_steps)
-    # qgZ's gradient all-to-alls are not Ulysses' (zerodist/comm/quantized.py labels them)
-    ulysses = everything.bus_bytes("all_to_all") - everything.labelled_bus_bytes(QGZ_LABEL, "all_to_all")
+    # Ulysses' all-to-alls are labelled "sequence" (zerodist/sequence/layer.py): told from qgZ's and MoE's
+    ulysses = everything.labelled_bus_bytes("sequence", "all_to_all")
     # the ring's blocks are labelled "sequence", a pipeline's messages "pipe" (comm.p2p)
     measured = ulysses if method == "ulysses" else everything.labelled_bytes("sequence", "send")
-    layers = sum(isinstance(m, Block) for m in engine.module.modules())
+    layers = rank_blocks(engine)
     ring = ring_formula(engine, seq_len, model.config, layers) if method == "ring" and engine.pipeline is None else None
     return SequenceReport(engine.topology.size("sequence"), method, measured / micro_steps_run,
                           ulysses_formula(engine, seq_len, model.config, layers) if method == "ulysses" else None,
@@ -398,9 +404,9 @@ def build_model(plan: TrainPlan) -> tuple[GPT | MoEGPT, torch.nn.Module, Any]:
     if plan.moe_experts:
         from zerodist.train import moe_report
 
-        # the experts spread over one stage's ranks
-        model: GPT | MoEGPT = moe_report.build_moe_model(plan.model, plan.moe_experts,
-                                                         comm.get_world_size() // plan.pipe)
+        # the experts spread over the expert axis (a stage's ranks that do not share a sample)
+        model: GPT | MoEGPT = moe_report.build_moe_model(plan.model, plan.moe_experts, plan.expert_degree,
+                                                         seq_len=plan.seq_len)
         tracker = moe_report.LoadTracker(model)
     else:
         model = GPT(gpt_config(plan.model, **({"seq_len": plan.seq_len} if plan.seq_len else {})))
@@ -462,7 +468,8 @@ def train(plan: TrainPlan, progress: Progress | None = None) -> TrainOutcome:
         sections = list(pipe_lines)  # each axis' bytes against its formula: on screen and in summary.txt
         if engine.topology.size("tensor") > 1:
             report = measure_from_log(engine, model.config, tensor_parallel_log,
-                                      len(records) * engine.batch.gradient_accumulation_steps)
+                                      len(records) * engine.batch.gradient_accumulation_steps,
+                                      moe=bool(plan.moe_experts))
             sections.append("\n".join("  " + line for line in report_lines(report)))
         if sequence is not None:
             sections.append("\n".join("  " + line for line in sequence_report_lines(sequence)))

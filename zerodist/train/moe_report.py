@@ -26,14 +26,14 @@ from zerodist.utils import format_bytes
 DEMO_K, DEMO_CAPACITY_FACTOR = 1, 1.25
 
 
-def build_moe_model(preset: str, num_experts: int, world_size: int) -> MoEGPT:
+def build_moe_model(preset: str, num_experts: int, world_size: int, seq_len: int | None = None) -> MoEGPT:
     """The demo GPT with an MoE layer of `num_experts` experts in every block, expert parallel
-    over all the ranks (each holds `num_experts / world_size`)."""
+    over `world_size` ranks (each holds `num_experts / world_size`)."""
     if num_experts < 1 or num_experts % world_size:
         raise ValueError(f"--moe {num_experts}: the experts are spread over the {world_size} rank(s), so their "
                          f"number must be a positive multiple of {world_size}")
     moe = MoEConfig(num_experts=num_experts, ep_size=world_size, k=DEMO_K, capacity_factor=DEMO_CAPACITY_FACTOR)
-    return MoEGPT(gpt_config(preset), moe)
+    return MoEGPT(gpt_config(preset, **({"seq_len": seq_len} if seq_len else {})), moe)
 
 
 @dataclasses.dataclass

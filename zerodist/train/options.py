@@ -69,6 +69,7 @@ class Overrides:
     domino_chunks: int | None = None  # --domino: zerodist.tensor_parallel.domino.chunks (inter-layer overlap)
     sequence_parallel: int | None = None  # --sp: sequence_parallel_size
     sequence_method: str | None = None  # --sp-method: zerodist.sequence_parallel.method
+    moe: bool = False  # --moe given (Domino's overlap is then "intra")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,7 @@ class TrainPlan:
     config: dict[str, Any]
     corpus_bytes: int = CORPUS_BYTES
     moe_experts: int = 0  # > 0: every block's MLP is an MoE layer of this many experts, expert parallel
+    expert_degree: int = 1  # the expert-parallel ranks the experts are spread over (with moe_experts)
     seq_len: int | None = None  # --seq-len: the GPT's sequence length (None: the preset's)
     pipe: int = 1  # > 1: the GPT cut into this many pipeline stages by split_model (zerodist/train/loop.py)
     pipe_schedule: str = "1f1b"
@@ -147,7 +149,8 @@ def apply_overrides(config: dict[str, Any], overrides: Overrides) -> None:
         _section(config, "tensor_parallel", {})["autotp_size"] = overrides.tensor_parallel
     if overrides.domino_chunks is not None:
         zerodist_tp = _section(_section(config, "zerodist", {}), "tensor_parallel", {})
-        zerodist_tp["domino"] = {"chunks": overrides.domino_chunks, "overlap": "inter"}
+        # the MoE demo's blocks return (hidden, balance loss): each block joins its chunks ("intra")
+        zerodist_tp["domino"] = {"chunks": overrides.domino_chunks, "overlap": "intra" if overrides.moe else "inter"}
     if overrides.sequence_parallel is not None:
         config["sequence_parallel_size"] = overrides.sequence_parallel
     if overrides.sequence_method is not None:

@@ -48,10 +48,12 @@ def header_line(engine: Engine, schedule: str) -> str:
 
 
 def rank_blocks(engine: Engine) -> int:
-    """The GPT blocks this rank's stages hold (split_model keeps only them)."""
+    """The GPT blocks this rank's stages hold (split_model keeps only them; all of them without a
+    pipeline), Domino's blocks among them (a `DominoBlock` holds a demo GPT block's children)."""
     from zerodist.models.moe_gpt import DenseBlock, MoEBlock
+    from zerodist.tensor_parallel import DominoBlock
 
-    return sum(1 for module in engine.module.modules() if isinstance(module, (Block, MoEBlock, DenseBlock)))
+    return sum(1 for module in engine.module.modules() if isinstance(module, (Block, MoEBlock, DenseBlock, DominoBlock)))
 
 
 def pipeline_section(engine: Engine, schedule: str, seq_len: int, d_model: int, sent_bytes: float, steps: int,

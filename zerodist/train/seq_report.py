@@ -4,8 +4,9 @@ and the activation memory of each rank.
 Ulysses, per attention layer and micro-batch (zerodist/sequence/layout.py; B micro-batch, N the
 sequence length, H heads, d head dim, P the degree, e bytes per element): each rank sends
 e B N d (2H + 2H_kv) (P-1)/P^2 bytes in forward (q, k, v and the output) and the same in backward,
-so a micro-step of L layers sends 2 L times that. The tracer's all-to-all bus bytes are exactly
-what a rank sends; the demo has no other all-to-all (MoE is not combined with --sp).
+so a micro-step of L layers sends 2 L times that. The tracer's bus bytes of the all-to-alls
+labelled "sequence" (zerodist/sequence/layer.py) are exactly what a rank sends, told from the MoE
+layers' all-to-alls under --moe --sp.
 
 Activation memory: the bytes of the tensors autograd saves for backward during one micro-step's
 forward (torch's saved-tensor hooks), parameters left out, each storage counted once. It is
@@ -62,8 +63,10 @@ class SequenceReport:
 
 def ulysses_formula(engine: Any, seq_len: int, gpt: Any, layers: int) -> int:
     """Bytes a rank sends in the all-to-alls of one micro-step (forward and backward) through `layers`
-    blocks of the demo GPT configured by `gpt` (all of them, or this rank's pipeline stages')."""
-    one_layer = ulysses_bytes(batch=engine.batch.micro_batch_size, seq=seq_len, heads=gpt.n_heads, kv_heads=gpt.n_heads,
+    blocks of the demo GPT configured by `gpt` (all of them, or this rank's pipeline stages'), over
+    the heads this rank's tensor slice holds."""
+    heads = gpt.n_heads // engine.topology.size("tensor")  # Ulysses splits the heads a tensor rank holds
+    one_layer = ulysses_bytes(batch=engine.batch.micro_batch_size, seq=seq_len, heads=heads, kv_heads=heads,
                               head_dim=gpt.d_model // gpt.n_heads, degree=engine.topology.size("sequence"),
                               element_size=engine.policy.param_dtype.itemsize)
     return 2 * layers * one_layer
@@ -71,7 +74,7 @@ def ulysses_formula(engine: Any, seq_len: int, gpt: Any, layers: int) -> int:
 
 def ring_formula(engine: Any, seq_len: int, gpt: Any, layers: int) -> int:
     """Bytes a rank sends for the ring in one micro-step (forward and backward) through `layers` blocks."""
-    shape = dict(batch=engine.batch.micro_batch_size, seq=seq_len, kv_heads=gpt.n_heads,
+    shape = dict(batch=engine.batch.micro_batch_size, seq=seq_len, kv_heads=gpt.n_heads // engine.topology.size("tensor"),
                  head_dim=gpt.d_model // gpt.n_heads, degree=engine.topology.size("sequence"),
                  element_size=engine.policy.param_dtype.itemsize)
     return layers * (ring_bytes(**shape) + ring_backward_bytes(**shape))

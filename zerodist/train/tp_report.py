@@ -11,6 +11,9 @@ blocks, e bytes per element (docs/tensor_parallel.md, "Communication and overlap
               embedding) + 1 all-gather T*V (the gathered LM head)
     backward: 2L all-reduces of T*h (Domino: 2kL of T*h/k) + 1 all-reduce T*h (LM head input)
 
+With a sequence axis T is the rank's slice (micro x seq / P); with `--moe` the experts are
+replicated over the tensor axis, so a block has one all-reduce (its attention's), L instead of 2L.
+
 Sequence parallelism replaces the all-reduces with all-gathers and reduce-scatters; the formula
 is then not shown.
 """
@@ -41,17 +44,22 @@ class TensorParallelReport:
 
 
 def gpt_formula(*, tokens: int, hidden: int, vocab: int, layers: int, element_bytes: int, first: bool = True,
-                last: bool = True) -> tuple[int, int]:
+                last: bool = True, mlp_layers: int | None = None) -> tuple[int, int]:
     """(forward, backward) payload bytes of one micro-batch (module docstring). Under a pipeline a
     rank counts its own stages' `layers`, the embedding's all-reduce only on the `first` stage and
-    the head's all-gather and all-reduce only on the `last`."""
-    forward = (2 * layers + first) * tokens * hidden * element_bytes + last * tokens * vocab * element_bytes
-    return forward, (2 * layers + last) * tokens * hidden * element_bytes
+    the head's all-gather and all-reduce only on the `last`. `mlp_layers`: the blocks whose MLP is
+    tensor-parallel (default all; the MoE demo's experts are replicated over the tensor axis: 0)."""
+    blocks = layers + (layers if mlp_layers is None else mlp_layers)  # one row-parallel all-reduce each
+    forward = (blocks + first) * tokens * hidden * element_bytes + last * tokens * vocab * element_bytes
+    return forward, (blocks + last) * tokens * hidden * element_bytes
 
 
-def measure_from_log(engine: Engine, gpt: GPTConfig, log: ScheduleLog, micro_steps: int) -> TensorParallelReport:
+def measure_from_log(engine: Engine, gpt: GPTConfig, log: ScheduleLog, micro_steps: int, *,
+                     moe: bool = False) -> TensorParallelReport:
     """Per micro-batch bytes and overlap from the schedule log of a training run of the demo GPT
-    shaped `gpt` (rank 0's stages under a pipeline)."""
+    shaped `gpt` (rank 0's stages under a pipeline; `moe`: the MoE demo, every block's MLP an MoE
+    layer whose experts the tensor axis replicates). Under sequence parallelism a micro-batch's
+    tensor-parallel collectives carry the rank's slice of each sequence."""
     settings = engine.config.zerodist.tensor_parallel
     chunks = settings.domino.chunks if settings.domino is not None else None
     layers, first, last = gpt.n_layers, True, True
@@ -61,9 +69,10 @@ def measure_from_log(engine: Engine, gpt: GPTConfig, log: ScheduleLog, micro_ste
         layers, first, last = rank_blocks(engine), engine.is_first_stage(), engine.is_last_stage()
     expected: tuple[int | None, int | None] = (None, None)
     if not settings.sequence_parallel:
-        expected = gpt_formula(tokens=engine.batch.micro_batch_size * gpt.seq_len, hidden=gpt.d_model,
-                               vocab=gpt.vocab_size, layers=layers, element_bytes=engine.policy.param_dtype.itemsize,
-                               first=first, last=last)
+        tokens = engine.batch.micro_batch_size * gpt.seq_len // engine.topology.size("sequence")
+        expected = gpt_formula(tokens=tokens, hidden=gpt.d_model, vocab=gpt.vocab_size, layers=layers,
+                               element_bytes=engine.policy.param_dtype.itemsize, first=first, last=last,
+                               mlp_layers=0 if moe else None)
     overlap = (log.overlap_fraction("forward"), log.overlap_fraction("backward")) if chunks else (None, None)
     steps = max(1, micro_steps)
     return TensorParallelReport(engine.topology.size("tensor"), chunks, log.all_bytes("forward") // steps,

@@ -1,0 +1,91 @@
+"""Domino's inter-layer overlap at ZeRO stage 3 on Hugging Face models (issue 31): HF Llama and
+GPT-2 blocks run their own forward with the chunks taking turns (zerodist/tensor_parallel/domino.py)
+while ZeRO-3 gathers and releases their parameters. Data 1 x tensor 2 on 2 gloo ranks, and data 2
+x tensor 2 on 4 (Llama, ZeRO 1 and 3: the data x tensor pair to 1e-6), 3 SGD steps through
+`initialize()`: parameters within 1e-6 of one process on the same global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerodist
+from tests.compose.parity import assert_states_match
+from tests.harness import run_distributed
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+VOCAB, SEQ, MICRO, STEPS, LR = 64, 8, 2, 3, 0.1
+
+
+def build(family: str) -> torch.nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False))
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=3, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
+def batch(step: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + shard)
+    tokens = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
+    return tokens, tokens.roll(-1, dims=1)
+
+
+def loss_of(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def reference_body(family: str, shards: int) -> list[dict[str, torch.Tensor]]:
+    model = build(family)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    states = []
+    for step in range(STEPS):
+        parts = [batch(step, s) for s in range(shards)]
+        loss_of(model, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return states
+
+
+def domino_body(family: str, stage: int, domino: dict | None):
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+              "optimizer": {"type": "SGD", "params": {"lr": LR}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+              "tensor_parallel": {"autotp_size": 2}}
+    if domino:
+        config["zerodist"] = {"tensor_parallel": {"domino": domino}}
+    engine, _, _, _ = zerodist.initialize(model=build(family), config=config)
+    shard = engine.topology.batch_rank
+    states = []
+    for step in range(STEPS):
+        engine.backward(loss_of(engine, *batch(step, shard)))
+        engine.step()
+        states.append(engine.module_state_dict())
+    blocks = engine.module.model.layers if family == "llama" else engine.module.transformer.h
+    kind = type(blocks[0]).__name__
+    engine.destroy()
+    return states, kind
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_domino_inter_at_zero3_on_hugging_face_models(family):
+    reference, = run_distributed(reference_body, 1, family, 1)
+    results = run_distributed(domino_body, 2, family, 3, {"chunks": 2, "overlap": "inter"}, timeout=300)
+    assert_states_match([states for states, _ in results], reference, family)
+    assert all(kind.startswith("Domino") for _, kind in results)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_data2_tensor2_hf_llama_equals_one_process(stage):
+    reference, = run_distributed(reference_body, 1, "llama", 2)
+    results = run_distributed(domino_body, 4, "llama", stage, None, timeout=300)
+    assert_states_match([states for states, _ in results], reference, ("data x tensor", stage))
