@@ -21,7 +21,8 @@ With a pipeline (any PipelineModule, all its stages on one rank included: engine
 `_expert_dealing` decides as the sampler does) the dealing is contiguous at every ZeRO stage (one
 reduction per step), so the window is the step, and the pipeline's per-micro-batch tree
 (engine/pipeline_invariant.py) adds the zeros and the one sum exactly; a leaf's place in the window
-is its stage's backward count (micro-batch order under 1F1B, GPipe, ZB-H1; canonical.check_layout refuses the other schedules with experts).
+is its stage's backward count (micro-batch order under 1F1B, GPipe, ZB-H1; canonical.check_layout
+refuses the other schedules with experts).
 The order comes from the engine as `index(source, micro_step) -> k` (moe sits beside zero and
 does not import it); the engine also gives the counter (`tree_sum`).
 """
