@@ -72,14 +72,19 @@ def test_expert_layouts_the_mode_cannot_order_are_refused_by_name():
     check_layout(data_degree=1, accumulation=4, stage=3, pipe=2, sequence=1, expert=2, fp16=False, schedule="zb")
     check_layout(data_degree=1, accumulation=2, stage=1, pipe=1, sequence=1, expert=4, fp16=False)
     check_layout(data_degree=2, accumulation=2, stage=0, pipe=1, sequence=1, expert=2, fp16=False)
+    # all of a pipeline's stages on one rank (pipe degree 1) is still a pipeline
+    with pytest.raises(LayoutInvariantError, match="experts with the 'interleaved' pipeline schedule"):
+        check_layout(data_degree=2, accumulation=4, stage=2, pipe=1, sequence=1, expert=2, fp16=False,
+                     schedule="interleaved", pipeline=True)
 
 
-def _refused_everywhere(experts: int, pipe: int) -> str:
-    """The MoE GPT with `experts` experts over every rank of a stage (`pipe` stages; interleaved) in the mode."""
+def _refused_everywhere(experts: int, pipe: int, split: bool = False) -> str:
+    """The MoE GPT with `experts` experts over every rank of a stage (`pipe` stages; interleaved) in the mode;
+    `split`: cut into a pipeline also at `pipe` 1 (both its stages on every rank)."""
     torch.manual_seed(0)
     ep = torch.distributed.get_world_size() // pipe
     model: torch.nn.Module = MoEGPT(gpt_config("tiny", n_layers=4), MoEConfig(num_experts=experts, ep_size=ep))
-    if pipe > 1:
+    if pipe > 1 or split:
         model = split_model(model, num_stages=pipe, stages_per_rank=2)
     try:
         zerodist.initialize(model=model, config=mode_config(1, 4, zerodist={"pipeline": {"schedule": "interleaved"}}))
@@ -96,15 +101,23 @@ def test_expert_layouts_the_mode_refuses_are_refused_on_every_rank_before_any_co
         assert "experts with the 'interleaved' pipeline schedule" in message, message
 
 
-def _pipelined_moe(stage: int, schedule: str, steps: int = STEPS) -> dict:
-    """The MoE GPT cut by split_model into pipe 2, each stage's experts over expert 2 (4 ranks),
-    accumulation 4, fed by the mode's contiguous rule (a pipeline reduces once per step)."""
+@pytest.mark.slow
+def test_one_rank_interleaved_pipeline_with_experts_is_refused_by_name():
+    """Pipe degree 1, both stages on every rank (expert 2): a pipeline all the same."""
+    for message in run_distributed(_refused_everywhere, 2, 2, 1, True, timeout=120):
+        assert "experts with the 'interleaved' pipeline schedule" in message, message
+
+
+def _pipelined_moe(stage: int, schedule: str, steps: int = STEPS, num_stages: int = 2) -> dict:
+    """The MoE GPT cut by split_model into pipe `num_stages` (2: 4 ranks; 1: the whole model one stage on each
+    of 2 ranks), each stage's experts over expert 2, accumulation 4, fed by the mode's contiguous rule (a
+    pipeline reduces once per step, also at pipe degree 1)."""
     from tests.zero.layout_invariant_helpers import MICROS, global_tokens, logical_optimizer_state, make_model
     from zerodist.zero.canonical import micro_batch_index
 
     model, vocab, seq = make_model("moe-ep2")
     config = mode_config(stage, MICROS // 2, zerodist={"pipeline": {"schedule": schedule}})
-    engine = zerodist.initialize(model=split_model(model, num_stages=2), config=config)[0]
+    engine = zerodist.initialize(model=split_model(model, num_stages=num_stages), config=config)[0]
     shards, rank = engine.topology.num_batch_shards, engine.topology.batch_rank
     losses = []
     for step in range(steps):
@@ -122,7 +135,19 @@ def _pipelined_moe(stage: int, schedule: str, steps: int = STEPS) -> dict:
 @pytest.mark.parametrize("stage,schedule", [(1, "1f1b"), (1, "zb"), (1, "gpipe"), (3, "1f1b")])
 def test_pipe_2_by_expert_2_is_bitwise_one_process(stage, schedule):
     expected = reference()
-    results = run_distributed(_pipelined_moe, 4, stage, schedule, timeout=300)
+    _assert_pipelined_bitwise(run_distributed(_pipelined_moe, 4, stage, schedule, timeout=300), expected)
+
+
+@pytest.mark.slow
+def test_one_rank_pipeline_by_expert_2_is_bitwise_one_process():
+    """split_model(num_stages=1) on 2 ranks (pipe degree 1, expert 2) at ZeRO 2: the experts deal the
+    micro-batches contiguously like the sampler and the pipeline's one reduction, not interleaved as
+    ZeRO 2 without a pipeline does."""
+    expected = reference()
+    _assert_pipelined_bitwise(run_distributed(_pipelined_moe, 2, 2, "1f1b", STEPS, 1, timeout=300), expected)
+
+
+def _assert_pipelined_bitwise(results: list[dict], expected: dict) -> None:
     for result in results:
         differing = [k for k, v in result["params"].items() if not torch.equal(v, expected["params"][k])]
         assert not differing, differing[:5]

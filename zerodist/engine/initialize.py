@@ -36,6 +36,7 @@ from zerodist.moe.layer import routing_lines
 from zerodist.moe.parallel import LayoutInvariantDealing, apply_expert_parallel_part, restore_routing_clock
 from zerodist.offload import OffloadSettings, SwappedOptimizer, close_offload, offloaded_build
 from zerodist.pipe.apply import PipelineSettings, PipelineState, apply_pipeline, pipe_degree_of, pipeline_fingerprint
+from zerodist.pipe.module import PipelineModule
 from zerodist.pipe.split import SplitPipelineModule
 from zerodist.sequence.apply import SequenceSettings, apply_sequence_parallel
 from zerodist.sequence.data import SequenceShardLoader
@@ -60,12 +61,15 @@ logger = get_logger(__name__)
 _INITIALIZED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
-def _expert_dealing(validated: Validated, topology: comm.Topology, accumulation: int) -> LayoutInvariantDealing | None:
-    """The layout-invariant mode's micro-batch order for the MoE layers (routing keys, expert gradients)."""
+def _expert_dealing(validated: Validated, topology: comm.Topology, accumulation: int,
+                    pipeline: bool) -> LayoutInvariantDealing | None:
+    """The layout-invariant mode's micro-batch order for the MoE layers (routing keys, expert gradients).
+    `pipeline`: a PipelineModule is trained (its stages on one rank or several), the sampler's rule."""
     if not validated.zero.layout_invariant:
         return None
-    # a pipeline reduces once per step and deals contiguously at every stage (engine/pipeline_invariant.py)
-    shard = validated.zero.sharding.shard_gradients and topology.size("pipe") == 1
+    # a pipeline reduces once per step and deals contiguously at every stage (engine/pipeline_invariant.py),
+    # also at pipe degree 1 (all its stages on one rank): the test is the pipeline, not the degree
+    shard = validated.zero.sharding.shard_gradients and not pipeline
     degree = topology.num_batch_shards
     return LayoutInvariantDealing(lambda rank, micro: micro_batch_index(rank, micro, degree, accumulation, shard),
                                   interleaved=shard, tree_sum=tree_sum)
@@ -135,6 +139,7 @@ def _initialize(model: torch.nn.Module | None, model_parameters: Iterable[Any] |
     if validated.zero.layout_invariant:  # refused alike on every rank, before any technique's collective
         check_layout(data_degree=topology.size("data"), accumulation=batch.gradient_accumulation_steps,
                      stage=validated.config.zero_optimization.stage, pipe=topology.size("pipe"),
+                     pipeline=isinstance(model, PipelineModule),
                      sequence=topology.size("sequence"), expert=topology.size("expert"),
                      fp16=validated.zero.precision.loss_scaling,
                      tensor_sequence_parallel=validated.config.zerodist.tensor_parallel.sequence_parallel,
@@ -182,7 +187,8 @@ def _apply_techniques(part: Part, parts: PartStates, model_parameters: Iterable[
         if sequence.shards_batches and pipeline is None else None)
     # MoE layers get their expert group and routing keys; random routing is keyed by micro-batch
     experts = apply_expert_parallel_part(module, topology, batch.gradient_accumulation_steps,
-                                         _expert_dealing(validated, topology, batch.gradient_accumulation_steps))
+                                         _expert_dealing(validated, topology, batch.gradient_accumulation_steps,
+                                                         pipeline=pipeline is not None))
     parts.add("expert", experts, PartRoles(resume=lambda micro_steps: restore_routing_clock(module, micro_steps),
                                            step_lines=lambda: routing_lines(module)))
     zero = _apply_zero(part, model_parameters, optimizer, topology, validated)

@@ -17,10 +17,12 @@ parameter their sum in the tree's order:
   parameter gets zeros, exactly neutral in the buffer's accumulation) and the step's last backward
   hands it the counter over all A x ep of them in micro-batch order, the aligned block of the
   expert group's micro-batches. Extra memory: A x ep x the rank's expert parameters, until then.
-With a pipeline the dealing is contiguous at every ZeRO stage (one reduction per step), so the window
-is the step, and the pipeline's per-micro-batch tree (engine/pipeline_invariant.py) adds the zeros
-and the one sum exactly; a leaf's place in the window is its stage's backward count (micro-batch
-order under 1F1B, GPipe, ZB-H1; canonical.check_layout refuses the other schedules with experts).
+With a pipeline (any PipelineModule, all its stages on one rank included: engine/initialize.py
+`_expert_dealing` decides as the sampler does) the dealing is contiguous at every ZeRO stage (one
+reduction per step), so the window is the step, and the pipeline's per-micro-batch tree
+(engine/pipeline_invariant.py) adds the zeros and the one sum exactly; a leaf's place in the window
+is its stage's backward count (micro-batch order under 1F1B, GPipe, ZB-H1; canonical.check_layout
+refuses the other schedules with experts).
 The order comes from the engine as `index(source, micro_step) -> k` (moe sits beside zero and
 does not import it); the engine also gives the counter (`tree_sum`).
 """

@@ -251,10 +251,11 @@ EXPERT_PIPE_SCHEDULES = ("1f1b", "gpipe", "zb")  # tested with experts in the mo
 
 def check_layout(*, data_degree: int, accumulation: int, stage: int, pipe: int, sequence: int, expert: int,
                  fp16: bool, tensor_sequence_parallel: bool = False, reduction_keys: tuple[str, ...] = (),
-                 schedule: str = "1f1b") -> None:
+                 schedule: str = "1f1b", pipeline: bool = False) -> None:
     """Refuse, by name, what the mode cannot make bitwise (config arithmetic: every rank raises alike,
     before any collective of the techniques). Tensor parallelism is allowed: bitwise across data
-    layouts and stages at a fixed tensor degree, not to one process (docs/determinism.md)."""
+    layouts and stages at a fixed tensor degree, not to one process (docs/determinism.md). `pipeline`:
+    a PipelineModule is trained, also at `pipe` 1 (all its stages on one rank)."""
     problems = []
     if sequence > 1:
         problems.append(f"sequence parallelism (degree {sequence}) is not supported by the mode yet")
@@ -262,7 +263,7 @@ def check_layout(*, data_degree: int, accumulation: int, stage: int, pipe: int, 
     # the mode] in zerodist/moe/ordered.py): any power-of-two degree, at every ZeRO stage
     if not is_power_of_two(expert):
         problems.append(f"the expert-parallel degree {expert} is not a power of two")
-    if expert > 1 and pipe > 1 and schedule not in EXPERT_PIPE_SCHEDULES:
+    if expert > 1 and (pipe > 1 or pipeline) and schedule not in EXPERT_PIPE_SCHEDULES:
         problems.append(f"experts with the {schedule!r} pipeline schedule (an expert's per-source gradients are "
                         f"ordered by its stage's backward count, checked for {', '.join(EXPERT_PIPE_SCHEDULES)} "
                         "only); use one of those")
