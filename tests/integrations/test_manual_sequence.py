@@ -128,3 +128,22 @@ def test_manual_run_sums_over_sequence_and_matches_one_process():
     state = engine.module_state_dict()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6)
+
+
+@distributed_test(world_size=2)
+def test_manual_mode_leaves_a_pipelines_micro_batches_whole():
+    """DeepSpeed's PipelineEngine never sees the mesh: under mesh_param a pipeline's micro-batch is
+    the script's own slice, not sliced again (it was cut from (2, 16) to (2, 8))."""
+    from zerodist.models import GPT, gpt_config
+    from zerodist.pipe import split_model
+
+    torch.manual_seed(0)
+    model = split_model(GPT(gpt_config("tiny")), num_stages=1)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, **SGD}
+    engine = zerodist.initialize(model=model, config=config, mesh_param=(1, 2))[0]
+    sequence = engine.part_states["sequence"]
+    assert sequence.settings.method == "manual"
+    x = torch.randint(0, 10, (2, 16))
+    inputs, labels = sequence.local_micro_batch(x, x)
+    assert inputs is x and labels is x
+    engine.destroy()
