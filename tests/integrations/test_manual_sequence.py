@@ -147,3 +147,16 @@ def test_manual_mode_leaves_a_pipelines_micro_batches_whole():
     inputs, labels = sequence.local_micro_batch(x, x)
     assert inputs is x and labels is x
     engine.destroy()
+
+
+@distributed_test(world_size=2)
+def test_all_to_all_refuses_a_many_dimension_tensor_on_every_rank_and_counts_its_gradients():
+    """One rank's 9-D tensor is refused on both ranks after the shape gather (refused before it,
+    the other rank hung in the gather); the 4-argument form called with a fifth None has a backward."""
+    group, rank = comm.get_world_group(), comm.get_rank()
+    tensor = torch.zeros(*([1] * 9)) if rank == 0 else torch.zeros(2, 4, 2, 3)
+    with pytest.raises(SequenceParallelError, match=r"\[9, 4\] dimensions"):
+        _SeqAllToAll.apply(group, tensor, 2, 1, 0)
+    x = torch.randn(1, 4, 4, 2, requires_grad=True)
+    _SeqAllToAll.apply(group, x, 2, 1, None).sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))

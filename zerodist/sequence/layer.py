@@ -64,8 +64,10 @@ class _SeqAllToAll(torch.autograd.Function):
             scatter_dim, gather_dim, scatter_sizes, gather_sizes = ctx.plan
             grad = head_exchange.exchange(grads[0].contiguous(), ctx.group, gather_dim, scatter_dim, gather_sizes,
                                           scatter_sizes)
-            return (None, grad, *([None] * 8))
-        return None, seq_all_to_all(grads[0], ctx.group, ctx.gather_idx, ctx.scatter_idx), None, None
+        else:
+            grad = seq_all_to_all(grads[0], ctx.group, ctx.gather_idx, ctx.scatter_idx)
+        # one gradient per forward argument, however many the call passed (autograd drops the extra Nones)
+        return (None, grad, *([None] * 8))
 
 
 def seq_all_to_all(input: torch.Tensor, group: Group, scatter_idx: int, gather_idx: int) -> torch.Tensor:
