@@ -160,3 +160,18 @@ def test_all_to_all_refuses_a_many_dimension_tensor_on_every_rank_and_counts_its
     x = torch.randn(1, 4, 4, 2, requires_grad=True)
     _SeqAllToAll.apply(group, x, 2, 1, None).sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))
+
+
+@distributed_test(world_size=2)
+def test_a_later_plain_engine_leaves_deepspeeds_groups_alone():
+    """DeepSpeed sets its process-wide groups only for an engine with a mesh or mpu: a plain engine
+    built after a sequence-parallel one (TRL's reference model) leaves them answering the sequence
+    group; the sequence engine's destroy() hands them back to the world."""
+    engine = zerodist.initialize(model=_mlp(), config={"train_batch_size": 2, **SGD}, mesh_param=(1, 2))[0]
+    plain = zerodist.initialize(model=_mlp(), config={"train_batch_size": 2})[0]
+    assert groups._get_sequence_parallel_world_size() == 2 and groups._get_data_parallel_world_size() == 1
+    assert comm.get_world_size(groups._get_sequence_parallel_group()) == 2
+    plain.destroy()
+    assert groups._get_sequence_parallel_world_size() == 2
+    engine.destroy()
+    assert groups._get_sequence_parallel_world_size() == 1 and groups._get_data_parallel_world_size() == 2
