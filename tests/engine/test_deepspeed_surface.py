@@ -321,3 +321,32 @@ def test_distributed_port_and_dist_init_required_keep_deepspeeds_meanings():
     assert "REFUSED initialize(dist_init_required=False) but no process group exists" in out.stdout
     assert "PORT 29611" in out.stdout
     assert [line for line in out.stdout.splitlines() if line.startswith("BAD")] == ["BAD 0", "BAD 70000", "BAD True"]
+
+
+def _load_without_optimizer(directory: str, stage: int) -> tuple[bool, list[str]]:
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, "steps_per_print": 1000}
+    torch.manual_seed(0)
+    trained, *_ = deepspeed.initialize(model=make_mlp(), config={**config, **{"optimizer": {
+        "type": "AdamW", "params": {"lr": 1e-2}}}})
+    trained.backward(trained(torch.randn(2, trained.module[0].in_features)).sum())
+    trained.step()
+    trained.save_checkpoint(directory)
+    saved = trained.module_state_dict()
+    trained.destroy()
+    torch.manual_seed(1)
+    fresh, *_ = deepspeed.initialize(model=make_mlp(), config=config)
+    with zerodist_log() as log:  # HF's deepspeed_load_checkpoint asks for the optimizer's state
+        path, _ = fresh.load_checkpoint(directory, load_optimizer_states=True, load_lr_scheduler_states=True)
+    state = fresh.module_state_dict()
+    fresh.destroy()
+    return path is not None and all(torch.equal(state[k], v) for k, v in saved.items()), log
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_engine_without_an_optimizer_loads_a_checkpoint_without_its_optimizer_state(tmp_path, stage):
+    """DeepSpeed skips the optimizer state when its engine has none (it refused with 'AdamW's state;
+    this engine steps with NoOptimizer')."""
+    from tests.harness import run_distributed
+
+    loaded, log = run_distributed(_load_without_optimizer, 1, str(tmp_path), stage, timeout=120)[0]
+    assert loaded and any("no optimizer" in line and "AdamW" in line for line in log)

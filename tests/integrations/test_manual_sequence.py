@@ -128,3 +128,50 @@ def test_manual_run_sums_over_sequence_and_matches_one_process():
     state = engine.module_state_dict()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6)
+
+
+@distributed_test(world_size=2)
+def test_manual_mode_leaves_a_pipelines_micro_batches_whole():
+    """DeepSpeed's PipelineEngine never sees the mesh: under mesh_param a pipeline's micro-batch is
+    the script's own slice, not sliced again (it was cut from (2, 16) to (2, 8))."""
+    from zerodist.models import GPT, gpt_config
+    from zerodist.pipe import split_model
+
+    torch.manual_seed(0)
+    model = split_model(GPT(gpt_config("tiny")), num_stages=1)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, **SGD}
+    engine = zerodist.initialize(model=model, config=config, mesh_param=(1, 2))[0]
+    sequence = engine.part_states["sequence"]
+    assert sequence.settings.method == "manual"
+    x = torch.randint(0, 10, (2, 16))
+    inputs, labels = sequence.local_micro_batch(x, x)
+    assert inputs is x and labels is x
+    engine.destroy()
+
+
+@distributed_test(world_size=2)
+def test_all_to_all_refuses_a_many_dimension_tensor_on_every_rank_and_counts_its_gradients():
+    """One rank's 9-D tensor is refused on both ranks after the shape gather (refused before it,
+    the other rank hung in the gather); the 4-argument form called with a fifth None has a backward."""
+    group, rank = comm.get_world_group(), comm.get_rank()
+    tensor = torch.zeros(*([1] * 9)) if rank == 0 else torch.zeros(2, 4, 2, 3)
+    with pytest.raises(SequenceParallelError, match=r"\[9, 4\] dimensions"):
+        _SeqAllToAll.apply(group, tensor, 2, 1, 0)
+    x = torch.randn(1, 4, 4, 2, requires_grad=True)
+    _SeqAllToAll.apply(group, x, 2, 1, None).sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+@distributed_test(world_size=2)
+def test_a_later_plain_engine_leaves_deepspeeds_groups_alone():
+    """DeepSpeed sets its process-wide groups only for an engine with a mesh or mpu: a plain engine
+    built after a sequence-parallel one (TRL's reference model) leaves them answering the sequence
+    group; the sequence engine's destroy() hands them back to the world."""
+    engine = zerodist.initialize(model=_mlp(), config={"train_batch_size": 2, **SGD}, mesh_param=(1, 2))[0]
+    plain = zerodist.initialize(model=_mlp(), config={"train_batch_size": 2})[0]
+    assert groups._get_sequence_parallel_world_size() == 2 and groups._get_data_parallel_world_size() == 1
+    assert comm.get_world_size(groups._get_sequence_parallel_group()) == 2
+    plain.destroy()
+    assert groups._get_sequence_parallel_world_size() == 2
+    engine.destroy()
+    assert groups._get_sequence_parallel_world_size() == 1 and groups._get_data_parallel_world_size() == 2

@@ -111,3 +111,31 @@ def test_layout_and_rules():
     # the MHA formula of the literature: 4 e B N h (P-1)/P^2
     assert ulysses_bytes(batch=1, seq=64, heads=4, kv_heads=4, head_dim=8, degree=4, element_size=2) == \
         4 * 2 * 64 * 32 * 3 // 16
+
+
+def _seq_first(attention):
+    return lambda q, k, v: attention(*(t.transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 3)])
+@distributed_test(world_size=2, timeout=60)
+def test_batch_dim_idx_gives_deepspeeds_layout(heads, kv_heads):
+    """DistributedAttention(attn, group) with DeepSpeed's defaults (scatter 2, gather 0) called with
+    batch_dim_idx: the layout comes from it, batch-first (0) and sequence-first (1), heads the degree
+    does not divide included; output and gradients equal one process's (batch-first with
+    batch_dim_idx=0 came out wrong: gather_idx 0 was taken as the sequence)."""
+    rank, degree = comm.get_rank(), comm.get_world_size()
+    q, k, v, weights = _full(heads, kv_heads, torch.float32)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    reference = local_causal(*full)
+    (reference * weights).sum().backward()
+    rows = slice(rank * SEQ // degree, (rank + 1) * SEQ // degree)
+    for batch_dim in (0, 1):
+        layout = (lambda t: t) if batch_dim == 0 else (lambda t: t.transpose(0, 1))  # noqa: E731
+        local = local_causal if batch_dim == 0 else _seq_first(local_causal)
+        mine = [layout(t[:, rows]).contiguous().requires_grad_() for t in (q, k, v)]
+        out = DistributedAttention(local, comm.get_world_group())(*mine, batch_dim)
+        (out * layout(weights[:, rows])).sum().backward()
+        torch.testing.assert_close(layout(out), reference[:, rows], atol=1e-6, rtol=0)
+        for piece, whole in zip(mine, full):
+            torch.testing.assert_close(layout(piece.grad), whole.grad[:, rows], atol=1e-6, rtol=0)

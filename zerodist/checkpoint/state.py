@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from zerodist.checkpoint.errors import CheckpointError
+from zerodist.utils import get_logger, log_rank0
 
 
 def capture_rng() -> dict[str, Any]:
@@ -43,6 +44,8 @@ def restore_rng(state: dict[str, Any]) -> None:
             return
         numpy.random.set_state(state["numpy"])
 
+logger = get_logger(__name__)
+
 
 def _first_names(groups: list[Any], inner: torch.optim.Optimizer) -> list[str]:
     """The name of the first parameter of each inner param group."""
@@ -61,7 +64,12 @@ def group_mapping(groups: list[Any], inner: torch.optim.Optimizer, saved: dict[s
 def restore_optimizer(groups: list[Any], inner: torch.optim.Optimizer, saved: dict[str, Any],
                       elementwise: dict[int, dict[str, torch.Tensor]]) -> None:
     """Load options and state through the optimizer's own `load_state_dict` (which casts and
-    places state as the optimizer expects) ([Note: param groups by name])."""
+    places state as the optimizer expects) ([Note: param groups by name]). An engine built without
+    an optimizer (its stand-in says `holds_state = False`) loads none, as DeepSpeed skips the
+    optimizer state when its engine has no optimizer, whatever `load_optimizer_states` says."""
+    if not getattr(inner, "holds_state", True):
+        log_rank0(logger, "this engine has no optimizer: the checkpoint's %s state is not loaded", saved["class"])
+        return
     if saved["class"] != type(inner).__name__:
         raise CheckpointError(f"the checkpoint's optimizer state is {saved['class']}'s; this engine steps with "
                               f"{type(inner).__name__} (use load_optimizer_states=False to start it afresh)")

@@ -29,8 +29,20 @@ _LATEST: weakref.ref[Any] | None = None
 
 
 def latest_engine() -> Any:
-    """The engine `initialize()` built last in this process and still alive, or None."""
+    """The engine `initialize()` built last in this process with process groups of its own (see
+    `_sets_process_groups`) and still alive and not destroyed, or None."""
     return _LATEST() if _LATEST is not None else None
+
+
+def _sets_process_groups(engine: Any) -> bool:
+    """Whether `engine` is the one `deepspeed.utils.groups` answers from: DeepSpeed's engine sets its
+    process-wide groups (`groups.mesh_device`, `groups.mpu`) only when it has a mesh or an mpu, so a
+    later plain engine (TRL's reference model) leaves them alone. Here: a mesh or mpu request
+    (sequence method 'manual'), or sequence, tensor or pipeline parallelism (DeepSpeed's pipeline
+    engine has its module's mpu)."""
+    topology = engine.topology
+    return engine.config.zerodist.sequence_parallel.method == "manual" or any(
+        topology.size(*axes) > 1 for axes in (topology.sequence_axes, topology.tensor_axes, topology.pipe_axes))
 
 
 class DeepSpeedEngineAPI:
@@ -53,8 +65,15 @@ class DeepSpeedEngineAPI:
         # DeepSpeed's engine reports this rank's step as applied only after an optimizer step
         # that was not skipped; False before the first one and after every non-boundary step().
         self._step_applied = False
+        if _sets_process_groups(self):
+            global _LATEST
+            _LATEST = weakref.ref(self)
+
+    def _forget_process_groups(self) -> None:
+        """At `destroy()`: `deepspeed.utils.groups` stops answering from this engine."""
         global _LATEST
-        _LATEST = weakref.ref(self)
+        if latest_engine() is self:
+            _LATEST = None
 
     # ------------------------------------------------------------------ batch sizes
     def train_batch_size(self) -> int:

@@ -419,6 +419,7 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
         for group in self.groups:
             group.release_pooled_buffers()  # stage 3's idle gathered/staging buffers ([Note: buffer pool])
         self.part_states.close()  # offload's swap files are scratch: removed here
+        self._forget_process_groups()  # deepspeed.utils.groups stops answering from this engine
         if self._trace is not None:
             self._trace.__exit__(None, None, None)
             self._trace = None

@@ -131,7 +131,10 @@ def resolve_optimizer(
 class NoOptimizer(torch.optim.Optimizer):
     """What `initialize()` without an optimizer (none passed, no config section) builds, as DeepSpeed
     builds an engine without one: forward and backward run (a script that only wants the engine's
-    groups, or evaluates); `step()` refuses on every rank, naming the fix."""
+    groups, or evaluates); `step()` refuses on every rank, naming the fix. It holds no state, so
+    loading a checkpoint skips the optimizer's (`holds_state`, read by zerodist/checkpoint/state.py)."""
+
+    holds_state = False
 
     def __init__(self, groups: list[dict[str, Any]]) -> None:
         super().__init__(groups, {"lr": 0.0})

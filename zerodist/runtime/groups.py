@@ -1,8 +1,10 @@
 """``deepspeed.utils.groups`` under ``import deepspeed`` served by zerodist: the data-parallel,
 sequence-parallel and model-parallel queries accelerate and DeepSpeed scripts make, answered from the
-topology of the engine ``initialize()`` built last (DeepSpeed's groups are process-wide and set by
-its engine too); before any engine, from zerodist's world (data parallel over every rank, no sequence
-or model parallelism)."""
+topology of the last engine ``initialize()`` built with a mesh or mpu request or sequence, tensor or
+pipeline parallelism, until its ``destroy()`` (DeepSpeed's groups are process-wide and set by its
+engine only when it has a mesh or an mpu, so a later plain engine, such as TRL's reference model,
+leaves them alone); before any such engine, from zerodist's world (data parallel over every rank, no
+sequence or model parallelism)."""
 
 from __future__ import annotations
 

@@ -117,8 +117,10 @@ class SequenceParallelState:
     def local_micro_batch(self, inputs: Any, labels: Any) -> tuple[Any, Any]:
         """A pipeline's micro-batch of whole sequences (token ids and labels, (batch, seq)): this
         rank's slice of both, their shapes agreed over the sequence group first (every rank of a
-        sequence group is on the same stage, so all of them call this). [Note: sequence x pipe]"""
-        if self.settings.degree == 1:
+        sequence group is on the same stage, so all of them call this). [Note: sequence x pipe]
+        In DeepSpeed's manual mode the script already hands each rank its slice (DeepSpeed's
+        PipelineEngine never sees the mesh): the micro-batch goes through as it is."""
+        if not self.shards_batches:
             return inputs, labels
         assert self.group is not None
         tensors = [t for t in (inputs, labels) if isinstance(t, torch.Tensor)]

@@ -27,6 +27,7 @@ from zerodist.comm import Group
 from zerodist.sequence.errors import SequenceParallelError
 
 HEADS_DIM = 2
+MAX_DIMS = 8  # the dimensions the shape gather carries
 
 
 def shard_sizes(heads: int, degree: int, num_kv_heads: int | None = None) -> list[int]:
@@ -42,12 +43,19 @@ def shard_sizes(heads: int, degree: int, num_kv_heads: int | None = None) -> lis
 
 
 def _everyone_shapes(input: torch.Tensor, group: Group) -> list[list[int]]:
+    """Every rank's shape (its first `MAX_DIMS` sizes); a rank with more dimensions makes every rank
+    refuse, after the gather (refusing before it would leave the other ranks waiting in it)."""
     degree = comm.get_world_size(group)
-    mine = torch.tensor([input.dim(), *input.shape, *([0] * (8 - input.dim()))], dtype=torch.int64,
+    sizes = list(input.shape[:MAX_DIMS])
+    mine = torch.tensor([input.dim(), *sizes, *([0] * (MAX_DIMS - len(sizes)))], dtype=torch.int64,
                         device=input.device)
     everyone = torch.empty(degree * mine.numel(), dtype=torch.int64, device=input.device)
     comm.all_gather(everyone, mine, group=group)
     rows = everyone.view(degree, -1).tolist()
+    if any(row[0] > MAX_DIMS for row in rows):
+        raise SequenceParallelError(f"_SeqAllToAll: the ranks brought tensors of {[row[0] for row in rows]} dimensions; "
+                                    "DeepSpeed's exchange takes [batch, seq, heads, head_dim] or "
+                                    "[seq, batch, heads, head_dim]")
     return [row[1:1 + row[0]] for row in rows]
 
 
@@ -55,9 +63,6 @@ def plan(input: torch.Tensor, group: Group, scatter_idx: int, batch_dim_idx: int
          num_kv_heads: int | None) -> tuple[int, int, list[int], list[int]]:
     """(scatter dim, gather dim, scatter sizes, gather sizes) of DeepSpeed's exchange, after checking
     every rank's shape (a collective over `group`: every rank of it calls this)."""
-    if input.dim() > 8:
-        raise SequenceParallelError(f"_SeqAllToAll: a {input.dim()}-D tensor; DeepSpeed's exchange takes "
-                                    "[batch, seq, heads, head_dim] or [seq, batch, heads, head_dim]")
     shapes = _everyone_shapes(input, group)  # first: every rank then refuses alike
     degree, rank = len(shapes), comm.get_rank(group)
     if batch_dim_idx not in (0, 1) or any(len(shape) != 4 for shape in shapes):

@@ -65,8 +65,10 @@ class _SeqAllToAll(torch.autograd.Function):
             scatter_dim, gather_dim, scatter_sizes, gather_sizes = ctx.plan
             grad = head_exchange.exchange(grads[0].contiguous(), ctx.group, gather_dim, scatter_dim, gather_sizes,
                                           scatter_sizes)
-            return (None, grad, *([None] * 8))
-        return None, seq_all_to_all(grads[0], ctx.group, ctx.gather_idx, ctx.scatter_idx), None, None
+        else:
+            grad = seq_all_to_all(grads[0], ctx.group, ctx.gather_idx, ctx.scatter_idx)
+        # one gradient per forward argument, however many the call passed (autograd drops the extra Nones)
+        return (None, grad, *([None] * 8))
 
 
 def seq_all_to_all(input: torch.Tensor, group: Group, scatter_idx: int, gather_idx: int) -> torch.Tensor:
@@ -140,6 +142,25 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return all_to_all(context, group, gather_idx, scatter_idx)
 
 
+def deepspeed_ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Group,
+                                scatter_idx: int, gather_idx: int, batch_dim_idx: int, local_attention: Any,
+                                *args: Any, **kwargs: Any) -> torch.Tensor:
+    """DeepSpeed's `DistributedAttention.forward` with `batch_dim_idx`: the layout is [batch, seq,
+    heads, head_dim] (0) or [seq, batch, heads, head_dim] (1) whatever the two indices say, q, k and
+    v go through the 5-argument exchange with the key's head count as the key/value group count
+    (heads the degree does not divide are dealt by DeepSpeed's rule), and so does the way back
+    ([Note: DeepSpeed's head exchange]). Fewer key/value heads than ranks are replicated up to the
+    degree first ([Note: replicated kv heads])."""
+    degree = comm.get_world_size(group)
+    key = replicate_kv_heads(key, head_exchange.HEADS_DIM, degree)
+    value = replicate_kv_heads(value, head_exchange.HEADS_DIM, degree)
+    kv_heads = key.shape[head_exchange.HEADS_DIM]
+    q, k, v = (_SeqAllToAll.apply(group, t, scatter_idx, gather_idx, batch_dim_idx, None, None, None, True, kv_heads)
+               for t in (query, key, value))
+    context = local_attention(q, k, v, *args, **kwargs)
+    return _SeqAllToAll.apply(group, context, gather_idx, scatter_idx, batch_dim_idx, None, None, None, True, kv_heads)
+
+
 class DistributedAttention(torch.nn.Module):
     """DeepSpeed-Ulysses attention around `local_attention(q, k, v, *args, **kwargs)`."""
 
@@ -167,27 +188,37 @@ class DistributedAttention(torch.nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch_dim_idx: int | None = None,
                 *args: Any, **kwargs: Any) -> torch.Tensor:
         """q, k, v hold this rank's slice of the sequence for every head; the result too.
-        `batch_dim_idx` is DeepSpeed's argument, accepted for its signature (the exchange here does
-        not need it); further arguments go to the local attention."""
-        if batch_dim_idx is not None and not isinstance(batch_dim_idx, int):
-            raise TypeError(f"DistributedAttention.forward(q, k, v, batch_dim_idx, ...): batch_dim_idx is an int or "
-                            f"None, got {type(batch_dim_idx).__name__}; pass the local attention's own arguments "
-                            "after it or by keyword")
+        `batch_dim_idx` is DeepSpeed's argument: given (0 or 1), the layout comes from it as in
+        DeepSpeed ([batch, seq, heads, head_dim] or [seq, batch, heads, head_dim]); without it,
+        `gather_idx` is the sequence dimension and `scatter_idx` the heads'. Further arguments go to
+        the local attention."""
+        if batch_dim_idx is not None and (not isinstance(batch_dim_idx, int) or batch_dim_idx not in (0, 1)):
+            raise TypeError(f"DistributedAttention.forward(q, k, v, batch_dim_idx, ...): batch_dim_idx is 0 "
+                            f"([batch, seq, heads, head_dim]), 1 ([seq, batch, heads, head_dim]) or None, got "
+                            f"{batch_dim_idx!r}; pass the local attention's own arguments after it or by keyword")
         settings = self._settings()
         if settings is None:
             return self.local_attn(query, key, value, *args, **kwargs)
+        # (sequence dim, heads dim)
+        dims = ((1 - batch_dim_idx, head_exchange.HEADS_DIM) if batch_dim_idx is not None
+                else (self.gather_idx % query.dim(), self.scatter_idx % query.dim()))
         if not settings.shapes_agreed:  # [Note: sequence shape agreement] in zerodist/sequence/agreement.py
-            agree_attention_shapes(query, key, value, settings.group, "DistributedAttention",
-                                   (self.scatter_idx % query.dim(), self.gather_idx % query.dim()))
+            agree_attention_shapes(query, key, value, settings.group, "DistributedAttention", dims[::-1])
+        if batch_dim_idx is not None and query.dim() != 4:  # the shapes are every rank's: refused alike
+            raise SequenceParallelError(f"DistributedAttention(q, k, v, batch_dim_idx={batch_dim_idx}): q is "
+                                        f"{tuple(query.shape)}; DeepSpeed's layout is 4-D [batch, seq, heads, "
+                                        "head_dim] (batch_dim_idx=0) or [seq, batch, heads, head_dim] (1)")
         if settings.method == "ring":
-            return self._ring(query, key, value, settings)
+            return self._ring(query, key, value, settings, dims)
+        if batch_dim_idx is not None:
+            return deepspeed_ulysses_attention(query, key, value, settings.group, self.scatter_idx, self.gather_idx,
+                                               batch_dim_idx, self.local_attn, *args, **kwargs)
         return ulysses_attention(query, key, value, settings.group, self.scatter_idx, self.gather_idx,
                                  self.local_attn, *args, **kwargs)
 
-    def _ring(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              settings: EngineSequence) -> torch.Tensor:
-        # the ring works on [..., seq, heads, head_dim]: move this layout's dimensions there and back
-        dims = (self.gather_idx % query.dim(), self.scatter_idx % query.dim())
+    def _ring(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, settings: EngineSequence,
+              dims: tuple[int, int]) -> torch.Tensor:
+        # the ring works on [..., seq, heads, head_dim]: move this layout's (seq, heads) there and back
         q, k, v = (t.movedim(dims, (-3, -2)) for t in (query, key, value))
         out = ring_attention(q, k, v, settings.group, settings.layout, causal=settings.causal)
         return out.movedim((-3, -2), dims)
