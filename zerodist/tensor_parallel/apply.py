@@ -62,6 +62,32 @@ def _is_demo_moe_gpt(model: nn.Module) -> bool:
     return f"{type(model).__module__}.{type(model).__qualname__}" == "zerodist.models.moe_gpt.MoEGPT"
 
 
+# [Note: Domino inter at ZeRO-3] Under inter-layer overlap a chunk parks at its block's last
+# row-parallel reduction and finishes the block (the reduced sum, then whatever the block computes
+# after it) while the next block runs, after ZeRO-3 released the block's parameters. A block that
+# reads a parameter after that reduction (a post-norm block: BERT's norm(x + fc_out(...)), Gemma's
+# post_feedforward_layernorm; an MoE block, whose experts run after the attention's reduction) would
+# read a released placeholder there, silently (the sharded-access check is per thread, and the chunks
+# run in threads of their own). ZeRO-3 keeps no block gathered until its parked chunks have left it,
+# so inter at stage 3 is allowed only on the blocks known to read nothing after the reduction but its
+# bias, which they copy while gathered: the demo GPT's (its residual branches), Hugging Face Llama's
+# and GPT-2's (pre-norm; the row layer's bias is chunk_bias'd in layers.py / conv1d.py).
+INTER_AT_STAGE3_MODEL_TYPES = ("llama", "gpt2")
+
+
+def _check_inter_at_stage3(model: nn.Module) -> None:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if _is_demo_gpt(model) or (model_type in INTER_AT_STAGE3_MODEL_TYPES and not _is_demo_moe_gpt(model)):
+        return
+    name = type(model).__name__ + (f" (model_type {model_type!r})" if isinstance(model_type, str) else "")
+    raise PlanError(f'Domino\'s "overlap": "inter" at ZeRO stage 3 on {name}: a chunk parked at a block\'s last '
+                    "row-parallel reduction finishes that block while the next block runs, after ZeRO-3 released "
+                    "the block's parameters, and a block that reads a parameter after that reduction (a post-norm "
+                    "block, an MoE block's experts) would read a released placeholder. It is allowed only on the "
+                    "demo GPT, Hugging Face Llama and GPT-2 (pre-norm blocks). Use "
+                    '"overlap": "intra" (zerodist.tensor_parallel.domino), or ZeRO stage 1 or 2')
+
+
 TENSOR_PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelConv1D,
                           RowParallelConv1D)
 
@@ -211,6 +237,8 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
             raise PlanError("zerodist.tensor_parallel.domino / sequence_parallel need a tensor degree above 1 "
                             "(tensor_parallel.autotp_size)")
         return TensorParallelState(model, 1, "")
+    if settings.domino is not None and settings.domino.overlap == "inter" and settings.sharded_parameters:
+        _check_inter_at_stage3(plan_for if plan_for is not None else model)  # on every rank, before any collective
     # Dropout streams: `replicated` equal on the tensor ranks, `sharded` different (attention heads);
     # seeded from this process's torch seed, which every rank sets alike to build the same model.
     rng = tensor_parallel_rng(topology, seed=torch.initial_seed())
