@@ -125,10 +125,14 @@ def _apply_domino(model: nn.Module, topology: Topology, settings: TensorParallel
     pipeline stage module `model` was cut from ([Note: Domino per stage])."""
     assert settings.domino is not None
     demo = _is_demo_gpt(source if source is not None else model)
+    # the MoE GPT's blocks return (hidden, balance loss): the loss joins as the mean of the chunks' own
+    # ([Note: Domino's scalar join] in domino.py); any other model's 0-dim block output is refused
+    scalar_join = "mean" if _is_demo_moe_gpt(source if source is not None else model) else None
     region = TensorRegion.of(topology)
     if source is not None:
         for container, names in stage_blocks(model):
-            _domino_in_place(container, names, gpt_block_branches if demo else None, region, settings.domino)
+            _domino_in_place(container, names, gpt_block_branches if demo else None, region, settings.domino,
+                             scalar_join)
         return
     if demo:
         gpt_domino(model, topology, settings.domino)
@@ -137,7 +141,7 @@ def _apply_domino(model: nn.Module, topology: Topology, settings: TensorParallel
         blocks = find_blocks(model)
     except ValueError as error:
         raise PlanError(str(error)) from None
-    apply_domino(blocks, None, region, settings.domino)
+    apply_domino(blocks, None, region, settings.domino, scalar_join=scalar_join)
 
 
 # [Note: Domino per stage] A pipeline stage module (zerodist.pipe.split_model's) holds the blocks of
@@ -173,9 +177,9 @@ def stage_blocks(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
 
 
 def _domino_in_place(container: nn.Module, names: list[str], branches: Any, region: TensorRegion,
-                     config: DominoConfig) -> None:
+                     config: DominoConfig, scalar_join: str | None = None) -> None:
     chain = nn.ModuleList([container.get_submodule(name) for name in names])
-    apply_domino(chain, branches, region, config)
+    apply_domino(chain, branches, region, config, scalar_join=scalar_join)
     for name, block in zip(names, chain):
         setattr(container, name, block)
 
