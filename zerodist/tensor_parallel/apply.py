@@ -45,9 +45,9 @@ class TensorParallelSettings:
     sharded_parameters: bool = False  # ZeRO stage 3: blocks' parameters are released after their forward
 
 
-# [Note: demo GPT plan] The one import against the layer table (tests/suite/test_architecture.py lists
-# it): `zerodist.models` sits above tensor_parallel (its MoE GPT is built from `zerodist.moe`), yet
-# the engine's tensor-parallel step picks the demo GPT's built-in plan (and Domino's blocks) by the
+# [Note: demo GPT plan] The imports against the layer table (tests/suite/test_architecture.py lists
+# them, the demo GPT's and the demo MoE GPT's): `zerodist.models` sits above tensor_parallel (its MoE
+# GPT is built from `zerodist.moe`), yet the engine's tensor-parallel step picks the demo GPT's built-in plan (and Domino's blocks) by the
 # model's class: its config names no model type (a Hugging Face model's `config.model_type` does,
 # and is recognised without an import). The import runs only inside this check, so importing
 # tensor_parallel never imports the models, and the rule is bent for the project's own demo model.
@@ -58,8 +58,9 @@ def _is_demo_gpt(model: nn.Module) -> bool:
 
 
 def _is_demo_moe_gpt(model: nn.Module) -> bool:
-    # by its class's path, without importing zerodist.models (as zerodist/pipe/split_plans.py does)
-    return f"{type(model).__module__}.{type(model).__qualname__}" == "zerodist.models.moe_gpt.MoEGPT"
+    from zerodist.models.moe_gpt import MoEGPT  # [Note: demo GPT plan]
+
+    return isinstance(model, MoEGPT)  # a subclass too, as _is_demo_gpt
 
 
 # [Note: Domino inter at ZeRO-3] Under inter-layer overlap a chunk parks at its block's last
