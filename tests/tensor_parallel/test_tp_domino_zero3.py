@@ -172,3 +172,40 @@ def test_domino_on_a_post_norm_model_at_zero3_inter_is_refused_intra_exact():
     for stage, overlap in ((3, "intra"), (1, "inter")):
         results = run_distributed(post_norm_body, 2, stage, overlap, timeout=240)
         assert_states_match(results, reference, ("post-norm", stage, overlap))
+
+
+def saved_views_body(domino: dict | None) -> int:
+    """How many tensors ZeRO-3's SavedParameterViews packs as views of a gathered block (one forward
+    and backward of GPT-2, every block released after its forward)."""
+    from zerodist.zero import saved_params
+
+    original = saved_params.SavedParameterViews._pack
+    packed = [0]
+
+    def counting(tensor, buffers, outer):
+        out = original(tensor, buffers, outer)
+        packed[0] += isinstance(out, saved_params._SavedView)
+        return out
+
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
+              "optimizer": {"type": "SGD", "params": {"lr": LR}},
+              "zero_optimization": {"stage": 3, **RELEASE_EVERY_BLOCK}, "tensor_parallel": {"autotp_size": 2}}
+    if domino:
+        config["zerodist"] = {"tensor_parallel": {"domino": domino}}
+    engine, _, _, _ = zerodist.initialize(model=build("gpt2"), config=config)
+    saved_params.SavedParameterViews._pack = staticmethod(counting)
+    try:
+        engine.backward(loss_of(engine, *batch(0, 0)))
+    finally:
+        saved_params.SavedParameterViews._pack = staticmethod(original)
+        engine.destroy()
+    return packed[0]
+
+
+def test_zero3_saved_parameter_views_reach_domino_chunks():
+    """[Note: hooks into chunks] in chunks.py: the saved-tensor hook stack is per thread, so ZeRO-3's
+    hooks entered around a block's call must be re-entered in each chunk's thread; without, a chunk's
+    saved weight views kept every released block's gathered buffer alive until backward."""
+    plain = run_distributed(saved_views_body, 2, None, timeout=240)
+    chunked = run_distributed(saved_views_body, 2, {"chunks": 2, "overlap": "inter"}, timeout=240)
+    assert plain[0] > 0 and chunked == [2 * plain[0]] * 2, (plain, chunked)  # each chunk saves the block's views

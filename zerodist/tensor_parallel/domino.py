@@ -38,7 +38,8 @@ from torch import nn
 
 from zerodist.compat import register_pytree_node
 from zerodist.tensor_parallel import schedule
-from zerodist.tensor_parallel.chunks import ChunkRunner, IssueReduction, PendingReduction, WaitReduction, chunk_turn
+from zerodist.tensor_parallel.chunks import (ChunkRunner, IssueReduction, PendingReduction, WaitReduction, chunk_turn,
+                                             saved_tensor_hooks_now)
 from zerodist.tensor_parallel.conv1d import RowParallelConv1D
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from zerodist.tensor_parallel.operators import TensorRegion, UnevenSplitError
@@ -353,10 +354,11 @@ def _run_in_turns(block: DominoTurns, forward: Callable[..., Any], x: Any, args:
     inter = settings.config.overlap == "inter" and not settings.is_last
     per_chunk_args = _split_argument(args, batch, chunks)
     per_chunk_kwargs = _split_argument(kwargs, batch, chunks)
+    hooks = saved_tensor_hooks_now()  # this block call's (ZeRO-3's unit hooks): [Note: hooks into chunks]
 
     def item(chunk_args: tuple, chunk_kwargs: dict) -> Callable[[Any], Any]:
         def run(value: Any) -> Any:
-            with runner.thread_state():
+            with runner.thread_state(hooks):
                 out = forward(value, *chunk_args, **chunk_kwargs)
             turn = chunk_turn()
             settings.issues = turn.issues if turn is not None else settings.issues
