@@ -149,6 +149,24 @@ def post_norm_body(stage: int, overlap: str):
     return states
 
 
+def post_norm_parallelized_by_the_user_body():
+    """The user's own parallelize + apply_domino (inter) handed to initialize at ZeRO-3: refused too."""
+    import zerodist.comm as comm
+    from zerodist.tensor_parallel import DominoConfig, apply_domino, parallelize
+
+    torch.manual_seed(0)
+    model = parallelize(PostNorm(), {"blocks.*.fc_in": "colwise", "blocks.*.fc_out": "rowwise"}, comm.Topology(tensor=2))
+    apply_domino(model.blocks, None, None, DominoConfig(2, "inter"))
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
+              "optimizer": {"type": "SGD", "params": {"lr": LR}},
+              "zero_optimization": {"stage": 3, **RELEASE_EVERY_BLOCK}, "tensor_parallel": {"autotp_size": 2}}
+    try:
+        zerodist.initialize(model=model, config=config)[0].destroy()
+    except PlanError as error:
+        return str(error)
+    return None
+
+
 def post_norm_reference():
     torch.manual_seed(0)
     model = PostNorm()
@@ -169,6 +187,8 @@ def test_domino_on_a_post_norm_model_at_zero3_inter_is_refused_intra_exact():
     reference, = run_distributed(post_norm_reference, 1)
     refusals = run_distributed(post_norm_body, 2, 3, "inter", timeout=240)
     assert all(isinstance(r, str) and "post-norm" in r and '"intra"' in r for r in refusals), refusals
+    refusals = run_distributed(post_norm_parallelized_by_the_user_body, 2, timeout=240)
+    assert all(isinstance(r, str) and "post-norm" in r for r in refusals), refusals
     for stage, overlap in ((3, "intra"), (1, "inter")):
         results = run_distributed(post_norm_body, 2, stage, overlap, timeout=240)
         assert_states_match(results, reference, ("post-norm", stage, overlap))

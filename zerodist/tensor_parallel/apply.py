@@ -20,7 +20,7 @@ from torch import nn
 from zerodist.comm.topology import Topology
 from zerodist.compat import pytree_registration_available
 from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelConv1D
-from zerodist.tensor_parallel.domino import DominoConfig, apply_domino, find_blocks
+from zerodist.tensor_parallel.domino import DominoBlock, DominoConfig, DominoTurns, apply_domino, find_blocks
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zerodist.tensor_parallel.layers import slice_tensor, unslice_tensor
 from zerodist.tensor_parallel.operators import TensorRegion
@@ -87,6 +87,17 @@ def _check_inter_at_stage3(model: nn.Module) -> None:
                     "block, an MoE block's experts) would read a released placeholder. It is allowed only on the "
                     "demo GPT, Hugging Face Llama and GPT-2 (pre-norm blocks). Use "
                     '"overlap": "intra" (zerodist.tensor_parallel.domino), or ZeRO stage 1 or 2')
+
+
+def _runs_inter_overlap(model: nn.Module) -> bool:
+    """Whether blocks of `model` already run Domino's inter-layer overlap (the user's apply_domino)."""
+    for module in model.modules():
+        settings = getattr(module, "_domino", None) if isinstance(module, DominoTurns) else None
+        config = settings.config if settings is not None else getattr(module, "config", None)
+        if isinstance(module, (DominoTurns, DominoBlock)) and isinstance(config, DominoConfig) \
+                and config.overlap == "inter":
+            return True
+    return False
 
 
 TENSOR_PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelConv1D,
@@ -236,6 +247,8 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
         if existing != topology.size("tensor"):
             raise PlanError(f"the model was parallelized at tensor degree {existing}, but the config asks for "
                             f"{topology.size('tensor')}")
+        if settings.sharded_parameters and _runs_inter_overlap(model):  # the user's own apply_domino
+            _check_inter_at_stage3(model)
         return TensorParallelState(model, existing, "the model's own layers (parallelized before initialize)")
     if settings.degree == 1:
         if settings.domino is not None or settings.sequence_parallel:
