@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import re
 import shutil
+import json
 from pathlib import Path
 
 import pytest
@@ -102,9 +103,24 @@ def test_pp2_tp2_sp2_domino_on_8_ranks_reports_every_axis_against_its_formula(tm
     (("--domino", "2"), "needs a tensor-parallel degree of 2 or more"),
     (("--tp", "2", "--sp", "2", "--model", "tiny"), "each tensor rank holds 1 of the 2 heads of --model tiny"),
     (("--tp", "4", "--model", "tiny"), "splits the 2 attention heads of --model tiny"),
+    (("--tp", "2", "--domino", "3", "--micro-batch", "2"), "use a --micro-batch divisible by 3"),
+    (("--moe", "2", "--tp", "2", "--domino", "2", "--micro-batch", "1"), "use a --micro-batch divisible by 2"),
 ])
 def test_impossible_products_are_refused_by_name_before_spawn(flags, words, capsys) -> None:
     from zerodist.cli.main import main
 
     assert main(["train", *flags, "--nproc", "4", "--out", "/tmp/unused"]) == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_moe_with_inter_overlap_from_a_config_file_is_refused_before_spawn(tmp_path: Path, capsys) -> None:
+    """--moe and a --config file's Domino "inter" (no --domino on the command line, which would make it
+    "intra"): every rank raised DominoStreamError at its first forward; now refused, rc 2."""
+    from zerodist.cli.main import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"tensor_parallel": {"autotp_size": 2},
+                                  "zerodist": {"tensor_parallel": {"domino": {"chunks": 2, "overlap": "inter"}}}}))
+    assert main(["train", "--moe", "2", "--config", str(config), "--nproc", "4", "--out", str(tmp_path / "o")]) == 2
+    assert 'set "overlap": "intra"' in capsys.readouterr().err

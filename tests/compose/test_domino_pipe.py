@@ -59,6 +59,9 @@ def domino_pipe_body(family: str, stage: int, overlap: str, stages_per_rank: int
     settings = config(stage, "interleaved" if stages_per_rank > 1 else "1f1b", stages_per_rank)
     settings["tensor_parallel"] = {"autotp_size": 2}
     settings["zerodist"]["tensor_parallel"] = {"domino": {"chunks": 2, "overlap": overlap}}
+    if stage == 3:  # each block released right after its forward, so a read after release shows
+        settings["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
+                                             stage3_prefetch_bucket_size=0)
     engine, _, _, _ = zerodist.initialize(model=module, config=settings)
     kinds = sorted({type(m).__name__ for m in engine.module.modules() if "Domino" in type(m).__name__})
     states = []

@@ -83,8 +83,10 @@ def settings(stage: int, axis: str) -> dict:
                     "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     if axis == "sequence":
         config["sequence_parallel_size"] = 2
-    else:
+    elif axis == "tensor":
         config["tensor_parallel"] = {"autotp_size": 2, "partition_config": TENSOR_SPECS}
+    else:  # "built-in plan": no partition_config, so the engine picks moe_gpt_plan (apply.py's choose_plan)
+        config["tensor_parallel"] = {"autotp_size": 2}
     return config
 
 
@@ -92,7 +94,9 @@ def pair_body(stage: int, axis: str):
     engine = zerodist.initialize(model=build(2), config=settings(stage, axis))[0]
     degrees = dict(engine.topology.degrees)
     assert degrees == {"pipe": 1, "data": 1, "expert": 2, "sequence": 2 if axis == "sequence" else 1,
-                       "tensor": 2 if axis == "tensor" else 1}, degrees
+                       "tensor": 1 if axis == "sequence" else 2}, degrees
+    if axis == "built-in plan":  # attention head-parallel: moe_gpt_plan, not the layer_specs
+        assert type(engine.module.blocks[0].attn).__name__ == "HeadParallelAttention"
     shard = engine.topology.batch_rank
     layout = SequenceLayout(engine.topology.axis_rank("sequence"), 2) if axis == "sequence" else None
     states, traces = [], []
@@ -132,3 +136,13 @@ def check(stage: int, axis: str) -> None:
 @pytest.mark.parametrize("axis", ["sequence", "tensor"])
 def test_expert2_by_other_axis_equals_one_process(axis, stage):
     check(stage, axis)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_expert2_by_tensor2_with_the_built_in_moe_gpt_plan_equals_one_process(stage):
+    """The engine's own plan for the demo MoE GPT (moe_gpt_plan through choose_plan: attention
+    head-parallel, the dense MLP and the head tensor-parallel, the experts replicated over tensor), no
+    partition_config and no Domino: parameters within 1e-6 of one process."""
+    (reference,), = [run_distributed(reference_body, 1)]
+    results = run_distributed(pair_body, 4, stage, "built-in plan", timeout=300)
+    assert_states_match((states for states, _ in results), reference, ("built-in plan", stage))

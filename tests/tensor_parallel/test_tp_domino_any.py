@@ -10,6 +10,7 @@ import zerodist.comm as comm
 from zerodist.tensor_parallel import (
     DominoChunkError,
     DominoConfig,
+    DominoJoinError,
     DominoStreamError,
     DominoTurns,
     apply_domino,
@@ -106,3 +107,39 @@ def test_domino_on_any_model_named_errors_and_threads_ended():
     assert not [t for t in threading.enumerate() if t.name.startswith("zerodist-domino-chunk")]
     with pytest.raises(ValueError, match="already runs the Domino schedule"):
         apply_domino(blocks, None, None, DominoConfig(2))
+
+
+class _AuxBlock(torch.nn.Module):
+    """A block returning (hidden, a 0-dim auxiliary loss: the sum of its squares over the tokens)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc_in, self.fc_out = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        y = x + self.fc_out(torch.nn.functional.gelu(self.fc_in(x)))
+        return y, y.pow(2).sum()
+
+
+def _aux_model():
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([_AuxBlock(), _AuxBlock()])
+    return parallelize(model, {"blocks.*.fc_in": "colwise", "blocks.*.fc_out": "rowwise"}, comm.Topology(tensor=2))
+
+
+@distributed_test(world_size=2, timeout=120)
+def test_a_0_dim_block_output_is_refused_unless_its_join_is_declared():
+    """[Note: Domino's scalar join]: no join is right for every 0-dim output (a sum, a mean, an MoE balance
+    loss), so Domino refuses one by name; a declared join ("sum" for a sum over tokens) is exact."""
+    plain, refused, summed = _aux_model(), _aux_model(), _aux_model()
+    apply_domino(refused.blocks, None, None, DominoConfig(2, "intra"))
+    apply_domino(summed.blocks, None, None, DominoConfig(2, "intra"), scalar_join="sum")
+    x = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(DominoJoinError, match="scalar_join='mean' or 'sum'"):
+        refused.blocks[0](x)
+    (expected, expected_aux), (actual, actual_aux) = plain.blocks[0](x), summed.blocks[0](x)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(actual_aux, expected_aux, rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="scalar_join must be one of"):
+        apply_domino(_aux_model().blocks, None, None, DominoConfig(2, "intra"), scalar_join="max")

@@ -12,10 +12,15 @@ import torch
 import zerodist
 from tests.compose.parity import assert_states_match
 from tests.harness import run_distributed
+from zerodist.tensor_parallel.plan import PlanError
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 VOCAB, SEQ, MICRO, STEPS, LR = 64, 8, 2, 3, 0.1
+# ZeRO-3 releases each block right after its forward (no reuse window, no prefetch): what a block reads
+# after its release is a placeholder, so a schedule that does shows in the parameters
+RELEASE_EVERY_BLOCK = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                       "stage3_prefetch_bucket_size": 0}
 
 
 def build(family: str) -> torch.nn.Module:
@@ -59,7 +64,7 @@ def reference_body(family: str, shards: int) -> list[dict[str, torch.Tensor]]:
 def domino_body(family: str, stage: int, domino: dict | None):
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
               "optimizer": {"type": "SGD", "params": {"lr": LR}},
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+              "zero_optimization": {"stage": stage, **RELEASE_EVERY_BLOCK},
               "tensor_parallel": {"autotp_size": 2}}
     if domino:
         config["zerodist"] = {"tensor_parallel": {"domino": domino}}
@@ -89,3 +94,138 @@ def test_data2_tensor2_hf_llama_equals_one_process(stage):
     reference, = run_distributed(reference_body, 1, "llama", 2)
     results = run_distributed(domino_body, 4, "llama", stage, None, timeout=300)
     assert_states_match([states for states, _ in results], reference, ("data x tensor", stage))
+
+
+# ---------------------------------------------------------------- a post-norm model (defect: issue 31 review)
+class PostNormBlock(torch.nn.Module):
+    """BERT-style: norm(x + fc_out(gelu(fc_in(x)))): the norm's parameters are read after the block's
+    last row-parallel reduction."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc_in, self.fc_out, self.norm = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16), torch.nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.norm(x + self.fc_out(torch.nn.functional.gelu(self.fc_in(x))))
+
+
+class PostNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.blocks = torch.nn.ModuleList(PostNormBlock() for _ in range(3))
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+POST_NORM_SPECS = [{"patterns": [r".*\.fc_in\.weight$"], "partition_type": "column"},
+                   {"patterns": [r".*\.fc_out\.weight$"], "partition_type": "row"}]
+
+
+def post_norm_body(stage: int, overlap: str):
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+              "optimizer": {"type": "SGD", "params": {"lr": LR}},
+              "zero_optimization": {"stage": stage, **RELEASE_EVERY_BLOCK},
+              "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": POST_NORM_SPECS}},
+              "zerodist": {"tensor_parallel": {"domino": {"chunks": 2, "overlap": overlap}}}}
+    try:
+        engine, _, _, _ = zerodist.initialize(model=PostNorm(), config=config)
+    except PlanError as error:
+        return str(error)
+    states = []
+    for step in range(STEPS):
+        ids, labels = batch(step, 0)
+        logits = engine(input_ids=ids)
+        engine.backward(torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)))
+        engine.step()
+        states.append(engine.module_state_dict())
+    engine.destroy()
+    return states
+
+
+def post_norm_parallelized_by_the_user_body():
+    """The user's own parallelize + apply_domino (inter) handed to initialize at ZeRO-3: refused too."""
+    import zerodist.comm as comm
+    from zerodist.tensor_parallel import DominoConfig, apply_domino, parallelize
+
+    torch.manual_seed(0)
+    model = parallelize(PostNorm(), {"blocks.*.fc_in": "colwise", "blocks.*.fc_out": "rowwise"}, comm.Topology(tensor=2))
+    apply_domino(model.blocks, None, None, DominoConfig(2, "inter"))
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
+              "optimizer": {"type": "SGD", "params": {"lr": LR}},
+              "zero_optimization": {"stage": 3, **RELEASE_EVERY_BLOCK}, "tensor_parallel": {"autotp_size": 2}}
+    try:
+        zerodist.initialize(model=model, config=config)[0].destroy()
+    except PlanError as error:
+        return str(error)
+    return None
+
+
+def post_norm_reference():
+    torch.manual_seed(0)
+    model = PostNorm()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    states = []
+    for step in range(STEPS):
+        ids, labels = batch(step, 0)
+        torch.nn.functional.cross_entropy(model(ids).reshape(-1, VOCAB), labels.reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return states
+
+
+def test_domino_on_a_post_norm_model_at_zero3_inter_is_refused_intra_exact():
+    """Under inter a parked chunk finishes block n (its post-norm) while block n+1 runs, after ZeRO-3
+    released block n: refused by name on every rank; intra at ZeRO-3 and inter at ZeRO-1 exact."""
+    reference, = run_distributed(post_norm_reference, 1)
+    refusals = run_distributed(post_norm_body, 2, 3, "inter", timeout=240)
+    assert all(isinstance(r, str) and "post-norm" in r and '"intra"' in r for r in refusals), refusals
+    refusals = run_distributed(post_norm_parallelized_by_the_user_body, 2, timeout=240)
+    assert all(isinstance(r, str) and "post-norm" in r for r in refusals), refusals
+    for stage, overlap in ((3, "intra"), (1, "inter")):
+        results = run_distributed(post_norm_body, 2, stage, overlap, timeout=240)
+        assert_states_match(results, reference, ("post-norm", stage, overlap))
+
+
+def saved_views_body(domino: dict | None) -> int:
+    """How many tensors ZeRO-3's SavedParameterViews packs as views of a gathered block (one forward
+    and backward of GPT-2, every block released after its forward)."""
+    from zerodist.zero import saved_params
+
+    original = saved_params.SavedParameterViews._pack
+    packed = [0]
+
+    def counting(tensor, buffers, outer):
+        out = original(tensor, buffers, outer)
+        packed[0] += isinstance(out, saved_params._SavedView)
+        return out
+
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
+              "optimizer": {"type": "SGD", "params": {"lr": LR}},
+              "zero_optimization": {"stage": 3, **RELEASE_EVERY_BLOCK}, "tensor_parallel": {"autotp_size": 2}}
+    if domino:
+        config["zerodist"] = {"tensor_parallel": {"domino": domino}}
+    engine, _, _, _ = zerodist.initialize(model=build("gpt2"), config=config)
+    saved_params.SavedParameterViews._pack = staticmethod(counting)
+    try:
+        engine.backward(loss_of(engine, *batch(0, 0)))
+    finally:
+        saved_params.SavedParameterViews._pack = staticmethod(original)
+        engine.destroy()
+    return packed[0]
+
+
+def test_zero3_saved_parameter_views_reach_domino_chunks():
+    """[Note: hooks into chunks] in chunks.py: the saved-tensor hook stack is per thread, so ZeRO-3's
+    hooks entered around a block's call must be re-entered in each chunk's thread; without, a chunk's
+    saved weight views kept every released block's gathered buffer alive until backward."""
+    plain = run_distributed(saved_views_body, 2, None, timeout=240)
+    chunked = run_distributed(saved_views_body, 2, {"chunks": 2, "overlap": "inter"}, timeout=240)
+    assert plain[0] > 0 and chunked == [2 * plain[0]] * 2, (plain, chunked)  # each chunk saves the block's views

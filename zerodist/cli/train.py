@@ -129,10 +129,10 @@ def build_plan(args: argparse.Namespace, world_size: int) -> Any:
             raise ValueError(f"--nproc {world_size} is not divisible by the tensor-parallel degree {tensor} (--tp) x "
                              f"the sequence-parallel degree {sequence} (--sp) x the pipeline degree {pipe} (--pp)")
         _check_sequence(checked, model, getattr(args, "seq_len", None))
-        _check_domino(checked)
         batch = checked.batch_sizes(world_size // (tensor * sequence * pipe),
                                     world_size_source=f"{world_size} rank(s) / tensor {tensor} / sequence {sequence} "
                                                       f"/ pipe {pipe}")
+        _check_domino(checked, batch.micro_batch_size, args.moe is not None)
         expert = world_size // (tensor * sequence * pipe) if args.moe else 1
         _check_experts(args.moe, expert, tensor, sequence, pipe)
         check_layout_keys(checked, world_size=world_size, tensor=tensor, sequence=sequence, pipe=pipe, expert=expert,
@@ -163,15 +163,24 @@ def _check_pipeline_flags(args: argparse.Namespace, model: str, pipe: int, sched
                              f"{gpt_config('small').n_layers} blocks)")
 
 
-def _check_domino(config: Any) -> None:
-    """Domino against the tensor degree (the engine's own rule, zerodist/tensor_parallel/apply.py,
-    said before any rank starts)."""
+def _check_domino(config: Any, micro_batch: int, moe: bool) -> None:
+    """Domino against the tensor degree, the micro-batch and --moe (the engine's own rules,
+    zerodist/tensor_parallel/apply.py and domino.py, said before any rank starts: each rank would
+    raise them at its first forward)."""
     domino = config.zerodist.tensor_parallel.domino
     if domino is None:
         return
     if config.tensor_degree == 1:
         raise ValueError(f"--domino {domino.chunks} overlaps the tensor-parallel all-reduces of a block's chunks; "
                          "it needs a tensor-parallel degree of 2 or more: add --tp 2")
+    if micro_batch % domino.chunks:
+        raise ValueError(f"Domino splits each micro-batch of {micro_batch} sample(s) into {domino.chunks} chunks; use "
+                         f"a --micro-batch divisible by {domino.chunks} (or --domino a divisor of {micro_batch})")
+    if moe and domino.overlap == "inter":
+        raise ValueError('--moe with Domino\'s "overlap": "inter" (zerodist.tensor_parallel.domino in the config): '
+                         "the MoE demo's blocks return (hidden states, balance loss), so each block must join its "
+                         'chunks: set "overlap": "intra" (what --domino gives with --moe)')
+
 
 def _check_experts(experts: int | None, degree: int, tensor: int, sequence: int, pipe: int) -> None:
     """--moe N: the experts are spread over the expert axis, the ranks of a stage that do not share a

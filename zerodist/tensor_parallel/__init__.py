@@ -51,6 +51,7 @@ from zerodist.tensor_parallel.domino import (
     ChunkedActivations,
     DominoBlock,
     DominoChunkError,
+    DominoJoinError,
     DominoConfig,
     DominoStreamError,
     DominoTurns,
@@ -84,7 +85,7 @@ from zerodist.tensor_parallel.operators import (
 )
 
 __all__ = [
-    "ChunkedActivations", "DominoBlock", "DominoChunkError", "DominoConfig", "ResidualBranch", "ScheduleLog",
+    "ChunkedActivations", "DominoBlock", "DominoChunkError", "DominoJoinError", "DominoConfig", "ResidualBranch", "ScheduleLog",
     "DominoStreamError", "DominoTurns", "PrepareInput", "SharedInput", "find_blocks", "shared_inputs",
     "apply_domino", "attach_rng_tracker", "gpt_block_branches", "gpt_domino", "rng_tracker_of", "schedule_log",
     "Colwise", "HeadParallelAttention", "PlanError", "RNGTracker", "Replace", "Replicate", "Rowwise", "Sequence",

@@ -20,7 +20,7 @@ from torch import nn
 from zerodist.comm.topology import Topology
 from zerodist.compat import pytree_registration_available
 from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelConv1D
-from zerodist.tensor_parallel.domino import DominoConfig, apply_domino, find_blocks
+from zerodist.tensor_parallel.domino import DominoBlock, DominoConfig, DominoTurns, apply_domino, find_blocks
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zerodist.tensor_parallel.layers import slice_tensor, unslice_tensor
 from zerodist.tensor_parallel.operators import TensorRegion
@@ -45,9 +45,9 @@ class TensorParallelSettings:
     sharded_parameters: bool = False  # ZeRO stage 3: blocks' parameters are released after their forward
 
 
-# [Note: demo GPT plan] The one import against the layer table (tests/suite/test_architecture.py lists
-# it): `zerodist.models` sits above tensor_parallel (its MoE GPT is built from `zerodist.moe`), yet
-# the engine's tensor-parallel step picks the demo GPT's built-in plan (and Domino's blocks) by the
+# [Note: demo GPT plan] The imports against the layer table (tests/suite/test_architecture.py lists
+# them, the demo GPT's and the demo MoE GPT's): `zerodist.models` sits above tensor_parallel (its MoE
+# GPT is built from `zerodist.moe`), yet the engine's tensor-parallel step picks the demo GPT's built-in plan (and Domino's blocks) by the
 # model's class: its config names no model type (a Hugging Face model's `config.model_type` does,
 # and is recognised without an import). The import runs only inside this check, so importing
 # tensor_parallel never imports the models, and the rule is bent for the project's own demo model.
@@ -58,8 +58,46 @@ def _is_demo_gpt(model: nn.Module) -> bool:
 
 
 def _is_demo_moe_gpt(model: nn.Module) -> bool:
-    # by its class's path, without importing zerodist.models (as zerodist/pipe/split_plans.py does)
-    return f"{type(model).__module__}.{type(model).__qualname__}" == "zerodist.models.moe_gpt.MoEGPT"
+    from zerodist.models.moe_gpt import MoEGPT  # [Note: demo GPT plan]
+
+    return isinstance(model, MoEGPT)  # a subclass too, as _is_demo_gpt
+
+
+# [Note: Domino inter at ZeRO-3] Under inter-layer overlap a chunk parks at its block's last
+# row-parallel reduction and finishes the block (the reduced sum, then whatever the block computes
+# after it) while the next block runs, after ZeRO-3 released the block's parameters. A block that
+# reads a parameter after that reduction (a post-norm block: BERT's norm(x + fc_out(...)), Gemma's
+# post_feedforward_layernorm; an MoE block, whose experts run after the attention's reduction) would
+# read a released placeholder there, silently (the sharded-access check is per thread, and the chunks
+# run in threads of their own). ZeRO-3 keeps no block gathered until its parked chunks have left it,
+# so inter at stage 3 is allowed only on the blocks known to read nothing after the reduction but its
+# bias, which they copy while gathered: the demo GPT's (its residual branches), Hugging Face Llama's
+# and GPT-2's (pre-norm; the row layer's bias is chunk_bias'd in layers.py / conv1d.py).
+INTER_AT_STAGE3_MODEL_TYPES = ("llama", "gpt2")
+
+
+def _check_inter_at_stage3(model: nn.Module) -> None:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if _is_demo_gpt(model) or (model_type in INTER_AT_STAGE3_MODEL_TYPES and not _is_demo_moe_gpt(model)):
+        return
+    name = type(model).__name__ + (f" (model_type {model_type!r})" if isinstance(model_type, str) else "")
+    raise PlanError(f'Domino\'s "overlap": "inter" at ZeRO stage 3 on {name}: a chunk parked at a block\'s last '
+                    "row-parallel reduction finishes that block while the next block runs, after ZeRO-3 released "
+                    "the block's parameters, and a block that reads a parameter after that reduction (a post-norm "
+                    "block, an MoE block's experts) would read a released placeholder. It is allowed only on the "
+                    "demo GPT, Hugging Face Llama and GPT-2 (pre-norm blocks). Use "
+                    '"overlap": "intra" (zerodist.tensor_parallel.domino), or ZeRO stage 1 or 2')
+
+
+def _runs_inter_overlap(model: nn.Module) -> bool:
+    """Whether blocks of `model` already run Domino's inter-layer overlap (the user's apply_domino)."""
+    for module in model.modules():
+        settings = getattr(module, "_domino", None) if isinstance(module, DominoTurns) else None
+        config = settings.config if settings is not None else getattr(module, "config", None)
+        if isinstance(module, (DominoTurns, DominoBlock)) and isinstance(config, DominoConfig) \
+                and config.overlap == "inter":
+            return True
+    return False
 
 
 TENSOR_PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelConv1D,
@@ -99,10 +137,14 @@ def _apply_domino(model: nn.Module, topology: Topology, settings: TensorParallel
     pipeline stage module `model` was cut from ([Note: Domino per stage])."""
     assert settings.domino is not None
     demo = _is_demo_gpt(source if source is not None else model)
+    # the MoE GPT's blocks return (hidden, balance loss): the loss joins as the mean of the chunks' own
+    # ([Note: Domino's scalar join] in domino.py); any other model's 0-dim block output is refused
+    scalar_join = "mean" if _is_demo_moe_gpt(source if source is not None else model) else None
     region = TensorRegion.of(topology)
     if source is not None:
         for container, names in stage_blocks(model):
-            _domino_in_place(container, names, gpt_block_branches if demo else None, region, settings.domino)
+            _domino_in_place(container, names, gpt_block_branches if demo else None, region, settings.domino,
+                             scalar_join)
         return
     if demo:
         gpt_domino(model, topology, settings.domino)
@@ -111,7 +153,7 @@ def _apply_domino(model: nn.Module, topology: Topology, settings: TensorParallel
         blocks = find_blocks(model)
     except ValueError as error:
         raise PlanError(str(error)) from None
-    apply_domino(blocks, None, region, settings.domino)
+    apply_domino(blocks, None, region, settings.domino, scalar_join=scalar_join)
 
 
 # [Note: Domino per stage] A pipeline stage module (zerodist.pipe.split_model's) holds the blocks of
@@ -147,9 +189,9 @@ def stage_blocks(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
 
 
 def _domino_in_place(container: nn.Module, names: list[str], branches: Any, region: TensorRegion,
-                     config: DominoConfig) -> None:
+                     config: DominoConfig, scalar_join: str | None = None) -> None:
     chain = nn.ModuleList([container.get_submodule(name) for name in names])
-    apply_domino(chain, branches, region, config)
+    apply_domino(chain, branches, region, config, scalar_join=scalar_join)
     for name, block in zip(names, chain):
         setattr(container, name, block)
 
@@ -205,12 +247,16 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
         if existing != topology.size("tensor"):
             raise PlanError(f"the model was parallelized at tensor degree {existing}, but the config asks for "
                             f"{topology.size('tensor')}")
+        if settings.sharded_parameters and _runs_inter_overlap(model):  # the user's own apply_domino
+            _check_inter_at_stage3(model)
         return TensorParallelState(model, existing, "the model's own layers (parallelized before initialize)")
     if settings.degree == 1:
         if settings.domino is not None or settings.sequence_parallel:
             raise PlanError("zerodist.tensor_parallel.domino / sequence_parallel need a tensor degree above 1 "
                             "(tensor_parallel.autotp_size)")
         return TensorParallelState(model, 1, "")
+    if settings.domino is not None and settings.domino.overlap == "inter" and settings.sharded_parameters:
+        _check_inter_at_stage3(plan_for if plan_for is not None else model)  # on every rank, before any collective
     # Dropout streams: `replicated` equal on the tensor ranks, `sharded` different (attention heads);
     # seeded from this process's torch seed, which every rank sets alike to build the same model.
     rng = tensor_parallel_rng(topology, seed=torch.initial_seed())

@@ -19,8 +19,9 @@ issues the same collectives in the same order. Between blocks (`overlap="inter"`
 parked at its last reduction of block n while the others start block n+1; the next block's work is
 queued behind it, so that reduction is waited under the next block's first chunk.
 
-The threads are an implementation detail of one forward: grad mode and autocast are carried into
-them, they are ended when the forward ends (or raises), and they never run concurrently.
+The threads are an implementation detail of one forward: grad mode, autocast and the saved-tensor
+hooks of the block's call are carried into them, they are ended when the forward ends (or raises),
+and they never run concurrently.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from zerodist import compat
 from zerodist.comm import CommHandle
 from zerodist.tensor_parallel import schedule
 from zerodist.tensor_parallel.operators import TensorRegion, all_reduce_
@@ -158,6 +160,24 @@ class Chunk:
         self._thread.join()
 
 
+SavedTensorHooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+
+
+def saved_tensor_hooks_now() -> SavedTensorHooks | None:
+    """[Note: hooks into chunks] This thread's innermost saved-tensor hooks, (pack, unpack), or None.
+    torch keeps the hook stack per thread, so hooks entered around a block's call in the main thread
+    (ZeRO-3's `SavedParameterViews`, entered by the unit's forward pre-hook; a user's `save_on_cpu`)
+    never see what a chunk's thread saves: captured here, at the block's call, and re-entered by
+    each chunk around its item (`ChunkRunner.thread_state`). Only the innermost pair packs in torch,
+    and ZeRO's composes with the ones outside it, so that pair is the whole stack's behaviour."""
+    if not torch.is_grad_enabled() or not compat.saved_tensors_hooks_enabled():
+        return None
+    try:
+        return compat.outer_saved_tensors_hooks()
+    except compat.UnsupportedTorchError:  # no way to read them: saved as usual (memory, not values)
+        return None
+
+
 class ChunkRunner:
     """The chunks of one forward and the baton they pass (see the module docstring)."""
 
@@ -170,13 +190,16 @@ class ChunkRunner:
         self.closed = False
 
     @contextlib.contextmanager
-    def thread_state(self) -> Iterator[None]:
-        """The main thread's grad mode and autocast, in a chunk's thread."""
+    def thread_state(self, hooks: SavedTensorHooks | None = None) -> Iterator[None]:
+        """The main thread's grad mode and autocast, in a chunk's thread, and `hooks` (the
+        saved-tensor hooks of the block's call: [Note: hooks into chunks])."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             for device, (enabled, dtype) in self.autocast.items():
                 if enabled:
                     stack.enter_context(torch.autocast(device, dtype=dtype))
+            if hooks is not None:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
             yield
 
     def submit(self, items: list[Callable[[Any], Any]]) -> None:

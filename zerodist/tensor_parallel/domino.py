@@ -38,7 +38,8 @@ from torch import nn
 
 from zerodist.compat import register_pytree_node
 from zerodist.tensor_parallel import schedule
-from zerodist.tensor_parallel.chunks import ChunkRunner, IssueReduction, PendingReduction, WaitReduction, chunk_turn
+from zerodist.tensor_parallel.chunks import (ChunkRunner, IssueReduction, PendingReduction, WaitReduction, chunk_turn,
+                                             saved_tensor_hooks_now)
 from zerodist.tensor_parallel.conv1d import RowParallelConv1D
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from zerodist.tensor_parallel.operators import TensorRegion, UnevenSplitError
@@ -48,6 +49,14 @@ OVERLAPS = ("intra", "inter")
 
 class DominoChunkError(UnevenSplitError):
     """The batch does not split into Domino's k chunks evenly."""
+
+
+class DominoJoinError(TypeError):
+    """A block run in turns returns a 0-dim tensor, and nothing says how to join the chunks' values."""
+
+
+# How a block's 0-dim outputs join over the chunks ([Note: Domino's scalar join]); None: refused.
+SCALAR_JOINS = ("mean", "sum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,14 +151,21 @@ class DominoBlock(nn.Module):
 
 
 def apply_domino(blocks: nn.ModuleList, branches: Callable[[nn.Module], Sequence[ResidualBranch]] | None,
-                 region: TensorRegion | None, config: DominoConfig) -> nn.ModuleList:
+                 region: TensorRegion | None, config: DominoConfig, *, scalar_join: str | None = None
+                 ) -> nn.ModuleList:
     """Run every block of `blocks` by the Domino schedule (in place); the blocks must run in
     list order, each on the previous one's output.
 
     With `branches` (a function giving a block's residual branches) each block becomes a
     `DominoBlock` running them; with `branches=None` each block runs its own forward with the
     chunks taking turns (`chunks.py`): any block whose row-parallel layers were made by
-    `parallelize` (a Hugging Face decoder layer, a `layer_specs` model's block)."""
+    `parallelize` (a Hugging Face decoder layer, a `layer_specs` model's block).
+
+    `scalar_join` ("mean" or "sum"; blocks run in turns only): how a 0-dim tensor a block returns
+    (an auxiliary loss) joins over the chunks; without it such an output is a `DominoJoinError`
+    ([Note: Domino's scalar join])."""
+    if scalar_join is not None and scalar_join not in SCALAR_JOINS:
+        raise ValueError(f"scalar_join must be one of {SCALAR_JOINS} or None, got {scalar_join!r}")
     for index, block in enumerate(list(blocks)):
         sequence_parallel = [n for n, m in block.named_modules()
                              if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.sequence_parallel]
@@ -160,7 +176,7 @@ def apply_domino(blocks: nn.ModuleList, branches: Callable[[nn.Module], Sequence
             raise ValueError(f"block {index} already runs the Domino schedule")
         is_last = index == len(blocks) - 1
         if branches is None:
-            blocks[index] = _turn_block(block, config, is_last)
+            blocks[index] = _turn_block(block, config, is_last, scalar_join)
         else:
             if region is None:
                 raise ValueError("apply_domino with residual branches needs the tensor region")
@@ -195,6 +211,7 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
 class _TurnSettings:
     config: DominoConfig
     is_last: bool
+    scalar_join: str | None = None  # how 0-dim outputs join over the chunks ([Note: Domino's scalar join])
     issues: int | None = None  # reductions per chunk in one call of the block, learned from the first
 
 
@@ -224,14 +241,14 @@ def _turn_class(base: type) -> type:
     })
 
 
-def _turn_block(block: nn.Module, config: DominoConfig, is_last: bool) -> nn.Module:
+def _turn_block(block: nn.Module, config: DominoConfig, is_last: bool, scalar_join: str | None = None) -> nn.Module:
     """A new module of class `Domino<type(block)>` holding the block's children, parameters,
     buffers, hooks and attributes (the same `state_dict()` keys); the block itself is untouched."""
     cls = _turn_class(type(block))  # type: ignore[arg-type]
     new = cls.__new__(cls)  # type: ignore[call-overload]
     new.__dict__.update({key: (type(value)(value) if isinstance(value, (dict, set)) else value)
                          for key, value in vars(block).items()})
-    new._domino = _TurnSettings(config, is_last)
+    new._domino = _TurnSettings(config, is_last, scalar_join)
     return new
 
 
@@ -297,14 +314,29 @@ def _split_argument(value: Any, batch: int, chunks: int) -> list[Any]:
     return [value] * chunks
 
 
-def _join(values: list[Any]) -> Any:
-    """The chunks' outputs as one: tensors concatenated along the batch; a 0-dim tensor (a per-token
-    mean such as an MoE block's balance loss) is the mean over the chunks; tuples element by element."""
+# [Note: Domino's scalar join] A block's 0-dim output (an auxiliary loss) has no batch dimension to
+# concatenate the chunks' values along, and no one join is right for all: a sum over tokens joins by
+# summing, a per-token mean by the mean (exact only for equal chunks), and a product of per-token
+# means, such as an MoE balance loss (the fraction routed to each expert times its mean gate), by
+# neither: each chunk's is computed from its own tokens. So a 0-dim output is refused unless the
+# caller of `apply_domino` declares the join (`scalar_join`); the demo MoE GPT's plan declares "mean",
+# its routing statistics and capacity being per chunk (docs/tensor_parallel.md).
+def _join(values: list[Any], scalar_join: str | None, block: str) -> Any:
+    """The chunks' outputs as one: tensors concatenated along the batch; a 0-dim tensor by
+    `scalar_join` (a `DominoJoinError` without one); tuples element by element."""
     first = values[0]
     if isinstance(first, torch.Tensor):
-        return torch.stack(values).mean(dim=0) if first.dim() == 0 else torch.cat(values, dim=0)
+        if first.dim():
+            return torch.cat(values, dim=0)
+        if scalar_join is None:
+            raise DominoJoinError(f"{block} returns a 0-dim tensor (an auxiliary loss?), which Domino cannot join "
+                                  "over its chunks by concatenation: pass scalar_join='mean' or 'sum' to "
+                                  "zerodist.tensor_parallel.apply_domino if that joins it exactly, else leave "
+                                  "Domino off for this model")
+        stacked = torch.stack(values)
+        return stacked.mean(dim=0) if scalar_join == "mean" else stacked.sum(dim=0)
     if type(first) is tuple:
-        return tuple(_join([value[i] for value in values]) for i in range(len(first)))
+        return tuple(_join([value[i] for value in values], scalar_join, block) for i in range(len(first)))
     return first
 
 
@@ -322,10 +354,11 @@ def _run_in_turns(block: DominoTurns, forward: Callable[..., Any], x: Any, args:
     inter = settings.config.overlap == "inter" and not settings.is_last
     per_chunk_args = _split_argument(args, batch, chunks)
     per_chunk_kwargs = _split_argument(kwargs, batch, chunks)
+    hooks = saved_tensor_hooks_now()  # this block call's (ZeRO-3's unit hooks): [Note: hooks into chunks]
 
     def item(chunk_args: tuple, chunk_kwargs: dict) -> Callable[[Any], Any]:
         def run(value: Any) -> Any:
-            with runner.thread_state():
+            with runner.thread_state(hooks):
                 out = forward(value, *chunk_args, **chunk_kwargs)
             turn = chunk_turn()
             settings.issues = turn.issues if turn is not None else settings.issues
@@ -344,4 +377,4 @@ def _run_in_turns(block: DominoTurns, forward: Callable[..., Any], x: Any, args:
     runner.run()
     values = runner.values()
     runner.close()
-    return _join(values)
+    return _join(values, settings.scalar_join, type(block).__name__)
