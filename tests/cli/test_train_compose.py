@@ -5,25 +5,16 @@ bytes matching their formulas; what cannot work is refused by name before any ra
 
 from __future__ import annotations
 
-import csv
 import re
-import shutil
 import json
 from pathlib import Path
 
 import pytest
 
-from tests.harness import run_cli
+from tests.train_cli import assert_losses_are_the_plain_demos, metrics_rows, resume_from_step_2, run_train
 
 
-def run_train(*args: str, timeout: float = 300):
-    """`zerodist train ARGS` as each of its ranks runs it (the harness's pooled ranks)."""
-    return run_cli(int(args[args.index("--nproc") + 1]), "train", *args, timeout=timeout)
-
-
-def _rows(out: Path) -> list[dict[str, str]]:
-    with open(out / "metrics.csv", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
+_rows = metrics_rows
 
 
 def _no_formula_differs(text: str) -> None:
@@ -44,20 +35,8 @@ def test_pp2_tp2_domino_trains_like_the_plain_demo_saves_and_resumes(tmp_path: P
     assert "Domino 2 chunks: 100% of forward" in summary
     _no_formula_differs(summary)  # each rank's state, the p2p and the tensor-parallel bytes
     assert (tmp_path / "whole" / "loss.png").is_file() or "loss curve not written" in whole.stdout
-    # the plain demo in one process on the same global batch (micro 2 x accumulation 4) and data order
-    (tmp_path / "gas4.json").write_text('{"gradient_accumulation_steps": 4}')
-    plain = run_train("--nproc", "1", "--config", str(tmp_path / "gas4.json"), "--model", "tiny", "--steps", "4",
-                      "--micro-batch", "2", "--out", str(tmp_path / "plain"))
-    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
-    assert [float(r["loss"]) for r in rows] == pytest.approx([float(r["loss"]) for r in _rows(tmp_path / "plain")],
-                                                             abs=2e-6)
-    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "whole" / "checkpoints" / "global_step2",
-                    tmp_path / "resumed" / "checkpoints" / "global_step2")
-    shutil.copy(tmp_path / "whole" / "metrics.csv", tmp_path / "resumed" / "metrics.csv")
-    resumed = run_train(*common, "--resume", "--out", str(tmp_path / "resumed"))
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "global_step2" in resumed.stderr
+    assert_losses_are_the_plain_demos(rows, tmp_path)
+    resume_from_step_2(tmp_path, common, timeout=300)
     assert [r["loss"] for r in _rows(tmp_path / "resumed")] == [r["loss"] for r in rows]
 
 

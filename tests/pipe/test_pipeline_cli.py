@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import io
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.harness import run_cli, run_distributed
+from tests.harness import run_distributed
+from tests.train_cli import assert_losses_are_the_plain_demos, metrics_rows, resume_from_step_2, run_train
 from zerodist.checkpoint import consolidate_checkpoint
 
 
@@ -48,17 +47,7 @@ def test_zerodist_train_pp_2_on_4_ranks(tmp_path, schedule):
     assert _rows(tmp_path) and [r["step"] for r in _rows(tmp_path)] == ["1", "2", "3"]
 
 
-def run_train(*args: str, timeout: float = 240):
-    """`zerodist train ARGS` as each of its ranks runs it, on the harness's pooled ranks (`--nproc N`:
-    N ranks): what the ranks compute and write is this file's subject; the launch itself is
-    tests/train/test_train_cli.py's."""
-    nproc = int(args[args.index("--nproc") + 1])
-    return run_cli(nproc, "train", *args, timeout=timeout)
-
-
-def _rows(out: Path) -> list[dict[str, str]]:
-    with open(out / "metrics.csv", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
+_rows = metrics_rows
 
 
 @pytest.mark.slow
@@ -81,21 +70,9 @@ def test_pp2_tp2_trains_saves_and_resumes_like_the_plain_demo(tmp_path: Path) ->
     assert sorted(p.name for p in (tmp_path / "whole" / "checkpoints").iterdir()) == ["global_step2", "global_step4",
                                                                                        "latest"]
 
-    # the plain demo in one process on the same global batch (micro 2 x accumulation 4) and data order
-    (tmp_path / "gas4.json").write_text('{"gradient_accumulation_steps": 4}')
-    plain = run_train("--nproc", "1", "--config", str(tmp_path / "gas4.json"), "--model", "tiny", "--steps", "4",
-                      "--micro-batch", "2", "--out", str(tmp_path / "plain"))
-    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
-    assert [float(r["loss"]) for r in rows] == pytest.approx([float(r["loss"]) for r in _rows(tmp_path / "plain")],
-                                                             abs=2e-6)
-
-    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "whole" / "checkpoints" / "global_step2",
-                    tmp_path / "resumed" / "checkpoints" / "global_step2")
-    shutil.copy(tmp_path / "whole" / "metrics.csv", tmp_path / "resumed" / "metrics.csv")  # rows 3-4 dropped
-    resumed = run_train(*common, "--resume", "--out", str(tmp_path / "resumed"), timeout=240)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "loaded checkpoint" in resumed.stderr and "global_step2" in resumed.stderr
+    assert_losses_are_the_plain_demos(rows, tmp_path)
+    resumed = resume_from_step_2(tmp_path, common)
+    assert "loaded checkpoint" in resumed.stderr
     again = _rows(tmp_path / "resumed")
     assert [r["step"] for r in again] == ["1", "2", "3", "4"]
     assert [r["loss"] for r in again] == [r["loss"] for r in rows]  # the written losses, to 6 decimals
