@@ -101,7 +101,8 @@ class AioConfig(Section):
     (deepspeed/runtime/swap_tensor/aio_config.py). zerodist's swap files are read and written by its
     own pread/pwrite threads (docs/offload.md), whose results do not depend on these: a section that
     checks is dropped with the info line naming it (config/deepspeed_keys.py); a value of the wrong
-    type or range is refused naming its key, as DeepSpeed's own engine would fail with it."""
+    type or range is refused naming its key (DeepSpeed itself reads these values without a check,
+    `get_scalar_param`, and hands them to its libaio handle)."""
 
     block_size: int = Field(1048576, ge=1, description="Accepted for DeepSpeed compatibility (bytes per libaio "
                             "request); an integer > 0.")
@@ -118,7 +119,7 @@ class AioConfig(Section):
 
 
 def is_valid_aio_section(value: Any) -> bool:
-    """Whether `value` is an `aio` section DeepSpeed's schema accepts (the keys and their types)."""
+    """Whether `value` is an `aio` section with DeepSpeed's keys and values of the types they mean."""
     try:
         AioConfig.model_validate(value)
     except ValueError:  # pydantic's ValidationError is a ValueError
