@@ -39,6 +39,22 @@ def hf_config(kind: str, **overrides: Any) -> Any:
     return config
 
 
+def small_hf_model(kind: str, layers: int, vocab: int, seq: int) -> torch.nn.Module:
+    """A 16-wide HF Llama (4 query / 2 key-value heads) or GPT-2 (2 heads) of `layers` blocks, untied,
+    dropout off, seeded: the tensor-parallel tests' models (heads a tensor degree of 2 divides)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=seq, tie_word_embeddings=False))
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=vocab, n_positions=seq, n_embd=16, n_layer=layers, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
 def hf_class(kind: str) -> type:
     import transformers
 

@@ -13,6 +13,7 @@ import torch
 import zerodist
 from tests.compose.parity import assert_states_match
 from tests.harness import run_distributed
+from tests.hf_models import small_hf_model
 from tests.pipe.test_split import GAS, LR, SEQ, STEPS, VOCAB, config, logits_of, micro_batch
 from zerodist.pipe import split_model, token_cross_entropy
 
@@ -27,16 +28,7 @@ def build(family: str) -> torch.nn.Module:
         from zerodist.models.gpt import GPT
 
         return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=16, n_layers=4, n_heads=2, tie_embeddings=False))
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    if family == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False))
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=4, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    return small_hf_model(family, layers=4, vocab=VOCAB, seq=SEQ)
 
 
 def reference_body(family: str) -> list[dict[str, torch.Tensor]]:

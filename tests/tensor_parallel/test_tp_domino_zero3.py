@@ -12,6 +12,7 @@ import torch
 import zerodist
 from tests.compose.parity import assert_states_match
 from tests.harness import run_distributed
+from tests.hf_models import small_hf_model
 from zerodist.tensor_parallel.plan import PlanError
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -24,17 +25,7 @@ RELEASE_EVERY_BLOCK = {"stage3_param_persistence_threshold": 0, "stage3_max_reus
 
 
 def build(family: str) -> torch.nn.Module:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    if family == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False))
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=3, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    return small_hf_model(family, layers=3, vocab=VOCAB, seq=SEQ)
 
 
 def batch(step: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
