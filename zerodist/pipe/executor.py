@@ -411,11 +411,13 @@ class _Inbox:
 
 
 def _on(value: Any, device: torch.device) -> Any:
-    """`value` (a tensor, or tuples and lists of them) with its tensors on `device`."""
+    """`value` (a tensor, or tuples, lists and dicts of them) with its tensors on `device`."""
     if isinstance(value, torch.Tensor):
         return value if value.device == device else value.to(device)
     if isinstance(value, (tuple, list)):
         return type(value)(_on(v, device) for v in value)
+    if isinstance(value, dict):
+        return {key: _on(v, device) for key, v in value.items()}
     return value
 
 
