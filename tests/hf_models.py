@@ -39,17 +39,28 @@ def hf_config(kind: str, **overrides: Any) -> Any:
     return config
 
 
+# Llama-like decoders small_hf_model builds as it builds Llama: (model class, config class, extra config);
+# Gemma 2 is post-norm (post_attention_layernorm / post_feedforward_layernorm after each row layer)
+LLAMA_LIKE = {"llama": ("LlamaForCausalLM", "LlamaConfig", {}),
+              "mistral": ("MistralForCausalLM", "MistralConfig", {}),
+              "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}),
+              "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", {"head_dim": 4, "attn_implementation": "eager",
+                                                                      "pad_token_id": None})}
+
+
 def small_hf_model(kind: str, layers: int, vocab: int, seq: int) -> torch.nn.Module:
-    """A 16-wide HF Llama (4 query / 2 key-value heads) or GPT-2 (2 heads) of `layers` blocks, untied,
-    dropout off, seeded: the tensor-parallel tests' models (heads a tensor degree of 2 divides)."""
+    """A 16-wide HF Llama, Mistral, Qwen2 or Gemma 2 (4 query / 2 key-value heads) or GPT-2 (2 heads)
+    of `layers` blocks, untied, dropout off, seeded: the tensor-parallel tests' models (heads a tensor
+    degree of 2 divides)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    if kind in LLAMA_LIKE:
+        model_class, config_class, extra = LLAMA_LIKE[kind]
+        return getattr(transformers, model_class)(getattr(transformers, config_class)(
             vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=seq, tie_word_embeddings=False))
+            num_key_value_heads=2, max_position_embeddings=seq, tie_word_embeddings=False, **extra))
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=vocab, n_positions=seq, n_embd=16, n_layer=layers, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))

@@ -20,7 +20,7 @@ from torch import nn
 from zerodist.comm.topology import Topology
 from zerodist.compat import pytree_registration_available
 from zerodist.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelConv1D
-from zerodist.tensor_parallel.domino import DominoBlock, DominoConfig, DominoTurns, apply_domino, find_blocks
+from zerodist.tensor_parallel.domino import DominoConfig, apply_domino, find_blocks
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zerodist.tensor_parallel.layers import slice_tensor, unslice_tensor
 from zerodist.tensor_parallel.operators import TensorRegion
@@ -65,39 +65,15 @@ def _is_demo_moe_gpt(model: nn.Module) -> bool:
 
 # [Note: Domino inter at ZeRO-3] Under inter-layer overlap a chunk parks at its block's last
 # row-parallel reduction and finishes the block (the reduced sum, then whatever the block computes
-# after it) while the next block runs, after ZeRO-3 released the block's parameters. A block that
-# reads a parameter after that reduction (a post-norm block: BERT's norm(x + fc_out(...)), Gemma's
-# post_feedforward_layernorm; an MoE block, whose experts run after the attention's reduction) would
-# read a released placeholder there, silently (the sharded-access check is per thread, and the chunks
-# run in threads of their own). ZeRO-3 keeps no block gathered until its parked chunks have left it,
-# so inter at stage 3 is allowed only on the blocks known to read nothing after the reduction but its
-# bias, which they copy while gathered: the demo GPT's (its residual branches), Hugging Face Llama's
-# and GPT-2's (pre-norm; the row layer's bias is chunk_bias'd in layers.py / conv1d.py).
-INTER_AT_STAGE3_MODEL_TYPES = ("llama", "gpt2")
-
-
-def _check_inter_at_stage3(model: nn.Module) -> None:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if _is_demo_gpt(model) or (model_type in INTER_AT_STAGE3_MODEL_TYPES and not _is_demo_moe_gpt(model)):
-        return
-    name = type(model).__name__ + (f" (model_type {model_type!r})" if isinstance(model_type, str) else "")
-    raise PlanError(f'Domino\'s "overlap": "inter" at ZeRO stage 3 on {name}: a chunk parked at a block\'s last '
-                    "row-parallel reduction finishes that block while the next block runs, after ZeRO-3 released "
-                    "the block's parameters, and a block that reads a parameter after that reduction (a post-norm "
-                    "block, an MoE block's experts) would read a released placeholder. It is allowed only on the "
-                    "demo GPT, Hugging Face Llama and GPT-2 (pre-norm blocks). Use "
-                    '"overlap": "intra" (zerodist.tensor_parallel.domino), or ZeRO stage 1 or 2')
-
-
-def _runs_inter_overlap(model: nn.Module) -> bool:
-    """Whether blocks of `model` already run Domino's inter-layer overlap (the user's apply_domino)."""
-    for module in model.modules():
-        settings = getattr(module, "_domino", None) if isinstance(module, DominoTurns) else None
-        config = settings.config if settings is not None else getattr(module, "config", None)
-        if isinstance(module, (DominoTurns, DominoBlock)) and isinstance(config, DominoConfig) \
-                and config.overlap == "inter":
-            return True
-    return False
+# after it: a post-norm, as BERT's norm(x + fc_out(...)) or Gemma's post_feedforward_layernorm; an
+# MoE block's experts after its attention's reduction) while the next block runs. A block run in
+# turns returns a `ChunkedStream`, an unfinished output ([Note: unfinished outputs] in
+# zerodist/utils/unfinished.py): ZeRO-3 frees the block's parameters, and arms its backward gather
+# on its outputs, only once the last chunk has left the block, so whatever the block reads after
+# that reduction is gathered, on any model (at most one block more gathered per rank: the one the
+# chunks are finishing, beside the one they start; docs/tensor_parallel.md). The demo GPT's blocks
+# (residual branches) read nothing after the reduction but a copy of the bias ([Note: Domino at
+# ZeRO-3] in plans.py / domino.py).
 
 
 TENSOR_PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelConv1D,
@@ -247,16 +223,12 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
         if existing != topology.size("tensor"):
             raise PlanError(f"the model was parallelized at tensor degree {existing}, but the config asks for "
                             f"{topology.size('tensor')}")
-        if settings.sharded_parameters and _runs_inter_overlap(model):  # the user's own apply_domino
-            _check_inter_at_stage3(model)
         return TensorParallelState(model, existing, "the model's own layers (parallelized before initialize)")
     if settings.degree == 1:
         if settings.domino is not None or settings.sequence_parallel:
             raise PlanError("zerodist.tensor_parallel.domino / sequence_parallel need a tensor degree above 1 "
                             "(tensor_parallel.autotp_size)")
         return TensorParallelState(model, 1, "")
-    if settings.domino is not None and settings.domino.overlap == "inter" and settings.sharded_parameters:
-        _check_inter_at_stage3(plan_for if plan_for is not None else model)  # on every rank, before any collective
     # Dropout streams: `replicated` equal on the tensor ranks, `sharded` different (attention heads);
     # seeded from this process's torch seed, which every rank sets alike to build the same model.
     rng = tensor_parallel_rng(topology, seed=torch.initial_seed())

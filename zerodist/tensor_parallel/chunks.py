@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -101,6 +102,7 @@ class Chunk:
         self.queue: collections.deque[Callable[[Any], Any]] = collections.deque()
         self.running = False  # inside an item (so parked at a reduction when it is not its turn)
         self.issues = 0       # reductions issued in the current item
+        self.done = 0         # items finished (block calls this chunk has left)
         self.parked_at: torch.Tensor | None = None  # the reduction it waits for while parked
         self.error: BaseException | None = None
         self.abort, self.alive = False, True
@@ -117,6 +119,8 @@ class Chunk:
                 self.running, self.issues = True, 0
                 try:
                     self.value = item(self.value)
+                    self.done += 1
+                    self.runner.record_done(self)
                 except _Abort:
                     self.running = False
                     break
@@ -178,6 +182,18 @@ def saved_tensor_hooks_now() -> SavedTensorHooks | None:
         return None
 
 
+_MISSING: Any = object()
+
+
+@dataclasses.dataclass
+class _Watch:
+    """A callback waiting for every chunk to finish one item (`ChunkRunner.when_done`)."""
+
+    item: int
+    callback: Callable[[list[Any]], None]
+    values: list[Any]
+
+
 class ChunkRunner:
     """The chunks of one forward and the baton they pass (see the module docstring)."""
 
@@ -188,6 +204,8 @@ class ChunkRunner:
                          for device in ("cpu", "cuda") if device == "cpu" or torch.cuda.is_available()}
         self.chunks = [Chunk(self, index, value) for index, value in enumerate(inputs)]
         self.closed = False
+        self.items = 0  # block calls submitted
+        self._watches: list[_Watch] = []  # [Note: unfinished outputs] in zerodist/utils/unfinished.py
 
     @contextlib.contextmanager
     def thread_state(self, hooks: SavedTensorHooks | None = None) -> Iterator[None]:
@@ -206,6 +224,29 @@ class ChunkRunner:
         """Queue one item per chunk: it receives the chunk's value and returns its next one."""
         for chunk, item in zip(self.chunks, items):
             chunk.queue.append(item)
+        self.items += 1
+
+    def when_done(self, item: int, callback: Callable[[list[Any]], None]) -> None:
+        """Call `callback(values)` (each chunk's value when it finished item `item`, the block call
+        of that number) once every chunk has finished it: at once if they have, else in the main
+        thread, in `run`, after the turn in which the last one did. Dropped if the runner closes first."""
+        if any(chunk.done > item + 1 for chunk in self.chunks):
+            raise AssertionError("when_done on an item a chunk has left behind it")  # its value is gone
+        self._watches.append(_Watch(item, callback, [chunk.value if chunk.done > item else _MISSING
+                                                     for chunk in self.chunks]))
+        self._fire()
+
+    def record_done(self, chunk: Chunk) -> None:
+        """`chunk` finished an item (in the chunk's thread, holding the baton): keep its value for a
+        watch on that item; the callbacks run in the main thread (`_fire`)."""
+        for watch in self._watches:
+            if watch.item == chunk.done - 1:
+                watch.values[chunk.index] = chunk.value
+
+    def _fire(self) -> None:
+        for watch in [w for w in self._watches if all(v is not _MISSING for v in w.values)]:
+            self._watches.remove(watch)
+            watch.callback(watch.values)
 
     def run(self, stay_parked: Callable[[Chunk], bool] | None = None) -> None:
         """Turns in chunk order until every chunk has run its queued items, or is parked where
@@ -223,6 +264,8 @@ class ChunkRunner:
                     if chunk.error is not None:
                         error, chunk.error = chunk.error, None
                         raise error
+                    if self._watches:
+                        self._fire()
                 if not progressed:
                     return
         except BaseException:
@@ -237,6 +280,7 @@ class ChunkRunner:
         if self.closed:
             return
         self.closed = True
+        self._watches = []  # a block its chunks never finished: nobody is called back
         for chunk in self.chunks:
             if chunk.alive:
                 chunk.abort = True

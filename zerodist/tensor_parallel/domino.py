@@ -43,6 +43,7 @@ from zerodist.tensor_parallel.chunks import (ChunkRunner, IssueReduction, Pendin
 from zerodist.tensor_parallel.conv1d import RowParallelConv1D
 from zerodist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from zerodist.tensor_parallel.operators import TensorRegion, UnevenSplitError
+from zerodist.utils.unfinished import UnfinishedOutput
 
 OVERLAPS = ("intra", "inter")
 
@@ -256,22 +257,27 @@ class DominoStreamError(TypeError):
     """A model read a block's output between Domino blocks under inter-layer overlap."""
 
 
-class ChunkedStream:
+class ChunkedStream(UnfinishedOutput):
     """What a block returns to the next one under inter-layer overlap: the chunks, some still
     inside this block (parked at their last reduction). Only the next Domino block reads their
     values; its `shape`, `dtype` and `device` are those of the block's input (a residual block's
     output has them), so glue between the blocks that computes positions, rotary embeddings or a
     causal mask from the hidden states' shape (a pipeline stage's: zerodist/pipe/split_plans.py)
-    runs unchanged."""
+    runs unchanged. The block is done when its last chunk has left it: `when_finished` ([Note:
+    unfinished outputs] in zerodist/utils/unfinished.py; ZeRO-3 keeps the block gathered until then)."""
 
-    def __init__(self, runner: ChunkRunner, batch: int, like: Any):
-        self._runner, self._batch = runner, batch
+    def __init__(self, runner: ChunkRunner, batch: int, like: Any, item: int):
+        self._runner, self._batch, self._item = runner, batch, item
         self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
         self._finalizer = weakref.finalize(self, runner.close)  # a forward abandoned between blocks
 
     def take(self) -> tuple[ChunkRunner, int]:
         self._finalizer.detach()
         return self._runner, self._batch
+
+    def when_finished(self, callback: Callable[[list[Any]], None]) -> None:
+        """`callback(outputs)`, each chunk's output of this block, once every chunk has left it."""
+        self._runner.when_done(self._item, callback)
 
     def __getattr__(self, name: str) -> Any:
         raise DominoStreamError(f"the model read .{name} of a block's output between Domino blocks; with "
@@ -373,7 +379,7 @@ def _run_in_turns(block: DominoTurns, forward: Callable[..., Any], x: Any, args:
     if inter:
         # Every chunk may wait at its last reduction of this block, under the next block's chunks.
         runner.run(lambda chunk: not chunk.queue and settings.issues is not None and chunk.issues >= settings.issues)
-        return ChunkedStream(runner, batch, x)
+        return ChunkedStream(runner, batch, x, runner.items - 1)
     runner.run()
     values = runner.values()
     runner.close()

@@ -289,6 +289,10 @@ class VocabParallelEmbedding(nn.Module):
         if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
             raise ValueError("VocabParallelEmbedding supports plain embeddings only "
                              "(no padding_idx, max_norm or sparse gradients)")
+        if type(embedding).forward is not nn.Embedding.forward:  # e.g. Gemma's, which scales the rows it looks up
+            raise ValueError(f"VocabParallelEmbedding replaces plain embeddings only; {type(embedding).__name__} has "
+                             "a forward of its own, which the vocab-parallel lookup would drop: leave it out of the "
+                             "plan (replicated over the tensor axis)")
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._setup(embedding.weight.detach(), region, sequence_parallel)

@@ -162,11 +162,14 @@ def hf_llama_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[
         raise ValueError(f"{type(model).__name__} has no config.base_model_tp_plan; write the plan by hand")
     prefix = getattr(model, "base_model_prefix", "model")
     plan: dict[str, str | PlanEntry] = {f"{prefix}.{pattern}": _hf_word(word) for pattern, word in base.items()}
-    plan[f"{prefix}.embed_tokens"] = "vocab"
     head, embedding = getattr(model, "lm_head", None), model.get_submodule(f"{prefix}.embed_tokens")
-    # tie_word_embeddings: the head keeps sharing the embedding's (vocab-parallel) weight
-    plan["lm_head"] = TiedHead(f"{prefix}.embed_tokens") if head is not None and head.weight is embedding.weight \
-        else "colwise_rep"
+    tied = head is not None and head.weight is embedding.weight
+    if type(embedding).forward is nn.Embedding.forward:
+        plan[f"{prefix}.embed_tokens"] = "vocab"
+        # tie_word_embeddings: the head keeps sharing the embedding's (vocab-parallel) weight
+        plan["lm_head"] = TiedHead(f"{prefix}.embed_tokens") if tied else "colwise_rep"
+    elif not tied:  # an embedding of its own forward (Gemma's scales its rows): kept whole, as the tied head
+        plan["lm_head"] = "colwise_rep"
     if sequence_parallel:
         plan.update(_llama_sequence_parallel(model, prefix))
     # q/k/v and gate/up read one normalised input each: one copy to the region per module.

@@ -6,7 +6,9 @@
               unit pre-hook    gather the unit (and prefetch the next); stages 1/2: wait for its
                                post-step gathers ([Note: overlapped parameter gather])
               unit post-hook   free it (not a unit kept for its backward: [Note: reuse between
-                               forward and backward]), arm its backward pre-hook
+                               forward and backward]), arm its backward pre-hook; for an output
+                               the unit still computes (Domino's inter overlap), both once it
+                               has finished ([Note: unfinished outputs] in utils/unfinished.py)
     backward: unit pre-hook    (first gradient reaching the unit's outputs) gather it again if
                                freed, prefetch the units before it
               bucket complete  reduce-scatter (the reducer), free the unit once all its buckets are
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 from zerodist.compat import tree_flatten
+from zerodist.utils.unfinished import UnfinishedOutput
 from zerodist.zero import sharded_access
 from zerodist.zero.optimizer import ZeroOptimizer
 from zerodist.zero.runtime import BACKWARD, FORWARD, UnitRuntime
@@ -113,11 +116,20 @@ def _pre_forward(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.ref[Un
 
 def _post_forward(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.ref[Unit], module: torch.nn.Module,
                   args: Any, output: Any) -> None:
+    if isinstance(output, UnfinishedOutput):  # the block runs on: [Note: unfinished outputs] in utils/unfinished.py
+        output.when_finished(functools.partial(_finished_forward, runtime_ref, unit_ref, torch.is_grad_enabled()))
+    else:
+        _finished_forward(runtime_ref, unit_ref, torch.is_grad_enabled(), tree_flatten(output)[0])
+
+
+def _finished_forward(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.ref[Unit], grad_enabled: bool,
+                      outputs: list[Any]) -> None:
+    """The unit's forward is done (its forward hook ran, or its unfinished output finished)."""
     runtime, unit = runtime_ref(), unit_ref()
     if runtime is None or unit is None:
         return
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-    backward_follows = bool(tensors) and torch.is_grad_enabled()
+    tensors = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    backward_follows = bool(tensors) and grad_enabled
     if not (backward_follows and unit.index in runtime.kept):
         runtime.release(unit)
     if backward_follows:
