@@ -40,16 +40,18 @@ def hf_config(kind: str, **overrides: Any) -> Any:
 
 
 # Llama-like decoders small_hf_model builds as it builds Llama: (model class, config class, extra config);
-# Gemma 2 is post-norm (post_attention_layernorm / post_feedforward_layernorm after each row layer)
+# Gemma 2 is post-norm (post_attention_layernorm / post_feedforward_layernorm after each row layer),
+# Mixtral's blocks end in a mixture of experts (4 experts, top 2)
 LLAMA_LIKE = {"llama": ("LlamaForCausalLM", "LlamaConfig", {}),
               "mistral": ("MistralForCausalLM", "MistralConfig", {}),
               "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}),
+              "mixtral": ("MixtralForCausalLM", "MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
               "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", {"head_dim": 4, "attn_implementation": "eager",
                                                                       "pad_token_id": None})}
 
 
 def small_hf_model(kind: str, layers: int, vocab: int, seq: int) -> torch.nn.Module:
-    """A 16-wide HF Llama, Mistral, Qwen2 or Gemma 2 (4 query / 2 key-value heads) or GPT-2 (2 heads)
+    """A 16-wide HF Llama, Mistral, Qwen2, Mixtral or Gemma 2 (4 query / 2 key-value heads) or GPT-2 (2 heads)
     of `layers` blocks, untied, dropout off, seeded: the tensor-parallel tests' models (heads a tensor
     degree of 2 divides)."""
     import transformers
