@@ -198,6 +198,44 @@ def test_domino_on_a_post_norm_model_at_zero3_is_exact():
     assert_states_match([states for states, _ in results], reference, "post-norm, the user's apply_domino")
 
 
+def gathered_peaks_body(overlap: str) -> tuple[list[tuple[int, int]], list[int]]:
+    """Per step, the peak of ZeRO-3's gathered parameter bytes in the forward and in the backward
+    (the engine's count: `engine.units.peak_live_bytes`), and each block's gathered bytes."""
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
+              "optimizer": {"type": "SGD", "params": {"lr": LR}},
+              "zero_optimization": {"stage": 3, **RELEASE_EVERY_BLOCK},
+              "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": POST_NORM_SPECS}},
+              "zerodist": {"tensor_parallel": {"domino": {"chunks": 2, "overlap": overlap}}}}
+    engine, _, _, _ = zerodist.initialize(model=PostNorm(), config=config)
+    peaks = []
+    for step in range(STEPS):
+        ids, labels = batch(step, 0)
+        engine.units.finish_gathers()
+        engine.units.reset_peak()
+        loss = torch.nn.functional.cross_entropy(engine(input_ids=ids).reshape(-1, VOCAB), labels.reshape(-1))
+        forward = engine.units.peak_live_bytes
+        engine.units.reset_peak()
+        engine.backward(loss)
+        peaks.append((forward, engine.units.peak_live_bytes))
+        engine.step()
+    blocks = [unit.nbytes for unit in engine.units.order]
+    engine.destroy()
+    return peaks, blocks
+
+
+def test_inter_at_zero3_keeps_at_most_one_more_block_gathered():
+    """The cost of keeping a block gathered until its chunks have left it: in the forward, at most one
+    block more than intra (the block the chunks finish, beside the one they start); the backward's
+    peak unchanged. Bytes counted by the engine (its gathered flat buffers), not the process's RSS."""
+    intra, = run_distributed(gathered_peaks_body, 2, "intra", timeout=240)[:1]
+    inter, = run_distributed(gathered_peaks_body, 2, "inter", timeout=240)[:1]
+    block = max(intra[1])
+    for (forward_intra, backward_intra), (forward_inter, backward_inter) in zip(intra[0], inter[0]):
+        assert forward_intra < forward_inter <= forward_intra + block, (intra, inter)
+        assert backward_inter == backward_intra, (intra, inter)
+
+
 def saved_views_body(domino: dict | None) -> int:
     """How many tensors ZeRO-3's SavedParameterViews packs as views of a gathered block (one forward
     and backward of GPT-2, every block released after its forward)."""
