@@ -198,9 +198,9 @@ def test_domino_on_a_post_norm_model_at_zero3_is_exact():
     assert_states_match([states for states, _ in results], reference, "post-norm, the user's apply_domino")
 
 
-def gathered_peaks_body(overlap: str) -> tuple[list[tuple[int, int]], list[int]]:
+def gathered_peaks_body(overlap: str) -> tuple[list[tuple[int, int]], list[int], list[tuple[int, int, int]]]:
     """Per step, the peak of ZeRO-3's gathered parameter bytes in the forward and in the backward
-    (the engine's count: `engine.units.peak_live_bytes`), and each block's gathered bytes."""
+    (the engine's count: `engine.units.peak_live_bytes`); each block's gathered bytes; every gather."""
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
               "optimizer": {"type": "SGD", "params": {"lr": LR}},
@@ -208,6 +208,13 @@ def gathered_peaks_body(overlap: str) -> tuple[list[tuple[int, int]], list[int]]
               "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": POST_NORM_SPECS}},
               "zerodist": {"tensor_parallel": {"domino": {"chunks": 2, "overlap": overlap}}}}
     engine, _, _, _ = zerodist.initialize(model=PostNorm(), config=config)
+    gathers, gather_for = [], engine.units.gather_for
+
+    def recording(unit, kind, prefetch_step=0):  # which unit, what for, and with the hooks' prefetch direction
+        gathers.append((unit.index, kind, prefetch_step))
+        return gather_for(unit, kind, prefetch_step)
+
+    engine.units.gather_for = recording
     peaks = []
     for step in range(STEPS):
         ids, labels = batch(step, 0)
@@ -221,19 +228,23 @@ def gathered_peaks_body(overlap: str) -> tuple[list[tuple[int, int]], list[int]]
         engine.step()
     blocks = [unit.nbytes for unit in engine.units.order]
     engine.destroy()
-    return peaks, blocks
+    return peaks, blocks, gathers
 
 
 def test_inter_at_zero3_keeps_at_most_one_more_block_gathered():
     """The cost of keeping a block gathered until its chunks have left it: in the forward, at most one
     block more than intra (the block the chunks finish, beside the one they start); the backward's
-    peak unchanged. Bytes counted by the engine (its gathered flat buffers), not the process's RSS."""
+    peak unchanged. Bytes counted by the engine (its gathered flat buffers), not the process's RSS. The
+    gathers are intra's: in backward each block is gathered by its backward pre-hook (armed on the
+    chunks' outputs of the block), before the part of it that ran in the next block's call, never by a
+    saved view finding it released (a gather with no prefetch direction)."""
     intra, = run_distributed(gathered_peaks_body, 2, "intra", timeout=240)[:1]
     inter, = run_distributed(gathered_peaks_body, 2, "inter", timeout=240)[:1]
     block = max(intra[1])
     for (forward_intra, backward_intra), (forward_inter, backward_inter) in zip(intra[0], inter[0]):
         assert forward_intra < forward_inter <= forward_intra + block, (intra, inter)
         assert backward_inter == backward_intra, (intra, inter)
+    assert inter[2] == intra[2] and all(prefetch for _, kind, prefetch in intra[2] if kind == 1), (intra, inter)
 
 
 def saved_views_body(domino: dict | None) -> int:
