@@ -15,6 +15,7 @@ import zerodist
 from tests.compose.parity import assert_states_match
 from tests.harness import run_distributed
 from tests.hf_models import small_hf_model
+from zerodist.tensor_parallel.plan import PlanError
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -245,6 +246,33 @@ def test_inter_at_zero3_keeps_at_most_one_more_block_gathered():
         assert forward_intra < forward_inter <= forward_intra + block, (intra, inter)
         assert backward_inter == backward_intra, (intra, inter)
     assert inter[2] == intra[2] and all(prefetch for _, kind, prefetch in intra[2] if kind == 1), (intra, inter)
+
+
+def moe_gpt_inter_body(stage: int) -> str | None:
+    from zerodist.models.gpt import GPTConfig
+    from zerodist.models.moe_gpt import MoEConfig, MoEGPT
+
+    torch.manual_seed(0)
+    model = MoEGPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=16, n_layers=2, n_heads=2, dropout=0.0),
+                   MoEConfig(num_experts=2))
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
+              "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": stage},
+              "tensor_parallel": {"autotp_size": 2},
+              "zerodist": {"tensor_parallel": {"domino": {"chunks": 2, "overlap": "inter"}}}}
+    try:
+        zerodist.initialize(model=model, config=config)[0].destroy()
+    except PlanError as error:
+        return str(error)
+    return None
+
+
+def test_inter_on_the_demo_moe_gpt_is_refused_at_initialize():
+    """Its blocks return (hidden, balance loss), which inter cannot pass between blocks: refused by
+    `initialize` on every rank, at every stage (was a DominoStreamError at the first forward below
+    stage 3)."""
+    for stage in (1, 3):
+        refusals = run_distributed(moe_gpt_inter_body, 2, stage, timeout=240)
+        assert all(isinstance(r, str) and "MoE GPT" in r and '"intra"' in r for r in refusals), refusals
 
 
 def saved_views_body(domino: dict | None) -> int:

@@ -229,6 +229,10 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, settings: Tensor
             raise PlanError("zerodist.tensor_parallel.domino / sequence_parallel need a tensor degree above 1 "
                             "(tensor_parallel.autotp_size)")
         return TensorParallelState(model, 1, "")
+    if settings.domino is not None and settings.domino.overlap == "inter" and \
+            _is_demo_moe_gpt(plan_for if plan_for is not None else model):  # on every rank, before any collective
+        raise PlanError('Domino\'s "overlap": "inter" on the demo MoE GPT: its blocks return (hidden, balance loss), '
+                        'and inter-layer overlap passes a tensor from block to block; use "overlap": "intra"')
     # Dropout streams: `replicated` equal on the tensor ranks, `sharded` different (attention heads);
     # seeded from this process's torch seed, which every rank sets alike to build the same model.
     rng = tensor_parallel_rng(topology, seed=torch.initial_seed())
