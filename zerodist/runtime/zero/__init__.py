@@ -6,9 +6,15 @@ from typing import Any
 
 import zerodist.zero as _zero
 from zerodist.runtime.zero import partition_parameters
-from zerodist.runtime.zero.served import GatheredParameters, Init
+from zerodist.runtime.zero.served import (
+    GatheredParameters,
+    Init,
+    register_external_parameter,
+    unregister_external_parameter,
+)
 
-__all__ = ["GatheredParameters", "Init", "partition_parameters"]
+__all__ = ["GatheredParameters", "Init", "partition_parameters", "register_external_parameter",
+           "unregister_external_parameter"]
 
 
 def __getattr__(name: str) -> Any:
