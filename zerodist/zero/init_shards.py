@@ -21,7 +21,9 @@ module's own parameters down to this rank's shard as soon as that module is buil
                keeps chunk ``rank``. The parameter itself is given the placeholder ZeRO-3 uses
                ([Note: sharded placeholder] in param_storage.py: one NaN broadcast to the full
                shape) and registered with the access check ([Note: sharded access check]), so its
-               values used outside a gather raise ``ShardedParameterError`` naming it. Nothing is
+               values used outside a gather raise ``ShardedParameterError`` naming it (``detach()``
+               passes, as ``.data`` does, since transformers reads ``model.state_dict()`` for its
+               keys; the alias has the placeholder's address, so using it raises). Nothing is
                set on the parameter or its module: the shard lives in this module's side table.
     gather     ``GatheredParameters`` all-gathers the shards into a full tensor the parameter points
                at, and on leaving (with ``modifier_rank``) broadcasts that rank's values and cuts
@@ -107,7 +109,7 @@ def partition(param: torch.nn.Parameter, name: str) -> None:
     record = _Shard(shard, param.shape, name, placeholder, sharded_access.Registration())
     _SHARDS[param] = record
     param.data = placeholder
-    record.registration.add(placeholder, name)
+    record.registration.add(placeholder, name, aliasable=True)
     weakref.finalize(param, record.registration.clear)  # a parameter dropped (tied away) leaves the check
 
 
@@ -157,7 +159,7 @@ def release(params: Iterable[torch.Tensor], modifier_rank: int | None) -> None:
         record.gathered -= 1
         if record.gathered == 0:
             param.data = record.placeholder
-            record.registration.add(record.placeholder, record.name)
+            record.registration.add(record.placeholder, record.name, aliasable=True)
 
 
 def _publish(param: torch.Tensor, record: _Shard, modifier_rank: int) -> None:
@@ -207,7 +209,7 @@ def rename(root: torch.nn.Module) -> None:
             record.registration.clear()
             record.name = name
             if record.gathered == 0:
-                record.registration.add(record.placeholder, name)
+                record.registration.add(record.placeholder, name, aliasable=True)
 
 
 def _building() -> set[int]:
