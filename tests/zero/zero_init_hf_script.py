@@ -88,7 +88,8 @@ def main() -> None:
     result = {"rank": comm.get_rank(), "world": comm.get_world_size(), "full_bytes": full_bytes,
               "held_bytes": init_shards.partitioned_bytes(model),
               "all_sharded": all(is_sharded(p) for p in model.parameters()),
-              "eager_sharded": any(is_sharded(p) for p in eager.parameters())}
+              "eager_sharded": any(is_sharded(p) for p in eager.parameters()),
+              "tied": [m.get_output_embeddings().weight is m.get_input_embeddings().weight for m in (model, eager)]}
     eager_values = {n: p.detach().clone() for n, p in eager.named_parameters()}
     result["init_diff"] = max_diff(full_state(model), eager_values)
     saved = Path(args.out, "saved")
