@@ -38,3 +38,24 @@ def test_hf_model_built_under_the_served_init_holds_a_shard_and_trains_as_the_ea
         assert measured["init_diff"] == 0.0 and measured["loaded_diff"] == 0.0
         assert measured["losses"] == measured["eager_losses"] and measured["train_diff"] == 0.0
         assert measured["tied"] == ([True, True] if kind == "gpt2" else [False, False])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_trainer_with_a_zero3_config_builds_under_the_served_init_and_logs_the_eager_builds_losses(tmp_path):
+    """`TrainingArguments(deepspeed=ds_z3.json)` then `from_config`: the model is built partitioned,
+    and `Trainer` logs the losses of the same script with the served Init building eagerly."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    runs = {}
+    for mode in ("partitioned", "eager"):
+        out = tmp_path / mode
+        out.mkdir()
+        args = [sys.executable, "-m", "zerodist", "run", "--as-deepspeed", "--nproc", "2", str(SCRIPT), "--out",
+                str(out), "--kind", "llama", "--trainer", mode]
+        result = run_group(args, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+        assert result.returncode == 0, result.stderr[-4000:]
+        runs[mode] = [json.loads((out / f"trainer{rank}.json").read_text()) for rank in range(2)]
+    assert all(r["held_bytes"] > 0 for r in runs["partitioned"]) and all(r["held_bytes"] == 0 for r in runs["eager"])
+    assert len(runs["eager"][0]["losses"]) == 3
+    assert runs["partitioned"][0]["losses"] == runs["eager"][0]["losses"]

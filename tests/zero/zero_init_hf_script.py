@@ -68,11 +68,37 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+def trainer(out: str, kind: str, partitioned: bool) -> None:
+    """`TrainingArguments(deepspeed=<LLaMA-Factory's ds_z3 template>)`, the model from `from_config`
+    after it (so under the served Init, or with `partitioned` off eagerly), trained by `Trainer`."""
+    import transformers
+
+    import zerodist.comm as comm
+    from zerodist.zero import init_shards
+
+    template = Path(__file__).resolve().parents[1] / "config" / "templates" / "llamafactory_ds_z3_config.json"
+    settings = dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+                    max_grad_norm=1.0, learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0,
+                    disable_tqdm=True, deepspeed=str(template), ddp_backend="gloo")
+    args = transformers.TrainingArguments(**settings)
+    model = build(kind, partitioned)
+    held = init_shards.partitioned_bytes(model)
+    ids = torch.randint(0, VOCAB, (48, SEQ), generator=torch.Generator().manual_seed(1))
+    run = transformers.Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids])
+    run.train()
+    losses = [h["loss"] for h in run.state.log_history if "loss" in h]
+    Path(out, f"trainer{comm.get_rank()}.json").write_text(json.dumps({"losses": losses, "held_bytes": held}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--kind", default="llama")
+    parser.add_argument("--trainer", choices=["partitioned", "eager"], default=None)
     args = parser.parse_args()
+    if args.trainer is not None:
+        trainer(args.out, args.kind, args.trainer == "partitioned")
+        return
     import transformers
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
