@@ -188,3 +188,31 @@ def test_register_external_parameter_refuses_what_is_not_a_module_and_parameter(
     from zerodist.runtime.zero import unregister_external_parameter
     with pytest.raises(ValueError, match="was not registered"):
         unregister_external_parameter(module, module.weight)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 2])
+@distributed_test(world_size=[2])
+def test_other_stages_adopt_the_shards_and_frozen_parameters_too(world_size, stage):
+    config = {**CONFIG, "zero_optimization": {**CONFIG["zero_optimization"], "stage": stage}}
+
+    def make():
+        model = make_mlp(seed=0)
+        model[0].bias.requires_grad_(False)
+        return model
+
+    model = built(make)
+    assert is_sharded(model[0].bias)
+    losses, state = train(model, config=config)
+    eager_losses, eager_state = train(make(), config=config)
+    assert losses == eager_losses
+    for key in eager_state:
+        assert torch.equal(state[key], eager_state[key]), key
+
+
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_casting_a_partitioned_model_before_initialize_names_the_parameter(world_size):
+    model = built(lambda: make_mlp(seed=0))
+    with pytest.raises(ShardedParameterError, match=r"'0\.weight' is a ZeRO-3 sharded parameter"):
+        model.to(torch.bfloat16)
