@@ -294,26 +294,31 @@ def partitioned_construction() -> Iterator[None]:
 # `module`'s forward reads `param`, which another module owns, so ZeRO-3 must gather it then too.
 # zerodist's plan puts such a parameter in the root unit (as it does a weight tied across units),
 # which stays gathered for the whole step: every forward can read it. Registered before
-# `initialize()`; the table holds the parameters weakly and nothing is set on them.
-_EXTERNAL: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> weak set of the modules that read it
+# `initialize()`. The table is keyed weakly by the reading module, never by the parameter (a weak
+# reference to a parameter would stop `swap_tensors` materialising a meta-built model), and nothing
+# is set on either.
+_EXTERNAL: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Parameter]] = weakref.WeakKeyDictionary()
 
 
-def register_external(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
+def register_external_parameter(module: torch.nn.Module, param: torch.nn.Parameter) -> None:  # DeepSpeed's name
+    """`module`'s forward reads `param`, which another module owns ([Note: external parameters])."""
     if not isinstance(module, torch.nn.Module) or not isinstance(param, torch.nn.Parameter):
         raise TypeError(f"register_external_parameter(module, parameter) takes an nn.Module and an nn.Parameter, "
                         f"got {type(module).__name__} and {type(param).__name__}")
-    _EXTERNAL.setdefault(param, weakref.WeakSet()).add(module)
+    params = _EXTERNAL.setdefault(module, [])
+    if all(p is not param for p in params):
+        params.append(param)
 
 
-def unregister_external(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
-    readers = _EXTERNAL.get(param)
-    if readers is None or module not in readers:
+def unregister_external_parameter(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
+    """Undo `register_external_parameter(module, param)`."""
+    params = _EXTERNAL.get(module, [])
+    if all(p is not param for p in params):
         raise ValueError(f"unregister_external_parameter: the parameter (shape {tuple(param.shape)}) was not "
                          f"registered as external to this {type(module).__name__}")
-    readers.discard(module)
-    if not readers:
-        del _EXTERNAL[param]
+    params[:] = [p for p in params if p is not param]
 
 
-def is_external(param: torch.Tensor) -> bool:
-    return bool(_EXTERNAL.get(param))
+def external_ids(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters registered as external to a module of `model`."""
+    return {id(p) for module in model.modules() for p in _EXTERNAL.get(module, [])}

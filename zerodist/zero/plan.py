@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from zerodist.comm.topology import DENSE, Domain
-from zerodist.zero.init_shards import is_external
+from zerodist.zero.init_shards import external_ids
 from zerodist.zero.units import select_unit_modules
 
 
@@ -85,8 +85,9 @@ def assign_units(model: torch.nn.Module, unit_modules: Sequence[tuple[str, torch
         if id(module) not in inside:
             for param in module.parameters(recurse=False):
                 owner[id(param)] = 0
+    external = external_ids(model)
     for param in model.parameters():
-        if is_external(param):
+        if id(param) in external:
             owner[id(param)] = 0
     return owner
 

@@ -48,16 +48,6 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> contextlib.Abstract
     return init_shards.partitioned_construction()
 
 
-def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
-    """DeepSpeed's hint that `module`'s forward reads `parameter` of another module. zerodist's
-    ZeRO-3 keeps such a parameter whole on every rank (see init_shards.register_external)."""
-    init_shards.register_external(module, parameter)
-
-
-def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
-    init_shards.unregister_external(module, parameter)
-
-
 class GatheredParameters(_ZeroGatheredParameters):
     """zerodist's; with ``modifier_rank``, parameters no engine holds yet are broadcast from it on exit."""
 
