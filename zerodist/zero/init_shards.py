@@ -13,8 +13,10 @@ module's own parameters down to this rank's shard as soon as that module is buil
                next layer is built, also inside ``nn.ModuleList([Layer() for ...])``: the peak is
                about one module's own parameters plus 1/world of the model. Buffers stay whole
                (DeepSpeed does not partition them either).
-    values     rank 0's, as DeepSpeed's ``Init`` does: each parameter is broadcast from rank 0 and
-               then cut, so ranks seeded alike (or not) hold the shards of one model; random init
+    values     rank 0's, as DeepSpeed's ``Init`` does (it broadcasts each parameter from rank 0):
+               the ranks compare digests of the parameters they are about to cut (one small
+               all-gather per batch) and only those some rank built otherwise are broadcast, so
+               ranks seeded alike (or not) hold the shards of one model; random init
                draws from the global RNG as an eager build does, so rank 0's model is the
                one-process build with the same seed.
     shard      the flattened parameter in ``world`` equal chunks (the last zero-padded); this rank
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import inspect
 import weakref
 from collections.abc import Iterable, Iterator
@@ -96,15 +99,43 @@ def _chunk(numel: int, world: int) -> int:
     return max(1, -(-numel // world))
 
 
+def partition_all(params: list[tuple[torch.nn.Parameter, str]]) -> None:
+    """Cut each of `params` (named) to this rank's shard of rank 0's values, and make its data the
+    placeholder. Ranks that built the same values (the same seed) compare 16-byte digests, one small
+    all-gather for the lot, and only a parameter some rank built otherwise is broadcast from rank 0:
+    a broadcast's receive buffers, freed among the shards, would raise the build's peak memory."""
+    world, _ = _world()
+    if world > 1 and params:
+        with torch.no_grad():
+            for param in _differing([p for p, _ in params]):
+                values = param.detach().contiguous()
+                comm.broadcast(values, src=0)
+                if values.data_ptr() != param.data_ptr():
+                    param.data.copy_(values)
+    for param, name in params:
+        partition(param, name)
+
+
+def _digest(tensor: torch.Tensor) -> bytes | None:
+    if tensor.device.type != "cpu":
+        return None  # compared by broadcasting
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.blake2b(flat.numpy().data, digest_size=16).digest()
+
+
+def _differing(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    digests = [_digest(p) for p in params]
+    everyone: list[Any] = [None] * comm.get_world_size()
+    comm.all_gather_object(everyone, digests)
+    return [p for i, p in enumerate(params) if digests[i] is None or any(d[i] != everyone[0][i] for d in everyone)]
+
+
 def partition(param: torch.nn.Parameter, name: str) -> None:
-    """Keep this rank's shard of `param` (rank 0's values) and make its data the placeholder."""
+    """Keep this rank's shard of `param` and make its data the placeholder (no collective: the
+    ranks already agree, `partition_all`)."""
     world, rank = _world()
     with torch.no_grad():
-        full = param.detach()
-        if world > 1:
-            full = full.contiguous()
-            comm.broadcast(full, src=0)
-        shard = _cut(full.reshape(-1), world, rank)
+        shard = _cut(param.detach().contiguous().reshape(-1), world, rank)
     _, (placeholder,) = sharded_access.placeholders([tuple(param.shape)], param.dtype, param.device)
     record = _Shard(shard, param.shape, name, placeholder, sharded_access.Registration())
     _SHARDS[param] = record
@@ -113,12 +144,44 @@ def partition(param: torch.nn.Parameter, name: str) -> None:
     weakref.finalize(param, record.registration.clear)  # a parameter dropped (tied away) leaves the check
 
 
-def _cut(flat: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+def _cut(flat: torch.Tensor, world: int, rank: int, into: torch.Tensor | None = None) -> torch.Tensor:
     chunk = _chunk(flat.numel(), world)
     low, high = min(rank * chunk, flat.numel()), min((rank + 1) * chunk, flat.numel())
-    shard = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
+    shard = _SLABS.take(chunk, flat.dtype, flat.device) if into is None else into
+    shard[high - low:].zero_()
     shard[: high - low].copy_(flat[low:high])
     return shard
+
+
+# [Note: shards in slabs] The full parameters a build frees lie among the shards it keeps. With
+# one allocation per shard, glibc serves the shards from the holes and the heap, and, having
+# raised its mmap threshold on the first freed block (see [Note: scratch above the mmap
+# threshold] in replay_init.py), keeps the freed parameters' memory: measured, a build's peak RSS
+# rose above the eager build's. The shards are therefore views into slabs of at least 64 MiB (an
+# mmapped block above the threshold's 32 MiB cap, so it never moves it); a slab goes when its last
+# shard does (after `initialize()` adopted them all).
+_SLAB_BYTES = 64 * 2**20
+
+
+class _Slabs:
+    def __init__(self) -> None:
+        self.current: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, int]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (dtype, device)
+        slab, used = self.current.get(key, (None, 0))
+        if slab is None or used + numel > slab.numel():
+            size = max(numel, _SLAB_BYTES // torch.empty((), dtype=dtype).element_size())
+            slab, used = torch.empty(size, dtype=dtype, device=device), 0
+        self.current[key] = (slab, used + numel)
+        return slab[used: used + numel]
+
+    def close(self) -> None:
+        """No further shards go into the current slabs (the block ended)."""
+        self.current = {}
+
+
+_SLABS = _Slabs()
 
 
 def _full(record: _Shard, device: torch.device | None = None) -> torch.Tensor:
@@ -175,7 +238,7 @@ def _publish(param: torch.Tensor, record: _Shard, modifier_rank: int) -> None:
             comm.broadcast(full, src=modifier_rank)
             if full.data_ptr() != param.data_ptr():
                 param.data.copy_(full)
-        record.shard = _cut(full.reshape(-1).to(record.shard.dtype), world, rank)
+        _cut(full.reshape(-1).to(record.shard.dtype), world, rank, into=record.shard)
 
 
 def restore(module: torch.nn.Module, device: torch.device) -> None:
@@ -254,7 +317,8 @@ class _Construction:
             self.pending = self._cut_built(building)
 
     def _cut_built(self, building: set[int]) -> list[weakref.ref[torch.nn.Module]]:
-        still = []
+        still: list[weakref.ref[torch.nn.Module]] = []
+        cut: list[tuple[torch.nn.Parameter, str]] = []
         for ref in self.pending:
             module = ref()
             if module is None:
@@ -262,9 +326,10 @@ class _Construction:
             if id(module) in building:
                 still.append(ref)
                 continue
-            for pname, param in module.named_parameters(recurse=False):
-                if param not in _SHARDS and not param.is_meta:
-                    partition(param, f"{type(module).__name__}.{pname}")
+            seen = {id(p) for p, _ in cut}
+            cut += [(param, f"{type(module).__name__}.{pname}") for pname, param in module.named_parameters(recurse=False)
+                    if param not in _SHARDS and not param.is_meta and id(param) not in seen]
+        partition_all(cut)
         return still
 
     def finish(self) -> None:
@@ -284,10 +349,16 @@ def partitioned_construction() -> Iterator[None]:
                hooks.register_module_module_registration_hook(construction.on_submodule)]
     try:
         yield
+    except BaseException:
+        _SLABS.close()
+        raise
     finally:
         for handle in handles:
             handle.remove()
-    construction.finish()  # not after an error: the model is not used then
+    try:
+        construction.finish()  # not after an error: the model is not used then
+    finally:
+        _SLABS.close()
 
 
 # [Note: external parameters] DeepSpeed's `register_external_parameter(module, param)` says that
