@@ -216,3 +216,17 @@ def test_casting_a_partitioned_model_before_initialize_names_the_parameter(world
     model = built(lambda: make_mlp(seed=0))
     with pytest.raises(ShardedParameterError, match=r"'0\.weight' is a ZeRO-3 sharded parameter"):
         model.to(torch.bfloat16)
+
+
+@pytest.mark.unit
+def test_served_init_checks_its_keywords_before_anything_is_built_and_takes_enabled_by_position():
+    import contextlib
+
+    with pytest.raises(ValueError, match=r"remote_device='cpu'.*offload is not implemented"):
+        Init(remote_device="cpu")
+    with pytest.raises(ValueError, match="module=.*pass it to initialize"):
+        Init(module=torch.nn.Linear(2, 2))
+    # DeepSpeed's positional order: module, data_parallel_group, mem_efficient_linear, remote_device,
+    # pin_memory, config_dict_or_path, config, enabled, dtype
+    assert isinstance(Init(None, None, True, None, False, None, None, False, None), contextlib.nullcontext)
+    assert isinstance(Init(enabled=False), contextlib.nullcontext)

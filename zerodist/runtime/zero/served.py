@@ -40,6 +40,10 @@ _ZeroInit = _zero.Init
 def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> contextlib.AbstractContextManager[Any]:  # noqa: N802
     """zerodist's ``Init`` keywords and checks; each module's parameters are cut to this rank's shard
     once it is built ([Note: from_pretrained under the served zero.Init])."""
+    if len(args) > 7:  # DeepSpeed's order: module, data_parallel_group, mem_efficient_linear, remote_device,
+        enabled = args[7]  # pin_memory, config_dict_or_path, config, enabled, dtype, mpu
+        kwargs.update(zip(("dtype", "mpu"), args[8:]))
+        args = args[:7]
     _ZeroInit(*args, **{**kwargs, "enabled": False})  # the keyword checks, before anything is built
     if not enabled:
         return contextlib.nullcontext()
