@@ -63,6 +63,7 @@ class _Shard:
     placeholder: torch.Tensor
     registration: sharded_access.Registration
     gathered: int = 0  # how many GatheredParameters blocks hold it whole now
+    finalizer: Any = None  # clears the registration should the parameter be dropped (tied away)
 
 
 # parameter -> its _Shard: zerodist's own bookkeeping, never on the parameter
@@ -141,7 +142,7 @@ def partition(param: torch.nn.Parameter, name: str) -> None:
     _SHARDS[param] = record
     param.data = placeholder
     record.registration.add(placeholder, name, aliasable=True)
-    weakref.finalize(param, record.registration.clear)  # a parameter dropped (tied away) leaves the check
+    record.finalizer = weakref.finalize(param, record.registration.clear)  # dropped (tied away): leaves the check
 
 
 def _cut(flat: torch.Tensor, world: int, rank: int, into: torch.Tensor | None = None) -> torch.Tensor:
@@ -247,6 +248,7 @@ def restore(module: torch.nn.Module, device: torch.device) -> None:
     for param, record in _ordered(module.parameters(recurse=False)):
         full = param.detach() if record.gathered else _full(record, device)
         record.registration.clear()
+        record.finalizer.detach()
         del _SHARDS[param]
         param.data = full.to(device)
 
