@@ -104,6 +104,19 @@ def test_each_module_is_cut_before_the_next_is_built(world_size):
 
 @pytest.mark.multiprocess
 @distributed_test(world_size=[2])
+def test_a_parameter_assigned_after_its_module_was_built_is_cut_too(world_size):
+    def make():
+        model = torch.nn.Linear(4, 4)
+        model.extra = torch.nn.Parameter(torch.arange(6.0))  # outside any __init__, still in the block
+        return model
+
+    model = built(make)
+    assert all(is_sharded(p) for p in model.parameters())
+    assert torch.equal(full_values(model)["extra"], torch.arange(6.0))
+
+
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
 def test_gathered_parameters_publishes_the_modifier_ranks_change_to_every_shard(world_size):
     model = built(lambda: make_mlp(seed=0))
     weight = model[0].weight

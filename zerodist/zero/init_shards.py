@@ -290,20 +290,23 @@ def _building() -> set[int]:
 
 
 class _Construction:
-    """One served ``Init`` block: the modules seen owning parameters, cut once built."""
+    """One served ``Init`` block: the modules seen owning parameters, cut once built.
+
+    Pending modules are held strongly until cut, so which modules are cut at each event depends on
+    the code alone, never on when garbage is collected: every rank cuts the same batches, in the
+    same order (each batch is one collective)."""
 
     def __init__(self) -> None:
-        self.pending: list[weakref.ref[torch.nn.Module]] = []
-        self.seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self.pending: dict[int, torch.nn.Module] = {}
         self.children: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self.owners: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
     def on_parameter(self, module: torch.nn.Module, name: str, param: Any) -> None:
-        if param is not None and module not in self.seen:
-            self.seen.add(module)
+        # The hook runs before the parameter is in the module: cut it at a later event (or the end).
+        self.settle(keep=module)
+        if param is not None:
             self.owners.add(module)
-            self.pending.append(weakref.ref(module))
-        self.settle()
+            self.pending.setdefault(id(module), module)
 
     def on_submodule(self, module: torch.nn.Module, name: str, submodule: Any) -> None:
         self.owners.add(module)
@@ -311,28 +314,27 @@ class _Construction:
             self.children.add(submodule)
         self.settle()
 
-    def settle(self, everything: bool = False) -> None:
+    def settle(self, everything: bool = False, keep: torch.nn.Module | None = None) -> None:
         if not self.pending:
             return
         building = set() if everything else _building()
+        if keep is not None:
+            building.add(id(keep))
         with sharded_access.suspended():  # leaving it puts the access check on the stack
-            self.pending = self._cut_built(building)
+            self._cut_built(building)
 
-    def _cut_built(self, building: set[int]) -> list[weakref.ref[torch.nn.Module]]:
-        still: list[weakref.ref[torch.nn.Module]] = []
+    def _cut_built(self, building: set[int]) -> None:
         cut: list[tuple[torch.nn.Parameter, str]] = []
-        for ref in self.pending:
-            module = ref()
-            if module is None:
+        taken: set[int] = set()
+        for key, module in list(self.pending.items()):
+            if key in building:
                 continue
-            if id(module) in building:
-                still.append(ref)
-                continue
-            seen = {id(p) for p, _ in cut}
-            cut += [(param, f"{type(module).__name__}.{pname}") for pname, param in module.named_parameters(recurse=False)
-                    if param not in _SHARDS and not param.is_meta and id(param) not in seen]
+            del self.pending[key]
+            for pname, param in module.named_parameters(recurse=False):
+                if param not in _SHARDS and not param.is_meta and id(param) not in taken:
+                    taken.add(id(param))
+                    cut.append((param, f"{type(module).__name__}.{pname}"))
         partition_all(cut)
-        return still
 
     def finish(self) -> None:
         self.settle(everything=True)
