@@ -193,6 +193,23 @@ def test_register_external_parameter_keeps_it_gathered_for_the_forward(world_siz
         assert torch.allclose(state[key], value, atol=1e-6), key
 
 
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_register_external_parameter_under_zerodists_own_meta_init(world_size):
+    """The table holds no weak reference to the parameter, so the meta build still materialises."""
+    torch.manual_seed(0)
+    with zerodist.zero.Init():
+        model = ReadsAnother(external=False)
+        zerodist.zero.register_external_parameter(model, model.b.weight)
+        zerodist.zero.register_external_parameter(model, model.b.bias)
+    losses, state = train(model)
+    torch.manual_seed(0)
+    eager_losses, eager_state = train(ReadsAnother(external=True))
+    assert losses == eager_losses
+    for key in eager_state:
+        assert torch.equal(state[key], eager_state[key]), key
+
+
 @pytest.mark.unit
 def test_register_external_parameter_refuses_what_is_not_a_module_and_parameter():
     module = torch.nn.Linear(2, 2)
