@@ -9,6 +9,7 @@ the verbs a schedule calls (`unshard`, `wait_unshard`, `reshard`, `reduce_gradie
 from zerodist.zero.apply import OptimizerRecipe, apply_zero
 from zerodist.zero.bucket import Bucket, BucketState, GradSyncPlan
 from zerodist.zero.flat_group import FlatParamGroup
+from zerodist.zero.init_shards import register_external_parameter, unregister_external_parameter
 from zerodist.zero.layout import FlatLayout, plan_layout
 from zerodist.zero.optimizer import StepResult, ZeroOptimizer
 from zerodist.zero.partition import Init
@@ -24,4 +25,5 @@ from zerodist.zero.units import Unit, UnitState
 __all__ = ["Bucket", "BucketState", "FlatLayout", "FlatParamGroup", "GatheredParameters", "GradReducer", "GradSyncPlan",
            "Init", "OptimizerRecipe", "ShardedParameterError", "Stage3ControlFlowError", "StepResult", "Unit",
            "UnitControlFlowError", "UnitRuntime", "UnitSettings", "UnitState", "ZeroOptimizer", "ZeroSettings",
-           "ZeroState", "apply_zero", "full_shape", "is_sharded", "plan_layout"]
+           "ZeroState", "apply_zero", "full_shape", "is_sharded", "plan_layout", "register_external_parameter",
+           "unregister_external_parameter"]

@@ -24,6 +24,7 @@ from zerodist.comm.topology import PARAMETER_AXES
 from zerodist.comm.domains import buffer_placements, parameter_placements
 from zerodist.comm.parts import Part
 from zerodist.utils import get_logger, log_rank0
+from zerodist.zero import init_shards
 from zerodist.zero.canonical import CanonicalSum
 from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.hierarchy import domain_group
@@ -64,7 +65,9 @@ def apply_zero(part: Part, topology: comm.Topology, settings: ZeroSettings, opti
     settings = dataclasses.replace(settings, precision=settings.precision.for_model(part.module))
     model, precision, sharding = part.module, settings.precision, settings.sharding
     device = comm.device_for_rank()
-    if device.type != "cpu" and not any(p.is_meta for p in model.parameters()):
+    if device.type != "cpu" and init_shards.holds_any(model):  # built under the served zero.Init
+        init_shards.move_unpartitioned(model, device)
+    elif device.type != "cpu" and not any(p.is_meta for p in model.parameters()):
         model.to(device)
     if (recast := precision.describe_recast(model)) is not None:  # before flattening and model.to() cast it
         log_rank0(logger, recast, level=logging.WARNING)

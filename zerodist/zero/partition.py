@@ -8,6 +8,9 @@ an eager build would have had, by replaying its tensors' recorded history (see
 materialised the unit is flattened (and at stage 3 sharded), so at stage 3 the peak is the
 shards plus about one unit. `apply_zero()` (apply.py) then makes the units and their runtime.
 
+A model built under the served `deepspeed.zero.Init` holds each parameter's shard in a side table
+(init_shards.py): each module's shards are gathered as the walk reaches it, then flattened the same way.
+
 A model put on the meta device by other means (`torch.device("meta")`) has no record: each of
 its modules with meta tensors is given storage and its own `reset_parameters()` is called, from
 the current RNG state; a module without one is an error.
@@ -27,6 +30,7 @@ from zerodist.comm import Group
 from zerodist.comm.domains import Placement
 from zerodist.comm.topology import Domain
 from zerodist.zero.buffer_pool import BufferPool
+from zerodist.zero import init_shards
 from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.init_keywords import check_init_keywords
 from zerodist.zero.plan import FlatPlan
@@ -115,6 +119,7 @@ def _has_meta_state(module: torch.nn.Module) -> bool:
 
 
 def _materialise(module: torch.nn.Module, name: str, device: torch.device) -> None:
+    init_shards.restore(module, device)  # cut by the served zero.Init ([Note: partitioned construction])
     if not _has_meta_state(module):
         return
     log = _INIT_LOGS.get(module)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from zerodist.comm.topology import DENSE, Domain
+from zerodist.zero.init_shards import external_ids
 from zerodist.zero.units import select_unit_modules
 
 
@@ -73,7 +74,8 @@ def bucket_capacity(reduce_bucket_size: int, allgather_bucket_size: int) -> int:
 
 def assign_units(model: torch.nn.Module, unit_modules: Sequence[tuple[str, torch.nn.Module]]) -> dict[int, int]:
     """Parameter id -> unit index (0 = root). A parameter reachable from two units (tied
-    weights) belongs to the root, which stays gathered for the whole step."""
+    weights) belongs to the root, which stays gathered for the whole step; so does one registered
+    with `register_external_parameter` ([Note: external parameters] in init_shards.py)."""
     owner: dict[int, int] = {}
     for index, (_, module) in enumerate(unit_modules, start=1):
         for param in module.parameters():
@@ -83,6 +85,10 @@ def assign_units(model: torch.nn.Module, unit_modules: Sequence[tuple[str, torch
         if id(module) not in inside:
             for param in module.parameters(recurse=False):
                 owner[id(param)] = 0
+    external = external_ids(model)
+    for param in model.parameters():
+        if id(param) in external:
+            owner[id(param)] = 0
     return owner
 
 

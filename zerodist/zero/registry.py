@@ -15,6 +15,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 import zerodist.comm as comm
+from zerodist.zero import init_shards
 from zerodist.zero.flat_group import FlatParamGroup
 from zerodist.zero.units import Unit, UnitState
 
@@ -79,6 +80,8 @@ def _owners(params: Iterable[torch.Tensor]) -> list[tuple[Any, Unit | None, Flat
 def is_sharded(param: torch.Tensor) -> bool:
     """Whether `param` is a ZeRO-3 parameter currently without its values (outside a gather):
     using its data then raises `ShardedParameterError` ([Note: sharded access check])."""
+    if init_shards.is_partitioned(param):  # cut by the served zero.Init, no engine yet
+        return True
     entry = _lookup(param)
     return entry is not None and entry[1] is not None and entry[1].state is not UnitState.UNSHARDED
 
@@ -94,7 +97,9 @@ class GatheredParameters:
     """Full parameters inside the block, on every rank (all ranks must enter it together).
 
     With `modifier_rank=r`, rank r's changes made inside the block are broadcast on exit and
-    partitioned again (master weights included); otherwise changes are discarded.
+    partitioned again (master weights included); otherwise changes are discarded. Parameters
+    partitioned by the served `deepspeed.zero.Init` before any engine holds them are gathered
+    and cut again the same way ([Note: partitioned construction] in init_shards.py).
 
         with zerodist.zero.GatheredParameters(model.head.weight, modifier_rank=0):
             if rank == 0:
@@ -111,6 +116,7 @@ class GatheredParameters:
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
+        init_shards.gather(self.params)
         units: dict[int, tuple[UnitGatherer, Unit]] = {}
         owners = _owners(self.params)
         for runtime in {id(r): r for r, _, _, _ in owners if r is not None}.values():
@@ -134,6 +140,7 @@ class GatheredParameters:
         for runtime, unit in self._gathered:
             runtime.reshard([unit])
         self._gathered = []
+        init_shards.release(self.params, self.modifier_rank if exc[0] is None else None)
 
     def _publish_changes(self) -> None:
         assert self.modifier_rank is not None

@@ -67,6 +67,9 @@ class _Entry(NamedTuple):
     placeholder: torch.Tensor  # kept alive so its address stays this parameter's
     name: str
     shape: torch.Size
+    # `detach()` passes too (its alias keeps the address, so using it raises): a parameter cut by
+    # the served zero.Init, whose model transformers asks `state_dict()` for its keys
+    aliasable: bool = False
 
 
 _ENTRIES: dict[int, _Entry] = {}
@@ -99,9 +102,9 @@ class Registration:
     def __init__(self) -> None:
         self.keys: list[int] = []
 
-    def add(self, tensor: torch.Tensor, name: str) -> None:
+    def add(self, tensor: torch.Tensor, name: str, aliasable: bool = False) -> None:
         key = tensor.data_ptr()
-        _ENTRIES[key] = _Entry(tensor, name, tensor.shape)
+        _ENTRIES[key] = _Entry(tensor, name, tensor.shape, aliasable)
         self.keys.append(key)
 
     def clear(self) -> None:
@@ -221,6 +224,7 @@ ALLOWED: frozenset[Any] = frozenset(
     + [getattr(torch.Tensor, n) for n in _METADATA_METHODS if hasattr(torch.Tensor, n)]
 )
 _DESCRIBED = frozenset([torch.Tensor.__repr__, torch.Tensor.__format__])
+_ALIASES = frozenset([torch.Tensor.detach])
 
 
 def describe(entry: _Entry) -> str:
@@ -249,7 +253,7 @@ class ShardedAccessCheck(TorchFunctionMode):
             pending.finish()
         if _ENTRIES and not _STATE.placeholders_unchecked:
             entry = _find(args, kwargs)
-            if entry is not None and func not in ALLOWED:
+            if entry is not None and func not in ALLOWED and not (entry.aliasable and func in _ALIASES):
                 if func in _DESCRIBED:
                     return describe(entry)
                 raise ShardedParameterError(

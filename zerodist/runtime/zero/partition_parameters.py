@@ -2,9 +2,11 @@
 
 transformers' ``prevent_arange_dtype_change`` swaps ``zero_wrapper_for_fp_tensor_constructor``
 (DeepSpeed's ``zero.Init`` wraps torch's tensor constructors to cast them) around model construction;
-the served ``zero.Init`` builds eagerly and wraps nothing (zerodist/runtime/zero/served.py),
-so the wrapper here hands the constructor back unchanged. ``ZeroParamStatus`` is DeepSpeed's enum;
-zerodist sets no such attribute on parameters (``zerodist.zero.is_sharded`` answers the question).
+the served ``zero.Init`` wraps no constructor (it cuts each module's parameters once built, with the
+dtype they were built in: [Note: partitioned construction] in zerodist/zero/init_shards.py), so the
+wrapper here hands the constructor back unchanged. ``ZeroParamStatus`` is DeepSpeed's enum;
+zerodist sets no such attribute on parameters (``zerodist.zero.is_sharded`` answers the question, for
+parameters cut by the served ``Init`` too).
 """
 
 from __future__ import annotations

@@ -3,18 +3,23 @@ two names transformers' ZeRO-3 loading calls, given the outcome DeepSpeed gives 
 
 [Note: from_pretrained under the served zero.Init]
 Under ZeRO-3 transformers builds the model inside ``deepspeed.zero.Init(config_dict_or_path=...)``,
-then loads the checkpoint module by module inside ``GatheredParameters(params, modifier_rank=0)``
-with only rank 0 copying the values in (``_load_state_dict_into_zero3_model``; the same for
-``initialize_weights_zero3``): DeepSpeed's partitioned parameters carry rank 0's values to every
-rank when the block exits. zerodist's ``Init`` builds on the meta device and materialises the
-*initialisation* later, in ``initialize()``, so values copied in before that would be lost. Served
-to transformers, therefore:
+then initialises and loads it module by module inside ``GatheredParameters(params,
+modifier_rank=0)`` with only rank 0 writing the values (``initialize_weights_zero3``,
+``_load_state_dict_into_zero3_model``): DeepSpeed's partitioned parameters carry rank 0's values to
+every rank when the block exits. zerodist's own ``zerodist.zero.Init`` builds on the meta device
+and materialises the *initialisation* in ``initialize()``, where values copied in before would be
+lost. Served to transformers, therefore:
 
-- ``Init`` validates its keywords as zerodist's does, then builds eagerly (``initialize()``
-  shards the built model: no construction-time memory saving, the same values);
-- ``GatheredParameters`` with a ``modifier_rank`` also broadcasts, on exit, the parameters no engine
-  holds yet from that rank (what DeepSpeed's partitioned parameters would have carried), and
-  behaves as zerodist's for the parameters an engine holds.
+- ``Init`` validates its keywords as zerodist's does, then builds eagerly on the CPU and cuts each
+  module's parameters to this rank's shard as soon as the module is built (rank 0's values, as
+  DeepSpeed broadcasts them): [Note: partitioned construction] in zerodist/zero/init_shards.py.
+  ``enabled=False`` builds eagerly without cutting.
+- ``GatheredParameters`` gathers those shards, and with a ``modifier_rank`` cuts that rank's
+  values again on exit; for the parameters an engine holds it is zerodist's; parameters built
+  outside ``Init`` that no engine holds yet are, with a ``modifier_rank``, broadcast from it on exit
+  (what DeepSpeed's partitioned parameters would have carried).
+- ``initialize()`` adopts the shards module by module (``build_groups``), never holding the whole
+  model on a rank.
 """
 
 from __future__ import annotations
@@ -26,16 +31,25 @@ import torch
 
 import zerodist.comm as comm
 import zerodist.zero as _zero
-from zerodist.zero import registry
+from zerodist.zero import init_shards, registry
 
 _ZeroGatheredParameters = _zero.GatheredParameters
 _ZeroInit = _zero.Init
 
 
-def Init(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[Any]:  # noqa: N802
-    """zerodist's ``Init`` keywords and checks; the model is built eagerly ([Note: from_pretrained under the served zero.Init])."""
-    kwargs["enabled"] = False
-    return _ZeroInit(*args, **kwargs)
+def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> contextlib.AbstractContextManager[Any]:  # noqa: N802
+    """zerodist's ``Init`` keywords and checks; each module's parameters are cut to this rank's shard
+    once it is built ([Note: from_pretrained under the served zero.Init])."""
+    if len(args) > 7:  # DeepSpeed's order: module, data_parallel_group, mem_efficient_linear, remote_device,
+        enabled = args[7]  # pin_memory, config_dict_or_path, config, enabled, dtype, mpu
+        kwargs.update(zip(("dtype", "mpu"), args[8:]))
+        args = args[:7]
+    _ZeroInit(*args, **{**kwargs, "enabled": False})  # the keyword checks, before anything is built
+    if not enabled:
+        return contextlib.nullcontext()
+    if not comm.is_initialized():
+        comm.init_distributed()  # as DeepSpeed's Init does: the shards need the world
+    return init_shards.partitioned_construction()
 
 
 class GatheredParameters(_ZeroGatheredParameters):
@@ -46,7 +60,7 @@ class GatheredParameters(_ZeroGatheredParameters):
         if not self.enabled or self.modifier_rank is None or exc[0] is not None:
             return
         loose = [p for p in self.params if isinstance(p, torch.Tensor) and not p.is_meta
-                 and not registry._owners([p])]
+                 and not registry._owners([p]) and init_shards.entry(p) is None]
         if loose and comm.get_world_size() > 1:
             with torch.no_grad():
                 for param in loose:

@@ -1,0 +1,399 @@
+"""Partitioned construction for the served ``deepspeed.zero.Init``: each parameter keeps only this
+rank's shard as soon as its module's ``__init__`` has returned.
+
+[Note: partitioned construction] ``with deepspeed.zero.Init(...)`` (served by zerodist, and entered by
+transformers under ZeRO-3) builds the model eagerly on the CPU, one module at a time, and cuts each
+module's own parameters down to this rank's shard as soon as that module is built:
+
+    when       torch's global registration hooks (parameter, buffer, submodule) fire all through a
+               model's construction. At each of them (and when the block ends) every module that
+               owns parameters and whose ``__init__`` is no longer running (no ``__init__`` frame on
+               the stack has it as ``self``) is partitioned. A layer's ``Linear`` is thus cut when
+               the layer assigns it (``self.q = Linear(...)`` registers a submodule), before the
+               next layer is built, also inside ``nn.ModuleList([Layer() for ...])``: the peak is
+               about one module's own parameters plus 1/world of the model. Buffers stay whole
+               (DeepSpeed does not partition them either).
+    values     rank 0's, as DeepSpeed's ``Init`` does (it broadcasts each parameter from rank 0):
+               the ranks compare digests of the parameters they are about to cut (one small
+               all-gather per batch) and only those some rank built otherwise are broadcast, so
+               ranks seeded alike (or not) hold the shards of one model; random init
+               draws from the global RNG as an eager build does, so rank 0's model is the
+               one-process build with the same seed.
+    shard      the flattened parameter in ``world`` equal chunks (the last zero-padded); this rank
+               keeps chunk ``rank``. The parameter itself is given the placeholder ZeRO-3 uses
+               ([Note: sharded placeholder] in param_storage.py: one NaN broadcast to the full
+               shape) and registered with the access check ([Note: sharded access check]), so its
+               values used outside a gather raise ``ShardedParameterError`` naming it (``detach()``
+               passes, as ``.data`` does, since transformers reads ``model.state_dict()`` for its
+               keys; the alias has the placeholder's address, so using it raises). Nothing is
+               set on the parameter or its module: the shard lives in this module's side table.
+    gather     ``GatheredParameters`` all-gathers the shards into a full tensor the parameter points
+               at, and on leaving (with ``modifier_rank``) broadcasts that rank's values and cuts
+               the shard again; nested blocks keep a parameter whole until the outermost ends.
+    adoption   ``initialize()`` (``build_groups`` in partition.py) walks the modules as it does
+               for a meta-built model and gathers each module's shards just before its unit is
+               flattened (and at stage 3 sharded again by the flat layout): the model is never
+               whole on a rank, the peak is the shards plus about one unit, as for a meta build.
+               The per-parameter chunks are not the flat layout's shards (which pad buckets), so
+               the unit is gathered rather than taken over as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import inspect
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+import zerodist.comm as comm
+from zerodist.zero import sharded_access
+
+
+@dataclasses.dataclass(eq=False)
+class _Shard:
+    shard: torch.Tensor  # this rank's chunk of the flattened parameter, zero-padded
+    shape: torch.Size
+    name: str
+    placeholder: torch.Tensor
+    registration: sharded_access.Registration
+    gathered: int = 0  # how many GatheredParameters blocks hold it whole now
+    finalizer: Any = None  # clears the registration should the parameter be dropped (tied away)
+
+
+# parameter -> its _Shard: zerodist's own bookkeeping, never on the parameter
+_SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _world() -> tuple[int, int]:
+    if not comm.is_initialized():
+        return 1, 0
+    return comm.get_world_size(), comm.get_rank()
+
+
+def entry(param: torch.Tensor) -> _Shard | None:
+    return _SHARDS.get(param)
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    """Whether `param` was cut by the served ``zero.Init`` and is not inside a gather now."""
+    found = _SHARDS.get(param)
+    return found is not None and found.gathered == 0
+
+
+def holds_any(module: torch.nn.Module) -> bool:
+    return any(p in _SHARDS for p in module.parameters())
+
+
+def partitioned_bytes(module: torch.nn.Module) -> int:
+    """Bytes of `module`'s partitioned parameters this rank holds (their shards)."""
+    seen = {id(p): _SHARDS.get(p) for p in module.parameters()}
+    return sum(e.shard.numel() * e.shard.element_size() for e in seen.values() if e is not None)
+
+
+def _chunk(numel: int, world: int) -> int:
+    return max(1, -(-numel // world))
+
+
+def partition_all(params: list[tuple[torch.nn.Parameter, str]]) -> None:
+    """Cut each of `params` (named) to this rank's shard of rank 0's values, and make its data the
+    placeholder. Ranks that built the same values (the same seed) compare 16-byte digests, one small
+    all-gather for the lot, and only a parameter some rank built otherwise is broadcast from rank 0:
+    a broadcast's receive buffers, freed among the shards, would raise the build's peak memory."""
+    world, _ = _world()
+    if world > 1 and params:
+        with torch.no_grad():
+            for param in _differing([p for p, _ in params]):
+                values = param.detach().contiguous()
+                comm.broadcast(values, src=0)
+                if values.data_ptr() != param.data_ptr():
+                    param.data.copy_(values)
+    for param, name in params:
+        partition(param, name)
+
+
+def _digest(tensor: torch.Tensor) -> bytes | None:
+    if tensor.device.type != "cpu":
+        return None  # compared by broadcasting
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.blake2b(flat.numpy().data, digest_size=16).digest()
+
+
+def _differing(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    digests = [_digest(p) for p in params]
+    everyone: list[Any] = [None] * comm.get_world_size()
+    comm.all_gather_object(everyone, digests)
+    return [p for i, p in enumerate(params) if digests[i] is None or any(d[i] != everyone[0][i] for d in everyone)]
+
+
+def partition(param: torch.nn.Parameter, name: str) -> None:
+    """Keep this rank's shard of `param` and make its data the placeholder (no collective: the
+    ranks already agree, `partition_all`)."""
+    world, rank = _world()
+    with torch.no_grad():
+        shard = _cut(param.detach().contiguous().reshape(-1), world, rank)
+    _, (placeholder,) = sharded_access.placeholders([tuple(param.shape)], param.dtype, param.device)
+    record = _Shard(shard, param.shape, name, placeholder, sharded_access.Registration())
+    _SHARDS[param] = record
+    param.data = placeholder
+    record.registration.add(placeholder, name, aliasable=True)
+    record.finalizer = weakref.finalize(param, record.registration.clear)  # dropped (tied away): leaves the check
+
+
+def _cut(flat: torch.Tensor, world: int, rank: int, into: torch.Tensor | None = None) -> torch.Tensor:
+    chunk = _chunk(flat.numel(), world)
+    low, high = min(rank * chunk, flat.numel()), min((rank + 1) * chunk, flat.numel())
+    shard = _SLABS.take(chunk, flat.dtype, flat.device) if into is None else into
+    shard[high - low:].zero_()
+    shard[: high - low].copy_(flat[low:high])
+    return shard
+
+
+# [Note: shards in slabs] The full parameters a build frees lie among the shards it keeps. With
+# one allocation per shard, glibc serves the shards from the holes and the heap, and, having
+# raised its mmap threshold on the first freed block (see [Note: scratch above the mmap
+# threshold] in replay_init.py), keeps the freed parameters' memory: measured, a build's peak RSS
+# rose above the eager build's. The shards are therefore views into slabs of at least 64 MiB (an
+# mmapped block above the threshold's 32 MiB cap, so it never moves it); a slab goes when its last
+# shard does (after `initialize()` adopted them all).
+_SLAB_BYTES = 64 * 2**20
+
+
+class _Slabs:
+    def __init__(self) -> None:
+        self.current: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, int]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (dtype, device)
+        slab, used = self.current.get(key, (None, 0))
+        if slab is None or used + numel > slab.numel():
+            size = max(numel, _SLAB_BYTES // torch.empty((), dtype=dtype).element_size())
+            slab, used = torch.empty(size, dtype=dtype, device=device), 0
+        self.current[key] = (slab, used + numel)
+        return slab[used: used + numel]
+
+    def close(self) -> None:
+        """No further shards go into the current slabs (the block ended)."""
+        self.current = {}
+
+
+_SLABS = _Slabs()
+
+
+def _full(record: _Shard, device: torch.device | None = None) -> torch.Tensor:
+    world, _ = _world()
+    shard = record.shard if device is None else record.shard.to(device)
+    if world == 1:
+        return shard[: record.shape.numel()].clone().view(record.shape)
+    out = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
+    comm.all_gather(out, shard)
+    return out[: record.shape.numel()].view(record.shape)
+
+
+def _ordered(params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, _Shard]]:
+    unique = {id(p): p for p in params if isinstance(p, torch.Tensor)}
+    return [(p, e) for p in unique.values() if (e := _SHARDS.get(p)) is not None]
+
+
+def gather(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Make the partitioned ones among `params` whole (every rank, same order); returns them."""
+    held = _ordered(params)
+    for param, record in held:
+        record.gathered += 1
+        if record.gathered == 1:
+            full = _full(record)
+            record.registration.clear()  # first: the check refuses setting the data of a registered one
+            param.data = full
+    return [p for p, _ in held]
+
+
+def release(params: Iterable[torch.Tensor], modifier_rank: int | None) -> None:
+    """End one gather of `params`: with `modifier_rank`, that rank's values become everyone's
+    shards; the outermost gather's end makes them placeholders again."""
+    for param, record in _ordered(params):
+        if record.gathered == 0:
+            continue
+        if modifier_rank is not None:
+            _publish(param, record, modifier_rank)
+        record.gathered -= 1
+        if record.gathered == 0:
+            param.data = record.placeholder
+            record.registration.add(record.placeholder, record.name, aliasable=True)
+
+
+def _publish(param: torch.Tensor, record: _Shard, modifier_rank: int) -> None:
+    if tuple(param.shape) != tuple(record.shape):
+        raise RuntimeError(f"'{record.name}' changed shape inside GatheredParameters ({tuple(record.shape)} -> "
+                           f"{tuple(param.shape)}); a partitioned parameter may change its values only: "
+                           "build the model with the new shape instead")
+    world, rank = _world()
+    with torch.no_grad():
+        full = param.detach()
+        if world > 1:
+            full = full.contiguous()
+            comm.broadcast(full, src=modifier_rank)
+            if full.data_ptr() != param.data_ptr():
+                param.data.copy_(full)
+        _cut(full.reshape(-1).to(record.shard.dtype), world, rank, into=record.shard)
+
+
+def restore(module: torch.nn.Module, device: torch.device) -> None:
+    """`module`'s own partitioned parameters whole again, on `device`, and out of the table (the
+    engine holds them from now on): ``initialize()``'s adoption, one module at a time."""
+    for param, record in _ordered(module.parameters(recurse=False)):
+        full = param.detach() if record.gathered else _full(record, device)
+        record.registration.clear()
+        record.finalizer.detach()
+        del _SHARDS[param]
+        param.data = full.to(device)
+
+
+def move_unpartitioned(model: torch.nn.Module, device: torch.device) -> None:
+    """`model.to(device)` for all but the partitioned parameters (which `restore` moves): the
+    buffers, and any parameter built outside the block."""
+    with torch.no_grad():
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.device != device:
+                    setattr(module, name, buffer.to(device))
+            for param in module.parameters(recurse=False):
+                if param not in _SHARDS and param.device != device:
+                    param.data = param.data.to(device)
+
+
+def rename(root: torch.nn.Module) -> None:
+    """Name `root`'s partitioned parameters by their path in it (errors then name the model's path)."""
+    for name, param in root.named_parameters():
+        record = _SHARDS.get(param)
+        if record is not None and record.name != name:
+            record.registration.clear()
+            record.name = name
+            if record.gathered == 0:
+                record.registration.add(record.placeholder, name, aliasable=True)
+
+
+def _building() -> set[int]:
+    """ids of the objects whose ``__init__`` is running now (on this thread's stack)."""
+    found: set[int] = set()
+    frame = inspect.currentframe()
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__init__" and code.co_argcount:
+            found.add(id(frame.f_locals.get(code.co_varnames[0])))
+        frame = frame.f_back
+    return found
+
+
+class _Construction:
+    """One served ``Init`` block: the modules seen owning parameters, cut once built.
+
+    Pending modules are held strongly until cut, so which modules are cut at each event depends on
+    the code alone, never on when garbage is collected: every rank cuts the same batches, in the
+    same order (each batch is one collective)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, torch.nn.Module] = {}
+        self.children: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self.owners: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+    def on_parameter(self, module: torch.nn.Module, name: str, param: Any) -> None:
+        # The hook runs before the parameter is in the module: cut it at a later event (or the end).
+        self.settle(keep=module)
+        if param is not None:
+            self.owners.add(module)
+            self.pending.setdefault(id(module), module)
+
+    def on_submodule(self, module: torch.nn.Module, name: str, submodule: Any) -> None:
+        self.owners.add(module)
+        if submodule is not None:
+            self.children.add(submodule)
+        self.settle()
+
+    def settle(self, everything: bool = False, keep: torch.nn.Module | None = None) -> None:
+        if not self.pending:
+            return
+        building = set() if everything else _building()
+        if keep is not None:
+            building.add(id(keep))
+        with sharded_access.suspended():  # leaving it puts the access check on the stack
+            self._cut_built(building)
+
+    def _cut_built(self, building: set[int]) -> None:
+        cut: list[tuple[torch.nn.Parameter, str]] = []
+        taken: set[int] = set()
+        for key, module in list(self.pending.items()):
+            if key in building:
+                continue
+            del self.pending[key]
+            for pname, param in module.named_parameters(recurse=False):
+                if param not in _SHARDS and not param.is_meta and id(param) not in taken:
+                    taken.add(id(param))
+                    cut.append((param, f"{type(module).__name__}.{pname}"))
+        partition_all(cut)
+
+    def finish(self) -> None:
+        self.settle(everything=True)
+        with sharded_access.suspended():
+            for root in [m for m in self.owners if m not in self.children]:
+                rename(root)
+
+
+@contextlib.contextmanager
+def partitioned_construction() -> Iterator[None]:
+    """The served ``zero.Init`` block ([Note: partitioned construction])."""
+    construction = _Construction()
+    hooks = torch.nn.modules.module
+    handles = [hooks.register_module_parameter_registration_hook(construction.on_parameter),
+               hooks.register_module_buffer_registration_hook(lambda m, n, b: construction.settle()),
+               hooks.register_module_module_registration_hook(construction.on_submodule)]
+    try:
+        yield
+    except BaseException:
+        _SLABS.close()
+        raise
+    finally:
+        for handle in handles:
+            handle.remove()
+    try:
+        construction.finish()  # not after an error: the model is not used then
+    finally:
+        _SLABS.close()
+
+
+# [Note: external parameters] DeepSpeed's `register_external_parameter(module, param)` says that
+# `module`'s forward reads `param`, which another module owns, so ZeRO-3 must gather it then too.
+# zerodist's plan puts such a parameter in the root unit (as it does a weight tied across units),
+# which stays gathered for the whole step: every forward can read it. Registered before
+# `initialize()`. The table is keyed weakly by the reading module, never by the parameter (a weak
+# reference to a parameter would stop `swap_tensors` materialising a meta-built model), and nothing
+# is set on either.
+_EXTERNAL: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Parameter]] = weakref.WeakKeyDictionary()
+
+
+def register_external_parameter(module: torch.nn.Module, param: torch.nn.Parameter) -> None:  # DeepSpeed's name
+    """`module`'s forward reads `param`, which another module owns ([Note: external parameters])."""
+    if not isinstance(module, torch.nn.Module) or not isinstance(param, torch.nn.Parameter):
+        raise TypeError(f"register_external_parameter(module, parameter) takes an nn.Module and an nn.Parameter, "
+                        f"got {type(module).__name__} and {type(param).__name__}")
+    params = _EXTERNAL.setdefault(module, [])
+    if all(p is not param for p in params):
+        params.append(param)
+
+
+def unregister_external_parameter(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
+    """Undo `register_external_parameter(module, param)`."""
+    params = _EXTERNAL.get(module, [])
+    if all(p is not param for p in params):
+        raise ValueError(f"unregister_external_parameter: the parameter (shape {tuple(param.shape)}) was not "
+                         f"registered as external to this {type(module).__name__}")
+    params[:] = [p for p in params if p is not param]
+
+
+def external_ids(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters registered as external to a module of `model`."""
+    return {id(p) for module in model.modules() for p in _EXTERNAL.get(module, [])}
