@@ -11,7 +11,11 @@ rank when the block exits. zerodist's ``Init`` builds on the meta device and mat
 to transformers, therefore:
 
 - ``Init`` validates its keywords as zerodist's does, then builds eagerly (``initialize()``
-  shards the built model: no construction-time memory saving, the same values);
+  shards the built model: no construction-time memory saving, the same values). A config dict
+  whose ``"auto"`` values the Trainer has not filled yet is checked without them, as DeepSpeed's
+  ``Init`` reads it: axolotl loads the model under a fresh ``HfTrainerDeepSpeedConfig`` of its
+  template with only the batch sizes filled (``gradient_clipping``, ``fp16.enabled``,
+  ``bf16.enabled`` still ``"auto"``); the Trainer fills them before ``initialize()``, which checks them;
 - ``GatheredParameters`` with a ``modifier_rank`` also broadcasts, on exit, the parameters no engine
   holds yet from that rank (what DeepSpeed's partitioned parameters would have carried), and
   behaves as zerodist's for the parameters an engine holds.
@@ -20,11 +24,13 @@ to transformers, therefore:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 import zerodist.comm as comm
+from zerodist.config.auto import drop_trainer_auto
 import zerodist.zero as _zero
 from zerodist.zero import registry
 
@@ -35,6 +41,11 @@ _ZeroInit = _zero.Init
 def Init(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[Any]:  # noqa: N802
     """zerodist's ``Init`` keywords and checks; the model is built eagerly ([Note: from_pretrained under the served zero.Init])."""
     kwargs["enabled"] = False
+    for name in ("config_dict_or_path", "config"):
+        if isinstance(kwargs.get(name), Mapping):
+            kwargs[name], pending = drop_trainer_auto(kwargs[name])
+            if "fp16.enabled" in pending or "bf16.enabled" in pending:
+                kwargs["dtype"] = None  # the precision is not decided yet: nothing to check a dtype against
     return _ZeroInit(*args, **kwargs)
 
 
