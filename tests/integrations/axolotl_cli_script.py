@@ -96,7 +96,9 @@ def command(run: str, config: Path) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "AXOLOTL_DO_NOT_TRACK": "1",
            # axolotl shows other libraries' records from WARNING up only; INFO lets zerodist's lines through
            "LOG_LEVEL": "INFO",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+           # axolotl starts `torchrun` / `accelerate` by name: this environment's, as an activated venv would
+           "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))}
     axolotl = shutil.which("axolotl", path=str(Path(sys.executable).parent)) or "axolotl"
     if run == "ddp":
         if not _has_cuda():
