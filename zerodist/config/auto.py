@@ -131,6 +131,23 @@ def resolve_auto(raw: Mapping[str, Any], values: TrainerValues, *, source: str |
     return config
 
 
+def drop_trainer_auto(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A copy of ``raw`` without each ``"auto"`` that the Trainer fills, and the dotted keys taken out: a
+    config the Trainer has not filled yet, checked as DeepSpeed's ``zero.Init`` reads it (its pydantic
+    sections take an ``"auto"`` as the default; the rest it leaves unread). The Trainer fills them before
+    ``initialize()``, which checks the filled config."""
+    config = copy.deepcopy(dict(raw))
+    values = TrainerValues(world_size=1, per_device_train_batch_size=1, gradient_accumulation_steps=1,
+                           max_grad_norm=0.0, learning_rate=0.0)
+    dropped = []
+    for rule in _rules(values, 3):
+        node, name = _node(config, rule.key)
+        if node is not None and node.get(name) == "auto":
+            del node[name]
+            dropped.append(rule.key)
+    return config, dropped
+
+
 def resolve_model_auto(raw: Mapping[str, Any], hidden_size: int | None) -> dict[str, Any]:
     """A copy of ``raw`` whose ``"auto"`` bucket sizes are filled from the model's hidden size by
     the Trainer's formulas (``reduce_bucket_size`` = hidden², and at stage 3 the prefetch bucket

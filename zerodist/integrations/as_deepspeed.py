@@ -72,11 +72,17 @@ DEEPSPEED_MODULES = {
     # AutoTP is not served (below), but its split rule is: Ulysses code asks it which heads a rank holds.
     "deepspeed.module_inject": "zerodist.runtime.module_inject",
     "deepspeed.module_inject.tp_shard": "zerodist.runtime.module_inject.tp_shard",
+    # The CPU optimizers accelerate swaps in when the optimizer is offloaded, served as torch's (runtime/ops.py);
+    # the rest of deepspeed.ops (its kernels) stays refused below.
+    "deepspeed.ops": "zerodist.runtime.ops",
+    "deepspeed.ops.adam": "zerodist.runtime.ops",
+    "deepspeed.ops.adagrad": "zerodist.runtime.ops",
 }
 
 # What a missing DeepSpeed module would have been used for, and the zerodist way.
 _NOT_PROVIDED = {
-    "deepspeed.ops": "DeepSpeed's CUDA/CPU kernels (DeepSpeedCPUAdam, FusedAdam, ...); zerodist steps torch optimizers "
+    "deepspeed.ops": "DeepSpeed's CUDA/CPU kernels (FusedAdam, DeepSpeedCPULion, ...; DeepSpeedCPUAdam and "
+                     "DeepSpeedCPUAdagrad are served as torch's); zerodist steps torch optimizers "
                      "(an \"optimizer\" section of the config, or the Trainer's own)",
     "deepspeed.module_inject": "AutoTP injection; use the config's \"tensor_parallel\": {\"autotp_size\": t}",
     "deepspeed.inference": "inference engines, which zerodist does not have",

@@ -13,7 +13,11 @@ lost. Served to transformers, therefore:
 - ``Init`` validates its keywords as zerodist's does, then builds eagerly on the CPU and cuts each
   module's parameters to this rank's shard as soon as the module is built (rank 0's values, as
   DeepSpeed broadcasts them): [Note: partitioned construction] in zerodist/zero/init_shards.py.
-  ``enabled=False`` builds eagerly without cutting.
+  ``enabled=False`` builds eagerly without cutting. A config dict whose ``"auto"`` values the
+  Trainer has not filled yet is checked without them, as DeepSpeed's ``Init`` reads it: axolotl
+  loads the model under a fresh ``HfTrainerDeepSpeedConfig`` of its template with only the batch
+  sizes filled (``gradient_clipping``, ``fp16.enabled``, ``bf16.enabled`` still ``"auto"``); the
+  Trainer fills them before ``initialize()``, which checks them.
 - ``GatheredParameters`` gathers those shards, and with a ``modifier_rank`` cuts that rank's
   values again on exit; for the parameters an engine holds it is zerodist's; parameters built
   outside ``Init`` that no engine holds yet are, with a ``modifier_rank``, broadcast from it on exit
@@ -25,11 +29,13 @@ lost. Served to transformers, therefore:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 import zerodist.comm as comm
+from zerodist.config.auto import drop_trainer_auto
 import zerodist.zero as _zero
 from zerodist.zero import init_shards, registry
 
@@ -44,6 +50,11 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> contextlib.Abstract
         enabled = args[7]  # pin_memory, config_dict_or_path, config, enabled, dtype, mpu
         kwargs.update(zip(("dtype", "mpu"), args[8:]))
         args = args[:7]
+    for name in ("config_dict_or_path", "config"):
+        if isinstance(kwargs.get(name), Mapping):
+            kwargs[name], pending = drop_trainer_auto(kwargs[name])
+            if "fp16.enabled" in pending or "bf16.enabled" in pending:
+                kwargs["dtype"] = None  # the precision is not decided yet: nothing to check a dtype against
     _ZeroInit(*args, **{**kwargs, "enabled": False})  # the keyword checks, before anything is built
     if not enabled:
         return contextlib.nullcontext()
