@@ -208,6 +208,11 @@ _TENSOR_METHODS = ("_is_view",)
 PRIVATE_TENSOR_PROPERTIES = tuple(n for n in _TENSOR_READS if hasattr(torch.Tensor, n))
 PRIVATE_TENSOR_SETTABLE = tuple(n for n in _TENSOR_SETS if hasattr(torch.Tensor, n))
 PRIVATE_TENSOR_METHODS = tuple(n for n in _TENSOR_METHODS if hasattr(torch.Tensor, n))
+# nn.Module._apply asks whether a conversion's result may be set as `.data` (a type question, no
+# values). Checked on 2.13.0. Without: left out, and a module conversion of a sharded parameter
+# raises ShardedParameterError naming it (as it did before).
+_SHALLOW_COPY_CHECK = _resolve("torch._has_compatible_shallow_copy_type")
+PRIVATE_METADATA_FUNCTIONS = (_SHALLOW_COPY_CHECK,) if _SHALLOW_COPY_CHECK is not None else ()
 
 
 # ---------------------------------------------------------------- module conversion (torch.__future__)

@@ -248,6 +248,21 @@ def test_casting_a_partitioned_model_before_initialize_names_the_parameter(world
         model.to(torch.bfloat16)
 
 
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_a_conversion_that_changes_nothing_passes_and_trains_as_the_eager_build(world_size):
+    # axolotl calls module.to(torch.float32) on the embeddings of a model built under zero.Init
+    model = built(lambda: make_mlp(seed=0))
+    assert model.to(torch.float32) is model and model.to("cpu") is model
+    assert model[0].weight.type(torch.FloatTensor) is model[0].weight
+    with pytest.raises(ShardedParameterError, match="copy"):
+        model[0].weight.to(torch.float32, copy=True)
+    (losses, state), (eager_losses, eager_state) = train(model), train(make_mlp(seed=0))
+    assert losses == eager_losses
+    for key in eager_state:
+        assert torch.equal(state[key], eager_state[key]), key
+
+
 @pytest.mark.unit
 def test_served_init_checks_its_keywords_before_anything_is_built_and_takes_enabled_by_position():
     import contextlib

@@ -222,9 +222,24 @@ ALLOWED: frozenset[Any] = frozenset(
     [getattr(torch.Tensor, n).__get__ for n in _METADATA_PROPERTIES if hasattr(torch.Tensor, n)]
     + [getattr(torch.Tensor, n).__set__ for n in _SETTABLE]
     + [getattr(torch.Tensor, n) for n in _METADATA_METHODS if hasattr(torch.Tensor, n)]
+    + list(compat.PRIVATE_METADATA_FUNCTIONS)
 )
 _DESCRIBED = frozenset([torch.Tensor.__repr__, torch.Tensor.__format__])
 _ALIASES = frozenset([torch.Tensor.detach])
+# A conversion to what the placeholder already is returns it unchanged, reading nothing: `.to` with
+# its own dtype and device, and `.data = itself` (nn.Module._apply sets `param.data` to whatever the
+# conversion returned). axolotl calls `module.to(torch.float32)` on an fp32 model built under the
+# served zero.Init; a conversion that would change the parameter is still refused.
+_CONVERSIONS = frozenset([torch.Tensor.to, torch.Tensor.type])
+_DATA_SET = torch.Tensor.data.__set__
+
+
+def _changes_nothing(func: Any, args: tuple[Any, ...], kwargs: Any) -> bool:
+    if func == _DATA_SET:  # a method-wrapper: a new object at each lookup, equal by what it wraps
+        return len(args) == 2 and args[1] is args[0]
+    if func in _CONVERSIONS and args and not (kwargs or {}).get("copy", False):
+        return (func(*args, **kwargs) if kwargs else func(*args)) is args[0]  # the check is off inside the mode
+    return False
 
 
 def describe(entry: _Entry) -> str:
@@ -254,6 +269,8 @@ class ShardedAccessCheck(TorchFunctionMode):
         if _ENTRIES and not _STATE.placeholders_unchecked:
             entry = _find(args, kwargs)
             if entry is not None and func not in ALLOWED and not (entry.aliasable and func in _ALIASES):
+                if _changes_nothing(func, args, kwargs):
+                    return args[0]
                 if func in _DESCRIBED:
                     return describe(entry)
                 raise ShardedParameterError(
