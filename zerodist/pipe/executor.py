@@ -153,11 +153,13 @@ class PipelineExecutor:
 
     def __init__(self, module: PipelineModule, pipe_ranks: Sequence[int], *, timeout_s: float | None = None,
                  timeout_setting: str | None = None, clock: Callable[[], float] | None = None,
-                 receive_ahead: bool = True):
+                 receive_ahead: bool = True, reuse_buffers: bool = True, fuse_backward: bool = True):
         import time
 
         self.module, self.pipe_ranks, self.timeout_s = module, list(pipe_ranks), timeout_s
         self.receive_ahead = receive_ahead
+        # False: every receive allocates, every I and W run apart (the benchmark's baseline)
+        self.reuse_buffers, self.fuse_backward = reuse_buffers, fuse_backward
         self.timeout_setting = timeout_setting  # where timeout_s came from, named by a timeout's error
         self.num_ranks = len(self.pipe_ranks)
         # which rank holds which stage (schedule.stage_to_rank); "loop" for a module that does not say
@@ -207,7 +209,8 @@ class PipelineExecutor:
                                 "the processes (zerodist run --max-restarts resumes from the last checkpoint)")
         run = _Run(self, inputs, labels, loss_scale, train, after_backward or (lambda: None), keep_outputs,
                    sharding or (lambda action: None))
-        actions = fuse_split_backward(actions)
+        if self.fuse_backward:
+            actions = fuse_split_backward(actions)
         try:
             run.inbox.post(actions)
             for action in actions:
@@ -288,6 +291,8 @@ class _Run:
         storage `in_use` (what the backward handed on) or a parameter's gradient still holds."""
         lent = self.lent.pop((stage, mb), None)
         if not lent:
+            return
+        if not self.x.reuse_buffers:
             return
         held = {t.untyped_storage().data_ptr() for t in in_use}
         held.update(p.grad.untyped_storage().data_ptr() for p in self.x.stage_parameters(stage) if p.grad is not None)
