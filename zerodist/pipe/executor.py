@@ -36,6 +36,8 @@ weight's `.grad` that autograd took as it was) is not given back: its storage is
 after the first step no receive allocates, as DeepSpeed's engine receives into buffers it keeps;
 in evaluation, and for non-floating tensors (handed to the layers as they are), nothing is given
 back. The buffers are overwritten whole by the next payload, so results are bitwise the same.
+Between runs the pool holds as many buffers as were lent at once (1F1B: a few per neighbour; GPipe:
+one per micro-batch, whose activations it held anyway); `executor.pool.clear()` lets them go.
 
 `after_backward()` is called after every backward that wrote weight gradients (B, W): the engine
 hands them to ZeRO's reducer, which defers them until the batch's one reduction. UNSHARD, RESHARD
@@ -491,6 +493,10 @@ class _BufferPool:
     def give(self, tensors: Sequence[torch.Tensor]) -> None:
         for tensor in tensors:
             self.free.setdefault((tuple(tensor.shape), tensor.dtype, tensor.device), []).append(tensor)
+
+    def clear(self) -> None:
+        """Drop the free buffers (between runs: a later receive allocates again)."""
+        self.free.clear()
 
 
 def _on(value: Any, device: torch.device) -> Any:
