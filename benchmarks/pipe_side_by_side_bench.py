@@ -3,6 +3,7 @@ in one pair of gloo processes, on a real model (a GPT in 2 stages, AdamW).
 
     python benchmarks/pipe_side_by_side_bench.py [--micro-batches 8 16] [--shapes 4x128] [--d-model 512]
                                                  [--layers 8] [--rounds 3] [--arms zbv local]
+                                                 [--heap default|keep|both] [--baseline]
 
 Each (micro-batches, shape) configuration runs in the same process pair, one after the other; an
 activation message is batch x seq x d_model fp32 (4x128x512: 1 MiB, over gloo's 256 KiB eager
@@ -38,8 +39,12 @@ it adds (copies, the split backward's graph walk, an unbalanced cut) rather than
 and "faults" are the busier rank's kernel CPU time and minor page faults per step (getrusage):
 memory an arm holds longer (GPipe's m activations, zero-bubble's deferred W) is memory the
 allocator gets fresh from the kernel, zeroed page by page, where local reuses its own.
-`--keep-heap` runs the ranks with glibc told to keep what is freed (every arm alike): GPipe's
-excess CPU over 1F1B went from 3.5% to 0.4% with it (benchmarks/README.md).
+`--heap keep` (or `--keep-heap`) runs the ranks with glibc told to keep what is freed (every arm
+alike): GPipe's excess CPU over 1F1B went from 3.5% to 0.4% with it (benchmarks/README.md);
+`--heap both` runs one process pair each way, glibc's defaults first, each table headed by which.
+`--baseline` adds a "-base" arm per zerodist schedule: the executor with every receive allocating
+and every I and W run apart (`reuse_buffers=False, fuse_backward=False`), to read the receive pool
+and the fused I + W against, in the same rounds.
 - deepspeed: DeepSpeed's `PipelineEngine` (`TrainSchedule`, 1F1B) over the same layer objects, cut
   by DeepSpeed's own `partition_method="parameters"` (checked equal to zerodist's cut), one engine
   per configuration, its `train_batch` over the same micro-batches, the same AdamW passed in as the
