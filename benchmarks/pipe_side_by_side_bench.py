@@ -3,6 +3,7 @@ in one pair of gloo processes, on a real model (a GPT in 2 stages, AdamW).
 
     python benchmarks/pipe_side_by_side_bench.py [--micro-batches 8 16] [--shapes 4x128] [--d-model 512]
                                                  [--layers 8] [--rounds 3] [--arms zbv local]
+                                                 [--heap default|keep|both] [--baseline]
 
 Each (micro-batches, shape) configuration runs in the same process pair, one after the other; an
 activation message is batch x seq x d_model fp32 (4x128x512: 1 MiB, over gloo's 256 KiB eager
@@ -38,8 +39,12 @@ it adds (copies, the split backward's graph walk, an unbalanced cut) rather than
 and "faults" are the busier rank's kernel CPU time and minor page faults per step (getrusage):
 memory an arm holds longer (GPipe's m activations, zero-bubble's deferred W) is memory the
 allocator gets fresh from the kernel, zeroed page by page, where local reuses its own.
-`--keep-heap` runs the ranks with glibc told to keep what is freed (every arm alike): GPipe's
-excess CPU over 1F1B went from 3.5% to 0.4% with it (benchmarks/README.md).
+`--heap keep` (or `--keep-heap`) runs the ranks with glibc told to keep what is freed (every arm
+alike): GPipe's excess CPU over 1F1B went from 3.5% to 0.4% with it (benchmarks/README.md);
+`--heap both` runs one process pair each way, glibc's defaults first, each table headed by which.
+`--baseline` adds a "-base" arm per zerodist schedule: the executor with every receive allocating
+and every I and W run apart (`reuse_buffers=False, fuse_backward=False`), to read the receive pool
+and the fused I + W against, in the same rounds.
 - deepspeed: DeepSpeed's `PipelineEngine` (`TrainSchedule`, 1F1B) over the same layer objects, cut
   by DeepSpeed's own `partition_method="parameters"` (checked equal to zerodist's cut), one engine
   per configuration, its `train_batch` over the same micro-batches, the same AdamW passed in as the
@@ -84,6 +89,7 @@ def deepspeed_missing() -> str | None:
 def bubble(arm: str, p: int, m: int) -> float:
     if arm.startswith("local"):
         return 0.0
+    arm = arm.removesuffix("-base")
     if arm.endswith(V_ARMS):  # [Note: V schedules] in zerodist/pipe/schedule.py: idle (p-1) chunk forwards of 6m chunk actions
         return (p - 1) / (6 * m)
     if arm.endswith("interleaved"):
@@ -125,6 +131,9 @@ class Arms:
                                           loss_fn=loss_fn, partition_method="parameters",
                                           stage_placement="v" if v == "v" else "loop") for v in (1, 2, "v")}
         self.executors = {v: PipelineExecutor(module, [0, 1], timeout_s=600) for v, module in self.modules.items()}
+        # the "-base" arms: every receive allocates and every I and W run apart (before the pool and the fusion)
+        self.base_executors = {v: PipelineExecutor(module, [0, 1], timeout_s=600, reuse_buffers=False,
+                                                   fuse_backward=False) for v, module in self.modules.items()}
         self.schedules = {name: build_schedule(name, num_ranks=2, num_microbatches=self.m,
                                                stages_per_rank=1 if name in ("1f1b", "gpipe", "zb") else 2)
                           for name in ZD}
@@ -166,11 +175,12 @@ class Arms:
         """One training step of `arm`; the last stage's mean loss (None on the first)."""
         kind, _, name = arm.partition(":")
         if kind == "zerodist":
+            name, base = name.removesuffix("-base"), name.endswith("-base")
             v: int | str = 2 if name == "interleaved" else "v" if name in V_ARMS else 1
             module = self.modules[v]
             params = [p for s in module.local_stages for layer in module.stage_modules(s) for p in layer.parameters()]
             optimizer = self.reset(params)
-            result = self.executors[v].run(self.schedules[name][self.rank], inputs=self.tokens, labels=self.targets,
+            result = (self.base_executors if base else self.executors)[v].run(self.schedules[name][self.rank], inputs=self.tokens, labels=self.targets,
                                            loss_scale=1 / self.m)
             optimizer.step()
             return float(torch.stack(list(result.losses.values())).mean()) if result.losses else None
@@ -247,7 +257,8 @@ class Arms:
 
 
 def arm_names(args: argparse.Namespace) -> list[str]:
-    names = [f"zerodist:{n}" for n in ZD] + [f"torch:{n}" for n in TORCH]
+    names = [f"zerodist:{n}" for n in ZD] + [f"zerodist:{n}-base" for n in ZD if args.baseline]
+    names += [f"torch:{n}" for n in TORCH]
     if deepspeed_missing() is None:
         names.append(DEEPSPEED)
     if args.arms:
@@ -322,7 +333,7 @@ def report(config: argparse.Namespace, times: dict[str, float], losses: dict[str
     print(f"{'arm':<38} {'step s':>8} {'x local':>8} {'ideal':>7} {'x ideal':>8} {'cpu x local':>11} {'sys ms':>7} {'faults':>7} {'loss':>10}")
     local = times["local"]
     for name, wall in times.items():
-        base = times["local-v"] if name.endswith(V_ARMS) or name == "local-v" else local
+        base = times["local-v"] if name.removesuffix("-base").endswith(V_ARMS) or name == "local-v" else local
         ideal = base / local * (1 + bubble(name, 2, config.micro_batches))  # in units of local
         loss = losses.get(name)
         print(f"{name:<38} {wall:>8.3f} {wall / local:>8.3f} {ideal:>7.3f} {wall / local / ideal:>8.3f} "
@@ -331,6 +342,33 @@ def report(config: argparse.Namespace, times: dict[str, float], losses: dict[str
     finals = {f"{loss:.6g}" for name, loss in losses.items() if loss is not None}
     print("same final loss to 6 digits in every pipeline arm:", len(finals) == 1, sorted(finals))
     return len(finals) == 1
+
+
+KEEP_HEAP = {"MALLOC_TRIM_THRESHOLD_": str(4 << 30), "MALLOC_MMAP_THRESHOLD_": str(4 << 30),
+             "MALLOC_TOP_PAD_": str(1 << 30)}
+
+
+def run_pair(args: argparse.Namespace, heap: str) -> list | None:
+    """One process pair's results, its ranks started with glibc's defaults or keeping freed memory
+    (the variables are read by glibc when each spawned rank starts)."""
+    import torch.multiprocessing as mp
+
+    saved = {key: os.environ.get(key) for key in KEEP_HEAP}
+    if heap == "keep":
+        os.environ.update(KEEP_HEAP)
+    try:
+        queue = mp.get_context("spawn").SimpleQueue()
+        error = run_ranks(worker, (2, free_port(), args, queue), nprocs=2, timeout_s=args.timeout_s)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    if error:
+        print(f"2 ranks ({heap} heap): {error}")
+        return None
+    return queue.get()
 
 
 def main() -> int:
@@ -343,26 +381,28 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--arms", nargs="*", default=[], help="keep the arms whose name has one of these words")
     parser.add_argument("--timeout-s", type=float, default=3600)
-    parser.add_argument("--keep-heap", action="store_true",
-                        help="ranks run with glibc told to keep freed memory (MALLOC_TRIM_THRESHOLD_, "
-                             "MALLOC_MMAP_THRESHOLD_, MALLOC_TOP_PAD_): no page faults from memory handed back")
+    parser.add_argument("--keep-heap", action="store_true", help="the same as --heap keep")
+    parser.add_argument("--heap", choices=["default", "keep", "both"], default="default",
+                        help="keep: ranks run with glibc told to keep freed memory (MALLOC_TRIM_THRESHOLD_, "
+                             "MALLOC_MMAP_THRESHOLD_, MALLOC_TOP_PAD_), so no page faults from memory handed back; "
+                             "both: one process pair each way, default first")
+    parser.add_argument("--baseline", action="store_true",
+                        help="add a '-base' arm per zerodist schedule: receives not pooled, I and W never fused")
     args = parser.parse_args()
-    if args.keep_heap:  # read by glibc when each spawned rank starts
-        os.environ.update(MALLOC_TRIM_THRESHOLD_=str(4 << 30), MALLOC_MMAP_THRESHOLD_=str(4 << 30),
-                          MALLOC_TOP_PAD_=str(1 << 30))
-    import torch.multiprocessing as mp
-
-    queue = mp.get_context("spawn").SimpleQueue()
-    error = run_ranks(worker, (2, free_port(), args, queue), nprocs=2, timeout_s=args.timeout_s)
-    if error:
-        print(f"2 ranks: {error}")
-        return 1
+    heaps = ["keep"] if args.keep_heap else ["default", "keep"] if args.heap == "both" else [args.heap]
     missing = deepspeed_missing()
     if missing is not None:
         print(f"DeepSpeed's PipelineEngine arm left out: `import deepspeed` fails here ({missing}); run this "
               "benchmark with a python where DeepSpeed imports (benchmarks/README.md)")
-    same = [report(config, times, losses, cpu, system, args.rounds)
-            for config, times, losses, cpu, system in queue.get()]
+    same = []
+    for heap in heaps:
+        results = run_pair(args, heap)
+        if results is None:
+            return 1
+        print(f"\n=== glibc {'keeping freed memory (--heap keep)' if heap == 'keep' else 'defaults'} ===")
+        same += [report(config, times, losses, cpu, system, args.rounds)
+                 for config, times, losses, cpu, system in results]
+        sys.stdout.flush()
     return 0 if all(same) else 1
 
 

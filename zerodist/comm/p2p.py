@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -102,6 +102,7 @@ _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 Label = tuple[int, int, int]  # what the message is, by the schedule: (kind, stage, microbatch)
 Meta = tuple[tuple[int, ...], torch.dtype]
+Allocate = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]  # a payload's receive buffer
 
 
 class PipeMessageError(RuntimeError):
@@ -207,14 +208,20 @@ class IncomingMessage:
         tensors = message.tensors(expect)     # header checked, payload received
 
     Several may be posted from one source: gloo matches them in the order posted, so they must be
-    posted in the order the sender sends (the schedule's message order)."""
+    posted in the order the sender sends (the schedule's message order). `allocate(shape, dtype,
+    device)` gives the buffer a payload (one not inline) is received into: by default a new tensor;
+    the pipeline executor passes its pool of reused buffers ([Note: receive buffer pool] in
+    zerodist/pipe/executor.py). It must hand out a buffer nothing else reads or writes until the
+    tensors are taken."""
 
     def __init__(self, src: int, *, label: Label, describe: str, timeout_s: float | None = None,
-                 timeout_setting: str | None = None, device: torch.device | None = None):
+                 timeout_setting: str | None = None, device: torch.device | None = None,
+                 allocate: Allocate | None = None):
         ensure_initialized()
         self.src, self.label, self.describe = src, tuple(label), describe
         self.timeout_s, self.timeout_setting = timeout_s, timeout_setting
         self.device = device or header_device()  # where the tensors are received
+        self.allocate: Allocate = allocate or _new_buffer
         self._header = torch.empty(MESSAGE_BYTES, dtype=torch.uint8, device=header_device())
         self._received: list[torch.Tensor] | None = None  # allocated once the header is checked
         self._works: list[Any] = []
@@ -253,7 +260,7 @@ class IncomingMessage:
         if inline:  # small tensors came with the header: copied out, no payload message
             received = [view.clone().to(self.device) for view in _inline_views(self._header, metas)]
         else:
-            received = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
+            received = [self.allocate(tuple(shape), dtype, self.device) for shape, dtype in metas]
             self._works = [dist.irecv(t, src=self.src, tag=PAYLOAD_TAG) for t in received]
         for tensor in received:
             _record("recv", tensor, "pipe")
@@ -295,6 +302,10 @@ def _check_expected(metas: list[Meta], expect: Sequence[Meta], src: int, describ
 
 
 # ---------------------------------------------------------------------------------------- plumbing
+
+def _new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
 
 def _pair(peer: int) -> tuple[int, ...]:
     return (dist.get_rank(), peer)

@@ -14,7 +14,9 @@ zerodist/comm/p2p.py for the messages):
   times `loss_scale` on the last stage); the input gradients are kept for SEND_B. Zero-bubble
   splits it: I(s, j) computes only the input gradients (graph retained), W(s, j) only the weight
   gradients, from the gradients I kept at the weight branches: together one backward's work
-  ([Note: split backward] in zerodist/pipe/backward_split.py).
+  ([Note: split backward] in zerodist/pipe/backward_split.py). An I directly followed by its own W
+  (nothing between: no send waits for the input gradient) runs as one B (`fuse_split_backward`):
+  the split costs a few percent over one backward and buys nothing there.
 - SEND_*: non-blocking; every send is waited for at the end of the run. RECV_*: blocking, with
   `timeout_s`, on a message whose header receive was posted when the run started and whose
   payload receive was posted as soon as the header was there (polled before every action):
@@ -23,6 +25,19 @@ zerodist/comm/p2p.py for the messages):
   baseline; always so where the backend matches messages by order, not tag: [Note: p2p on NCCL]).
 - Inputs and labels are moved to the rank's device (`comm.device_for_rank()`) at F, so a loader of
   CPU tensors feeds a pipeline on a GPU.
+
+[Note: receive buffer pool] A received payload lands in a buffer from the executor's pool (one
+list of free buffers per shape, dtype and device, kept across runs), and goes back to it when the
+backward of its micro-batch is done (its stash entry popped at B, or at W when split): in
+training, a received activation is only the leaf the input gradient is taken of (the layers get a
+clone, whose backward reads nothing), and a received output gradient is read by the backward only.
+An output gradient that the backward handed on unchanged (the input gradient sent back, or a
+weight's `.grad` that autograd took as it was) is not given back: its storage is still in use. So
+after the first step no receive allocates, as DeepSpeed's engine receives into buffers it keeps;
+in evaluation, and for non-floating tensors (handed to the layers as they are), nothing is given
+back. The buffers are overwritten whole by the next payload, so results are bitwise the same.
+Between runs the pool holds as many buffers as were lent at once (1F1B: a few per neighbour; GPipe:
+one per micro-batch, whose activations it held anyway); `executor.pool.clear()` lets them go.
 
 `after_backward()` is called after every backward that wrote weight gradients (B, W): the engine
 hands them to ZeRO's reducer, which defers them until the batch's one reduction. UNSHARD, RESHARD
@@ -47,7 +62,8 @@ from zerodist.pipe import checkpointing
 from zerodist.pipe.module import PipelineModule
 from zerodist.pipe.schedule import Action, Kind, schedule_placement, stage_to_rank
 
-__all__ = ["ExecutedAction", "PipelineError", "PipelineExecutor", "RunResult", "check_module_for_schedule"]
+__all__ = ["ExecutedAction", "PipelineError", "PipelineExecutor", "RunResult", "check_module_for_schedule",
+           "fuse_split_backward"]
 
 
 class PipelineError(RuntimeError):
@@ -74,6 +90,29 @@ def check_module_for_schedule(module: PipelineModule, schedule: str) -> None:
                          f"stage_placement={module.stage_placement!r}; build it as {fix}")
 
 
+def fuse_split_backward(actions: Sequence[Action]) -> list[Action]:
+    """A rank's actions with every I(s, j) that is directly followed by W(s, j) replaced by one
+    B(s, j). Nothing runs between the two, so nothing needed the input gradient before the weight
+    gradients: one backward gives the same gradients (bitwise: [Note: split backward]) without the
+    split's extra graph walk and kernels (I + W measured 1.04x one B on the GPT's blocks). The
+    zero-bubble schedules keep I and W apart exactly where it helps (an I whose gradient is sent,
+    or whose W is deferred), so those stay split: ZB-V's middle stage and the first stage's pairs
+    (whose I has no input gradient to compute) are the ones fused."""
+    out: list[Action] = []
+    index = 0
+    while index < len(actions):
+        action = actions[index]
+        following = actions[index + 1] if index + 1 < len(actions) else None
+        if (action.kind is Kind.I and following is not None and following.kind is Kind.W
+                and (following.stage, following.microbatch) == (action.stage, action.microbatch)):
+            out.append(Action(Kind.B, action.stage, action.microbatch))
+            index += 2
+            continue
+        out.append(action)
+        index += 1
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class ExecutedAction:
     action: Action
@@ -95,6 +134,7 @@ class _Stashed:
     outputs: list[torch.Tensor]            # what backward starts from (the scaled loss on the last stage)
     output_grads: list[torch.Tensor] | None = None
     split: SplitBackward | None = None     # what I kept for W ([Note: split backward])
+    handed: list[torch.Tensor] = dataclasses.field(default_factory=list)  # the input gradients I handed on
 
 
 def _as_list(value: Any) -> list[torch.Tensor]:
@@ -115,11 +155,13 @@ class PipelineExecutor:
 
     def __init__(self, module: PipelineModule, pipe_ranks: Sequence[int], *, timeout_s: float | None = None,
                  timeout_setting: str | None = None, clock: Callable[[], float] | None = None,
-                 receive_ahead: bool = True):
+                 receive_ahead: bool = True, reuse_buffers: bool = True, fuse_backward: bool = True):
         import time
 
         self.module, self.pipe_ranks, self.timeout_s = module, list(pipe_ranks), timeout_s
         self.receive_ahead = receive_ahead
+        # False: every receive allocates, every I and W run apart (the benchmark's baseline)
+        self.reuse_buffers, self.fuse_backward = reuse_buffers, fuse_backward
         self.timeout_setting = timeout_setting  # where timeout_s came from, named by a timeout's error
         self.num_ranks = len(self.pipe_ranks)
         # which rank holds which stage (schedule.stage_to_rank); "loop" for a module that does not say
@@ -127,6 +169,7 @@ class PipelineExecutor:
         self.last_stage = module.total_stages - 1
         self.clock = clock or time.perf_counter
         self._stage_params: dict[int, list[torch.nn.Parameter]] = {}
+        self.pool = _BufferPool()  # [Note: receive buffer pool]
         self.failed: str | None = None  # why a run failed: the messages are out of step after it
 
     @property
@@ -168,6 +211,8 @@ class PipelineExecutor:
                                 "the processes (zerodist run --max-restarts resumes from the last checkpoint)")
         run = _Run(self, inputs, labels, loss_scale, train, after_backward or (lambda: None), keep_outputs,
                    sharding or (lambda action: None))
+        if self.fuse_backward:
+            actions = fuse_split_backward(actions)
         try:
             run.inbox.post(actions)
             for action in actions:
@@ -201,6 +246,7 @@ class _Run:
         self.grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}              # input gradients
         self.stash: dict[tuple[int, int], _Stashed] = {}
         self.sent_outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.lent: dict[tuple[int, int], list[torch.Tensor]] = {}  # pool buffers back once (stage, mb)'s backward is done
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
         self.sends: list[p2p.SendHandle] = []
@@ -234,9 +280,25 @@ class _Run:
     def _recv_activation(self, stage: int, mb: int) -> None:
         tensors = self.inbox.take(Kind.RECV_F, stage, mb)
         self.received[(stage, mb)] = (tensors, len(tensors) > 1)
+        if self.train:  # floating ones are only leaves once F cloned them
+            self.lent.setdefault((stage, mb), []).extend(t for t in tensors if t.is_floating_point())
 
     def _recv_gradient(self, stage: int, mb: int) -> None:
-        self.stash[(stage, mb)].output_grads = self.inbox.take(Kind.RECV_B, stage, mb)
+        grads = self.inbox.take(Kind.RECV_B, stage, mb)
+        self.stash[(stage, mb)].output_grads = grads
+        self.lent.setdefault((stage, mb), []).extend(grads)
+
+    def _give_back(self, stage: int, mb: int, in_use: Sequence[torch.Tensor]) -> None:
+        """(stage, mb)'s backward is done: its received buffers go back to the pool, but for any whose
+        storage `in_use` (what the backward handed on) or a parameter's gradient still holds."""
+        lent = self.lent.pop((stage, mb), None)
+        if not lent:
+            return
+        if not self.x.reuse_buffers:
+            return
+        held = {t.untyped_storage().data_ptr() for t in in_use}
+        held.update(p.grad.untyped_storage().data_ptr() for p in self.x.stage_parameters(stage) if p.grad is not None)
+        self.x.pool.give([t for t in lent if t.untyped_storage().data_ptr() not in held])
 
     def incoming(self, kind: Kind, stage: int, mb: int) -> p2p.IncomingMessage:
         """The receive of RECV_F / RECV_B (stage, mb), posted now."""
@@ -247,7 +309,8 @@ class _Run:
             source, label = stage + 1, (_GRADIENT, stage, mb)
             describe = f"the output gradient of micro-batch {mb} for stage {stage} from stage {source}"
         return p2p.IncomingMessage(self.x._global_rank(source), label=label, describe=describe,
-                                   timeout_s=self.x.timeout_s, timeout_setting=self.x.timeout_setting)
+                                   timeout_s=self.x.timeout_s, timeout_setting=self.x.timeout_setting,
+                                   allocate=self.x.pool.take)
 
     def expected(self, kind: Kind, stage: int, mb: int) -> tuple[bool, list[p2p.Meta] | None]:
         """(known, metas): an output gradient must match the output it is the gradient of, known
@@ -331,7 +394,9 @@ class _Run:
         if roots:
             torch.autograd.backward(roots, grads)
         self.after_backward()
-        self._hand_input_grads(stage, mb, self._input_grads(stashed))
+        input_grads = self._input_grads(stashed)
+        self._hand_input_grads(stage, mb, input_grads)
+        self._give_back(stage, mb, input_grads)
 
     def _input_grad(self, stage: int, mb: int) -> None:
         stashed = self.stash[(stage, mb)]
@@ -340,8 +405,8 @@ class _Run:
         roots, grads = self._backward_roots(stashed)
         computed, stashed.split = input_backward(roots, grads, stashed.inputs)
         stashed.outputs, stashed.output_grads = [], None  # W starts from what I kept
-        self._hand_input_grads(stage, mb, [g if g is not None else torch.zeros_like(t)
-                                           for g, t in zip(computed, stashed.inputs)])
+        stashed.handed = [g if g is not None else torch.zeros_like(t) for g, t in zip(computed, stashed.inputs)]
+        self._hand_input_grads(stage, mb, stashed.handed)
 
     def _weight_grad(self, stage: int, mb: int) -> None:
         stashed = self.stash.pop((stage, mb))
@@ -353,6 +418,7 @@ class _Run:
             if roots and params:
                 torch.autograd.backward(roots, grads, inputs=params)
         self.after_backward()
+        self._give_back(stage, mb, stashed.handed)
 
     def _hand_input_grads(self, stage: int, mb: int, grads: list[torch.Tensor]) -> None:
         if stage == 0:
@@ -408,6 +474,29 @@ class _Inbox:
         # the earlier messages from this source were taken (so opened) before: RECVs come in send order
         assert all(m is not message for _, m in queue), f"{key} taken out of its source's order"
         return message.tensors(expect)
+
+
+class _BufferPool:
+    """Receive buffers kept across micro-batches and runs ([Note: receive buffer pool])."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self.allocated = 0  # buffers made (the pool's high-water mark), for tests
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self.free.get((tuple(shape), dtype, device))
+        if free:
+            return free.pop()
+        self.allocated += 1
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def give(self, tensors: Sequence[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self.free.setdefault((tuple(tensor.shape), tensor.dtype, tensor.device), []).append(tensor)
+
+    def clear(self) -> None:
+        """Drop the free buffers (between runs: a later receive allocates again)."""
+        self.free.clear()
 
 
 def _on(value: Any, device: torch.device) -> Any:
