@@ -231,7 +231,7 @@ _ALIASES = frozenset([torch.Tensor.detach])
 # conversion returned). axolotl calls `module.to(torch.float32)` on an fp32 model built under the
 # served zero.Init; a conversion that would change the parameter is still refused.
 _CONVERSIONS = frozenset([torch.Tensor.to, torch.Tensor.type])
-_DATA_SET = torch.Tensor.data.__set__
+_DATA_SET = getattr(torch.Tensor, "data").__set__
 
 
 def _changes_nothing(func: Any, args: tuple[Any, ...], kwargs: Any) -> bool:
