@@ -72,6 +72,11 @@ DEEPSPEED_MODULES = {
     # AutoTP is not served (below), but its split rule is: Ulysses code asks it which heads a rank holds.
     "deepspeed.module_inject": "zerodist.runtime.module_inject",
     "deepspeed.module_inject.tp_shard": "zerodist.runtime.module_inject.tp_shard",
+    # Only "is this compiled op available?" (no, for each); the kernels themselves are _NOT_PROVIDED below.
+    "deepspeed.ops": "zerodist.runtime.ops",
+    "deepspeed.ops.aio": "zerodist.runtime.ops.aio",
+    "deepspeed.ops.op_builder": "zerodist.runtime.ops.op_builder",
+    "deepspeed.utils.zero_to_fp32": "zerodist.runtime.zero_to_fp32",
 }
 
 # What a missing DeepSpeed module would have been used for, and the zerodist way.
