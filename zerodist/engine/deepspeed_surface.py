@@ -28,6 +28,15 @@ logger = get_logger(__name__)
 _LATEST: weakref.ref[Any] | None = None
 
 
+# Every engine alive in this process, for DeepSpeed's per-parameter accessors (deepspeed_tensors.py).
+_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def live_engines() -> list[Any]:
+    """The engines `initialize()` built in this process that are alive and not destroyed."""
+    return list(_ENGINES)
+
+
 def latest_engine() -> Any:
     """The engine `initialize()` built last in this process with process groups of its own (see
     `_sets_process_groups`) and still alive and not destroyed, or None."""
@@ -65,6 +74,7 @@ class DeepSpeedEngineAPI:
         # DeepSpeed's engine reports this rank's step as applied only after an optimizer step
         # that was not skipped; False before the first one and after every non-boundary step().
         self._step_applied = False
+        _ENGINES.add(self)
         if _sets_process_groups(self):
             global _LATEST
             _LATEST = weakref.ref(self)
@@ -72,6 +82,7 @@ class DeepSpeedEngineAPI:
     def _forget_process_groups(self) -> None:
         """At `destroy()`: `deepspeed.utils.groups` stops answering from this engine."""
         global _LATEST
+        _ENGINES.discard(self)
         if latest_engine() is self:
             _LATEST = None
 

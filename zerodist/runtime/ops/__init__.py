@@ -9,6 +9,5 @@ from __future__ import annotations
 from zerodist.runtime.ops.op_builder import BUILDERS
 
 __all__ = ["__compatible_ops__"]
-__path__: list[str] = []  # a package: `deepspeed.ops.aio`, `deepspeed.ops.op_builder`
 
 __compatible_ops__: dict[str, bool] = {builder.NAME: False for builder in BUILDERS}
