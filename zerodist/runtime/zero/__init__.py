@@ -7,8 +7,9 @@ from typing import Any
 import zerodist.zero as _zero
 from zerodist.runtime.zero import partition_parameters
 from zerodist.runtime.zero.served import GatheredParameters, Init
+from zerodist.runtime.zero.stage3 import unwrap_model_for_generation
 
-__all__ = ["GatheredParameters", "Init", "partition_parameters"]
+__all__ = ["GatheredParameters", "Init", "partition_parameters", "unwrap_model_for_generation"]
 
 
 def __getattr__(name: str) -> Any:
