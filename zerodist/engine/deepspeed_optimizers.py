@@ -13,13 +13,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerodist.engine.deepspeed_surface import live_engines
 from zerodist.zero import ZeroOptimizer
 
 
 def optimizer_stage(optimizer: Any) -> int | None:
-    """The ZeRO stage a `ZeroOptimizer` steps at, from what its flat groups shard; None for anything else."""
+    """The ZeRO stage a `ZeroOptimizer` steps at: its engine's configured stage (DeepSpeed picks the
+    class by it, whatever the world size), else what its flat groups shard; None for anything else."""
     if not isinstance(optimizer, ZeroOptimizer):
         return None
+    for engine in live_engines():
+        if engine.optimizer is optimizer:
+            return int(engine.stage)
     stage = 0
     for group in optimizer.groups:
         policy = group.policy
