@@ -6,6 +6,8 @@ next read and the optimizer step see."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,4 +117,41 @@ def test_a_parameter_not_trained_gives_none():
     engine, _, _, _ = zerodist.initialize(model=model, config=base_config(1))
     assert ds.safe_get_full_fp32_param(model[0].weight) is None
     assert ds.safe_get_full_grad(torch.nn.Parameter(torch.zeros(2))) is None
+    engine.destroy()
+
+
+# ---------------------------------------------------------------- engine.coalesce_grad_reduction()
+
+@pytest.mark.parametrize("stage", [1, 3])
+@distributed_test(world_size=2)
+def test_coalesce_grad_reduction_gives_the_steps_result(stage):
+    """Four backward calls inside the block, then one step: bitwise the parameters of the same four
+    calls without the block (DeepSpeed's own test compares the same two runs)."""
+    results = []
+    for coalesce in (False, True):
+        engine = _engine(stage)
+        block = engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext()
+        with block:
+            for chunk in range(4):
+                engine.set_gradient_accumulation_boundary(chunk == 3)
+                _micro_step(engine, chunk)
+        engine.set_gradient_accumulation_boundary(True)
+        engine.step()
+        results.append(engine.module_state_dict())
+        engine.destroy()
+    for name, value in results[0].items():
+        torch.testing.assert_close(results[1][name], value, rtol=0, atol=0)
+
+
+@distributed_test(world_size=1)
+def test_coalesce_grad_reduction_refuses_stage_0_and_nesting():
+    engine = _engine(0)
+    with pytest.raises(NotImplementedError, match="stage 1/2/3"):
+        with engine.coalesce_grad_reduction():
+            pass
+    engine.destroy()
+    engine = _engine(1)
+    with engine.no_sync(), pytest.raises(AssertionError, match="nested"):
+        with engine.coalesce_grad_reduction():
+            pass
     engine.destroy()
