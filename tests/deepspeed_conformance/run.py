@@ -2,6 +2,7 @@
 
     python tests/deepspeed_conformance/run.py                       # clones DeepSpeed (network)
     python tests/deepspeed_conformance/run.py --deepspeed-repo PATH # a checkout or a bare git dir
+    python tests/deepspeed_conformance/run.py --group zero          # DeepSpeed's ZeRO test files
 
 DeepSpeed's test files are fetched at run time (never stored in this repository) into a work
 directory laid out as DeepSpeed's ``tests/`` (``unit/...``), next to zerodist's own ``unit/common.py``
