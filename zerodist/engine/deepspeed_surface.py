@@ -172,6 +172,14 @@ class DeepSpeedEngineAPI:
         finally:
             self._coalescing = False
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: free the memory held for gathered parameters between uses. Here: finish the
+        last step's gathers and release stage 3's idle pooled gather buffers (they are made again
+        on the next gather)."""
+        self.units.finish_gathers(release=True)  # type: ignore[attr-defined]
+        for group in self.groups:  # type: ignore[attr-defined]
+            group.release_pooled_buffers()
+
     def was_step_applied(self) -> bool:
         """Whether the latest `step()` updated the parameters: False between accumulation
         boundaries and when an fp16 overflow skipped the step."""

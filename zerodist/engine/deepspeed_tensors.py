@@ -23,6 +23,7 @@ import torch
 
 import zerodist.comm as comm
 from zerodist.engine.deepspeed_surface import live_engines
+from zerodist.offload.optimizer import SwappedOptimizer
 from zerodist.zero.flat_group import FlatParamGroup
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
@@ -56,12 +57,16 @@ def _pieces(group: FlatParamGroup, index: int) -> list[tuple[int, int, int, int]
             for s in layout.owned_slices(group.rank) if s.param_index == index]
 
 
-def _inner_state(group: FlatParamGroup, bucket: int) -> dict[str, Any]:
-    tensor = group.optimizer_tensors[bucket]
+def _inner_optimizer(group: FlatParamGroup) -> Any:
     for engine in live_engines():
         if any(g is group for g in engine.zero_state.groups):
-            return engine.optimizer.inner.state.get(tensor, {})
-    return {}
+            return engine.optimizer.inner
+    return None
+
+
+def _inner_state(group: FlatParamGroup, bucket: int) -> dict[str, Any]:
+    inner = _inner_optimizer(group)
+    return {} if inner is None else inner.state.get(group.optimizer_tensors[bucket], {})
 
 
 def _bucket_tensor(group: FlatParamGroup, bucket: int, kind: str) -> torch.Tensor | None:
@@ -129,6 +134,11 @@ def _write(param: torch.Tensor, kind: str, value: torch.Tensor, local: bool) -> 
             group.owned_part(bucket, values)[at: at + length].copy_(source)
             group.write_stepped(bucket, values)
             continue
+        if kind != GRAD and isinstance(_inner_optimizer(group), SwappedOptimizer):
+            # its state[...] is a copy read back from the swap files: a write there would be lost
+            raise NotImplementedError(f"setting optimizer state {kind!r} with offload_optimizer device nvme: the "
+                                      "state lives in swap files (reading it works); save a checkpoint, change it "
+                                      "and load it instead")
         tensor = _bucket_tensor(group, bucket, kind)
         if tensor is None:
             raise KeyError(f"no optimizer state {kind!r} for this parameter yet (before the first step, or "
