@@ -56,8 +56,10 @@ def set_log_level_from_string(log_level_str: str, custom_logger: logging.Logger 
 
 
 # [Note: leaf marks] DeepSpeed marks a ZeRO-3 leaf module with an attribute on it (`_z3_leaf`); zerodist
-# sets no attribute on user modules, so the marks live here, weakly, by module. zerodist's stage 3 gathers
-# each unit whole already, so a mark changes nothing about training; the functions answer as DeepSpeed's.
+# sets no attribute on user modules, so the marks live here, weakly, by module. The engine does not read
+# them: stage 3's gather units are chosen by `zerodist.stage3_unit_classes` (each unit gathered whole), so
+# a leaf module whose children run by data- or rank-dependent control flow needs its class named there
+# (DeepSpeed's leaf makes it one gather); the functions answer as DeepSpeed's.
 _LEAF: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
@@ -97,13 +99,14 @@ def _mark(model: torch.nn.Module, leaf_module_classes: list[Any], flag: bool, ra
 def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[Any], raise_if_not_found: bool = True
                         ) -> list[torch.nn.Module]:
     """DeepSpeed gathers a ZeRO-3 leaf module's parameters whole instead of hooking its submodules
-    (MoE blocks whose experts run data-dependently). zerodist's stage 3 gathers each unit whole
-    already, so this changes nothing here; it marks and returns the modules of those classes (or
-    class names, plain or fully qualified), as DeepSpeed does."""
+    (MoE blocks whose experts run data-dependently). This marks and returns the modules of those
+    classes (or class names, plain or fully qualified), as DeepSpeed does; zerodist's engine does not
+    read the marks: name the class in `zerodist.stage3_unit_classes` to gather it as one unit."""
     matched = _mark(model, leaf_module_classes, True, raise_if_not_found)
     if matched:
-        log_rank0(logger, "set_z3_leaf_modules: %d module(s) marked; zerodist gathers each ZeRO-3 unit whole "
-                  "already, so this changes nothing", len(matched))
+        log_rank0(logger, "set_z3_leaf_modules: %d module(s) marked; zerodist's stage 3 gathers by its units: "
+                  "name %s in the config's zerodist.stage3_unit_classes to gather each as one unit", len(matched),
+                  sorted({type(m).__name__ for m in matched}))
     return matched
 
 
