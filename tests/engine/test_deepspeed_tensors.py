@@ -155,3 +155,16 @@ def test_coalesce_grad_reduction_refuses_stage_0_and_nesting():
         with engine.coalesce_grad_reduction():
             pass
     engine.destroy()
+
+
+# ---------------------------------------------------------------- gradient_allreduce_op
+
+@pytest.mark.unit
+def test_gradient_allreduce_op_mean_loads_and_sum_is_refused_even_under_warn(monkeypatch):
+    """DeepSpeed's "sum" changes the gradients: it must never be dropped as an unknown key would be."""
+    from zerodist.config import Config, ConfigError
+
+    Config.load({"gradient_allreduce_op": "mean"})
+    monkeypatch.setenv("ZERODIST_UNKNOWN_KEYS", "warn")
+    with pytest.raises(ConfigError, match="'gradient_allreduce_op'.*\"mean\""):
+        Config.load({"gradient_allreduce_op": "sum"})
