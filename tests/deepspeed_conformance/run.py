@@ -2,6 +2,7 @@
 
     python tests/deepspeed_conformance/run.py                       # clones DeepSpeed (network)
     python tests/deepspeed_conformance/run.py --deepspeed-repo PATH # a checkout or a bare git dir
+    python tests/deepspeed_conformance/run.py --group zero          # DeepSpeed's ZeRO test files
 
 DeepSpeed's test files are fetched at run time (never stored in this repository) into a work
 directory laid out as DeepSpeed's ``tests/`` (``unit/...``), next to zerodist's own ``unit/common.py``
@@ -31,15 +32,32 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 URL = "https://github.com/deepspeedai/DeepSpeed"
 
-FILES = [
+PIPELINE_FILES = [
     "tests/unit/runtime/pipe/test_topology.py",
     "tests/unit/runtime/pipe/test_pipe_schedule.py",
     "tests/unit/pipe/test_pipe_module.py",
     "tests/unit/runtime/pipe/test_pipe.py",
-    "tests/unit/sequence_parallelism/test_ulysses.py",
 ]
-PIPELINE_FILES = FILES[:4]
-HELPERS = ["tests/unit/alexnet_model.py", "tests/unit/simple_model.py"]
+_ZERO = "tests/unit/runtime/zero/test_"
+_ZERO_V1 = "tests/unit/v1/zero/test_"
+# DeepSpeed's test files by group (`--group`); the default runs "pipe" and "ulysses".
+GROUPS = {
+    "pipe": PIPELINE_FILES,
+    "ulysses": ["tests/unit/sequence_parallelism/test_ulysses.py"],
+    "zero": [_ZERO + name + ".py" for name in (
+        "zero_config", "zero_context", "zero_context_ancestry", "zero_context_return", "zero_dynamic_class",
+        "zero_nesting_init", "zero_linear_direct_init", "zero_late_module_attach", "zero_leaf_module",
+        "zero_hook_attribute_delegation", "zero_grad_clip", "zero_tiled", "zero_tensor_fragment", "zeropp",
+        "zero_offloadpp", "zero_allreduce_fetch_params", "zero_autocast_mixed_dtype", "nvme_checkpointing",
+        "ignore_unused_parameters", "unwrap_model")] + [_ZERO_V1 + name + ".py" for name in (
+        "zero", "zero_user_backward", "zero_coalesce_grad_reduction", "zero_torch_func", "zero_autocast",
+        "zero_init_pg_contradiction", "zero2_offload_multi_backward", "zero_cpu_offload_grad_accum",
+        "zero_functorch_linear", "zero_hook_count_regression", "zero_activation_checkpoint_lifecycle",
+        "offload_states", "overlap_comm_record_stream", "stage2_flatten_on_gpu")],
+}
+FILES = GROUPS["pipe"] + GROUPS["ulysses"]
+ALL_FILES = [file for files in GROUPS.values() for file in files]
+HELPERS = ["tests/unit/alexnet_model.py", "tests/unit/simple_model.py", "tests/unit/runtime/zero/utils.py"]
 
 
 def read_from(source: Path, path: str) -> str | None:
@@ -86,7 +104,9 @@ def outcomes(report: Path) -> dict[str, list[Outcome]]:
     by_file: dict[str, list[Outcome]] = {}
     for case in ElementTree.parse(report).getroot().iter("testcase"):
         name = case.get("classname", "").replace(".", "/")
-        file = next((f for f in FILES if name.startswith(f.removeprefix("tests/").removesuffix(".py"))), name)
+        # the whole module name: test_zero must not claim test_zero2_offload_multi_backward's cases
+        file = next((f for f in ALL_FILES if (name + "/").startswith(f.removeprefix("tests/").removesuffix(".py") + "/")),
+                    name)
         outcome, reason = "passed", ""
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
@@ -119,9 +139,12 @@ def run_mode(mode: str, fetched: list[Path], work: Path, pytest_args: list[str])
     results: dict[str, list[Outcome]] = {}
     for index, test_file in enumerate(fetched):
         report = work / f"report-{mode}-{index}.xml"
+        # DeepSpeed's directories below unit/ have no __init__.py, so its pytest puts a file's own directory
+        # on sys.path: `from utils import setup_serial_env` in runtime/zero/ finds runtime/zero/utils.py.
+        file_env = {**env, "PYTHONPATH": os.pathsep.join([str(test_file.parent), env["PYTHONPATH"]])}
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
                                  f"--junitxml={report}", str(test_file), *pytest_args], cwd=work / "tests",
-                                env=env, capture_output=True, text=True)
+                                env=file_env, capture_output=True, text=True)
         sys.stdout.write(result.stdout[-4000:])
         if report.exists():
             results.update(outcomes(report))
@@ -149,7 +172,9 @@ def print_table(files: list[str], by_mode: dict[str, dict[str, list[Outcome]]]) 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--deepspeed-repo", type=Path, default=None, help="a DeepSpeed checkout or bare git dir")
-    parser.add_argument("--files", nargs="*", default=FILES)
+    parser.add_argument("--files", nargs="*", default=None, help="DeepSpeed test files (default: the groups')")
+    parser.add_argument("--group", nargs="*", default=None, choices=list(GROUPS),
+                        help="groups of files to run (default: pipe and ulysses)")
     parser.add_argument("--modes", nargs="*", default=["strict", "warn"], choices=["strict", "warn"],
                         help="unknown-key policies to run under (default: both)")
     parser.add_argument("--timeout", type=float, default=None,
@@ -157,6 +182,8 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args()
+    if args.files is None:
+        args.files = [file for group in args.group for file in GROUPS[group]] if args.group else FILES
     work = Path(tempfile.mkdtemp(prefix="zerodist-ds-conformance-"))
     source = args.deepspeed_repo
     if source is None:

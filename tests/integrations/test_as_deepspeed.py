@@ -53,7 +53,7 @@ def test_import_deepspeed_is_zerodist_with_deepspeeds_distribution_metadata():
         from transformers.utils.versions import require_version
         assert is_deepspeed_available()
         require_version("deepspeed>=0.9.3")             # transformers' gate
-        for missing in ("deepspeed.ops.op_builder", "deepspeed.module_inject.auto_tp"):
+        for missing in ("deepspeed.ops.transformer", "deepspeed.module_inject.auto_tp"):
             try:
                 __import__(missing)
             except ModuleNotFoundError as error:

@@ -1,7 +1,7 @@
 """`deepspeed.ops.adam.DeepSpeedCPUAdam` / `deepspeed.ops.adagrad.DeepSpeedCPUAdagrad` under the switch:
 accelerate swaps the Trainer's optimizer for them whenever the config offloads the optimizer (axolotl's
 `zero2.json` does), and they must give back torch's optimizer with the same groups and update
-([Note: DeepSpeed's CPU optimizers, served as torch's] in zerodist/runtime/ops.py). Checked in a fresh
+([Note: DeepSpeed's CPU optimizers, served as torch's] in zerodist/runtime/ops/cpu_optimizers.py). Checked in a fresh
 interpreter started as `zerodist run --as-deepspeed` starts each rank; before the served module,
 accelerate's `map_pytorch_optim_to_deepspeed` failed with `No module named 'deepspeed.ops'`."""
 
@@ -65,7 +65,7 @@ def test_accelerates_offload_swap_gets_torchs_optimizer_with_the_same_groups_and
         import zerodist.runtime.ops
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         assert DeepSpeedCPUAdam is zerodist.runtime.ops.DeepSpeedCPUAdam
-        for missing in ("deepspeed.ops.op_builder", "deepspeed.ops.lion"):  # the kernels stay refused, by name
+        for missing in ("deepspeed.ops.transformer", "deepspeed.ops.lion"):  # the kernels stay refused, by name
             try:
                 __import__(missing)
             except ModuleNotFoundError as error:

@@ -33,7 +33,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str, ...]] = {
         activation_checkpointing amp autotuning
         dataloader_drop_last disable_allgather fp32_allreduce use_data_before_expert_parallel_
         compile compression_training curriculum_learning data_efficiency data_types
-        dump_state eigenvalue elasticity gradient_predivide_factor
+        dump_state eigenvalue elasticity gradient_allreduce_op gradient_predivide_factor
         graph_harvesting hybrid_engine nebula prescale_gradients
         progressive_layer_drop quantize_training seq_parallel_communication_data_type
         sparse_attention sparse_gradients timers torch_autocast
@@ -148,6 +148,9 @@ AIO_KEYS = frozenset(_keys("block_size queue_depth intra_op_parallelism thread_c
 NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("", "prescale_gradients"): (_same(False), "false"),
     ("", "gradient_predivide_factor"): (_same(1.0), "1.0"),
+    # DeepSpeed 0.19's data-parallel gradient op: "mean" (its default) is what zerodist does; "sum" (gradients
+    # world-size times larger) is not implemented, and must not be dropped as an unknown key would be.
+    ("", "gradient_allreduce_op"): (_same("mean"), '"mean"'),
     ("", "sparse_gradients"): (_same(False), "false"),
     ("", "dump_state"): (_same(False), "false"),
     ("", "graph_harvesting"): (_same(False), "false"),

@@ -12,7 +12,9 @@ attribute the engine does not have is looked up on the wrapped model, read-only.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,6 +28,15 @@ logger = get_logger(__name__)
 # The engine built last, for `deepspeed.utils.groups` (DeepSpeed's groups are process-wide, set by the
 # engine it built last too); weak, so it keeps no engine alive.
 _LATEST: weakref.ref[Any] | None = None
+
+
+# Every engine alive in this process, for DeepSpeed's per-parameter accessors (deepspeed_tensors.py).
+_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def live_engines() -> list[Any]:
+    """The engines `initialize()` built in this process that are alive and not destroyed."""
+    return list(_ENGINES)
 
 
 def latest_engine() -> Any:
@@ -65,6 +76,8 @@ class DeepSpeedEngineAPI:
         # DeepSpeed's engine reports this rank's step as applied only after an optimizer step
         # that was not skipped; False before the first one and after every non-boundary step().
         self._step_applied = False
+        self._coalescing = False  # inside coalesce_grad_reduction()
+        _ENGINES.add(self)
         if _sets_process_groups(self):
             global _LATEST
             _LATEST = weakref.ref(self)
@@ -72,6 +85,7 @@ class DeepSpeedEngineAPI:
     def _forget_process_groups(self) -> None:
         """At `destroy()`: `deepspeed.utils.groups` stops answering from this engine."""
         global _LATEST
+        _ENGINES.discard(self)
         if latest_engine() is self:
             _LATEST = None
 
@@ -137,6 +151,34 @@ class DeepSpeedEngineAPI:
     def seq_dp_world_size(self) -> int:
         topology = self.topology  # type: ignore[attr-defined]
         return topology.size(*topology.batch_axes, *topology.sequence_axes)
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """DeepSpeed's block for one optimizer step's several `backward()` calls (stages 1-3), with its
+        checks: stage 0 and a pipeline are refused, and it does not nest with `no_sync()`. Inside,
+        zerodist reduces as it always does (stage 1 once, at the accumulation boundary; stages 2-3 each
+        bucket as it fills, its shard accumulating), so the step's result is the one without the block;
+        DeepSpeed's single flush on exit is not a separate pass here."""
+        stage = self.stage  # type: ignore[attr-defined]
+        if stage not in (1, 2, 3):
+            raise NotImplementedError(f"coalesce_grad_reduction requires ZeRO stage 1/2/3, got stage {stage}")
+        if self.pipeline is not None:  # type: ignore[attr-defined]
+            raise NotImplementedError("coalesce_grad_reduction is not supported under pipeline parallelism")
+        if self._no_sync or self._coalescing:  # type: ignore[attr-defined]
+            raise AssertionError("coalesce_grad_reduction cannot be nested inside another no_sync context")
+        self._coalescing = True
+        try:
+            yield
+        finally:
+            self._coalescing = False
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: free the memory held for gathered parameters between uses. Here: finish the
+        last step's gathers and release stage 3's idle pooled gather buffers (they are made again
+        on the next gather)."""
+        self.units.finish_gathers(release=True)  # type: ignore[attr-defined]
+        for group in self.groups:  # type: ignore[attr-defined]
+            group.release_pooled_buffers()
 
     def was_step_applied(self) -> bool:
         """Whether the latest `step()` updated the parameters: False between accumulation

@@ -72,11 +72,15 @@ DEEPSPEED_MODULES = {
     # AutoTP is not served (below), but its split rule is: Ulysses code asks it which heads a rank holds.
     "deepspeed.module_inject": "zerodist.runtime.module_inject",
     "deepspeed.module_inject.tp_shard": "zerodist.runtime.module_inject.tp_shard",
-    # The CPU optimizers accelerate swaps in when the optimizer is offloaded, served as torch's (runtime/ops.py);
-    # the rest of deepspeed.ops (its kernels) stays refused below.
+    # Only "is this compiled op available?" (no, for each); the kernels themselves are _NOT_PROVIDED below,
+    # but the CPU optimizers accelerate swaps in when the optimizer is offloaded, served as torch's
+    # (runtime/ops/cpu_optimizers.py).
     "deepspeed.ops": "zerodist.runtime.ops",
-    "deepspeed.ops.adam": "zerodist.runtime.ops",
-    "deepspeed.ops.adagrad": "zerodist.runtime.ops",
+    "deepspeed.ops.aio": "zerodist.runtime.ops.aio",
+    "deepspeed.ops.op_builder": "zerodist.runtime.ops.op_builder",
+    "deepspeed.ops.adam": "zerodist.runtime.ops.cpu_optimizers",
+    "deepspeed.ops.adagrad": "zerodist.runtime.ops.cpu_optimizers",
+    "deepspeed.utils.zero_to_fp32": "zerodist.runtime.zero_to_fp32",
 }
 
 # What a missing DeepSpeed module would have been used for, and the zerodist way.
