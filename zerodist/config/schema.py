@@ -120,7 +120,8 @@ class ZeroConfig(HierarchicalShardingKeys):
     )
     contiguous_gradients: bool = Field(
         True, description="Gradients are copied into flat contiguous buckets as they are produced; zerodist "
-        "always does this, so false (separate gradient tensors) is refused."
+        "always does this, so false (DeepSpeed's separate gradient tensors, a memory layout) is accepted and "
+        "changes nothing, with one info line."
     )
     reduce_bucket_size: ElementCount = Field(
         500_000_000, description="Elements per gradient bucket, at every stage; buckets hold at most "
@@ -471,10 +472,6 @@ class Config(Section):
     def _asks_only_for_what_runs(self) -> Config:
         """Values that ask for behaviour zerodist lacks are refused, saying what it does instead."""
         zero, problems = self.zero_optimization, []
-        if not zero.contiguous_gradients:
-            problems.append("'zero_optimization.contiguous_gradients' is false, but zerodist always copies gradients "
-                            "into flat contiguous buckets as they are produced (DeepSpeed's true); remove the key or "
-                            "set it to true")
         problems += offload_problems(zero.stage, zero.offload_optimizer, zero.offload_param)
         problems += zeropp_problems(zero, zero.stage, zero.reduce_scatter)
         dtype_problem = communication_dtype_problem(self.communication_data_type, self.fp16.enabled, self.bf16.enabled)
