@@ -31,15 +31,28 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 URL = "https://github.com/deepspeedai/DeepSpeed"
 
-FILES = [
+PIPELINE_FILES = [
     "tests/unit/runtime/pipe/test_topology.py",
     "tests/unit/runtime/pipe/test_pipe_schedule.py",
     "tests/unit/pipe/test_pipe_module.py",
     "tests/unit/runtime/pipe/test_pipe.py",
-    "tests/unit/sequence_parallelism/test_ulysses.py",
 ]
-PIPELINE_FILES = FILES[:4]
-HELPERS = ["tests/unit/alexnet_model.py", "tests/unit/simple_model.py"]
+_MOE = "tests/unit/v1/moe/test_"
+# DeepSpeed's test files by group (`--group`); the default runs "pipe" and "ulysses".
+GROUPS = {
+    "pipe": PIPELINE_FILES,
+    "ulysses": ["tests/unit/sequence_parallelism/test_ulysses.py"],
+    "moe": [_MOE + "moe.py", _MOE + "moe_tp.py", "tests/unit/checkpoint/test_moe_checkpoint.py"] + [
+        _MOE + name + ".py" for name in (  # AutoEP (and its fused-expert layout helper)
+            "autoep_unit", "autoep_integration", "autoep_grad_parity", "autoep_checkpoint", "autoep_autotp_runtime",
+            "autoep_autotp_checkpoint", "autoep_autotp_grad_parity", "autoep_autotp_dispatch",
+            "autoep_autotp_folding_config", "autoep_autotp_folding_groups", "autoep_autotp_deepcompile_reject",
+            "autoep_autotp_bf16_folding_parity", "autoep_autotp_zero1_overlap_folding", "fused_expert_layout")],
+}
+FILES = GROUPS["pipe"] + GROUPS["ulysses"]
+ALL_FILES = [file for files in GROUPS.values() for file in files]
+HELPERS = ["tests/unit/alexnet_model.py", "tests/unit/simple_model.py", "tests/unit/checkpoint/common.py",
+           "tests/unit/v1/moe/autoep_test_utils.py"]
 
 
 def read_from(source: Path, path: str) -> str | None:
@@ -86,7 +99,7 @@ def outcomes(report: Path) -> dict[str, list[Outcome]]:
     by_file: dict[str, list[Outcome]] = {}
     for case in ElementTree.parse(report).getroot().iter("testcase"):
         name = case.get("classname", "").replace(".", "/")
-        file = next((f for f in FILES if name.startswith(f.removeprefix("tests/").removesuffix(".py"))), name)
+        file = next((f for f in ALL_FILES if name.startswith(f.removeprefix("tests/").removesuffix(".py"))), name)
         outcome, reason = "passed", ""
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
@@ -149,7 +162,9 @@ def print_table(files: list[str], by_mode: dict[str, dict[str, list[Outcome]]]) 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--deepspeed-repo", type=Path, default=None, help="a DeepSpeed checkout or bare git dir")
-    parser.add_argument("--files", nargs="*", default=FILES)
+    parser.add_argument("--files", nargs="*", default=None, help="DeepSpeed test files (default: the groups')")
+    parser.add_argument("--group", nargs="*", default=None, choices=list(GROUPS),
+                        help="groups of files to run (default: pipe and ulysses)")
     parser.add_argument("--modes", nargs="*", default=["strict", "warn"], choices=["strict", "warn"],
                         help="unknown-key policies to run under (default: both)")
     parser.add_argument("--timeout", type=float, default=None,
@@ -157,6 +172,8 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args()
+    if args.files is None:
+        args.files = [file for group in args.group for file in GROUPS[group]] if args.group else FILES
     work = Path(tempfile.mkdtemp(prefix="zerodist-ds-conformance-"))
     source = args.deepspeed_repo
     if source is None:
