@@ -99,7 +99,8 @@ def outcomes(report: Path) -> dict[str, list[Outcome]]:
     by_file: dict[str, list[Outcome]] = {}
     for case in ElementTree.parse(report).getroot().iter("testcase"):
         name = case.get("classname", "").replace(".", "/")
-        file = next((f for f in ALL_FILES if name.startswith(f.removeprefix("tests/").removesuffix(".py"))), name)
+        file = next((f for f in ALL_FILES if (name + "/").startswith(f.removeprefix("tests/").removesuffix(".py") + "/")),
+                    name)  # test_moe.py is not test_moe_tp.py's
         outcome, reason = "passed", ""
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
