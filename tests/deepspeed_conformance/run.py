@@ -40,6 +40,7 @@ PIPELINE_FILES = [
 ]
 _ZERO = "tests/unit/runtime/zero/test_"
 _ZERO_V1 = "tests/unit/v1/zero/test_"
+_MOE = "tests/unit/v1/moe/test_"
 # DeepSpeed's test files by group (`--group`); the default runs "pipe" and "ulysses".
 GROUPS = {
     "pipe": PIPELINE_FILES,
@@ -54,10 +55,17 @@ GROUPS = {
         "zero_init_pg_contradiction", "zero2_offload_multi_backward", "zero_cpu_offload_grad_accum",
         "zero_functorch_linear", "zero_hook_count_regression", "zero_activation_checkpoint_lifecycle",
         "offload_states", "overlap_comm_record_stream", "stage2_flatten_on_gpu")],
+    "moe": [_MOE + "moe.py", _MOE + "moe_tp.py", "tests/unit/checkpoint/test_moe_checkpoint.py"] + [
+        _MOE + name + ".py" for name in (  # AutoEP (and its fused-expert layout helper)
+            "autoep_unit", "autoep_integration", "autoep_grad_parity", "autoep_checkpoint", "autoep_autotp_runtime",
+            "autoep_autotp_checkpoint", "autoep_autotp_grad_parity", "autoep_autotp_dispatch",
+            "autoep_autotp_folding_config", "autoep_autotp_folding_groups", "autoep_autotp_deepcompile_reject",
+            "autoep_autotp_bf16_folding_parity", "autoep_autotp_zero1_overlap_folding", "fused_expert_layout")],
 }
 FILES = GROUPS["pipe"] + GROUPS["ulysses"]
 ALL_FILES = [file for files in GROUPS.values() for file in files]
-HELPERS = ["tests/unit/alexnet_model.py", "tests/unit/simple_model.py", "tests/unit/runtime/zero/utils.py"]
+HELPERS = ["tests/unit/alexnet_model.py", "tests/unit/simple_model.py", "tests/unit/runtime/zero/utils.py",
+           "tests/unit/checkpoint/common.py", "tests/unit/v1/moe/autoep_test_utils.py"]
 
 
 def read_from(source: Path, path: str) -> str | None:

@@ -130,7 +130,7 @@ class CausalSelfAttention(nn.Module):
         # (B, T, 3C) -> three (B, heads, T, C/heads)
         q, k, v = self.qkv(x).view(batch, seq, 3, self.n_heads, d_model // self.n_heads).permute(2, 0, 3, 1, 4)
         dropout_p = self.dropout if self.training else 0.0
-        y = self.core(q, k, v, None, dropout_p)
+        y = self.core(q, k, v, dropout_p=dropout_p)
         y = y.transpose(1, 2).reshape(batch, seq, d_model)
         return self.resid_dropout(self.proj(y))
 

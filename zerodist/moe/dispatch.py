@@ -29,30 +29,47 @@ from zerodist.moe.gating import Routing
 
 
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single along dim 0 whose backward is the reverse all-to-all (splits swapped)."""
+    """DeepSpeed's `sharded_moe._AllToAll`: `apply(group, input)`, an all_to_all_single of equal
+    splits along dim 0 whose backward is the same all-to-all. The capacity path's two all-to-alls
+    go through `_AllToAll.apply`, looked up at call time (DeepSpeed's tests count them by patching it)."""
 
     @staticmethod
-    def forward(ctx: Any, group: Group, rows: torch.Tensor, output_splits: list[int] | None,
-                input_splits: list[int] | None) -> torch.Tensor:  # type: ignore[override]
-        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+    def forward(ctx: Any, group: Group, rows: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
         rows = rows.contiguous()
-        if output_splits is None:
-            received = torch.empty_like(rows)
-        else:
-            received = rows.new_empty((sum(output_splits), *rows.shape[1:]))
-        comm.all_to_all_single(received, rows, output_splits, input_splits, group=group)
+        received = torch.empty_like(rows)
+        comm.all_to_all_single(received, rows, group=group)
         return received
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        back = _AllToAll.apply(ctx.group, grad.contiguous(), ctx.input_splits, ctx.output_splits)
+        return None, _AllToAll.apply(ctx.group, grad.contiguous())
+
+
+class _AllToAllSplits(torch.autograd.Function):
+    """all_to_all_single along dim 0 with row splits, whose backward is the reverse all-to-all (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Group, rows: torch.Tensor, output_splits: list[int],
+                input_splits: list[int]) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        received = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+        comm.all_to_all_single(received, rows.contiguous(), output_splits, input_splits, group=group)
+        return received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        back = _AllToAllSplits.apply(ctx.group, grad.contiguous(), ctx.input_splits, ctx.output_splits)
         return None, back, None, None
 
 
 def all_to_all(group: Group, rows: torch.Tensor, output_splits: list[int] | None = None,
                input_splits: list[int] | None = None) -> torch.Tensor:
     """Differentiable all-to-all of `rows` over `group` (equal splits when the sizes are None)."""
-    return _AllToAll.apply(group, rows, output_splits, input_splits)
+    if output_splits is None and input_splits is None:
+        return _AllToAll.apply(group, rows)
+    assert output_splits is not None and input_splits is not None, "give both splits or neither"
+    return _AllToAllSplits.apply(group, rows, output_splits, input_splits)
 
 
 def _kept_routes(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -129,53 +130,107 @@ def replicate_kv_heads(tensor: torch.Tensor, heads_dim: int, degree: int) -> tor
     return tensor.repeat_interleave(degree // heads, dim=heads_dim)
 
 
-def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Group, scatter_idx: int,
-                      gather_idx: int, local_attention: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """All-to-all q, k, v from sequence slices to head slices, the local attention over the whole
-    sequence, and back."""
+def layout_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Group, scatter_idx: int,
+                    gather_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """All-to-all q, k, v from sequence slices to head slices (`scatter_idx` the heads, `gather_idx`
+    the sequence), evenly; returns them and the way back for the context."""
     degree = comm.get_world_size(group)
     check_heads(query.shape[scatter_idx], key.shape[scatter_idx], degree)
     key = replicate_kv_heads(key, scatter_idx, degree)
     value = replicate_kv_heads(value, scatter_idx, degree)
     q, k, v = (all_to_all(t, group, scatter_idx, gather_idx) for t in (query, key, value))
-    context = local_attention(q, k, v, *args, **kwargs)
-    return all_to_all(context, group, gather_idx, scatter_idx)
+    return q, k, v, lambda context: all_to_all(context, group, gather_idx, scatter_idx)
+
+
+def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Group, scatter_idx: int,
+                      gather_idx: int, local_attention: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """All-to-all q, k, v from sequence slices to head slices, the local attention over the whole
+    sequence, and back."""
+    q, k, v, back = layout_exchange(query, key, value, group, scatter_idx, gather_idx)
+    return back(local_attention(q, k, v, *args, **kwargs))
+
+
+def deepspeed_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Group, scatter_idx: int,
+                       gather_idx: int, batch_dim_idx: int, num_kv_heads: int | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """DeepSpeed's `DistributedAttention` exchange with `batch_dim_idx`: the layout is [batch, seq,
+    heads, head_dim] (0) or [seq, batch, heads, head_dim] (1) whatever the two indices say; q, k and v
+    go through the 5-argument exchange with `num_kv_heads` (DeepSpeed's: the key's head count when
+    not given) as the key/value group count, so a query head lands on the rank holding its key/value
+    head, and heads the degree does not divide are dealt by DeepSpeed's rule ([Note: DeepSpeed's head
+    exchange]). Fewer key/value heads than ranks are replicated up to the degree first ([Note:
+    replicated kv heads]; DeepSpeed refuses them). Returns q, k, v and the way back for the context."""
+    degree = comm.get_world_size(group)
+    kv_heads = num_kv_heads if num_kv_heads is not None else key.shape[head_exchange.HEADS_DIM]
+    if kv_heads < degree:
+        key = replicate_kv_heads(key, head_exchange.HEADS_DIM, degree)
+        value = replicate_kv_heads(value, head_exchange.HEADS_DIM, degree)
+        kv_heads = degree
+    q, k, v = (_SeqAllToAll.apply(group, t, scatter_idx, gather_idx, batch_dim_idx, None, None, None, True, kv_heads)
+               for t in (query, key, value))
+
+    def back(context: torch.Tensor) -> torch.Tensor:
+        return _SeqAllToAll.apply(group, context, gather_idx, scatter_idx, batch_dim_idx, None, None, None, True,
+                                  kv_heads)
+
+    return q, k, v, back
 
 
 def deepspeed_ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Group,
                                 scatter_idx: int, gather_idx: int, batch_dim_idx: int, local_attention: Any,
                                 *args: Any, **kwargs: Any) -> torch.Tensor:
-    """DeepSpeed's `DistributedAttention.forward` with `batch_dim_idx`: the layout is [batch, seq,
-    heads, head_dim] (0) or [seq, batch, heads, head_dim] (1) whatever the two indices say, q, k and
-    v go through the 5-argument exchange with the key's head count as the key/value group count
-    (heads the degree does not divide are dealt by DeepSpeed's rule), and so does the way back
-    ([Note: DeepSpeed's head exchange]). Fewer key/value heads than ranks are replicated up to the
-    degree first ([Note: replicated kv heads])."""
-    degree = comm.get_world_size(group)
-    key = replicate_kv_heads(key, head_exchange.HEADS_DIM, degree)
-    value = replicate_kv_heads(value, head_exchange.HEADS_DIM, degree)
-    kv_heads = key.shape[head_exchange.HEADS_DIM]
-    q, k, v = (_SeqAllToAll.apply(group, t, scatter_idx, gather_idx, batch_dim_idx, None, None, None, True, kv_heads)
-               for t in (query, key, value))
-    context = local_attention(q, k, v, *args, **kwargs)
-    return _SeqAllToAll.apply(group, context, gather_idx, scatter_idx, batch_dim_idx, None, None, None, True, kv_heads)
+    """`deepspeed_exchange`, the local attention, and the way back (the key's head count as the
+    key/value group count)."""
+    q, k, v, back = deepspeed_exchange(query, key, value, group, scatter_idx, gather_idx, batch_dim_idx)
+    return back(local_attention(q, k, v, *args, **kwargs))
+
+
+def _rotary_pair(rotary_pos_emb: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """DeepSpeed's `rotary_pos_emb`: None, or (cos, sin), 4-D tensors it permutes (1, 0, 2, 3)."""
+    if rotary_pos_emb is None:
+        return None
+    if (not isinstance(rotary_pos_emb, (tuple, list)) or len(rotary_pos_emb) != 2
+            or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in rotary_pos_emb)):
+        raise TypeError("DistributedAttention.forward(q, k, v, batch_dim_idx, rotary_pos_emb, *args): rotary_pos_emb "
+                        "is DeepSpeed's (cos, sin) pair of 4-D tensors or None, got "
+                        f"{type(rotary_pos_emb).__name__}; pass the local attention's own arguments after it "
+                        "(rotary_pos_emb=None first) or by keyword")
+    return rotary_pos_emb[0].permute(1, 0, 2, 3), rotary_pos_emb[1].permute(1, 0, 2, 3)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """DeepSpeed's rotary embedding (`deepspeed.sequence.layer.apply_rotary_pos_emb`): the first
+    `freqs_cos.shape[-1]` features of `t` rotated in halves, `t * cos + rotate_half(t) * sin` with
+    `rotate_half(x) = [-x2, x1]` (x1, x2 the two halves), the rest of `t` unchanged."""
+    width = freqs_cos.shape[-1]
+    rotated, kept = t[..., :width], t[..., width:]
+    first, second = rotated.chunk(2, dim=-1)
+    rotated = rotated * freqs_cos + torch.cat((-second, first), dim=-1) * freqs_sin
+    return rotated if kept.shape[-1] == 0 else torch.cat((rotated, kept), dim=-1)
 
 
 class DistributedAttention(torch.nn.Module):
     """DeepSpeed-Ulysses attention around `local_attention(q, k, v, *args, **kwargs)`."""
 
     def __init__(self, local_attention: Any, sequence_process_group: Group | None, scatter_idx: int = 2,
-                 gather_idx: int = 0, sp_stream: Any = None) -> None:
+                 gather_idx: int = 0, sp_stream: Any = None, num_kv_heads: int | None = None) -> None:
         """`sp_stream` is DeepSpeed's CUDA stream for overlapping the k/v all-to-alls; accepted for its
-        signature, unused (the all-to-alls run in order on the current stream)."""
+        signature, unused (the all-to-alls run in order on the current stream). `num_kv_heads` is
+        DeepSpeed's: the key/value head count (grouped-query attention) the heads are dealt by when
+        the forward has `batch_dim_idx`, so that every query head lands on the rank holding its
+        key/value head; without it, the key's head count of each forward."""
         super().__init__()
         if scatter_idx == gather_idx:
             raise SequenceParallelError(f"scatter_idx and gather_idx are both {scatter_idx}: scatter_idx is the heads "
                                         "dimension and gather_idx the sequence dimension of q, k and v")
+        if num_kv_heads is not None and (not isinstance(num_kv_heads, int) or num_kv_heads < 1):
+            raise ValueError(f"num_kv_heads is the number of key/value heads (a positive int) or None, got "
+                             f"{num_kv_heads!r}")
         self.local_attn = local_attention
         self.spg = sequence_process_group
         self.scatter_idx = scatter_idx
         self.gather_idx = gather_idx
+        self.num_kv_heads = num_kv_heads
 
     def _settings(self) -> EngineSequence | None:
         """The group and method to use, None to run the local attention alone."""
@@ -186,19 +241,23 @@ class DistributedAttention(torch.nn.Module):
         return settings if settings is not None and settings.layout.size > 1 else None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch_dim_idx: int | None = None,
-                *args: Any, **kwargs: Any) -> torch.Tensor:
+                rotary_pos_emb: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
         """q, k, v hold this rank's slice of the sequence for every head; the result too.
         `batch_dim_idx` is DeepSpeed's argument: given (0 or 1), the layout comes from it as in
         DeepSpeed ([batch, seq, heads, head_dim] or [seq, batch, heads, head_dim]); without it,
-        `gather_idx` is the sequence dimension and `scatter_idx` the heads'. Further arguments go to
-        the local attention."""
+        `gather_idx` is the sequence dimension and `scatter_idx` the heads'. `rotary_pos_emb` is
+        DeepSpeed's too: a (cos, sin) pair of 4-D tensors, permuted (1, 0, 2, 3) and applied to q
+        and k after the exchange, over the whole sequence (`apply_rotary_pos_emb`). Further
+        arguments go to the local attention."""
         if batch_dim_idx is not None and (not isinstance(batch_dim_idx, int) or batch_dim_idx not in (0, 1)):
             raise TypeError(f"DistributedAttention.forward(q, k, v, batch_dim_idx, ...): batch_dim_idx is 0 "
                             f"([batch, seq, heads, head_dim]), 1 ([seq, batch, heads, head_dim]) or None, got "
-                            f"{batch_dim_idx!r}; pass the local attention's own arguments after it or by keyword")
+                            f"{batch_dim_idx!r}; pass the local attention's own arguments after rotary_pos_emb or "
+                            "by keyword")
+        rotary = _rotary_pair(rotary_pos_emb)
         settings = self._settings()
         if settings is None:
-            return self.local_attn(query, key, value, *args, **kwargs)
+            return self.local_attn(*_rotate(query, key, rotary), value, *args, **kwargs)
         # (sequence dim, heads dim)
         dims = ((1 - batch_dim_idx, head_exchange.HEADS_DIM) if batch_dim_idx is not None
                 else (self.gather_idx % query.dim(), self.scatter_idx % query.dim()))
@@ -209,12 +268,17 @@ class DistributedAttention(torch.nn.Module):
                                         f"{tuple(query.shape)}; DeepSpeed's layout is 4-D [batch, seq, heads, "
                                         "head_dim] (batch_dim_idx=0) or [seq, batch, heads, head_dim] (1)")
         if settings.method == "ring":
+            if rotary is not None:
+                raise SequenceParallelError("DistributedAttention(rotary_pos_emb=...) under the ring method: the ring "
+                                            "never gathers the whole sequence; apply the rotary embedding to q and k "
+                                            "before the attention, at each rank's own positions")
             return self._ring(query, key, value, settings, dims)
         if batch_dim_idx is not None:
-            return deepspeed_ulysses_attention(query, key, value, settings.group, self.scatter_idx, self.gather_idx,
-                                               batch_dim_idx, self.local_attn, *args, **kwargs)
-        return ulysses_attention(query, key, value, settings.group, self.scatter_idx, self.gather_idx,
-                                 self.local_attn, *args, **kwargs)
+            q, k, v, back = deepspeed_exchange(query, key, value, settings.group, self.scatter_idx, self.gather_idx,
+                                               batch_dim_idx, self.num_kv_heads)
+        else:
+            q, k, v, back = layout_exchange(query, key, value, settings.group, self.scatter_idx, self.gather_idx)
+        return back(self.local_attn(*_rotate(q, k, rotary), v, *args, **kwargs))
 
     def _ring(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, settings: EngineSequence,
               dims: tuple[int, int]) -> torch.Tensor:
@@ -222,3 +286,10 @@ class DistributedAttention(torch.nn.Module):
         q, k, v = (t.movedim(dims, (-3, -2)) for t in (query, key, value))
         out = ring_attention(q, k, v, settings.group, settings.layout, causal=settings.causal)
         return out.movedim((-3, -2), dims)
+
+
+def _rotate(query: torch.Tensor, key: torch.Tensor,
+            rotary: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if rotary is None:
+        return query, key
+    return apply_rotary_pos_emb(query, *rotary), apply_rotary_pos_emb(key, *rotary)

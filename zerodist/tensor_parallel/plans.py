@@ -81,7 +81,7 @@ class HeadParallelAttention(nn.Module):
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
         if self.core is not None:  # (batch, heads, seq, head_dim), as the demo GPT's own attention calls it
-            return cast(torch.Tensor, self.core(q, k, v, None, dropout_p))
+            return cast(torch.Tensor, self.core(q, k, v, dropout_p=dropout_p))
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
