@@ -107,14 +107,15 @@ def prepare(source: Path, work: Path, files: list[str]) -> list[Path]:
 Outcome = tuple[str, str, str]  # (test id, "passed" / "failed" / "skipped", reason: the message's last line)
 
 
-def outcomes(report: Path) -> dict[str, list[Outcome]]:
-    """Each test case of a junit report, by DeepSpeed file."""
+def outcomes(report: Path, run_file: str = "") -> dict[str, list[Outcome]]:
+    """Each test case of a junit report, by DeepSpeed file; a case named after no file (a collection
+    error has an empty class name) is `run_file`'s, the file the report's session ran."""
     by_file: dict[str, list[Outcome]] = {}
     for case in ElementTree.parse(report).getroot().iter("testcase"):
         name = case.get("classname", "").replace(".", "/")
         # the whole module name: test_zero must not claim test_zero2_offload_multi_backward's cases
         file = next((f for f in ALL_FILES if (name + "/").startswith(f.removeprefix("tests/").removesuffix(".py") + "/")),
-                    name)
+                    run_file or name)
         outcome, reason = "passed", ""
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
@@ -155,7 +156,7 @@ def run_mode(mode: str, fetched: list[Path], work: Path, pytest_args: list[str])
                                 env=file_env, capture_output=True, text=True)
         sys.stdout.write(result.stdout[-4000:])
         if report.exists():
-            results.update(outcomes(report))
+            results.update(outcomes(report, str(test_file.relative_to(work))))
     return results
 
 

@@ -154,7 +154,7 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("", "sparse_gradients"): (_same(False), "false"),
     # Whether DeepSpeed copies gradients into one contiguous buffer (memory layout only): zerodist always
     # copies them into flat buckets as they are produced, and the reduced gradients are the same either way.
-    ("zero_optimization", "contiguous_gradients"): (_any_bool, "true or false (zerodist always copies gradients "
+    ("zero_optimization", "contiguous_gradients"): (_same(False), "false (zerodist always copies gradients "
                                                     "into flat contiguous buckets; the result is the same)"),
     ("", "dump_state"): (_same(False), "false"),
     ("", "graph_harvesting"): (_same(False), "false"),
