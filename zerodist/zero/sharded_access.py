@@ -237,8 +237,11 @@ _DATA_SET = getattr(torch.Tensor, "data").__set__
 def _changes_nothing(func: Any, args: tuple[Any, ...], kwargs: Any) -> bool:
     if func == _DATA_SET:  # a method-wrapper: a new object at each lookup, equal by what it wraps
         return len(args) == 2 and args[1] is args[0]
-    if func in _CONVERSIONS and args and not (kwargs or {}).get("copy", False):
-        return (func(*args, **kwargs) if kwargs else func(*args)) is args[0]  # the check is off inside the mode
+    if func in _CONVERSIONS and args and not {"copy", "memory_format"} & set(kwargs or {}):
+        # asked of a 0-d tensor of the placeholder's dtype and device (the check is off inside the mode):
+        # converting the full-shape placeholder itself would allocate the whole parameter first
+        probe = torch.empty((), dtype=args[0].dtype, device=args[0].device)
+        return (func(probe, *args[1:], **kwargs) if kwargs else func(probe, *args[1:])) is probe
     return False
 
 
