@@ -116,10 +116,27 @@ def _pre_forward(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.ref[Un
 
 def _post_forward(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.ref[Unit], module: torch.nn.Module,
                   args: Any, output: Any) -> None:
+    finish = functools.partial(_finished_forward, runtime_ref, unit_ref, torch.is_grad_enabled())
     if isinstance(output, UnfinishedOutput):  # the block runs on: [Note: unfinished outputs] in utils/unfinished.py
-        output.when_finished(functools.partial(_finished_forward, runtime_ref, unit_ref, torch.is_grad_enabled()))
-    else:
-        _finished_forward(runtime_ref, unit_ref, torch.is_grad_enabled(), tree_flatten(output)[0])
+        output.when_finished(finish)
+        return
+    # kept whole (Domino's stream is also a pytree node, whose leaves are its chunks)
+    leaves = tree_flatten(output, is_leaf=lambda node: isinstance(node, UnfinishedOutput))[0]
+    pending = [leaf for leaf in leaves if isinstance(leaf, UnfinishedOutput)]
+    if not pending:
+        finish(leaves)
+        return
+    # a unit that returns such outputs inside a container (a wrapper's `(stream,)`): done when all are
+    collected, left = [leaf for leaf in leaves if not isinstance(leaf, UnfinishedOutput)], [len(pending)]
+
+    def one_finished(outputs: list[Any]) -> None:
+        collected.extend(outputs)
+        left[0] -= 1
+        if left[0] == 0:
+            finish(collected)
+
+    for leaf in pending:
+        leaf.when_finished(one_finished)
 
 
 def _finished_forward(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.ref[Unit], grad_enabled: bool,
