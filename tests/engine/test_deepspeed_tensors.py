@@ -168,3 +168,14 @@ def test_gradient_allreduce_op_mean_loads_and_sum_is_refused_even_under_warn(mon
     monkeypatch.setenv("ZERODIST_UNKNOWN_KEYS", "warn")
     with pytest.raises(ConfigError, match="'gradient_allreduce_op'.*\"mean\""):
         Config.load({"gradient_allreduce_op": "sum"})
+
+
+@pytest.mark.unit
+def test_gradient_allreduce_op_is_read_in_any_case_as_deepspeed_lowercases_it():
+    from zerodist.config import Config, ConfigError
+
+    for mean in ("MEAN", "Mean", "mean"):
+        Config.load({"gradient_allreduce_op": mean})
+    for refused in ("SUM", "Sum", "meanx", 1):
+        with pytest.raises(ConfigError, match="'gradient_allreduce_op'.*any case"):
+            Config.load({"gradient_allreduce_op": refused})

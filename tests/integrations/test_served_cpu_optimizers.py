@@ -25,8 +25,41 @@ def test_the_served_classes_build_torchs_optimizer_and_refuse_what_torch_lacks()
     assert type(DeepSpeedCPUAdagrad(params, lr=0.5)) is torch.optim.Adagrad
     with pytest.raises(ValueError, match="bias_correction=True"):
         DeepSpeedCPUAdam(params, bias_correction=False)
-    with pytest.raises(ValueError, match="amsgrad=False"):
-        DeepSpeedCPUAdagrad(params, amsgrad=True)
+
+
+@pytest.mark.unit
+def test_amsgrad_and_no_bias_correction_are_refused_as_argument_and_per_group():
+    """DeepSpeed's `add_param_group` raises for a group's (or the default) amsgrad; its kernel reads
+    `bias_correction` per group, which torch cannot do."""
+    weight, bias = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(1))
+    with pytest.raises(RuntimeError, match="does not support the AMSGrad variant.*use amsgrad=False"):
+        DeepSpeedCPUAdam([weight], amsgrad=True)
+    with pytest.raises(RuntimeError, match="does not support the AMSGrad variant"):
+        DeepSpeedCPUAdam([{"params": [weight]}, {"params": [bias], "amsgrad": True}])
+    with pytest.raises(ValueError, match="group's 'bias_correction'.*use bias_correction=True"):
+        DeepSpeedCPUAdam([{"params": [weight]}, {"params": [bias], "bias_correction": False}], adamw_mode=False)
+    # a group may say amsgrad False / bias_correction True, as DeepSpeed's defaults
+    opt = DeepSpeedCPUAdam(iter([{"params": [weight], "amsgrad": False, "bias_correction": True}]))
+    assert type(opt) is torch.optim.AdamW and opt.param_groups[0]["amsgrad"] is False
+
+
+@pytest.mark.unit
+def test_adagrad_takes_and_ignores_amsgrad_as_deepspeeds_does():
+    params = [torch.nn.Parameter(torch.ones(3))]
+    opt = DeepSpeedCPUAdagrad(params, lr=0.5, amsgrad=True)
+    assert type(opt) is torch.optim.Adagrad and opt.defaults["lr"] == 0.5
+
+
+@pytest.mark.unit
+def test_the_served_modules_hold_deepspeeds_names_and_refuse_the_rest_by_name():
+    from zerodist.runtime.ops import adagrad, adam
+
+    assert adam.DeepSpeedCPUAdam is DeepSpeedCPUAdam and adagrad.DeepSpeedCPUAdagrad is DeepSpeedCPUAdagrad
+    assert not hasattr(adagrad, "DeepSpeedCPUAdam") and not hasattr(adam, "DeepSpeedCPUAdagrad")
+    with pytest.raises(ImportError, match="served by zerodist.*use a torch optimizer"):
+        from zerodist.runtime.ops.adam import FusedAdam  # noqa: F401
+    with pytest.raises(AttributeError, match="only DeepSpeedCPUAdagrad"):
+        adagrad.Whatever  # noqa: B018
 
 
 @pytest.mark.multiprocess
@@ -65,6 +98,14 @@ def test_accelerates_offload_swap_gets_torchs_optimizer_with_the_same_groups_and
         import zerodist.runtime.ops
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         assert DeepSpeedCPUAdam is zerodist.runtime.ops.DeepSpeedCPUAdam
+        import deepspeed.ops.adagrad
+        assert not hasattr(deepspeed.ops.adagrad, "DeepSpeedCPUAdam")  # DeepSpeed's has only DeepSpeedCPUAdagrad
+        try:
+            from deepspeed.ops.adam import FusedAdam
+        except ImportError as error:
+            assert "served by zerodist" in str(error) and "use a torch optimizer" in str(error), error
+        else:
+            raise AssertionError("FusedAdam")
         for missing in ("deepspeed.ops.transformer", "deepspeed.ops.lion"):  # the kernels stay refused, by name
             try:
                 __import__(missing)

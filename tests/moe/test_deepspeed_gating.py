@@ -123,3 +123,34 @@ def test_dropless_capacity_is_the_largest_load_over_the_group():
         expected = min(int(largest), logits.shape[0]) if len(loads) == 0 else int(largest)
         assert combine.shape[-1] == expected
         loads.append(expected)
+
+
+@pytest.mark.unit
+def test_noise_is_deepspeeds_under_the_same_seed():
+    """DeepSpeed draws its Gumbel and jitter noise with `torch.distributions`' rsample (u in [tiny, 1 - eps) for
+    Gumbel; low + rand * (high - low) for Uniform): the same seed must give the same values, bitwise."""
+    cpu = torch.device("cpu")
+    torch.manual_seed(3)
+    ours = sharded_moe.gumbel_rsample((100, 80), cpu)
+    torch.manual_seed(3)
+    expected = torch.distributions.gumbel.Gumbel(torch.tensor(0.0), torch.tensor(1.0)).rsample((100, 80))
+    assert torch.equal(ours, expected)
+
+    x = torch.randn(50, 8)
+    for epsilon in (1e-2, 0.3):
+        torch.manual_seed(4)
+        jittered = sharded_moe.multiplicative_jitter(x, cpu, epsilon=epsilon)
+        torch.manual_seed(4)
+        uniform = torch.distributions.uniform.Uniform(torch.tensor(1.0 - epsilon), torch.tensor(1.0 + epsilon))
+        assert torch.equal(jittered, x * uniform.rsample(x.shape))
+    assert sharded_moe.multiplicative_jitter(x, cpu, epsilon=0) is x
+
+    logits = _logits(tokens=16, experts=4, seed=5)
+    torch.manual_seed(6)
+    ours_rts = top1gating(logits, 0.5, 1, use_rts=True, noisy_gate_policy="RSample")
+    torch.manual_seed(6)
+    gumbel = torch.distributions.gumbel.Gumbel(torch.tensor(0.0), torch.tensor(1.0)).rsample(logits.shape)
+    torch.manual_seed(6)
+    again = top1gating(logits, 0.5, 1, use_rts=True, noisy_gate_policy="RSample")
+    assert all(torch.equal(a, b) for a, b in zip(ours_rts, again))
+    assert torch.equal(ours_rts[3], torch.bincount((logits + gumbel).argmax(dim=1), minlength=4))

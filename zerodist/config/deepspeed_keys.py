@@ -110,6 +110,11 @@ def _same(expected: Any) -> Callable[[Any], bool]:
     return matches
 
 
+def _lowercase_is(expected: str) -> Callable[[Any], bool]:
+    """A string equal to `expected` in any case (DeepSpeed lowercases the value before checking it)."""
+    return lambda value: isinstance(value, str) and value.lower() == expected
+
+
 def _any_bool(value: Any) -> bool:
     return isinstance(value, bool)
 
@@ -150,7 +155,8 @@ NO_OP_VALUES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("", "gradient_predivide_factor"): (_same(1.0), "1.0"),
     # DeepSpeed 0.19's data-parallel gradient op: "mean" (its default) is what zerodist does; "sum" (gradients
     # world-size times larger) is not implemented, and must not be dropped as an unknown key would be.
-    ("", "gradient_allreduce_op"): (_same("mean"), '"mean"'),
+    # DeepSpeed lowercases the value first, so "MEAN" is its "mean" (and "Sum" its "sum", refused).
+    ("", "gradient_allreduce_op"): (_lowercase_is("mean"), '"mean" (any case, as DeepSpeed lowercases it)'),
     ("", "sparse_gradients"): (_same(False), "false"),
     # Whether DeepSpeed copies gradients into one contiguous buffer (memory layout only): zerodist always
     # copies them into flat buckets as they are produced, and the reduced gradients are the same either way.

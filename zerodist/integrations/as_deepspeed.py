@@ -78,8 +78,8 @@ DEEPSPEED_MODULES = {
     "deepspeed.ops": "zerodist.runtime.ops",
     "deepspeed.ops.aio": "zerodist.runtime.ops.aio",
     "deepspeed.ops.op_builder": "zerodist.runtime.ops.op_builder",
-    "deepspeed.ops.adam": "zerodist.runtime.ops.cpu_optimizers",
-    "deepspeed.ops.adagrad": "zerodist.runtime.ops.cpu_optimizers",
+    "deepspeed.ops.adam": "zerodist.runtime.ops.adam",
+    "deepspeed.ops.adagrad": "zerodist.runtime.ops.adagrad",
     "deepspeed.utils.zero_to_fp32": "zerodist.runtime.zero_to_fp32",
 }
 

@@ -14,7 +14,8 @@ the token count). Here every choice is DeepSpeed's, so that the same logits give
   second choices after all first choices, top-k by gate ('probs', `torch.topk`) or position;
 - `drop_tokens=False`: the capacity is the largest expert load, made the maximum over `ep_group`
   by one `all_reduce(MAX)` when that group has more than one rank (no collective otherwise);
-- random draws (RSample, RTS, the 2nd-expert Gumbel sample) come from torch's global generator.
+- random draws (RSample, RTS, the 2nd-expert Gumbel sample, Jitter) come from torch's global generator
+  through DeepSpeed's `torch.distributions` samplers, so the same seed gives DeepSpeed's noise.
 
 The dense format is `combine_weights` [S, E, C] (the route's weight at its expert and slot) and
 `dispatch_mask = combine_weights.bool()`; the sparse one (`sparse_routes=True`) gives per route
@@ -24,6 +25,7 @@ The dense format is `combine_weights` [S, E, C] (the route's weight at its exper
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,17 +36,48 @@ from zerodist import comm as dist
 TUTEL_INSTALLED = False
 
 
+# DeepSpeed's per-device samplers (`torch.distributions`' `rsample`, built once per device), so that the same
+# seed gives DeepSpeed's noise: Gumbel draws u in [tiny, 1 - eps) and takes -log(-log(u)); Uniform(a, b) takes
+# a + rand * (b - a). The jitter's is keyed by its epsilon too (DeepSpeed's keeps the first epsilon per device).
+Sampler = Callable[[torch.Size | tuple[int, ...]], torch.Tensor]
+uniform_map: dict[tuple[torch.device, float], Sampler] = {}
+gumbel_map: dict[torch.device, Sampler] = {}
+exp_selection_uniform_map: dict[torch.device, Sampler] = {}
+
+
+def _uniform(device: torch.device, low: float, high: float) -> Sampler:
+    return torch.distributions.uniform.Uniform(low=torch.tensor(low, device=device),
+                                               high=torch.tensor(high, device=device)).rsample
+
+
 def gumbel_rsample(shape: tuple[int, ...] | torch.Size, device: torch.device) -> torch.Tensor:
-    """Standard Gumbel noise from torch's global generator."""
-    uniform = torch.rand(shape, device=device).clamp(min=torch.finfo(torch.float32).tiny)
-    return -torch.log(-torch.log(uniform))
+    """Standard Gumbel noise from torch's global generator, as DeepSpeed draws it
+    (`torch.distributions.gumbel.Gumbel(0, 1).rsample`)."""
+    gumbel = gumbel_map.get(device)
+    if gumbel is None:
+        gumbel = torch.distributions.gumbel.Gumbel(torch.tensor(0.0, device=device),
+                                                   torch.tensor(1.0, device=device)).rsample
+        gumbel_map[device] = gumbel
+    return gumbel(torch.Size(shape))
 
 
 def multiplicative_jitter(x: torch.Tensor, device: torch.device, epsilon: float = 1e-2) -> torch.Tensor:
-    """`x` times a uniform draw in [1 - epsilon, 1 + epsilon) (the 'Jitter' noisy-gate policy)."""
+    """`x` times a uniform draw in [1 - epsilon, 1 + epsilon) (the 'Jitter' noisy-gate policy), as DeepSpeed
+    draws it (`torch.distributions.uniform.Uniform(1 - epsilon, 1 + epsilon).rsample`)."""
     if epsilon == 0:
         return x
-    return x * (1.0 - epsilon + 2 * epsilon * torch.rand(x.shape, device=device))
+    uniform = uniform_map.get((device, epsilon))
+    if uniform is None:
+        uniform = uniform_map[(device, epsilon)] = _uniform(device, 1.0 - epsilon, 1.0 + epsilon)
+    return x * uniform(x.shape)
+
+
+def _exp_selection_uniform(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """top-1's Random Token Selection draw, DeepSpeed's `Uniform(0, 1).rsample`."""
+    uniform = exp_selection_uniform_map.get(device)
+    if uniform is None:
+        uniform = exp_selection_uniform_map[device] = _uniform(device, 0.0, 1.0)
+    return uniform(shape)
 
 
 def _capacity(gates: torch.Tensor, capacity_factor: torch.Tensor, min_capacity: torch.Tensor) -> torch.Tensor:
@@ -92,7 +125,7 @@ def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
     if num_tokens < min_capacity:
         raise ValueError(f"top1gating: {num_tokens} tokens is fewer than min_capacity={min_capacity}; set "
                          "min_capacity to 0 or feed more tokens (DeepSpeed asserts the same)")
-    priority = mask * torch.rand(mask.shape, device=logits.device) if use_rts else mask
+    priority = mask * _exp_selection_uniform(mask.shape, logits.device) if use_rts else mask
     keep = torch.topk(priority, k=int(min(int(capacity), num_tokens)), dim=0).indices
     mask = mask * torch.zeros_like(mask).scatter_(0, keep, 1)
     locations = torch.sum((torch.cumsum(mask, dim=0) - 1) * mask, dim=1)

@@ -11,16 +11,19 @@ from zerodist.moe.deepspeed_gating import (
     _route_slots,
     _sparse_decode,
     _sparse_encode,
+    exp_selection_uniform_map,
+    gumbel_map,
     gumbel_rsample,
     multiplicative_jitter,
     top1gating,
     top2gating,
     topkgating,
+    uniform_map,
 )
 from zerodist.moe.dispatch import _AllToAll
 from zerodist.moe.gating import TopKGate
 from zerodist.moe.layer import MOELayer
 
 __all__ = ["MOELayer", "TUTEL_INSTALLED", "TopKGate", "_AllToAll", "_capacity", "_route_slots", "_sparse_decode",
-           "_sparse_encode", "dist", "gumbel_rsample", "multiplicative_jitter", "top1gating", "top2gating",
-           "topkgating"]
+           "_sparse_encode", "dist", "exp_selection_uniform_map", "gumbel_map", "gumbel_rsample",
+           "multiplicative_jitter", "top1gating", "top2gating", "topkgating", "uniform_map"]
