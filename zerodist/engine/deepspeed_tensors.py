@@ -104,7 +104,7 @@ def _grad_window(engine: Any) -> str | None:
                 "engine.backward(loss) and engine.step()")
     reducer = engine.reducer
     if getattr(reducer, "_deferred", False) or not (engine.sharding.shard_gradients or reducer.sync_enabled):
-        return (f"{_WINDOW} at an accumulation boundary: at ZeRO stage {engine.stage} the last backward "
+        return (f"{_WINDOW}, at an accumulation boundary: at ZeRO stage {engine.stage} the last backward "
                 "was not at a gradient accumulation boundary, so the gradients are this rank's, not reduced yet; "
                 "read them after the boundary's backward")
     return None
