@@ -100,13 +100,122 @@ def test_writes_are_what_the_step_uses(stage):
         torch.testing.assert_close(ds.safe_get_full_grad(params[name]), param.grad, rtol=0, atol=0)
     optimizer.step()
     engine.step()
+    state = engine.module_state_dict()  # what this rank's model holds (every rank runs this)
     for name, param in reference.named_parameters():
         torch.testing.assert_close(ds.safe_get_full_fp32_param(params[name]), param.detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(state[name], param.detach(), rtol=0, atol=1e-6)
     name = "0.weight"
     value = torch.arange(params[name].numel(), dtype=torch.float32).view(params[name].shape)
     ds.safe_set_full_fp32_param(params[name], value)
     torch.testing.assert_close(ds.safe_get_full_fp32_param(params[name]), value, rtol=0, atol=0)
     torch.testing.assert_close(engine.module_state_dict()[name], value, rtol=0, atol=0)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+@distributed_test(world_size=2)
+def test_whole_writes_reach_every_rank_under_bf16(stage):
+    """Whole optimizer states, fp32 values and gradients written, then a step: every rank's model
+    is the one-process AdamW's (stage 0 steps whole buckets on every rank: no slice may stay stale)."""
+    engine, _, _, _ = zerodist.initialize(model=make_mlp(), config=base_config(stage, bf16={"enabled": True}))
+    params = dict(engine.module.named_parameters())
+    _micro_step(engine, 0)
+    engine.step()
+    reference = make_mlp()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for name, param in reference.named_parameters():
+        value = torch.linspace(-1, 1, param.numel()).view(param.shape)
+        ds.safe_set_full_fp32_param(params[name], value)
+        ds.safe_set_full_optimizer_state(params[name], torch.full_like(value, 0.1), "exp_avg")
+        ds.safe_set_full_optimizer_state(params[name], torch.full_like(value, 0.01), "exp_avg_sq")
+        with torch.no_grad():
+            param.copy_(value)
+        optimizer.state[param] = {"step": torch.tensor(1.0), "exp_avg": torch.full_like(value, 0.1),
+                                  "exp_avg_sq": torch.full_like(value, 0.01)}
+    _micro_step(engine, 1)
+    for name, param in reference.named_parameters():
+        param.grad = torch.full_like(param, 0.25)
+        ds.safe_set_full_grad(params[name], param.grad.bfloat16())
+    optimizer.step()
+    engine.step()
+    state = engine.module_state_dict()
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(ds.safe_get_full_fp32_param(params[name]), param.detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(state[name].float(), param.detach().bfloat16().float(), rtol=0, atol=1e-2)
+    engine.destroy()
+
+
+@distributed_test(world_size=2)
+def test_fp64_whole_reads_at_stage_1():
+    """A rank owning none of a parameter allocates the result in the group's dtype (fp64 here)."""
+    engine, _, _, _ = zerodist.initialize(model=make_mlp().double(), config=base_config(1))
+    rank = comm.get_rank()
+    x, y = global_batch(0, ROWS * 2)
+    engine.backward(F.mse_loss(engine(x[rank * ROWS:(rank + 1) * ROWS].double()),
+                               y[rank * ROWS:(rank + 1) * ROWS].double()))
+    engine.step()
+    for param in engine.module.parameters():
+        value = ds.safe_get_full_fp32_param(param)
+        assert value.dtype == torch.float64
+        torch.testing.assert_close(value, param.detach(), rtol=0, atol=0)
+    engine.destroy()
+
+
+@distributed_test(world_size=2)
+def test_bad_input_raises_on_every_rank():
+    """Each mistake made on rank 0 only: the same named error on both ranks, never a hang."""
+    engine = _engine(1)
+    rank = comm.get_rank()
+    param = next(iter(engine.module.parameters()))
+    stranger = torch.nn.Parameter(torch.zeros_like(param))
+    with pytest.raises(ds.AccessorError, match="trained by zerodist on ranks \\[1\\]"):
+        ds.safe_get_full_fp32_param(stranger if rank == 0 else param)
+    with pytest.raises(KeyError, match="no optimizer state 'exp_avg'"):
+        ds.safe_set_full_optimizer_state(param, torch.zeros_like(param), "exp_avg")
+    local = ds.safe_get_local_fp32_param(param)
+    with pytest.raises(ds.AccessorError, match="rank 0: the value has"):
+        ds.safe_set_local_fp32_param(param, torch.cat([local, local.new_zeros(1)]) if rank == 0 else local)
+    with pytest.raises(ds.AccessorError, match="rank 0: the value has"):
+        ds.safe_set_full_fp32_param(param, torch.zeros(param.numel() + 1) if rank == 0 else torch.zeros_like(param))
+    engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@distributed_test(world_size=2)
+def test_gradients_only_between_a_reducing_backward_and_the_step(stage):
+    engine, _, _, _ = zerodist.initialize(model=make_mlp(), config=base_config(stage, gradient_accumulation_steps=2))
+    param = next(iter(engine.module.parameters()))
+    with pytest.raises(RuntimeError, match="only available immediately after backward"):
+        ds.safe_get_full_grad(param)
+    _micro_step(engine, 0)  # not the boundary: stages 0/1 have not reduced, stages 2/3 have (accumulating)
+    if stage < 2:
+        with pytest.raises(RuntimeError, match="not at a gradient accumulation boundary"):
+            ds.safe_get_full_grad(param)
+    else:
+        assert ds.safe_get_full_grad(param).shape == param.shape
+    engine.step()
+    _micro_step(engine, 1)
+    assert ds.safe_get_full_grad(param).shape == param.shape
+    engine.step()
+    with pytest.raises(RuntimeError, match="only available immediately after backward"):
+        ds.safe_set_full_grad(param, torch.zeros_like(param))
+    engine.destroy()
+
+
+@distributed_test(world_size=1)
+def test_update_full_grad_vectorized_skips_parameters_not_trained():
+    model = make_mlp()
+    model[0].weight.requires_grad_(False)
+    engine, _, _, _ = zerodist.initialize(model=model, config=base_config(1))
+    _micro_step(engine, 0)
+    seen = []
+
+    def update(old, param):
+        seen.append(param)
+        return old * 2
+
+    ds.safe_update_full_grad_vectorized(list(model.parameters()), update)
+    assert all(p is not model[0].weight for p in seen) and len(seen) == len(list(model.parameters())) - 1
     engine.destroy()
 
 

@@ -175,7 +175,8 @@ class DeepSpeedEngineAPI:
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: free the memory held for gathered parameters between uses. Here: finish the
         last step's gathers and release stage 3's idle pooled gather buffers (they are made again
-        on the next gather)."""
+        on the next gather). Collective here (finishing the gathers waits on them): call it on every
+        rank alike."""
         self.units.finish_gathers(release=True)  # type: ignore[attr-defined]
         for group in self.groups:  # type: ignore[attr-defined]
             group.release_pooled_buffers()

@@ -5,8 +5,15 @@ the stage: its fp32 (master) value, its reduced gradient, an optimizer state (``
 whole (``safe_get_full_*``: every rank gets the whole tensor; collective) or this rank's partition
 (``safe_get_local_*``: the elements this rank steps, flattened, in order). Here a parameter's
 elements live in its flat group's buckets: each rank steps the shard it owns
-(``layout.owned_slices(rank)``), so a whole value is the owned pieces of every rank, summed over the
-group's ranks (each element is owned by exactly one), and a write goes to the owned pieces.
+(``layout.owned_slices(rank)``) with sharded optimizer state (stages 1-3), so a whole value is the
+owned pieces of every rank, summed over the group's ranks (each element is owned by exactly one), and
+a write goes to the owned pieces; at stage 0 every rank steps every bucket whole, so a whole value is
+this rank's and a write goes to the whole slot (on every rank alike).
+
+Every call first agrees over the engine's data-parallel ranks (one small all_gather_object) that the
+parameter is trained on all of them or none, its size, the state asked for, a written value's size
+and (gradients) that the call is between a reducing backward and the step: bad input raises the same
+error on every rank, never a hang. fp16 gradients come back loss-scaled, as DeepSpeed's do.
 
 A parameter zerodist does not train (frozen, or not in any engine) gives None, as in DeepSpeed.
 Writes: the fp32 value also reaches the parameter itself (cast to its dtype); a gradient written
@@ -34,26 +41,36 @@ __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_opti
 
 FP32, GRAD = "fp32", "grad"  # the kinds besides an optimizer state's key
 
+_WINDOW = "Gradients are only available immediately after backward and before engine step"
 
-def _locate(param: torch.Tensor) -> tuple[FlatParamGroup, int] | None:
-    """`param`'s flat group (in a live engine) and its index there; None for a parameter not trained."""
+
+class AccessorError(ValueError):
+    """A DeepSpeed accessor was called with input that does not fit (raised alike on every rank)."""
+
+
+def _locate(param: torch.Tensor) -> tuple[Any, FlatParamGroup, int] | None:
+    """`param`'s engine, flat group (in a live engine) and its index there; None for a parameter not trained."""
     for engine in live_engines():
         for group in engine.zero_state.groups:
             for index, record in enumerate(group.records):
                 if record.param is param:
-                    return group, index
+                    return engine, group, index
     return None
 
 
 def _pieces(group: FlatParamGroup, index: int) -> list[tuple[int, int, int, int]]:
-    """(bucket, start in the parameter, length, start in the bucket's owned part) of what this rank owns."""
+    """(bucket, start in the parameter, length, start in the bucket's optimizer-space tensor) of
+    what this rank steps: its owned slices with sharded optimizer state, the whole slot otherwise
+    (stage 0: every rank steps every bucket whole)."""
     layout = group.layout
+    slot = layout.slots[index]
+    if not group.views.sharded_steps:
+        return [(slot.bucket, 0, slot.numel, slot.offset - layout.buckets[slot.bucket].offset)]
     bases, base = [], 0
     for span in layout.buckets:
         bases.append(base)
         base += span.shard_numel
-    bucket = layout.slots[index].bucket
-    return [(bucket, s.param_start, s.length, s.shard_start - bases[bucket])
+    return [(slot.bucket, s.param_start, s.length, s.shard_start - bases[slot.bucket])
             for s in layout.owned_slices(group.rank) if s.param_index == index]
 
 
@@ -79,51 +96,129 @@ def _bucket_tensor(group: FlatParamGroup, bucket: int, kind: str) -> torch.Tenso
     return value if isinstance(value, torch.Tensor) and value.dim() > 0 else None
 
 
-def _get_local(param: torch.Tensor, kind: str) -> torch.Tensor | None:
-    found = _locate(param)
+def _grad_window(engine: Any) -> str | None:
+    """Why `engine`'s reduced gradients cannot be read or written now; None inside the window (the
+    same on every rank: the engine's state is)."""
+    if not engine._backward_pending:
+        return (f"{_WINDOW} (before the first backward, or after step()): call it between "
+                "engine.backward(loss) and engine.step()")
+    reducer = engine.reducer
+    if getattr(reducer, "_deferred", False) or not (engine.sharding.shard_gradients or reducer.sync_enabled):
+        return (f"{_WINDOW}, at an accumulation boundary: at ZeRO stage {engine.stage} the last backward "
+                "was not at a gradient accumulation boundary, so the gradients are this rank's, not reduced yet; "
+                "read them after the boundary's backward")
+    return None
+
+
+def _agreement_engine(found: tuple[Any, FlatParamGroup, int] | None) -> Any:
+    """The engine whose data-parallel ranks agree on the call: `param`'s, or the only live one."""
+    if found is not None:
+        return found[0]
+    engines = live_engines()
+    return engines[0] if len(engines) == 1 else None
+
+
+def _problem(found: tuple[Any, FlatParamGroup, int] | None, kind: str,
+             value: torch.Tensor | None, local: bool) -> tuple[str, str] | None:
+    """What is wrong with this call on this rank, as (error kind, message); None when nothing is."""
     if found is None:
         return None
-    group, index = found
+    engine, group, index = found
+    if kind == GRAD and (why := _grad_window(engine)) is not None:
+        return "window", why
+    if _bucket_tensor(group, group.layout.slots[index].bucket, kind) is None:
+        return "state", (f"no optimizer state {kind!r} for this parameter yet (before the first step, or the "
+                         "optimizer keeps no such state)")
+    if value is not None:
+        want = sum(length for _, _, length, _ in _pieces(group, index)) if local else group.layout.slots[index].numel
+        if value.numel() != want:
+            which = "this rank's partition (safe_get_local_*'s size)" if local else "the parameter"
+            return "size", f"the value has {value.numel()} elements; {which} has {want}"
+    return None
+
+
+def _agree(param: torch.Tensor, kind: str, value: torch.Tensor | None = None,
+           local: bool = False) -> tuple[FlatParamGroup, int] | None:
+    """Every rank checks the call together before any other collective, so bad input raises the same
+    error on every rank (never a hang): `param` trained on all ranks or none (None: none), the same
+    size, the state there, a written value's size right, gradients inside their window."""
+    found = _locate(param)
+    engine = _agreement_engine(found)
+    if engine is None:
+        return None
+    if value is not None and kind not in (FP32, GRAD) and isinstance(engine.optimizer.inner, SwappedOptimizer):
+        # the same on every rank (the config's); its state[...] is a copy read back from the swap files
+        raise NotImplementedError(f"setting optimizer state {kind!r} with offload_optimizer device nvme: the "
+                                  "state lives in swap files (reading it works); save a checkpoint, change it "
+                                  "and load it instead")
+    report = (found is not None, param.numel(), _problem(found, kind, value, local))
+    agreement = engine.topology.group(*engine.topology.batch_axes)
+    reports: list[Any] = [report]
+    if comm.is_initialized() and comm.get_world_size(agreement) > 1:
+        reports = [None] * comm.get_world_size(agreement)
+        comm.all_gather_object(reports, report, group=agreement)
+    _raise_disagreement(reports)
+    if not report[0]:
+        return None
+    if any(r[2] is not None and r[2][0] == "state" for r in reports) and value is None:
+        return None  # a read of a state not made yet (on some rank): None, as DeepSpeed
+    for rank, (_, _, problem) in enumerate(reports):
+        if problem is not None:
+            error = {"window": RuntimeError, "state": KeyError}.get(problem[0], AccessorError)
+            raise error(f"rank {rank}: {problem[1]}")
+    assert found is not None
+    return found[1], found[2]
+
+
+def _raise_disagreement(reports: list[Any]) -> None:
+    trained = [rank for rank, r in enumerate(reports) if r[0]]
+    if trained and len(trained) != len(reports):
+        raise AccessorError(f"the parameter is trained by zerodist on ranks {trained} but not on the others: "
+                            "call DeepSpeed's accessors with the same parameter on every rank")
+    sizes = {r[1] for r in reports}
+    if trained and len(sizes) > 1:
+        raise AccessorError(f"the ranks passed parameters of different sizes {sorted(sizes)}: call DeepSpeed's "
+                            "accessors with the same parameter on every rank, in the same order")
+
+
+def _get_local(param: torch.Tensor, kind: str) -> torch.Tensor | None:
+    agreed = _agree(param, kind)
+    if agreed is None:
+        return None
+    group, index = agreed
     parts = []
+    tensor = None
     for bucket, _, length, at in _pieces(group, index):
         tensor = _bucket_tensor(group, bucket, kind)
-        if tensor is None:
-            return None
-        parts.append(group.owned_part(bucket, tensor)[at: at + length])
-    dtype = group.param_dtype if kind == GRAD else torch.float32
-    return torch.cat(parts).detach().clone() if parts else torch.empty(0, dtype=dtype, device=group.device)
+        assert tensor is not None  # agreed
+        parts.append(tensor[at: at + length])
+    if not parts:
+        tensor = _bucket_tensor(group, group.layout.slots[index].bucket, kind)
+        assert tensor is not None
+        return torch.empty(0, dtype=tensor.dtype, device=group.device)
+    return torch.cat(parts).detach().clone()
 
 
 def _get_full(param: torch.Tensor, kind: str) -> torch.Tensor | None:
-    found = _locate(param)
-    if found is None:
+    agreed = _agree(param, kind)
+    if agreed is None:
         return None
-    group, index = found
-    out: torch.Tensor | None = None
-    missing = torch.zeros(1, device=group.device)
-    for bucket, start, length, at in _pieces(group, index):
-        tensor = _bucket_tensor(group, bucket, kind)
-        if tensor is None:
-            missing += 1
-            continue
-        if out is None:
-            out = torch.zeros(param.numel(), dtype=tensor.dtype, device=group.device)
-        out[start: start + length] = group.owned_part(bucket, tensor)[at: at + length]
-    if out is None:  # this rank owns none of it: the dtype of what the others own
-        dtype = group.param_dtype if kind == GRAD else torch.float32
-        out = torch.zeros(param.numel(), dtype=dtype, device=group.device)
-    comm.all_reduce(missing, group=group.group)
-    if missing.item() > 0:
-        return None
-    comm.all_reduce(out, group=group.group)  # each element is owned by one rank: the sum is the whole
+    group, index = agreed
+    tensor = _bucket_tensor(group, group.layout.slots[index].bucket, kind)  # every rank has its bucket's
+    assert tensor is not None  # agreed
+    out = torch.zeros(param.numel(), dtype=tensor.dtype, device=group.device)
+    for _, start, length, at in _pieces(group, index):
+        out[start: start + length] = tensor[at: at + length]
+    if group.views.sharded_steps:  # each element is owned by one rank: the sum is the whole
+        comm.all_reduce(out, group=group.group)
     return out.view(param.shape)
 
 
 def _write(param: torch.Tensor, kind: str, value: torch.Tensor, local: bool) -> None:
-    found = _locate(param)
-    if found is None:
+    agreed = _agree(param, kind, value, local)
+    if agreed is None:
         return
-    group, index = found
+    group, index = agreed
     flat = value.detach().reshape(-1)
     offset = 0
     for bucket, start, length, at in _pieces(group, index):
@@ -131,19 +226,12 @@ def _write(param: torch.Tensor, kind: str, value: torch.Tensor, local: bool) -> 
         offset += length
         if kind == FP32:
             values = group.stepped_values(bucket)
-            group.owned_part(bucket, values)[at: at + length].copy_(source)
+            values[at: at + length].copy_(source)
             group.write_stepped(bucket, values)
             continue
-        if kind != GRAD and isinstance(_inner_optimizer(group), SwappedOptimizer):
-            # its state[...] is a copy read back from the swap files: a write there would be lost
-            raise NotImplementedError(f"setting optimizer state {kind!r} with offload_optimizer device nvme: the "
-                                      "state lives in swap files (reading it works); save a checkpoint, change it "
-                                      "and load it instead")
         tensor = _bucket_tensor(group, bucket, kind)
-        if tensor is None:
-            raise KeyError(f"no optimizer state {kind!r} for this parameter yet (before the first step, or "
-                           "the optimizer keeps no such state)")
-        group.owned_part(bucket, tensor)[at: at + length].copy_(source)
+        assert tensor is not None  # agreed
+        tensor[at: at + length].copy_(source)
     if kind == FP32:
         group.copy_master_to_params()  # mixed precision: the new master values, cast into the parameters
         if not local and not group.policy.shard_parameters:
@@ -208,6 +296,9 @@ def safe_update_full_grad_vectorized(param_list: Iterable[torch.Tensor],
                                      update_func: Callable[[torch.Tensor | None, torch.Tensor], torch.Tensor]) -> None:
     """Each parameter's whole gradient replaced by `update_func(old_whole_gradient, param)`; collective."""
     for param in param_list:
-        new = update_func(safe_get_full_grad(param), param)
+        old = safe_get_full_grad(param)
+        if old is None:  # not trained here (frozen, or in no engine): skipped, as DeepSpeed does
+            continue
+        new = update_func(old, param)
         if new is not None:
             safe_set_full_grad(param, new)
