@@ -2,7 +2,8 @@
 fused I + W ([Note: split backward]; `fuse_split_backward`): on 2 gloo ranks, with activations
 over the header's inline area (so every message has a payload received into a pooled buffer),
 every run's gradients are bitwise one process's gradient accumulation, and after the first run
-no receive allocates."""
+no receive allocates. The pool stays bounded: messages inside the header are never pooled, a shape
+that changes between runs keeps only the last run's buffers, and evaluation leaves it alone."""
 
 from __future__ import annotations
 

@@ -32,12 +32,18 @@ backward of its micro-batch is done (its stash entry popped at B, or at W when s
 training, a received activation is only the leaf the input gradient is taken of (the layers get a
 clone, whose backward reads nothing), and a received output gradient is read by the backward only.
 An output gradient that the backward handed on unchanged (the input gradient sent back, or a
-weight's `.grad` that autograd took as it was) is not given back: its storage is still in use. So
-after the first step no receive allocates, as DeepSpeed's engine receives into buffers it keeps;
-in evaluation, and for non-floating tensors (handed to the layers as they are), nothing is given
-back. The buffers are overwritten whole by the next payload, so results are bitwise the same.
-Between runs the pool holds as many buffers as were lent at once (1F1B: a few per neighbour; GPipe:
-one per micro-batch, whose activations it held anyway); `executor.pool.clear()` lets them go.
+weight's `.grad` that autograd took as it was) is not given back: its storage is still in use. Only
+buffers the pool lent are taken back (it records them at `take`): a small message's tensors came
+inside the header ([Note: p2p headers]) as fresh copies and are never pooled. So after the first
+step no receive allocates, as DeepSpeed's engine receives into buffers it keeps; non-floating
+tensors (handed to the layers as they are) are not given back, and evaluation does not use the
+pool at all (its layers get the received tensors themselves, which a kept output may hold): it
+allocates, and leaves the training buffers where they are. The buffers are overwritten whole by
+the next payload, so results are bitwise the same. At the end of a training run the pool keeps,
+per shape, as many free buffers as that run had lent at once and none of a shape it did not
+receive (a sequence length that changes between steps leaves only the last one's), so between
+runs it holds as many buffers as were in use at once (1F1B: a few per neighbour; GPipe: one per
+micro-batch, whose activations it held anyway); `executor.pool.clear()` lets them go.
 
 `after_backward()` is called after every backward that wrote weight gradients (B, W): the engine
 hands them to ZeRO's reducer, which defers them until the batch's one reduction. UNSHARD, RESHARD
