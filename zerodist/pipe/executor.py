@@ -32,12 +32,18 @@ backward of its micro-batch is done (its stash entry popped at B, or at W when s
 training, a received activation is only the leaf the input gradient is taken of (the layers get a
 clone, whose backward reads nothing), and a received output gradient is read by the backward only.
 An output gradient that the backward handed on unchanged (the input gradient sent back, or a
-weight's `.grad` that autograd took as it was) is not given back: its storage is still in use. So
-after the first step no receive allocates, as DeepSpeed's engine receives into buffers it keeps;
-in evaluation, and for non-floating tensors (handed to the layers as they are), nothing is given
-back. The buffers are overwritten whole by the next payload, so results are bitwise the same.
-Between runs the pool holds as many buffers as were lent at once (1F1B: a few per neighbour; GPipe:
-one per micro-batch, whose activations it held anyway); `executor.pool.clear()` lets them go.
+weight's `.grad` that autograd took as it was) is not given back: its storage is still in use. Only
+buffers the pool lent are taken back (it records them at `take`): a small message's tensors came
+inside the header ([Note: p2p headers]) as fresh copies and are never pooled. So after the first
+step no receive allocates, as DeepSpeed's engine receives into buffers it keeps; non-floating
+tensors (handed to the layers as they are) are not given back, and evaluation does not use the
+pool at all (its layers get the received tensors themselves, which a kept output may hold): it
+allocates, and leaves the training buffers where they are. The buffers are overwritten whole by
+the next payload, so results are bitwise the same. At the end of a training run the pool keeps,
+per shape, as many free buffers as that run had lent at once and none of a shape it did not
+receive (a sequence length that changes between steps leaves only the last one's), so between
+runs it holds as many buffers as were in use at once (1F1B: a few per neighbour; GPipe: one per
+micro-batch, whose activations it held anyway); `executor.pool.clear()` lets them go.
 
 `after_backward()` is called after every backward that wrote weight gradients (B, W): the engine
 hands them to ZeRO's reducer, which defers them until the batch's one reduction. UNSHARD, RESHARD
@@ -50,6 +56,7 @@ neighbours, so every stage stops by name instead of waiting for a message that n
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -222,6 +229,8 @@ class PipelineExecutor:
             with timeline.span("pipe", "wait sends"):
                 for handle in run.sends:
                     handle.wait(self.timeout_s, self.timeout_setting)
+            if run.pooled:
+                self.pool.end_run()
         except BaseException as error:
             self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             for neighbour in self._neighbour_ranks():
@@ -252,6 +261,9 @@ class _Run:
         self.sends: list[p2p.SendHandle] = []
         self.peak_stashed = 0
         self.trace: list[ExecutedAction] = []
+        # training receives into the pool and gives back; evaluation allocates (its layers get the
+        # received tensors themselves, which a kept output may still hold)
+        self.pooled = train and executor.reuse_buffers
         self.inbox = _Inbox(self)
 
     def do(self, action: Action) -> None:
@@ -310,7 +322,7 @@ class _Run:
             describe = f"the output gradient of micro-batch {mb} for stage {stage} from stage {source}"
         return p2p.IncomingMessage(self.x._global_rank(source), label=label, describe=describe,
                                    timeout_s=self.x.timeout_s, timeout_setting=self.x.timeout_setting,
-                                   allocate=self.x.pool.take)
+                                   allocate=self.x.pool.take if self.pooled else None)
 
     def expected(self, kind: Kind, stage: int, mb: int) -> tuple[bool, list[p2p.Meta] | None]:
         """(known, metas): an output gradient must match the output it is the gradient of, known
@@ -476,23 +488,67 @@ class _Inbox:
         return message.tensors(expect)
 
 
+_PoolKey = tuple[tuple[int, ...], torch.dtype, torch.device]
+
+
 class _BufferPool:
-    """Receive buffers kept across micro-batches and runs ([Note: receive buffer pool])."""
+    """Receive buffers kept across micro-batches and runs ([Note: receive buffer pool]). Only what
+    `take` handed out is taken back by `give` (an inline message's fresh tensor is not), and
+    `end_run` keeps, per shape, as many buffers as the run had out at once."""
 
     def __init__(self) -> None:
-        self.free: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self.free: dict[_PoolKey, list[torch.Tensor]] = {}
         self.allocated = 0  # buffers made (the pool's high-water mark), for tests
+        # the buffers out now, by storage address (weak: one never given back goes when its holders do)
+        self._out: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._in_use: dict[_PoolKey, int] = {}  # this run's buffers out now, per key
+        self._peak: dict[_PoolKey, int] = {}    # this run's most buffers out at once, per key
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        free = self.free.get((tuple(shape), dtype, device))
+        key = (tuple(shape), dtype, device)
+        free = self.free.get(key)
         if free:
-            return free.pop()
-        self.allocated += 1
-        return torch.empty(shape, dtype=dtype, device=device)
+            tensor = free.pop()
+        else:
+            self.allocated += 1
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+        self._out[tensor.untyped_storage().data_ptr()] = tensor
+        self._in_use[key] = self._in_use.get(key, 0) + 1
+        self._peak[key] = max(self._peak.get(key, 0), self._in_use[key])
+        return tensor
 
     def give(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Take back those of `tensors` that `take` handed out (others are ignored)."""
         for tensor in tensors:
-            self.free.setdefault((tuple(tensor.shape), tensor.dtype, tensor.device), []).append(tensor)
+            ptr = tensor.untyped_storage().data_ptr()
+            if self._out.get(ptr) is not tensor:
+                continue
+            del self._out[ptr]
+            key = (tuple(tensor.shape), tensor.dtype, tensor.device)
+            self._in_use[key] = max(0, self._in_use.get(key, 0) - 1)
+            self.free.setdefault(key, []).append(tensor)
+
+    def end_run(self) -> None:
+        """A run that received into the pool is over: keep per shape only as many free buffers as it
+        had out at once (none of a shape it did not receive), so shapes that change between steps and
+        buffers never given back do not pile up."""
+        for key in list(self.free):
+            keep = self._peak.get(key, 0)
+            if keep:
+                del self.free[key][keep:]
+            else:
+                del self.free[key]
+        self._in_use.clear()
+        self._peak.clear()
+        self._out = weakref.WeakValueDictionary()
+
+    @property
+    def free_count(self) -> int:
+        return sum(len(buffers) for buffers in self.free.values())
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for buffers in self.free.values() for t in buffers)
 
     def clear(self) -> None:
         """Drop the free buffers (between runs: a later receive allocates again)."""
