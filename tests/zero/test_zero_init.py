@@ -275,3 +275,34 @@ def test_served_init_checks_its_keywords_before_anything_is_built_and_takes_enab
     # pin_memory, config_dict_or_path, config, enabled, dtype
     assert isinstance(Init(None, None, True, None, False, None, None, False, None), contextlib.nullcontext)
     assert isinstance(Init(enabled=False), contextlib.nullcontext)
+
+
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_a_module_built_in_another_thread_during_the_block_stays_whole(world_size):
+    import threading
+
+    out = {}
+    with Init(config_dict_or_path=CONFIG):
+        model = torch.nn.Linear(3, 3)
+        worker = threading.Thread(target=lambda: out.setdefault("other", torch.nn.Linear(4, 4)))
+        worker.start()
+        worker.join()
+    assert init_shards.is_partitioned(model.weight)
+    assert not init_shards.is_partitioned(out["other"].weight) and not init_shards.is_partitioned(out["other"].bias)
+    assert torch.isfinite(out["other"](torch.ones(1, 4))).all()
+
+
+class _WithIndex(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.index = torch.nn.Parameter(torch.arange(4), requires_grad=False)
+
+
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_an_integer_parameter_stays_whole_as_buffers_do(world_size):
+    model = built(_WithIndex)
+    assert init_shards.is_partitioned(model.lin.weight)
+    assert not init_shards.is_partitioned(model.index) and torch.equal(model.index, torch.arange(4))

@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import hashlib
 import inspect
+import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -297,25 +298,30 @@ class _Construction:
     same order (each batch is one collective)."""
 
     def __init__(self) -> None:
+        self.thread = threading.get_ident()  # torch's hooks are process-wide: only this thread's build is cut
         self.pending: dict[int, torch.nn.Module] = {}
         self.children: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self.owners: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
     def on_parameter(self, module: torch.nn.Module, name: str, param: Any) -> None:
         # The hook runs before the parameter is in the module: cut it at a later event (or the end).
+        if threading.get_ident() != self.thread:
+            return
         self.settle(keep=module)
         if param is not None:
             self.owners.add(module)
             self.pending.setdefault(id(module), module)
 
     def on_submodule(self, module: torch.nn.Module, name: str, submodule: Any) -> None:
+        if threading.get_ident() != self.thread:
+            return
         self.owners.add(module)
         if submodule is not None:
             self.children.add(submodule)
         self.settle()
 
     def settle(self, everything: bool = False, keep: torch.nn.Module | None = None) -> None:
-        if not self.pending:
+        if not self.pending or (not everything and threading.get_ident() != self.thread):
             return
         building = set() if everything else _building()
         if keep is not None:
@@ -331,7 +337,9 @@ class _Construction:
                 continue
             del self.pending[key]
             for pname, param in module.named_parameters(recurse=False):
-                if param not in _SHARDS and not param.is_meta and id(param) not in taken:
+                # non-floating ones (an integer table) stay whole, as buffers do
+                if (param not in _SHARDS and not param.is_meta and id(param) not in taken
+                        and param.is_floating_point()):
                     taken.add(id(param))
                     cut.append((param, f"{type(module).__name__}.{pname}"))
         partition_all(cut)
