@@ -306,3 +306,31 @@ def test_an_integer_parameter_stays_whole_as_buffers_do(world_size):
     model = built(_WithIndex)
     assert init_shards.is_partitioned(model.lin.weight)
     assert not init_shards.is_partitioned(model.index) and torch.equal(model.index, torch.arange(4))
+
+
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_ranks_that_build_different_parameters_are_named_on_every_rank(world_size):
+    width = 4 + comm.get_rank()
+    with pytest.raises(RuntimeError, match=r"rank 1 built other parameters than rank 0"):
+        built(lambda: torch.nn.Linear(width, 3))
+
+
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_a_pipeline_module_is_refused_by_name_under_the_served_init(world_size):
+    from zerodist.pipe import PipelineModule
+
+    with pytest.raises(RuntimeError, match="PipelineModule builds only its own stage"):
+        built(lambda: PipelineModule([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=2))
+
+
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_a_shape_change_on_the_modifier_rank_raises_on_every_rank(world_size):
+    model = built(lambda: make_mlp(seed=0))
+    weight = model[0].weight
+    with pytest.raises(RuntimeError, match=r"'0\.weight' changed shape or dtype inside GatheredParameters on rank 1"):
+        with torch.no_grad(), GatheredParameters([weight], modifier_rank=1):
+            if comm.get_rank() == 1:
+                weight.data = weight.data[:1].clone()

@@ -46,7 +46,7 @@ import hashlib
 import inspect
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -109,7 +109,7 @@ def partition_all(params: list[tuple[torch.nn.Parameter, str]]) -> None:
     world, _ = _world()
     if world > 1 and params:
         with torch.no_grad():
-            for param in _differing([p for p, _ in params]):
+            for param in _differing(params):
                 values = param.detach().contiguous()
                 comm.broadcast(values, src=0)
                 if values.data_ptr() != param.data_ptr():
@@ -125,11 +125,24 @@ def _digest(tensor: torch.Tensor) -> bytes | None:
     return hashlib.blake2b(flat.numpy().data, digest_size=16).digest()
 
 
-def _differing(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-    digests = [_digest(p) for p in params]
+def _differing(params: list[tuple[torch.nn.Parameter, str]]) -> list[torch.nn.Parameter]:
+    """The parameters some rank built with other values than rank 0. Each rank's (name, shape,
+    dtype) go with its digests: ranks that built different parameters are refused on every rank."""
+    signature = [(name, tuple(p.shape), str(p.dtype)) for p, name in params]
+    digests = [_digest(p) for p, _ in params]
     everyone: list[Any] = [None] * comm.get_world_size()
-    comm.all_gather_object(everyone, digests)
-    return [p for i, p in enumerate(params) if digests[i] is None or any(d[i] != everyone[0][i] for d in everyone)]
+    comm.all_gather_object(everyone, (signature, digests))
+    for rank, (theirs, _) in enumerate(everyone):
+        if theirs != everyone[0][0]:
+            first = next((i for i, pair in enumerate(zip(theirs, everyone[0][0])) if pair[0] != pair[1]),
+                         min(len(theirs), len(everyone[0][0])))
+            mine = everyone[0][0][first] if first < len(everyone[0][0]) else "nothing"
+            other = theirs[first] if first < len(theirs) else "nothing"
+            raise RuntimeError(f"deepspeed.zero.Init: rank {rank} built other parameters than rank 0 ({other} "
+                               f"where rank 0 built {mine}); every rank must build the same model under the "
+                               "served Init (build it alike on every rank, or pass enabled=False)")
+    return [p for i, (p, _) in enumerate(params)
+            if digests[i] is None or any(d[i] != everyone[0][1][i] for _, d in everyone)]
 
 
 def partition(param: torch.nn.Parameter, name: str) -> None:
@@ -216,9 +229,10 @@ def gather(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 def release(params: Iterable[torch.Tensor], modifier_rank: int | None) -> None:
     """End one gather of `params`: with `modifier_rank`, that rank's values become everyone's
     shards; the outermost gather's end makes them placeholders again."""
-    for param, record in _ordered(params):
-        if record.gathered == 0:
-            continue
+    held = [(p, r) for p, r in _ordered(params) if r.gathered]
+    if modifier_rank is not None:
+        _check_unchanged(held, modifier_rank)
+    for param, record in held:
         if modifier_rank is not None:
             _publish(param, record, modifier_rank)
         record.gathered -= 1
@@ -227,11 +241,22 @@ def release(params: Iterable[torch.Tensor], modifier_rank: int | None) -> None:
             record.registration.add(record.placeholder, record.name, aliasable=True)
 
 
+def _check_unchanged(held: list[tuple[torch.Tensor, _Shard]], modifier_rank: int) -> None:
+    """The modifier's (shape, dtype) of each parameter, sent to every rank first (one small
+    broadcast), so that a change of either raises the same error on every rank, never a hang."""
+    world, _ = _world()
+    sent: list[Any] = [[(tuple(p.shape), str(p.dtype)) for p, _ in held]]
+    if world > 1 and held:
+        comm.broadcast_object_list(sent, src=modifier_rank)
+    for (param, record), (shape, dtype) in zip(held, sent[0]):
+        if shape != tuple(record.shape) or dtype != str(param.dtype):
+            raise RuntimeError(f"'{record.name}' changed shape or dtype inside GatheredParameters on rank "
+                               f"{modifier_rank} ({tuple(record.shape)}, {param.dtype} -> {shape}, {dtype}); "
+                               "a partitioned parameter may change its values only: build the model with the "
+                               "new shape instead")
+
+
 def _publish(param: torch.Tensor, record: _Shard, modifier_rank: int) -> None:
-    if tuple(param.shape) != tuple(record.shape):
-        raise RuntimeError(f"'{record.name}' changed shape inside GatheredParameters ({tuple(record.shape)} -> "
-                           f"{tuple(param.shape)}); a partitioned parameter may change its values only: "
-                           "build the model with the new shape instead")
     world, rank = _world()
     with torch.no_grad():
         full = param.detach()
@@ -278,14 +303,19 @@ def rename(root: torch.nn.Module) -> None:
                 record.registration.add(record.placeholder, name, aliasable=True)
 
 
-def _building() -> set[int]:
-    """ids of the objects whose ``__init__`` is running now (on this thread's stack)."""
+def _building(refuse: Callable[[object], str | None] | None = None) -> set[int]:
+    """ids of the objects whose ``__init__`` is running now (on this thread's stack); `refuse`
+    (an object -> why it cannot be built here, or None) raises for any of them."""
     found: set[int] = set()
     frame = inspect.currentframe()
     while frame is not None:
         code = frame.f_code
         if code.co_name == "__init__" and code.co_argcount:
-            found.add(id(frame.f_locals.get(code.co_varnames[0])))
+            obj = frame.f_locals.get(code.co_varnames[0])
+            why = refuse(obj) if refuse is not None else None
+            if why is not None:
+                raise RuntimeError(why)
+            found.add(id(obj))
         frame = frame.f_back
     return found
 
@@ -297,7 +327,8 @@ class _Construction:
     the code alone, never on when garbage is collected: every rank cuts the same batches, in the
     same order (each batch is one collective)."""
 
-    def __init__(self) -> None:
+    def __init__(self, refuse: Callable[[object], str | None] | None = None) -> None:
+        self.refuse = refuse  # checked on every module being built (before any of its collectives)
         self.thread = threading.get_ident()  # torch's hooks are process-wide: only this thread's build is cut
         self.pending: dict[int, torch.nn.Module] = {}
         self.children: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -307,6 +338,8 @@ class _Construction:
         # The hook runs before the parameter is in the module: cut it at a later event (or the end).
         if threading.get_ident() != self.thread:
             return
+        if not self.pending:
+            _building(self.refuse)  # else settle checks
         self.settle(keep=module)
         if param is not None:
             self.owners.add(module)
@@ -323,7 +356,7 @@ class _Construction:
     def settle(self, everything: bool = False, keep: torch.nn.Module | None = None) -> None:
         if not self.pending or (not everything and threading.get_ident() != self.thread):
             return
-        building = set() if everything else _building()
+        building = set() if everything else _building(self.refuse)
         if keep is not None:
             building.add(id(keep))
         with sharded_access.suspended():  # leaving it puts the access check on the stack
@@ -352,9 +385,10 @@ class _Construction:
 
 
 @contextlib.contextmanager
-def partitioned_construction() -> Iterator[None]:
-    """The served ``zero.Init`` block ([Note: partitioned construction])."""
-    construction = _Construction()
+def partitioned_construction(refuse: Callable[[object], str | None] | None = None) -> Iterator[None]:
+    """The served ``zero.Init`` block ([Note: partitioned construction]); `refuse(obj)` says why a
+    module being built cannot be partitioned (None: it can), raised on every rank as it is built."""
+    construction = _Construction(refuse)
     hooks = torch.nn.modules.module
     handles = [hooks.register_module_parameter_registration_hook(construction.on_parameter),
                hooks.register_module_buffer_registration_hook(lambda m, n, b: construction.settle()),
