@@ -334,3 +334,40 @@ def test_a_shape_change_on_the_modifier_rank_raises_on_every_rank(world_size):
         with torch.no_grad(), GatheredParameters([weight], modifier_rank=1):
             if comm.get_rank() == 1:
                 weight.data = weight.data[:1].clone()
+
+
+def _tensor_parallel_run(partitioned):
+    from tests.tensor_parallel.test_tp_domino_zero3 import MICRO, POST_NORM_SPECS, VOCAB, PostNorm, batch
+
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": POST_NORM_SPECS}}}
+    torch.manual_seed(0)
+    if partitioned:
+        with Init(config_dict_or_path=config):
+            model = PostNorm()
+    else:
+        model = PostNorm()
+    engine, _, _, _ = zerodist.initialize(model=model, config=config)
+    losses = []
+    for step in range(2):
+        ids, labels = batch(step, 0)
+        loss = F.cross_entropy(engine(input_ids=ids).reshape(-1, VOCAB), labels.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    state = engine.module_state_dict()
+    engine.destroy()
+    return losses, state
+
+
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_tensor_parallel_over_the_served_init_trains_as_the_eager_build(world_size):
+    # the conversion slices the full weights: the shards are made whole first, not the placeholders sliced
+    (losses, state), (eager_losses, eager_state) = _tensor_parallel_run(True), _tensor_parallel_run(False)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses == eager_losses
+    for key in eager_state:
+        assert torch.equal(state[key], eager_state[key]), key

@@ -279,6 +279,16 @@ def restore(module: torch.nn.Module, device: torch.device) -> None:
         param.data = full.to(device)
 
 
+def restore_all(model: torch.nn.Module) -> None:
+    """All of `model`'s partitioned parameters whole again where their shards are, every rank in
+    the same order: before a technique that reads or slices the full values (tensor or pipeline
+    parallelism, expert dealing), which would otherwise read the NaN placeholders."""
+    for module in model.modules():
+        held = _ordered(module.parameters(recurse=False))
+        if held:
+            restore(module, held[0][1].shard.device)
+
+
 def move_unpartitioned(model: torch.nn.Module, device: torch.device) -> None:
     """`model.to(device)` for all but the partitioned parameters (which `restore` moves): the
     buffers, and any parameter built outside the block."""
