@@ -110,10 +110,7 @@ def partition_all(params: list[tuple[torch.nn.Parameter, str]]) -> None:
     if world > 1 and params:
         with torch.no_grad():
             for param in _differing(params):
-                values = param.detach().contiguous()
-                comm.broadcast(values, src=0)
-                if values.data_ptr() != param.data_ptr():
-                    param.data.copy_(values)
+                _broadcast_into(param, 0)
     for param, name in params:
         partition(param, name)
 
@@ -200,13 +197,27 @@ _SLABS = _Slabs()
 
 
 def _full(record: _Shard, device: torch.device | None = None) -> torch.Tensor:
+    """The whole parameter on `device` (default: where its shard is), gathered on the backend's
+    device ([Note: collectives on the backend's device])."""
     world, _ = _world()
-    shard = record.shard if device is None else record.shard.to(device)
+    device = record.shard.device if device is None else device
     if world == 1:
-        return shard[: record.shape.numel()].clone().view(record.shape)
+        return record.shard[: record.shape.numel()].to(device).clone().view(record.shape)
+    shard = record.shard.to(comm.device_for_rank())
     out = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
     comm.all_gather(out, shard)
-    return out[: record.shape.numel()].view(record.shape)
+    return out[: record.shape.numel()].view(record.shape).to(device)
+
+
+# [Note: collectives on the backend's device] The served Init builds on the CPU, but NCCL moves only
+# CUDA tensors: each collective here runs on `comm.device_for_rank()` (the CPU under gloo, where the
+# copies are no-ops and the results bitwise those of a CPU collective) and its result is copied back.
+def _broadcast_into(param: torch.Tensor, src: int) -> None:
+    """`param`'s values become rank `src`'s (under no_grad)."""
+    values = param.detach().contiguous().to(comm.device_for_rank())
+    comm.broadcast(values, src=src)
+    if values.data_ptr() != param.data_ptr():
+        param.data.copy_(values)
 
 
 def _ordered(params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, _Shard]]:
@@ -259,13 +270,9 @@ def _check_unchanged(held: list[tuple[torch.Tensor, _Shard]], modifier_rank: int
 def _publish(param: torch.Tensor, record: _Shard, modifier_rank: int) -> None:
     world, rank = _world()
     with torch.no_grad():
-        full = param.detach()
         if world > 1:
-            full = full.contiguous()
-            comm.broadcast(full, src=modifier_rank)
-            if full.data_ptr() != param.data_ptr():
-                param.data.copy_(full)
-        _cut(full.reshape(-1).to(record.shard.dtype), world, rank, into=record.shard)
+            _broadcast_into(param, modifier_rank)
+        _cut(param.detach().reshape(-1).to(record.shard.dtype), world, rank, into=record.shard)
 
 
 def restore(module: torch.nn.Module, device: torch.device) -> None:

@@ -83,5 +83,8 @@ class GatheredParameters(_ZeroGatheredParameters):
                  and not registry._owners([p]) and init_shards.entry(p) is None]
         if loose and comm.get_world_size() > 1:
             with torch.no_grad():
-                for param in loose:
-                    comm.broadcast(param.data, src=self.modifier_rank)
+                for param in loose:  # on the backend's device (NCCL moves CUDA tensors only)
+                    values = param.detach().contiguous().to(comm.device_for_rank())
+                    comm.broadcast(values, src=self.modifier_rank)
+                    if values.data_ptr() != param.data_ptr():
+                        param.data.copy_(values)
