@@ -371,3 +371,21 @@ def test_tensor_parallel_over_the_served_init_trains_as_the_eager_build(world_si
     assert losses == eager_losses
     for key in eager_state:
         assert torch.equal(state[key], eager_state[key]), key
+
+
+class _CopiesItsHead(torch.nn.Module):  # as RT-DETRv2 and Grounding DINO do in __init__
+    def __init__(self):
+        super().__init__()
+        import copy
+
+        self.head = torch.nn.Linear(4, 4)
+        self.decoder_head = copy.deepcopy(self.head)
+
+
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_deepcopy_of_a_built_submodule_is_named_and_enabled_false_builds_it(world_size):
+    with pytest.raises(ShardedParameterError, match=r"'Linear\.weight' is a ZeRO-3 sharded parameter"):
+        built(_CopiesItsHead)
+    model = built(_CopiesItsHead, enabled=False)
+    assert torch.equal(model.head.weight, model.decoder_head.weight)

@@ -18,7 +18,14 @@ module's own parameters down to this rank's shard as soon as that module is buil
                all-gather per batch) and only those some rank built otherwise are broadcast, so
                ranks seeded alike (or not) hold the shards of one model; random init
                draws from the global RNG as an eager build does, so rank 0's model is the
-               one-process build with the same seed.
+               one-process build with the same seed. Each parameter's (name, shape, dtype) go with
+               its digest: ranks that built different parameters raise one named error on every rank.
+    which      only the modules built on the thread that entered the block (torch's hooks are
+               process-wide), and only floating parameters (an integer one stays whole, as buffers
+               do). `refuse` (the served Init: a PipelineModule, which builds only its stage) is
+               raised as such a module is built, before its collectives. ``copy.deepcopy`` of a
+               built (cut) submodule inside an ``__init__`` raises ``ShardedParameterError``: such
+               a model is built with ``enabled=False``.
     shard      the flattened parameter in ``world`` equal chunks (the last zero-padded); this rank
                keeps chunk ``rank``. The parameter itself is given the placeholder ZeRO-3 uses
                ([Note: sharded placeholder] in param_storage.py: one NaN broadcast to the full
@@ -35,7 +42,9 @@ module's own parameters down to this rank's shard as soon as that module is buil
                flattened (and at stage 3 sharded again by the flat layout): the model is never
                whole on a rank, the peak is the shards plus about one unit, as for a meta build.
                The per-parameter chunks are not the flat layout's shards (which pad buckets), so
-               the unit is gathered rather than taken over as it is.
+               the unit is gathered rather than taken over as it is. With tensor, pipeline or
+               expert parallelism the whole model is restored first (``restore_all``): those read or
+               slice the full values, and deal modules differently to the ranks.
 """
 
 from __future__ import annotations
