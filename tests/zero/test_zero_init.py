@@ -277,3 +277,117 @@ def test_served_init_checks_its_keywords_before_anything_is_built_and_takes_enab
     # pin_memory, config_dict_or_path, config, enabled, dtype
     assert isinstance(Init(None, None, True, None, False, None, None, False, None), contextlib.nullcontext)
     assert isinstance(Init(enabled=False), contextlib.nullcontext)
+
+
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_a_module_built_in_another_thread_during_the_block_stays_whole(world_size):
+    import threading
+
+    out = {}
+    with Init(config_dict_or_path=CONFIG):
+        model = torch.nn.Linear(3, 3)
+        worker = threading.Thread(target=lambda: out.setdefault("other", torch.nn.Linear(4, 4)))
+        worker.start()
+        worker.join()
+    assert init_shards.is_partitioned(model.weight)
+    assert not init_shards.is_partitioned(out["other"].weight) and not init_shards.is_partitioned(out["other"].bias)
+    assert torch.isfinite(out["other"](torch.ones(1, 4))).all()
+
+
+class _WithIndex(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.index = torch.nn.Parameter(torch.arange(4), requires_grad=False)
+
+
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_an_integer_parameter_stays_whole_as_buffers_do(world_size):
+    model = built(_WithIndex)
+    assert init_shards.is_partitioned(model.lin.weight)
+    assert not init_shards.is_partitioned(model.index) and torch.equal(model.index, torch.arange(4))
+
+
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_ranks_that_build_different_parameters_are_named_on_every_rank(world_size):
+    width = 4 + comm.get_rank()
+    with pytest.raises(RuntimeError, match=r"rank 1 built other parameters than rank 0"):
+        built(lambda: torch.nn.Linear(width, 3))
+
+
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_a_pipeline_module_is_refused_by_name_under_the_served_init(world_size):
+    from zerodist.pipe import PipelineModule
+
+    with pytest.raises(RuntimeError, match="PipelineModule builds only its own stage"):
+        built(lambda: PipelineModule([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=2))
+
+
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_a_shape_change_on_the_modifier_rank_raises_on_every_rank(world_size):
+    model = built(lambda: make_mlp(seed=0))
+    weight = model[0].weight
+    with pytest.raises(RuntimeError, match=r"'0\.weight' changed shape or dtype inside GatheredParameters on rank 1"):
+        with torch.no_grad(), GatheredParameters([weight], modifier_rank=1):
+            if comm.get_rank() == 1:
+                weight.data = weight.data[:1].clone()
+
+
+def _tensor_parallel_run(partitioned):
+    from tests.tensor_parallel.test_tp_domino_zero3 import MICRO, POST_NORM_SPECS, VOCAB, PostNorm, batch
+
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": POST_NORM_SPECS}}}
+    torch.manual_seed(0)
+    if partitioned:
+        with Init(config_dict_or_path=config):
+            model = PostNorm()
+    else:
+        model = PostNorm()
+    engine, _, _, _ = zerodist.initialize(model=model, config=config)
+    losses = []
+    for step in range(2):
+        ids, labels = batch(step, 0)
+        loss = F.cross_entropy(engine(input_ids=ids).reshape(-1, VOCAB), labels.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    state = engine.module_state_dict()
+    engine.destroy()
+    return losses, state
+
+
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_tensor_parallel_over_the_served_init_trains_as_the_eager_build(world_size):
+    # the conversion slices the full weights: the shards are made whole first, not the placeholders sliced
+    (losses, state), (eager_losses, eager_state) = _tensor_parallel_run(True), _tensor_parallel_run(False)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses == eager_losses
+    for key in eager_state:
+        assert torch.equal(state[key], eager_state[key]), key
+
+
+class _CopiesItsHead(torch.nn.Module):  # as RT-DETRv2 and Grounding DINO do in __init__
+    def __init__(self):
+        super().__init__()
+        import copy
+
+        self.head = torch.nn.Linear(4, 4)
+        self.decoder_head = copy.deepcopy(self.head)
+
+
+@pytest.mark.multiprocess
+@distributed_test(world_size=[2])
+def test_deepcopy_of_a_built_submodule_is_named_and_enabled_false_builds_it(world_size):
+    with pytest.raises(ShardedParameterError, match=r"'Linear\.weight' is a ZeRO-3 sharded parameter"):
+        built(_CopiesItsHead)
+    model = built(_CopiesItsHead, enabled=False)
+    assert torch.equal(model.head.weight, model.decoder_head.weight)

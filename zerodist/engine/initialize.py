@@ -48,7 +48,7 @@ from zerodist.tensor_parallel.domino import DominoConfig
 from zerodist.utils import get_logger, log_rank0
 from zerodist.utils.differences import differing_entries, flatten
 from zerodist.utils.helpers import model_hidden_size
-from zerodist.zero import OptimizerRecipe, ZeroOptimizer, ZeroSettings, ZeroState, apply_zero, sharded_access
+from zerodist.zero import OptimizerRecipe, ZeroOptimizer, ZeroSettings, ZeroState, apply_zero, init_shards, sharded_access
 from zerodist.zero.partition import continue_recording, is_recorded
 from zerodist.zero.plan import bucket_capacity
 from zerodist.zero.policy import ShardingPolicy
@@ -146,6 +146,10 @@ def _initialize(model: torch.nn.Module | None, model_parameters: Iterable[Any] |
                      schedule=validated.config.zerodist.pipeline.schedule,
                      reduction_keys=_reduction_keys(
                          validated.config, validated.zero.hierarchy.shard_size_for(topology) is not None))
+    # Cut by the served zero.Init: the model whole again before a technique reads or slices its values
+    # (they are placeholders until then); every rank holds the same modules here
+    if any(topology.size(axis) > 1 for axis in ("tensor", "pipe", "expert")) and init_shards.holds_any(model):
+        init_shards.restore_all(model)
     # A PipelineModule: its tie groups made and synced (before ZeRO flattens), its schedule and executor
     pipeline = apply_pipeline(model, topology, PipelineSettings.from_config(validated.config),
                               batch.gradient_accumulation_steps)

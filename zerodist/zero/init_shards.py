@@ -18,7 +18,14 @@ module's own parameters down to this rank's shard as soon as that module is buil
                all-gather per batch) and only those some rank built otherwise are broadcast, so
                ranks seeded alike (or not) hold the shards of one model; random init
                draws from the global RNG as an eager build does, so rank 0's model is the
-               one-process build with the same seed.
+               one-process build with the same seed. Each parameter's (name, shape, dtype) go with
+               its digest: ranks that built different parameters raise one named error on every rank.
+    which      only the modules built on the thread that entered the block (torch's hooks are
+               process-wide), and only floating parameters (an integer one stays whole, as buffers
+               do). `refuse` (the served Init: a PipelineModule, which builds only its stage) is
+               raised as such a module is built, before its collectives. ``copy.deepcopy`` of a
+               built (cut) submodule inside an ``__init__`` raises ``ShardedParameterError``: such
+               a model is built with ``enabled=False``.
     shard      the flattened parameter in ``world`` equal chunks (the last zero-padded); this rank
                keeps chunk ``rank``. The parameter itself is given the placeholder ZeRO-3 uses
                ([Note: sharded placeholder] in param_storage.py: one NaN broadcast to the full
@@ -35,7 +42,9 @@ module's own parameters down to this rank's shard as soon as that module is buil
                flattened (and at stage 3 sharded again by the flat layout): the model is never
                whole on a rank, the peak is the shards plus about one unit, as for a meta build.
                The per-parameter chunks are not the flat layout's shards (which pad buckets), so
-               the unit is gathered rather than taken over as it is.
+               the unit is gathered rather than taken over as it is. With tensor, pipeline or
+               expert parallelism the whole model is restored first (``restore_all``): those read or
+               slice the full values, and deal modules differently to the ranks.
 """
 
 from __future__ import annotations
@@ -44,8 +53,9 @@ import contextlib
 import dataclasses
 import hashlib
 import inspect
+import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -108,11 +118,8 @@ def partition_all(params: list[tuple[torch.nn.Parameter, str]]) -> None:
     world, _ = _world()
     if world > 1 and params:
         with torch.no_grad():
-            for param in _differing([p for p, _ in params]):
-                values = param.detach().contiguous()
-                comm.broadcast(values, src=0)
-                if values.data_ptr() != param.data_ptr():
-                    param.data.copy_(values)
+            for param in _differing(params):
+                _broadcast_into(param, 0)
     for param, name in params:
         partition(param, name)
 
@@ -124,11 +131,24 @@ def _digest(tensor: torch.Tensor) -> bytes | None:
     return hashlib.blake2b(flat.numpy().data, digest_size=16).digest()
 
 
-def _differing(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-    digests = [_digest(p) for p in params]
+def _differing(params: list[tuple[torch.nn.Parameter, str]]) -> list[torch.nn.Parameter]:
+    """The parameters some rank built with other values than rank 0. Each rank's (name, shape,
+    dtype) go with its digests: ranks that built different parameters are refused on every rank."""
+    signature = [(name, tuple(p.shape), str(p.dtype)) for p, name in params]
+    digests = [_digest(p) for p, _ in params]
     everyone: list[Any] = [None] * comm.get_world_size()
-    comm.all_gather_object(everyone, digests)
-    return [p for i, p in enumerate(params) if digests[i] is None or any(d[i] != everyone[0][i] for d in everyone)]
+    comm.all_gather_object(everyone, (signature, digests))
+    for rank, (theirs, _) in enumerate(everyone):
+        if theirs != everyone[0][0]:
+            first = next((i for i, pair in enumerate(zip(theirs, everyone[0][0])) if pair[0] != pair[1]),
+                         min(len(theirs), len(everyone[0][0])))
+            mine = everyone[0][0][first] if first < len(everyone[0][0]) else "nothing"
+            other = theirs[first] if first < len(theirs) else "nothing"
+            raise RuntimeError(f"deepspeed.zero.Init: rank {rank} built other parameters than rank 0 ({other} "
+                               f"where rank 0 built {mine}); every rank must build the same model under the "
+                               "served Init (build it alike on every rank, or pass enabled=False)")
+    return [p for i, (p, _) in enumerate(params)
+            if digests[i] is None or any(d[i] != everyone[0][1][i] for _, d in everyone)]
 
 
 def partition(param: torch.nn.Parameter, name: str) -> None:
@@ -186,13 +206,27 @@ _SLABS = _Slabs()
 
 
 def _full(record: _Shard, device: torch.device | None = None) -> torch.Tensor:
+    """The whole parameter on `device` (default: where its shard is), gathered on the backend's
+    device ([Note: collectives on the backend's device])."""
     world, _ = _world()
-    shard = record.shard if device is None else record.shard.to(device)
+    device = record.shard.device if device is None else device
     if world == 1:
-        return shard[: record.shape.numel()].clone().view(record.shape)
+        return record.shard[: record.shape.numel()].to(device).clone().view(record.shape)
+    shard = record.shard.to(comm.device_for_rank())
     out = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
     comm.all_gather(out, shard)
-    return out[: record.shape.numel()].view(record.shape)
+    return out[: record.shape.numel()].view(record.shape).to(device)
+
+
+# [Note: collectives on the backend's device] The served Init builds on the CPU, but NCCL moves only
+# CUDA tensors: each collective here runs on `comm.device_for_rank()` (the CPU under gloo, where the
+# copies are no-ops and the results bitwise those of a CPU collective) and its result is copied back.
+def _broadcast_into(param: torch.Tensor, src: int) -> None:
+    """`param`'s values become rank `src`'s (under no_grad)."""
+    values = param.detach().contiguous().to(comm.device_for_rank())
+    comm.broadcast(values, src=src)
+    if values.data_ptr() != param.data_ptr():
+        param.data.copy_(values)
 
 
 def _ordered(params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, _Shard]]:
@@ -215,9 +249,10 @@ def gather(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 def release(params: Iterable[torch.Tensor], modifier_rank: int | None) -> None:
     """End one gather of `params`: with `modifier_rank`, that rank's values become everyone's
     shards; the outermost gather's end makes them placeholders again."""
-    for param, record in _ordered(params):
-        if record.gathered == 0:
-            continue
+    held = [(p, r) for p, r in _ordered(params) if r.gathered]
+    if modifier_rank is not None:
+        _check_unchanged(held, modifier_rank)
+    for param, record in held:
         if modifier_rank is not None:
             _publish(param, record, modifier_rank)
         record.gathered -= 1
@@ -226,20 +261,27 @@ def release(params: Iterable[torch.Tensor], modifier_rank: int | None) -> None:
             record.registration.add(record.placeholder, record.name, aliasable=True)
 
 
+def _check_unchanged(held: list[tuple[torch.Tensor, _Shard]], modifier_rank: int) -> None:
+    """The modifier's (shape, dtype) of each parameter, sent to every rank first (one small
+    broadcast), so that a change of either raises the same error on every rank, never a hang."""
+    world, _ = _world()
+    sent: list[Any] = [[(tuple(p.shape), str(p.dtype)) for p, _ in held]]
+    if world > 1 and held:
+        comm.broadcast_object_list(sent, src=modifier_rank)
+    for (param, record), (shape, dtype) in zip(held, sent[0]):
+        if shape != tuple(record.shape) or dtype != str(param.dtype):
+            raise RuntimeError(f"'{record.name}' changed shape or dtype inside GatheredParameters on rank "
+                               f"{modifier_rank} ({tuple(record.shape)}, {param.dtype} -> {shape}, {dtype}); "
+                               "a partitioned parameter may change its values only: build the model with the "
+                               "new shape instead")
+
+
 def _publish(param: torch.Tensor, record: _Shard, modifier_rank: int) -> None:
-    if tuple(param.shape) != tuple(record.shape):
-        raise RuntimeError(f"'{record.name}' changed shape inside GatheredParameters ({tuple(record.shape)} -> "
-                           f"{tuple(param.shape)}); a partitioned parameter may change its values only: "
-                           "build the model with the new shape instead")
     world, rank = _world()
     with torch.no_grad():
-        full = param.detach()
         if world > 1:
-            full = full.contiguous()
-            comm.broadcast(full, src=modifier_rank)
-            if full.data_ptr() != param.data_ptr():
-                param.data.copy_(full)
-        _cut(full.reshape(-1).to(record.shard.dtype), world, rank, into=record.shard)
+            _broadcast_into(param, modifier_rank)
+        _cut(param.detach().reshape(-1).to(record.shard.dtype), world, rank, into=record.shard)
 
 
 def restore(module: torch.nn.Module, device: torch.device) -> None:
@@ -251,6 +293,16 @@ def restore(module: torch.nn.Module, device: torch.device) -> None:
         record.finalizer.detach()
         del _SHARDS[param]
         param.data = full.to(device)
+
+
+def restore_all(model: torch.nn.Module) -> None:
+    """All of `model`'s partitioned parameters whole again where their shards are, every rank in
+    the same order: before a technique that reads or slices the full values (tensor or pipeline
+    parallelism, expert dealing), which would otherwise read the NaN placeholders."""
+    for module in model.modules():
+        held = _ordered(module.parameters(recurse=False))
+        if held:
+            restore(module, held[0][1].shard.device)
 
 
 def move_unpartitioned(model: torch.nn.Module, device: torch.device) -> None:
@@ -277,14 +329,19 @@ def rename(root: torch.nn.Module) -> None:
                 record.registration.add(record.placeholder, name, aliasable=True)
 
 
-def _building() -> set[int]:
-    """ids of the objects whose ``__init__`` is running now (on this thread's stack)."""
+def _building(refuse: Callable[[object], str | None] | None = None) -> set[int]:
+    """ids of the objects whose ``__init__`` is running now (on this thread's stack); `refuse`
+    (an object -> why it cannot be built here, or None) raises for any of them."""
     found: set[int] = set()
     frame = inspect.currentframe()
     while frame is not None:
         code = frame.f_code
         if code.co_name == "__init__" and code.co_argcount:
-            found.add(id(frame.f_locals.get(code.co_varnames[0])))
+            obj = frame.f_locals.get(code.co_varnames[0])
+            why = refuse(obj) if refuse is not None else None
+            if why is not None:
+                raise RuntimeError(why)
+            found.add(id(obj))
         frame = frame.f_back
     return found
 
@@ -296,28 +353,36 @@ class _Construction:
     the code alone, never on when garbage is collected: every rank cuts the same batches, in the
     same order (each batch is one collective)."""
 
-    def __init__(self) -> None:
+    def __init__(self, refuse: Callable[[object], str | None] | None = None) -> None:
+        self.refuse = refuse  # checked on every module being built (before any of its collectives)
+        self.thread = threading.get_ident()  # torch's hooks are process-wide: only this thread's build is cut
         self.pending: dict[int, torch.nn.Module] = {}
         self.children: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self.owners: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
     def on_parameter(self, module: torch.nn.Module, name: str, param: Any) -> None:
         # The hook runs before the parameter is in the module: cut it at a later event (or the end).
+        if threading.get_ident() != self.thread:
+            return
+        if not self.pending:
+            _building(self.refuse)  # else settle checks
         self.settle(keep=module)
         if param is not None:
             self.owners.add(module)
             self.pending.setdefault(id(module), module)
 
     def on_submodule(self, module: torch.nn.Module, name: str, submodule: Any) -> None:
+        if threading.get_ident() != self.thread:
+            return
         self.owners.add(module)
         if submodule is not None:
             self.children.add(submodule)
         self.settle()
 
     def settle(self, everything: bool = False, keep: torch.nn.Module | None = None) -> None:
-        if not self.pending:
+        if not self.pending or (not everything and threading.get_ident() != self.thread):
             return
-        building = set() if everything else _building()
+        building = set() if everything else _building(self.refuse)
         if keep is not None:
             building.add(id(keep))
         with sharded_access.suspended():  # leaving it puts the access check on the stack
@@ -331,7 +396,9 @@ class _Construction:
                 continue
             del self.pending[key]
             for pname, param in module.named_parameters(recurse=False):
-                if param not in _SHARDS and not param.is_meta and id(param) not in taken:
+                # non-floating ones (an integer table) stay whole, as buffers do
+                if (param not in _SHARDS and not param.is_meta and id(param) not in taken
+                        and param.is_floating_point()):
                     taken.add(id(param))
                     cut.append((param, f"{type(module).__name__}.{pname}"))
         partition_all(cut)
@@ -344,9 +411,10 @@ class _Construction:
 
 
 @contextlib.contextmanager
-def partitioned_construction() -> Iterator[None]:
-    """The served ``zero.Init`` block ([Note: partitioned construction])."""
-    construction = _Construction()
+def partitioned_construction(refuse: Callable[[object], str | None] | None = None) -> Iterator[None]:
+    """The served ``zero.Init`` block ([Note: partitioned construction]); `refuse(obj)` says why a
+    module being built cannot be partitioned (None: it can), raised on every rank as it is built."""
+    construction = _Construction(refuse)
     hooks = torch.nn.modules.module
     handles = [hooks.register_module_parameter_registration_hook(construction.on_parameter),
                hooks.register_module_buffer_registration_hook(lambda m, n, b: construction.settle()),

@@ -36,6 +36,7 @@ import torch
 
 import zerodist.comm as comm
 from zerodist.config.auto import drop_trainer_auto
+from zerodist.pipe import PipelineModule
 import zerodist.zero as _zero
 from zerodist.zero import init_shards, registry
 
@@ -60,7 +61,15 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> contextlib.Abstract
         return contextlib.nullcontext()
     if not comm.is_initialized():
         comm.init_distributed()  # as DeepSpeed's Init does: the shards need the world
-    return init_shards.partitioned_construction()
+    return init_shards.partitioned_construction(refuse=_refused)
+
+
+def _refused(obj: object) -> str | None:
+    if isinstance(obj, PipelineModule):
+        return ("deepspeed.zero.Init: a PipelineModule builds only its own stage's layers, so the ranks' "
+                "parameters differ and cannot be partitioned at construction; build it outside the block "
+                "(or with enabled=False): initialize() shards it by its ZeRO stage")
+    return None
 
 
 class GatheredParameters(_ZeroGatheredParameters):
@@ -74,5 +83,8 @@ class GatheredParameters(_ZeroGatheredParameters):
                  and not registry._owners([p]) and init_shards.entry(p) is None]
         if loose and comm.get_world_size() > 1:
             with torch.no_grad():
-                for param in loose:
-                    comm.broadcast(param.data, src=self.modifier_rank)
+                for param in loose:  # on the backend's device (NCCL moves CUDA tensors only)
+                    values = param.detach().contiguous().to(comm.device_for_rank())
+                    comm.broadcast(values, src=self.modifier_rank)
+                    if values.data_ptr() != param.data_ptr():
+                        param.data.copy_(values)
