@@ -21,6 +21,7 @@ from tests.harness import distributed_test
 ROWS = 4  # per rank and backward
 CHUNKS = 4  # backwards per block
 LR = 0.1
+REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce")
 
 
 def _config(stage: int, gas: int = 1, **zero: object) -> dict:
@@ -59,15 +60,18 @@ def _backward(engine: object, step: int, chunk: int) -> None:
 @pytest.mark.parametrize("stage,reduce_scatter", [(1, True), (1, False), (2, True), (3, True)])
 @distributed_test(world_size=2)
 def test_block_reduces_the_sum_of_its_backwards_once(stage, reduce_scatter):
-    """Two steps, each one block of four backwards then step(): the reduced gradient is the
-    one-process sum over the four chunks, and so are the parameters after each step."""
+    """Two steps, each one block of four backwards then step(): no gradient collective inside the
+    block; after it the reduced gradient is the one-process sum over the four chunks, and the
+    parameters after each step are the one process's."""
     grads, final = _reference(2)
     engine, _, _, _ = zerodist.initialize(model=make_mlp(), config=_config(stage, reduce_scatter=reduce_scatter))
     params = dict(engine.module.named_parameters())
     for step in range(2):
         with engine.coalesce_grad_reduction():
-            for chunk in range(CHUNKS):
-                _backward(engine, step, chunk)
+            with comm.trace(ops=REDUCTIONS) as inside:
+                for chunk in range(CHUNKS):
+                    _backward(engine, step, chunk)
+            assert not inside.records, inside.format_summary()  # nothing reduced inside the block
         for name, param in params.items():
             torch.testing.assert_close(ds.safe_get_full_grad(param), grads[step][name], rtol=0, atol=1e-6)
         engine.step()
