@@ -235,7 +235,8 @@ def test_a_parameter_not_trained_gives_none():
 @distributed_test(world_size=2)
 def test_coalesce_grad_reduction_gives_the_steps_result(stage):
     """Four backward calls inside the block, then one step: bitwise the parameters of the same four
-    calls without the block (DeepSpeed's own test compares the same two runs)."""
+    calls without the block (DeepSpeed's own test compares the same two runs).
+    test_coalesce_grad_reduction.py leaves the boundary alone and compares with one process."""
     results = []
     for coalesce in (False, True):
         engine = _engine(stage)

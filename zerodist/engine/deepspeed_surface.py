@@ -154,11 +154,15 @@ class DeepSpeedEngineAPI:
 
     @contextlib.contextmanager
     def coalesce_grad_reduction(self) -> Iterator[None]:
-        """DeepSpeed's block for one optimizer step's several `backward()` calls (stages 1-3), with its
-        checks: stage 0 and a pipeline are refused, and it does not nest with `no_sync()`. Inside,
-        zerodist reduces as it always does (stage 1 once, at the accumulation boundary; stages 2-3 each
-        bucket as it fills, its shard accumulating), so the step's result is the one without the block;
-        DeepSpeed's single flush on exit is not a separate pass here."""
+        """DeepSpeed's block for one optimizer step's several `backward()` calls (stages 1-3): the
+        `step()` after it applies the sum of the block's gradients averaged over the ranks. Stage 1:
+        each backward inside only accumulates locally (as `no_sync()`) and leaving the block reduces
+        once, at the accumulation boundary (a block on an earlier micro-step leaves its sum to the
+        boundary's reduction). Stages 2-3 reduce each bucket into the fp32 shards as it fills, as
+        always (the same sum; DeepSpeed's single flush of a bf16 local sum would round more and
+        keep full-size gradient buffers). DeepSpeed's checks: stage 0 and a pipeline are refused,
+        it does not nest with `no_sync()` (either way), and `step()` inside raises. An exception
+        inside the block ends it without the reduction (no collective on an error path)."""
         stage = self.stage  # type: ignore[attr-defined]
         if stage not in (1, 2, 3):
             raise NotImplementedError(f"coalesce_grad_reduction requires ZeRO stage 1/2/3, got stage {stage}")
@@ -166,11 +170,14 @@ class DeepSpeedEngineAPI:
             raise NotImplementedError("coalesce_grad_reduction is not supported under pipeline parallelism")
         if self._no_sync or self._coalescing:  # type: ignore[attr-defined]
             raise AssertionError("coalesce_grad_reduction cannot be nested inside another no_sync context")
-        self._coalescing = True
+        self._coalescing = True  # stage 1: engine._backward does not sync (as under no_sync())
         try:
             yield
         finally:
             self._coalescing = False
+        # Reached only when the block ended normally: every rank reduces, in the reducer's fixed order.
+        if not self.sharding.shard_gradients and self.is_gradient_accumulation_boundary():  # type: ignore[attr-defined]
+            self.reducer.reduce_accumulated()  # type: ignore[attr-defined]
 
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: free the memory held for gathered parameters between uses. Here: finish the

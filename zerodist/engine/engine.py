@@ -110,6 +110,9 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward inside accumulates locally without reducing (stages 0 and 1 only)."""
+        if self._coalescing:
+            raise AssertionError("no_sync() cannot be nested inside coalesce_grad_reduction(): the block already "
+                                 "accumulates locally and reduces once on exit")
         if self.sharding.shard_gradients:
             raise RuntimeError(f"no_sync() is not available at ZeRO stage {self.stage}: gradients are reduced into "
                                "shards as they are produced; use gradient_accumulation_steps instead")
@@ -147,7 +150,7 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
             raise ValueError(f"engine.backward() takes the scalar loss, got {type(loss).__name__} "
                              f"{tuple(getattr(loss, 'shape', ()))}")
         self.reducer.sync_enabled = self.sharding.shard_gradients or (
-            self.is_gradient_accumulation_boundary() and not self._no_sync)
+            self.is_gradient_accumulation_boundary() and not self._no_sync and not self._coalescing)
         # DeepSpeed's scale_wrt_gas=False: the script already divided its loss by the accumulation steps.
         scale = self.optimizer.scaler.scale / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
         scaled = loss.float() * scale if scale != 1.0 else loss
@@ -165,6 +168,7 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """One micro-step done; at the accumulation boundary, the optimizer steps."""
         self._refuse_in_pipeline_mode()
+        self._refuse_in_coalescing("step()")
         with self.phase_timing.phase("step"), sharded_access.suspended():
             self._step(lr_kwargs or {})
 
@@ -179,6 +183,11 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
         if boundary:
             self._optimizer_step(lr_kwargs)
 
+    def _refuse_in_coalescing(self, what: str) -> None:
+        if self._coalescing:  # local state: every rank raises alike, before any collective
+            raise AssertionError(f"It is illegal to call engine.{what} inside coalesce_grad_reduction() (DeepSpeed's "
+                                 "no_sync context): call it after the with-block, whose exit reduces the gradients")
+
     def _refuse_in_pipeline_mode(self) -> None:
         if self.runner.only_train_batch:
             raise PipelineError("Only train_batch() is accessible in pipeline mode.")
@@ -190,6 +199,7 @@ class Engine(PipelineEngineSurface, DeepSpeedEngineAPI, torch.nn.Module):
         the same on every rank. A pipeline's micro-batches are `(inputs, labels)`; otherwise each
         is the model's arguments (a dict as keywords, a tuple as positions) and its forward returns
         the loss (or an output with `.loss`)."""
+        self._refuse_in_coalescing("train_batch()")
         with self.phase_timing.phase("train_batch"):
             return self.runner.train_batch(self, data_iter)
 

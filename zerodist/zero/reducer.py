@@ -118,6 +118,12 @@ class GradReducer:
         if sync:
             self._early.clear()
 
+    def reduce_accumulated(self) -> None:
+        """Stages 0/1, between backwards: reduce what the micro-steps since the last reduction
+        accumulated locally (backwards that did not sync), now, once; collective, every rank alike."""
+        assert not self.deferring and not self._in_flight, "reduce_accumulated: between backwards, not deferring"
+        self._reduce_all(sync=True)
+
     def reduce_deferred(self) -> None:
         """Reduce every bucket's gradient accumulated while deferring (collective), once."""
         if self._deferred:
