@@ -123,6 +123,7 @@ class GradReducer:
         accumulated locally (backwards that did not sync), now, once; collective, every rank alike."""
         assert not self.deferring and not self._in_flight, "reduce_accumulated: between backwards, not deferring"
         self._reduce_all(sync=True)
+        self.sync_enabled = True  # the gradients are reduced now, as after a syncing backward (the next sets it again)
 
     def reduce_deferred(self) -> None:
         """Reduce every bucket's gradient accumulated while deferring (collective), once."""
