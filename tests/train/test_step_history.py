@@ -19,6 +19,9 @@ STEPS = 14  # past the window: a list of every record would hold 13 at the last 
 
 
 def _live_records() -> int:
+    # collected first: a run earlier in this warm worker may leave its records in garbage not yet
+    # collected (a cycle through a frame), which is not what this run keeps
+    gc.collect()
     return sum(isinstance(o, StepRecord) for o in gc.get_objects())
 
 
