@@ -44,6 +44,14 @@ def train(model, steps=4, config=CONFIG):
     return losses, engine.module_state_dict()
 
 
+def assert_same_run(run, eager_run):
+    """`train`'s (losses, state) equal the eager build's, every loss and every tensor bit for bit."""
+    (losses, state), (eager_losses, eager_state) = run, eager_run
+    assert losses == eager_losses
+    for key in eager_state:
+        assert torch.equal(state[key], eager_state[key]), key
+
+
 @pytest.mark.multiprocess
 @distributed_test(world_size=[2])
 def test_built_partitioned_holds_the_eager_values_and_trains_bitwise_equal(world_size):
@@ -63,12 +71,9 @@ def test_built_partitioned_holds_the_eager_values_and_trains_bitwise_equal(world
     for name, param in eager.named_parameters():
         assert torch.equal(values[name], param), name
     assert all(is_sharded(p) for p in model.parameters())  # cut again after the gather
-    losses, state = train(model)
+    run = train(model)
     assert not init_shards.holds_any(model)  # adopted by the engine
-    eager_losses, eager_state = train(eager)
-    assert losses == eager_losses
-    for key in eager_state:
-        assert torch.equal(state[key], eager_state[key]), key
+    assert_same_run(run, train(eager))
 
 
 @pytest.mark.multiprocess
@@ -135,10 +140,7 @@ def test_gathered_parameters_publishes_the_modifier_ranks_change_to_every_shard(
     reference = make_mlp(seed=0)
     with torch.no_grad():
         reference[0].weight.fill_(0.5)
-    _, state = train(model, steps=2)
-    _, eager_state = train(reference, steps=2)
-    for key in eager_state:
-        assert torch.equal(state[key], eager_state[key]), key
+    assert_same_run(train(model, steps=2), train(reference, steps=2))
 
 
 @pytest.mark.multiprocess
@@ -202,12 +204,9 @@ def test_register_external_parameter_under_zerodists_own_meta_init(world_size):
         model = ReadsAnother(external=False)
         zerodist.zero.register_external_parameter(model, model.b.weight)
         zerodist.zero.register_external_parameter(model, model.b.bias)
-    losses, state = train(model)
+    run = train(model)
     torch.manual_seed(0)
-    eager_losses, eager_state = train(ReadsAnother(external=True))
-    assert losses == eager_losses
-    for key in eager_state:
-        assert torch.equal(state[key], eager_state[key]), key
+    assert_same_run(run, train(ReadsAnother(external=True)))
 
 
 @pytest.mark.unit
@@ -233,11 +232,7 @@ def test_other_stages_adopt_the_shards_and_frozen_parameters_too(world_size, sta
 
     model = built(make)
     assert is_sharded(model[0].bias)
-    losses, state = train(model, config=config)
-    eager_losses, eager_state = train(make(), config=config)
-    assert losses == eager_losses
-    for key in eager_state:
-        assert torch.equal(state[key], eager_state[key]), key
+    assert_same_run(train(model, config=config), train(make(), config=config))
 
 
 @pytest.mark.multiprocess
@@ -259,10 +254,7 @@ def test_a_conversion_that_changes_nothing_passes_and_trains_as_the_eager_build(
         model[0].weight.to(torch.float32, copy=True)
     with pytest.raises(ShardedParameterError, match=r"'0\.weight' .* torch\.Tensor\.to read it"):
         model[0].weight.to(torch.float64)
-    (losses, state), (eager_losses, eager_state) = train(model), train(make_mlp(seed=0))
-    assert losses == eager_losses
-    for key in eager_state:
-        assert torch.equal(state[key], eager_state[key]), key
+    assert_same_run(train(model), train(make_mlp(seed=0)))
 
 
 @pytest.mark.unit
@@ -368,11 +360,9 @@ def _tensor_parallel_run(partitioned):
 @distributed_test(world_size=[2])
 def test_tensor_parallel_over_the_served_init_trains_as_the_eager_build(world_size):
     # the conversion slices the full weights: the shards are made whole first, not the placeholders sliced
-    (losses, state), (eager_losses, eager_state) = _tensor_parallel_run(True), _tensor_parallel_run(False)
-    assert all(torch.isfinite(torch.tensor(losses)))
-    assert losses == eager_losses
-    for key in eager_state:
-        assert torch.equal(state[key], eager_state[key]), key
+    run = _tensor_parallel_run(True)
+    assert all(torch.isfinite(torch.tensor(run[0])))
+    assert_same_run(run, _tensor_parallel_run(False))
 
 
 class _CopiesItsHead(torch.nn.Module):  # as RT-DETRv2 and Grounding DINO do in __init__
