@@ -2,7 +2,7 @@
 in one pair of gloo processes, on a real model (a GPT in 2 stages, AdamW).
 
     python benchmarks/pipe_side_by_side_bench.py [--micro-batches 8 16] [--shapes 4x128] [--d-model 512]
-                                                 [--layers 8] [--rounds 3] [--arms zbv local]
+                                                 [--layers 8] [--rounds 5] [--arms zbv local]
                                                  [--heap default|keep|both] [--baseline]
 
 Each (micro-batches, shape) configuration runs in the same process pair, one after the other; an
@@ -10,7 +10,9 @@ activation message is batch x seq x d_model fp32 (4x128x512: 1 MiB, over gloo's 
 size and far over the header's 4 KiB inline area, so every message is a header plus a payload).
 `--arms` keeps the arms whose name contains one of the words (local and local-v always run).
 
-Arms (each runs one training step per round, rounds interleaved, the median reported):
+Arms (each runs one training step per round, rounds interleaved, each round starting one arm
+later than the one before so that no arm always inherits the same predecessor's heap and caches;
+the median reported, and "best", the arm's fastest round over local's fastest):
 - zerodist: `PipelineExecutor` on `build_schedule(name)` for 1f1b, gpipe, interleaved (2 stages per
   rank), zb (ZB-H1), zbv and dualpipev (2 stages per rank in a V), then each rank's AdamW step over its stage (no data parallelism, so no
   reduction: the engine adds nothing a pipe-only run needs);
@@ -295,7 +297,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
         kernel: dict[str, list[tuple[float, int]]] = {n: [] for n in names}  # its system seconds, minor faults
         losses: dict[str, float | None] = {}
         for round_index in range(args.rounds + 1):  # round 0 warms up
-            for name in names:
+            # each round starts one arm later, so no arm always runs after the same one (whose heap,
+            # caches and page faults it would inherit every time)
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
                 comm.barrier()
                 usage = resource.getrusage(resource.RUSAGE_SELF)
                 start, start_cpu = time.perf_counter(), time.process_time()
@@ -315,28 +320,36 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
         merged = {n: next((d[0][n] for d in everyone if d[0][n] is not None), None) for n in names}
         busiest = {n: max(d[1][n] for d in everyone) for n in names}
         system = {n: (max(d[2][n][0] for d in everyone), max(d[2][n][1] for d in everyone)) for n in names}
-        results.append((config, {n: statistics.median(t) for n, t in times.items()}, merged, busiest, system))
+        results.append((config, times, merged, busiest, system))
         del arms
     if rank == 1:
         queue.put(results)
 
 
-def report(config: argparse.Namespace, times: dict[str, float], losses: dict[str, float | None],
+def report(config: argparse.Namespace, rounds_times: dict[str, list[float]], losses: dict[str, float | None],
            cpu: dict[str, float], system: dict[str, tuple[float, float]], rounds: int) -> bool:
     """The table; "cpu x local" is the busier rank's CPU time over local's (waits excluded, so it
-    reads the same on a loaded machine): above 1 is work the arm adds, the rest of "x local" idle."""
+    reads the same on a loaded machine): above 1 is work the arm adds, the rest of "x local" idle.
+    "best" is the same ratio of the fastest rounds (the arm's over local's): what each arm does
+    with the least interference, since another process can only slow a round down."""
+    times = {name: statistics.median(values) for name, values in rounds_times.items()}
+    best = {name: min(values) for name, values in rounds_times.items()}
     params = sum(p.numel() for layer in layers_of(config) for p in layer.parameters())
     kib = config.batch * config.seq * config.d_model * 4 / 1024
     print(f"\nGPT {params / 1e6:.1f}M params in 2 stages, {config.micro_batches} micro-batches of "
           f"{config.batch}x{config.seq} (activation messages of {kib:.0f} KiB), AdamW, 2 gloo ranks, 1 thread "
-          f"each; median of {rounds} interleaved rounds; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{'arm':<38} {'step s':>8} {'x local':>8} {'ideal':>7} {'x ideal':>8} {'cpu x local':>11} {'sys ms':>7} {'faults':>7} {'loss':>10}")
+          f"each; median and best of {rounds} rotated rounds; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"{'arm':<38} {'step s':>8} {'x local':>8} {'ideal':>7} {'x ideal':>8} {'best':>6} {'cpu x local':>11} "
+          f"{'sys ms':>7} {'faults':>7} {'loss':>10}")
     local = times["local"]
     for name, wall in times.items():
-        base = times["local-v"] if name.removesuffix("-base").endswith(V_ARMS) or name == "local-v" else local
+        v_base = name.removesuffix("-base").endswith(V_ARMS) or name == "local-v"
+        base = times["local-v"] if v_base else local
         ideal = base / local * (1 + bubble(name, 2, config.micro_batches))  # in units of local
+        best_ideal = (best["local-v"] if v_base else best["local"]) * (1 + bubble(name, 2, config.micro_batches))
         loss = losses.get(name)
         print(f"{name:<38} {wall:>8.3f} {wall / local:>8.3f} {ideal:>7.3f} {wall / local / ideal:>8.3f} "
+              f"{best[name] / best_ideal:>6.3f} "
               f"{cpu[name] / cpu['local']:>11.3f} {system[name][0] * 1e3:>7.0f} {system[name][1]:>7.0f} "
               f"{'' if loss is None else f'{loss:.6f}':>10}")
     finals = {f"{loss:.6g}" for name, loss in losses.items() if loss is not None}
@@ -344,8 +357,8 @@ def report(config: argparse.Namespace, times: dict[str, float], losses: dict[str
     return len(finals) == 1
 
 
-KEEP_HEAP = {"MALLOC_TRIM_THRESHOLD_": str(4 << 30), "MALLOC_MMAP_THRESHOLD_": str(4 << 30),
-             "MALLOC_TOP_PAD_": str(1 << 30)}
+# what `zerodist run --keep-heap` gives the ranks ([Note: keeping the host heap] in zerodist/cli/run.py)
+from zerodist.cli.run import KEEP_HEAP_ENV as KEEP_HEAP  # noqa: E402
 
 
 def run_pair(args: argparse.Namespace, heap: str) -> list | None:
@@ -378,7 +391,7 @@ def main() -> int:
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--arms", nargs="*", default=[], help="keep the arms whose name has one of these words")
     parser.add_argument("--timeout-s", type=float, default=3600)
     parser.add_argument("--keep-heap", action="store_true", help="the same as --heap keep")

@@ -68,7 +68,7 @@ def run_comm(args: argparse.Namespace) -> int:
             import torch
 
             args.nproc = torch.cuda.device_count() or 2  # one rank would measure nothing
-        return launch(torchrun_argv(args, "zerodist", _child_argv(args), module=True))
+        return launch(torchrun_argv(args, "zerodist", _child_argv(args), module=True), keep_heap=args.keep_heap)
     return _run_in_place(options, args.out)
 
 
