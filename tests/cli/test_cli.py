@@ -65,21 +65,28 @@ def test_run_reports_a_failing_rank_with_nonzero_exit(tmp_path):
 def test_run_keep_heap_gives_every_rank_glibcs_variables_and_keeps_the_users(tmp_path):
     from zerodist.cli.run import KEEP_HEAP_ENV
 
+    # each rank writes its own file (two ranks printing to one pipe interleave their words)
     script = tmp_path / "heap_env.py"
-    script.write_text("import os\nprint('rank', os.environ['RANK'], 'heap', "
-                      "{k: os.environ.get(k) for k in sorted(os.environ) if k.startswith('MALLOC_')})\n")
+    script.write_text("import json, os, sys\n"
+                      "with open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK'] + '.json'), 'w') as f:\n"
+                      "    json.dump({k: v for k, v in os.environ.items() if k.startswith('MALLOC_')}, f)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     base = [sys.executable, "-m", "zerodist", "run", "--nproc", "2"]
-    kept = run_group([*base, "--keep-heap", str(script)], capture_output=True, text=True, timeout=120, cwd=REPO,
-                     env={**env, "PYTHONPATH": REPO, "MALLOC_TOP_PAD_": "12345"})
+
+    def seen(out_dir) -> list[dict]:
+        return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+    (tmp_path / "kept").mkdir()
+    kept = run_group([*base, "--keep-heap", str(script), str(tmp_path / "kept")], capture_output=True, text=True,
+                     timeout=120, cwd=REPO, env={**env, "PYTHONPATH": REPO, "MALLOC_TOP_PAD_": "12345"})
     assert kept.returncode == 0, kept.stderr[-2000:]
     expected = {**KEEP_HEAP_ENV, "MALLOC_TOP_PAD_": "12345"}  # the user's own value stays
-    for rank in (0, 1):
-        assert f"rank {rank} heap {dict(sorted(expected.items()))}" in kept.stdout, kept.stdout
-    plain = run_group([*base, str(script), "--keep-heap"], capture_output=True, text=True, timeout=120, cwd=REPO,
-                      env={**env, "PYTHONPATH": REPO})
+    assert seen(tmp_path / "kept") == [expected, expected]
+    (tmp_path / "plain").mkdir()
+    plain = run_group([*base, str(script), str(tmp_path / "plain"), "--keep-heap"], capture_output=True, text=True,
+                      timeout=120, cwd=REPO, env={**env, "PYTHONPATH": REPO})
     assert plain.returncode == 0, plain.stderr[-2000:]
-    assert plain.stdout.count("heap {}") == 2  # a script's own "--keep-heap" argument is the script's
+    assert seen(tmp_path / "plain") == [{}, {}]  # a script's own "--keep-heap" argument is the script's
 
 
 def test_config_show_resolves_and_rejects(tmp_path):
