@@ -202,11 +202,17 @@ def test_gradients_only_between_a_reducing_backward_and_the_step(stage):
     engine.destroy()
 
 
-@distributed_test(world_size=1)
-def test_update_full_grad_vectorized_skips_parameters_not_trained():
+def _first_weight_frozen():  # type: ignore[no-untyped-def]
+    """An engine over the MLP whose first weight is not trained (requires_grad off before initialize)."""
     model = make_mlp()
     model[0].weight.requires_grad_(False)
     engine, _, _, _ = zerodist.initialize(model=model, config=base_config(1))
+    return model, engine
+
+
+@distributed_test(world_size=1)
+def test_update_full_grad_vectorized_skips_parameters_not_trained():
+    model, engine = _first_weight_frozen()
     _micro_step(engine, 0)
     seen = []
 
@@ -221,9 +227,7 @@ def test_update_full_grad_vectorized_skips_parameters_not_trained():
 
 @distributed_test(world_size=1)
 def test_a_parameter_not_trained_gives_none():
-    model = make_mlp()
-    model[0].weight.requires_grad_(False)
-    engine, _, _, _ = zerodist.initialize(model=model, config=base_config(1))
+    model, engine = _first_weight_frozen()
     assert ds.safe_get_full_fp32_param(model[0].weight) is None
     assert ds.safe_get_full_grad(torch.nn.Parameter(torch.zeros(2))) is None
     engine.destroy()
