@@ -52,7 +52,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_main(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+def _worker_main(rank: int, world_size: int, backend: str, port: int, tasks: Any, results: Any) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ZERODIST_TIMEOUT=COLLECTIVE_TIMEOUT_S,
@@ -63,7 +63,7 @@ def _worker_main(rank: int, world_size: int, port: int, tasks: Any, results: Any
         torch.set_num_threads(1)
         import zerodist.comm
 
-        zerodist.comm.init_distributed()
+        zerodist.comm.init_distributed(backend)
         results.put((rank, None, "ready", None))
     except BaseException:
         results.put((rank, None, "error", traceback.format_exc()))
@@ -89,9 +89,9 @@ def _resolve(target: Any) -> Callable[..., Any]:
 
 
 class WorkerPool:
-    """`world_size` worker processes that run one task at a time, all ranks together."""
+    """`world_size` worker processes on `backend` that run one task at a time, all ranks together."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, backend: str = "gloo"):
         from tests.processes import warm_context
 
         ctx = warm_context()
@@ -100,7 +100,7 @@ class WorkerPool:
         self.task_queues = [ctx.Queue() for _ in range(world_size)]
         port = _free_port()
         self.processes = [
-            ctx.Process(target=_worker_main, args=(r, world_size, port, self.task_queues[r], self.results), daemon=True)
+            ctx.Process(target=_worker_main, args=(r, world_size, backend, port, self.task_queues[r], self.results), daemon=True)
             for r in range(world_size)
         ]
         for p in self.processes:
@@ -171,26 +171,29 @@ def _report(what: str, world_size: int, errors: dict[int, str], missing: list[in
     return "\n".join(lines)
 
 
-_pools: dict[int, WorkerPool] = {}
+_pools: dict[tuple[int, str], WorkerPool] = {}
 
 
-def run_distributed(target: Any, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+def run_distributed(target: Any, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
+                    backend: str = "gloo", **kwargs: Any) -> list[Any]:
     """Run `target(*args, **kwargs)` on `world_size` ranks; return each rank's value, rank order.
 
     `target` is a module-level function (sent by reference). Any rank's failure fails the call
-    on all ranks with its traceback, within `timeout` seconds.
+    on all ranks with its traceback, within `timeout` seconds. The ranks join on gloo, the CPU
+    suite's backend, also where torch sees a GPU; the GPU tier (tests/gpu) asks for "nccl".
     """
-    return _run(target, world_size, args, kwargs, timeout)
+    return _run(target, world_size, args, kwargs, timeout, backend)
 
 
-def _run(target: Any, world_size: int, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
-    pool = _pools.get(world_size)
+def _run(target: Any, world_size: int, args: tuple, kwargs: dict, timeout: float, backend: str = "gloo") -> list[Any]:
+    key = (world_size, backend)
+    pool = _pools.get(key)
     if pool is None:
-        pool = _pools[world_size] = WorkerPool(world_size)
+        pool = _pools[key] = WorkerPool(world_size, backend)
     try:
         return pool.run(target, args, kwargs, timeout)
     except BaseException:
-        _pools.pop(world_size, None)
+        _pools.pop(key, None)
         pool.close()
         raise
 

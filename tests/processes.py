@@ -21,6 +21,20 @@ _warm: Any = None
 _SESSION_ENV, _SESSION_CWD = dict(os.environ), os.getcwd()
 
 
+def _cuda_visible() -> bool:
+    """Whether torch sees a CUDA device (asking initializes no CUDA context)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# [Note: no fork where CUDA is]
+# A process that has initialized CUDA cannot be forked into one that uses it ("Cannot re-initialize
+# CUDA in forked subprocess"), and the warm server does: torch's optimizer step asks whether the
+# current CUDA stream is capturing a graph, which creates the context. Seen on the first GPU run
+# (H200, torch 2.11): every test of the GPU tier failed at start-up. Where torch sees a CUDA device the
+# ranks are spawned instead, each importing torch itself: seconds per pool, on machines with the cores
+# for it.
 def warm_context() -> Any:
     """A multiprocessing context whose processes fork from one server that imported torch, zerodist
     and what the first step imports (tests/warm_start.py), once per session: a rank then starts in
@@ -29,6 +43,8 @@ def warm_context() -> Any:
     the server's environment and working directory: the session's at its start, not those of the
     test that first needs the server, so a body sets what it needs in os.environ itself."""
     global _warm
+    if _warm is None and _cuda_visible():
+        _warm = mp.get_context("spawn")  # [Note: no fork where CUDA is]
     if _warm is None:
         from multiprocessing import forkserver
 
