@@ -178,13 +178,31 @@ def resolve_timeout(timeout: float | datetime.timedelta | None) -> datetime.time
     return datetime.timedelta(seconds=float(timeout))
 
 
+_warned_cpu_fallback: set[tuple[int, int]] = set()
+
+
 def choose_backend(local_rank: int, backend: str | None) -> str:
-    """NCCL when this rank has its own GPU, gloo otherwise; an explicit choice is checked."""
+    """NCCL when every rank on this node has its own GPU, gloo otherwise; an explicit choice is checked.
+
+    [Note: one backend per world] The choice is made for the node, not the rank: with more local
+    ranks (LOCAL_WORLD_SIZE) than GPUs, a choice per rank would put the first ranks on NCCL and the
+    rest on gloo, and the world would never form. All of them take gloo on the CPU then, with a
+    warning that says how to get NCCL."""
     if backend is None:
         backend = os.environ.get("ZERODIST_BACKEND") or None
     if backend is None:
-        has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
-        return "nccl" if has_gpu and dist.is_nccl_available() else "gloo"
+        if not (torch.cuda.is_available() and dist.is_nccl_available()):
+            return "gloo"
+        local_world = max(local_rank + 1, parse_int_env(dict(os.environ), "LOCAL_WORLD_SIZE") or 1)
+        gpus = torch.cuda.device_count()
+        if gpus >= local_world:
+            return "nccl"
+        if (local_world, gpus) not in _warned_cpu_fallback:
+            _warned_cpu_fallback.add((local_world, gpus))
+            logger.warning("%d rank(s) on this node but %d GPU(s): every rank trains on the CPU over gloo. For NCCL, "
+                           "start one rank per GPU (torchrun --nproc-per-node %d), or set ZERODIST_BACKEND=gloo to "
+                           "choose the CPU and silence this", local_world, gpus, gpus)
+        return "gloo"
     if not dist.is_backend_available(backend):
         raise DistributedInitError(f"backend {backend!r} is not available in this torch build")
     if backend == "nccl" and torch.cuda.device_count() <= local_rank:
