@@ -37,24 +37,35 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-TEST_DEADLINE_S, BENCH_DEADLINE_S = 300, 240
+TEST_DEADLINE_S, BENCH_DEADLINE_S, TEST_TIMEOUT_S = 300, 240, 150
 ARMS = ("plain", "zero-1", "zero-2", "zero-3", "zero-2 + offload_optimizer cpu")
 
 
+def _python_path() -> str:
+    """The repository first, then the caller's PYTHONPATH (packages carried to a bare GPU machine, say)."""
+    return os.pathsep.join(dict.fromkeys([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
+
+
 def run_tests() -> dict[str, Any]:
-    """`pytest -m gpu` on the GPU tier's files; its summary counts and time."""
-    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu",
-               "tests/offload/test_host_offload.py"]
+    """`pytest` on the GPU tier's files; its summary counts and time. pytest writes to
+    benchmarks/results/gpu-tier-tests.log as it goes, so a run cut off by the deadline still shows
+    which tests failed and why."""
+    command = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", f"--timeout={TEST_TIMEOUT_S}",
+               "tests/gpu", "tests/offload/test_host_offload.py"]
+    RESULTS.mkdir(exist_ok=True)
+    log = RESULTS / "gpu-tier-tests.log"
     started = time.perf_counter()
-    try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=TEST_DEADLINE_S,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
-        output = done.stdout + done.stderr
-    except subprocess.TimeoutExpired as expired:
-        output = f"{expired.stdout or ''}\ntimed out after {TEST_DEADLINE_S} s"
-    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|error)", output.splitlines()[-1]
-                                                      if output.strip() else "")}
-    return {"counts": counts, "seconds": time.perf_counter() - started, "tail": output[-3000:]}
+    with log.open("w") as sink:
+        try:
+            subprocess.run(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, timeout=TEST_DEADLINE_S,
+                           env={**os.environ, "PYTHONPATH": _python_path()})
+            ended = ""
+        except subprocess.TimeoutExpired:
+            ended = f"\ntimed out after {TEST_DEADLINE_S} s"
+    output = log.read_text(errors="replace") + ended
+    last = output.strip().splitlines()[-1] if output.strip() else ""
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|error)", last)}
+    return {"counts": counts, "seconds": time.perf_counter() - started, "tail": output[-3000:], "log": str(log)}
 
 
 # ---------------------------------------------------------------- the overhead benchmark (one rank)
@@ -140,7 +151,7 @@ def run_overhead(preset: str, rounds: int, warmup: int, micro: int, simulate: bo
                    "--rounds", str(rounds), "--warmup", str(warmup), "--micro", str(micro), "--out", out.name]
         try:
             # --quick without CUDA: the offload arm takes the device-copy path ([Note: a simulated device])
-            env = {**os.environ, "PYTHONPATH": str(ROOT), **({"ZERODIST_SIMULATED_DEVICE": "1"} if simulate else {})}
+            env = {**os.environ, "PYTHONPATH": _python_path(), **({"ZERODIST_SIMULATED_DEVICE": "1"} if simulate else {})}
             done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=BENCH_DEADLINE_S, env=env)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {BENCH_DEADLINE_S} s"}
