@@ -38,7 +38,9 @@ class UnitOrderCheck:
     KINDS = ("gather for forward", "gather for backward")
 
     def __init__(self, units: list[Unit], group: Group, enabled: bool, device: torch.device):
-        self.units, self.group, self.enabled, self.device = units, group, enabled, device
+        # One rank has no one to diverge from, and on a GPU each exchange waits for the device (.tolist()).
+        self.units, self.group, self.device = units, group, device
+        self.enabled = enabled and comm.get_world_size(group) > 1
         self.counts: dict[tuple[int, int], int] = {}
 
     def __call__(self, kind: int, unit: Unit, batch: list[Unit] | None = None) -> None:
