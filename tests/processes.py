@@ -29,12 +29,12 @@ def _cuda_visible() -> bool:
 
 
 # [Note: no fork where CUDA is]
-# A process that has initialized CUDA cannot be forked into one that uses it ("Cannot re-initialize
-# CUDA in forked subprocess"), and the warm server does: torch's optimizer step asks whether the
-# current CUDA stream is capturing a graph, which creates the context. Seen on the first GPU run
-# (H200, torch 2.11): every test of the GPU tier failed at start-up. Where torch sees a CUDA device the
-# ranks are spawned instead, each importing torch itself: seconds per pool, on machines with the cores
-# for it.
+# A process forked after CUDA was initialized cannot use it ("Cannot re-initialize CUDA in forked
+# subprocess"). On the first GPU run (H200, torch 2.11) every test of the GPU tier failed so at
+# start-up: something the warm server ran had initialized CUDA (not pinned down; importing torch and
+# zerodist, an AdamW step and a config load each left it uninitialized when tried alone there).
+# Where torch sees a CUDA device the ranks are spawned instead, each importing torch itself: seconds
+# per pool, on machines with the cores for it.
 def warm_context() -> Any:
     """A multiprocessing context whose processes fork from one server that imported torch, zerodist
     and what the first step imports (tests/warm_start.py), once per session: a rank then starts in
