@@ -17,9 +17,10 @@ copies overlap compute. On CUDA these are `torch.cuda.Stream` / `torch.cuda.Even
 memory; on the CPU a stream runs its work at once and an event is always complete (no-ops).
 
 [Note: a simulated device] The CPU suite has no GPU (zerodist has run on one once: docs/gpu.md).
-To run the device-copy code paths on the CPU, `simulated_device()` makes the CPU count as a device distinct from the host: `is_host(cpu)`
-is then false, so host offload keeps its own host copies and copies gradients out and parameters
-back exactly as it would from a GPU (through the no-op streams). Tests turn it on around one run;
+To run the device-copy code paths on the CPU, `simulated_device()` makes the CPU count as a device
+distinct from the host: `is_host(cpu)` is then false, so host offload keeps its own host copies
+and copies gradients out and parameters back exactly as it would from a GPU (through the no-op
+streams). Tests turn it on around one run;
 `ZERODIST_SIMULATED_DEVICE=1` turns it on for a whole process (a benchmark's ranks).
 """
 
