@@ -194,6 +194,27 @@ def test_optimizer_misuse_is_explained():
         zerodist.initialize(model=model, optimizer=torch.optim.SGD(list(model.parameters())[:2], lr=0.1))
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@distributed_test(world_size=2)
+def test_a_frozen_model_without_an_optimizer_runs_forward(stage):
+    """A reference or teacher model (TRL's create_reference_model freezes every parameter), given no
+    optimizer: the engine builds at every stage and its outputs are those of the model alone; asking
+    for an optimizer over it is refused by name (torch's "empty parameter list" said nothing)."""
+    reference = make_mlp().requires_grad_(False)
+    model = make_mlp().requires_grad_(False)
+    model.load_state_dict(reference.state_dict())
+    engine, optimizer, _, _ = zerodist.initialize(model=model, config={"zero_optimization": {"stage": stage},
+                                                                       "train_micro_batch_size_per_gpu": 2})
+    engine.eval()
+    x = torch.randn(4, engine.module[0].in_features, generator=torch.Generator().manual_seed(comm.get_rank()))
+    with torch.no_grad():
+        assert torch.equal(engine(x), reference(x))
+    assert optimizer.state_bytes() == 0
+    with pytest.raises(zerodist.ConfigError, match="no parameter of the model requires grad"):
+        zerodist.initialize(model=make_mlp().requires_grad_(False),
+                            config={"zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW"}})
+
+
 @distributed_test(world_size=1)
 def test_deepspeed_adam_is_decoupled_unless_asked():
     engine, opt, _, _ = zerodist.initialize(model=make_mlp(), config={"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})

@@ -111,6 +111,7 @@ def resolve_optimizer(
         return specs, lambda groups: cls(groups, **kwargs)
     specs = _groups_from_parameters(model, model_parameters)
     if callable(optimizer):
+        _check_something_to_train(model, specs, "the optimizer callable")
         def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
             built = optimizer([{**g} for g in groups])
             if not isinstance(built, torch.optim.Optimizer):
@@ -123,6 +124,7 @@ def resolve_optimizer(
                         f"got {type(optimizer).__name__}")
     if config.optimizer is None:  # DeepSpeed's engine without an optimizer: forward and backward only
         return specs, lambda groups: NoOptimizer(groups)
+    _check_something_to_train(model, specs, "the config's \"optimizer\" section")
     cls, kwargs = optimizer_from_config(config)
     _check_elementwise(cls)
     return specs, lambda groups: cls(groups, **kwargs)
@@ -137,13 +139,26 @@ class NoOptimizer(torch.optim.Optimizer):
     holds_state = False
 
     def __init__(self, groups: list[dict[str, Any]]) -> None:
-        super().__init__(groups, {"lr": 0.0})
+        # A model with nothing to train (a frozen reference or teacher model, as TRL's
+        # create_reference_model leaves it) has no groups; torch refuses an optimizer over none, so
+        # it stands over one placeholder tensor that nothing reads.
+        super().__init__(groups or [{"params": [torch.zeros(0)]}], {"lr": 0.0})
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         raise ConfigError("no optimizer: this engine was built without one (initialize() got no optimizer= and the "
                           "config has no \"optimizer\" section), so it cannot step; add an \"optimizer\": "
                           "{\"type\": ..., \"params\": {...}} section to the config, or pass optimizer= to "
                           "initialize()")
+
+
+def _check_something_to_train(model: torch.nn.Module, specs: list[ParamGroupSpec], asked_by: str) -> None:
+    """An optimizer over no trainable parameter is refused by name (torch's own message names no cause)."""
+    if not any(spec.params for spec in specs):
+        total = sum(1 for _ in model.parameters())
+        raise ConfigError(f"{asked_by} asks for an optimizer, but no parameter of the model requires grad "
+                          f"({total} parameter(s), all frozen or given in no group): there is nothing to train. "
+                          "For a model that only runs forward (a reference or teacher model), pass no optimizer and "
+                          "leave the \"optimizer\" section out; to train, set requires_grad=True on what should learn")
 
 
 def _groups_from_parameters(model: torch.nn.Module, model_parameters: Iterable[Any] | None) -> list[ParamGroupSpec]:
