@@ -215,6 +215,34 @@ def test_a_frozen_model_without_an_optimizer_runs_forward(stage):
                             config={"zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW"}})
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@distributed_test(world_size=2)
+def test_an_engine_without_an_optimizer_keeps_no_fp32_master(stage):
+    """bf16 without an optimizer (TRL's reference model: from_pretrained, so trainable, prepared with
+    no optimizer): no fp32 master, 4 bytes per parameter nothing would ever step; the outputs are the
+    bf16 model's, backward runs, and its checkpoint loads into an engine that trains."""
+    import copy
+    import tempfile
+
+    reference = make_mlp()
+    model = make_mlp()
+    model.load_state_dict(reference.state_dict())
+    config = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}}
+    engine, optimizer, _, _ = zerodist.initialize(model=model, config=config)
+    assert optimizer.state_bytes() == 0 and all(g.master is None for g in engine.zero_state.groups)
+    x = torch.randn(4, reference[0].in_features, generator=torch.Generator().manual_seed(comm.get_rank()))
+    with torch.no_grad():
+        assert torch.equal(engine(x.bfloat16()), copy.deepcopy(reference).to(torch.bfloat16)(x.bfloat16()))
+    engine.backward(engine(x.bfloat16()).float().pow(2).mean())  # runs; step() would refuse
+    directory = [tempfile.mkdtemp() if comm.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(directory, src=0)
+    engine.save_checkpoint(directory[0], tag="ref")
+    trained, _, _, _ = zerodist.initialize(model=make_mlp(seed=1), config={**config, "optimizer": {"type": "AdamW"}})
+    trained.load_checkpoint(directory[0], tag="ref", load_optimizer_states=False)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(trained.module_state_dict()[key].bfloat16(), value.bfloat16()), key
+
+
 @distributed_test(world_size=1)
 def test_deepspeed_adam_is_decoupled_unless_asked():
     engine, opt, _, _ = zerodist.initialize(model=make_mlp(), config={"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})

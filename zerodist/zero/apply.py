@@ -55,6 +55,9 @@ class OptimizerRecipe:
 
     specs: Sequence[ParamGroupLike]
     build: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+    # False for an engine built without an optimizer (it never steps): no fp32 master under bf16/fp16,
+    # 4 bytes per parameter a reference model has no use for (DeepSpeed keeps none either).
+    steps: bool = True
 
 
 def apply_zero(part: Part, topology: comm.Topology, settings: ZeroSettings, optimizer: OptimizerRecipe) -> ZeroState:
@@ -62,7 +65,8 @@ def apply_zero(part: Part, topology: comm.Topology, settings: ZeroSettings, opti
     reducing over its domain's group, and build the reducer, the unit runtime, the sharded
     optimizer and the default schedule that drives them."""
     # An all-fp64 model trains in fp64 when the config asks for neither bf16 nor fp16 (PrecisionPolicy.for_model).
-    settings = dataclasses.replace(settings, precision=settings.precision.for_model(part.module))
+    settings = dataclasses.replace(settings, precision=settings.precision.for_model(part.module),
+                                   masters=optimizer.steps)
     model, precision, sharding = part.module, settings.precision, settings.sharding
     device = comm.device_for_rank()
     if device.type != "cpu" and init_shards.holds_any(model):  # built under the served zero.Init

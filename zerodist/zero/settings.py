@@ -48,6 +48,7 @@ class ZeroSettings:
     loss_scaler: Callable[[], LossScaler]
     hierarchy: HierarchySettings = HierarchySettings()
     layout_invariant: bool = False  # zerodist.deterministic: "layout_invariant" (canonical.py)
+    masters: bool = True  # fp32 masters under bf16/fp16; False where nothing steps (OptimizerRecipe.steps)
 
     @classmethod
     def from_config(cls, config: Config) -> ZeroSettings:
