@@ -56,7 +56,8 @@ class OptimizerRecipe:
     specs: Sequence[ParamGroupLike]
     build: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
     # False for an engine built without an optimizer (it never steps): no fp32 master under bf16/fp16,
-    # 4 bytes per parameter a reference model has no use for (DeepSpeed keeps none either).
+    # 4 bytes per parameter a reference model has no use for. (DeepSpeed keeps none at stage 3; at
+    # stages 0-2 its bf16 optimizer over a stand-in keeps one, sharded over the data-parallel ranks.)
     steps: bool = True
 
 
