@@ -22,6 +22,7 @@ from zerodist.config.timeline_sections import FlopsProfilerConfig, ZerodistTimel
 from zerodist.config.auto import TrainerValues, resolve_auto, resolve_model_auto
 from zerodist.config.batch import BatchSizes, resolve_batch_sizes
 from zerodist.config.deepspeed_keys import drop_no_op_keys, unalias_zero_keys
+from zerodist.config.dotted_keys import expand_dotted_keys
 from zerodist.config.errors import ConfigError
 from zerodist.config.fields import BatchCount, ConstructorArgument, ElementCount, Section
 from zerodist.config.offload_sections import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, offload_problems
@@ -526,14 +527,15 @@ class Config(Section):
         if isinstance(source, Config):
             return source
         raw, source_name = read_source(source)
+        raw, dotted_problems = expand_dotted_keys(raw, cls)  # TRL's "zero_optimization.x": [Note: dotted keys]
         if auto is not None:
             raw = resolve_auto(raw, auto, source=source_name)
         else:
             raw = resolve_model_auto(raw, hidden_size)
         raw, alias_problems = unalias_zero_keys(raw)  # DeepSpeed's un-prefixed ZeRO-3 names
         raw = drop_no_op_keys(raw)  # DeepSpeed keys set to values that change nothing here
-        if alias_problems:
-            raise ConfigError(alias_problems, source=source_name)
+        if alias_problems or dotted_problems:
+            raise ConfigError(dotted_problems + alias_problems, source=source_name)
         try:
             return validate(cls, raw, source_name)  # refuses unknown keys, or drops DeepSpeed's ignored ones
         except ValidationError as error:
