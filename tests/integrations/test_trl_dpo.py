@@ -1,0 +1,41 @@
+"""TRL's DPO, unmodified, trains on zerodist at ZeRO-2 and ZeRO-3 with DDP's losses. Its reference model
+is prepared by TRL itself with `deepspeed.initialize` and no optimizer: at ZeRO-2 as stage 0, at ZeRO-3 with
+the dotted bucket keys TRL adds ([Note: dotted keys] in zerodist/config/dotted_keys.py), which zerodist
+refused until it read them. Needs TRL (skipped without it; not in the test extras)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.processes import run_group
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "integrations" / "trl_dpo_script.py"
+
+
+def _launch(out: Path, stage: int | None) -> dict:
+    args = [sys.executable, "-m", "zerodist", "run", *(["--as-deepspeed"] if stage is not None else []),
+            "--nproc", "2", str(SCRIPT), "--out", str(out), *(["--stage", str(stage)] if stage is not None else [])]
+    result = run_group(args, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.mark.slow
+def test_trl_dpo_with_a_reference_model_trains_at_zero_2_and_3_with_ddps_losses(tmp_path):
+    pytest.importorskip("trl", minversion="1.0")
+    pytest.importorskip("datasets")
+    ddp = _launch(tmp_path / "ddp", None)
+    assert ddp["reference"] == "transformers.models.llama.modeling_llama.LlamaForCausalLM"
+    assert ddp["model"] == "torch.nn.parallel.distributed.DistributedDataParallel"
+    for stage, reference_stage in ((2, 0), (3, 3)):  # TRL runs its reference at stage 0 unless the run is at 3
+        served = _launch(tmp_path / f"zero{stage}", stage)
+        assert served["model"] == served["reference"] == "zerodist.engine.engine.Engine"
+        assert served["reference_stage"] == reference_stage
+        assert len(served["losses"]) == 4
+        assert served["losses"] == pytest.approx(ddp["losses"], abs=1e-5), stage
