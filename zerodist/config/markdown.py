@@ -24,7 +24,10 @@ zerodist reads DeepSpeed's JSON config: the keys, nesting and defaults below are
 except the `zerodist` section. Every key is optional unless its default says *required*.
 An unknown key is an error (with a "did you mean"), at every level, and all problems in a
 config are reported together (opt-in for configs written for DeepSpeed: `zerodist.unknown_keys`
-`"warn"` or `ZERODIST_UNKNOWN_KEYS=warn` drops the unknown keys DeepSpeed ignores, with a warning). `"auto"` is accepted only by the batch sizes (derived from the
+`"warn"` or `ZERODIST_UNKNOWN_KEYS=warn` drops the unknown keys DeepSpeed ignores, with a warning).
+A top-level key that spells a nested path with dots (`"zero_optimization.reduce_bucket_size"`, as
+TRL writes its reference model's config) is read as the setting it names, a non-integral number
+for an integer setting rounded down; DeepSpeed drops such keys. `"auto"` is accepted only by the batch sizes (derived from the
 other two and the world size) and by the element counts in `zero_optimization`: the bucket
 sizes Hugging Face's Trainer derives from the model's hidden size take the same values when the
 model has a `config.hidden_size` (`reduce_bucket_size` = hidden², and at stage 3
