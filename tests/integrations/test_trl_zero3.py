@@ -59,6 +59,9 @@ def test_served_trl_gets_the_replacement():
         import torch
         from trl.trainer import utils
         assert getattr(utils.maybe_gather_lm_head_ctx, "_zerodist_side_table", False)
+        from trl.models import utils as model_utils
+        assert all(getattr(getattr(model_utils, name), "_zerodist_side_table", False)
+                   for name in ("remove_hooks", "add_hooks"))
         print("ok")
     """)
     env = environment({**os.environ, "PYTHONPATH": str(REPO)})

@@ -163,7 +163,7 @@ class DeepSpeedFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname == "accelerate.state":
             return accelerate_on_cpu.patched_spec(self, fullname, path, target)
-        if fullname == trl_zero3.MODULE:
+        if fullname in trl_zero3.PATCHES:
             return trl_zero3.patched_spec(self, fullname, path, target)
         if fullname != "deepspeed" and not fullname.startswith("deepspeed."):
             return None
@@ -209,8 +209,9 @@ def install() -> None:
     # imported before the switch: its later users still get the answer, but a TRL module that already did
     # `from trl.trainer.utils import maybe_gather_lm_head_ctx` keeps TRL's own, which reads `param.ds_status`
     # under ZeRO-3: serve deepspeed before TRL is imported (`zerodist run --as-deepspeed` does)
-    if trl_zero3.MODULE in sys.modules:
-        trl_zero3.replace_lm_head_gather(sys.modules[trl_zero3.MODULE])
+    for name, complete in trl_zero3.PATCHES.items():
+        if name in sys.modules:
+            complete(sys.modules[name])
     os.environ[ENV_FLAG] = "1"
 
 

@@ -18,6 +18,18 @@ The question has an answer in zerodist's side table: ``zerodist.zero.registry.is
 instead; the gather itself is zerodist's ``GatheredParameters`` (the served ``deepspeed.zero``'s, for
 parameters an engine holds). Nothing else of TRL
 changes, and nothing is written on any parameter. A TRL without the function is left as it is.
+
+[Note: TRL's generation under the served ZeRO-3]
+GRPO (and the other trainers that sample) generate inside ``trl.models.utils``'s
+``_unwrap_model_for_generation``: at ZeRO-3 it gathers the whole model with
+``deepspeed.zero.GatheredParameters(model.parameters())``, then calls ``remove_hooks(model)`` before
+generating and ``add_hooks(model)`` after, which take DeepSpeed's stage-3 hooks off and put them back
+through its optimizer's internals (``model.optimizer.parameter_offload``, ``.module``,
+``.forward_hooks``, ``_register_deepspeed_module``). zerodist's engine has none of these, so GRPO at
+ZeRO-3 stopped there (``'ZeroOptimizer' object has no attribute 'module'``). Nothing needs taking off
+in zerodist: while ``GatheredParameters`` holds every parameter, its units' hooks find them gathered and
+gather nothing. So the served import of ``trl.models.utils`` replaces the two functions with ones that
+leave a zerodist engine as it is and call TRL's own for anything else.
 """
 
 from __future__ import annotations
@@ -34,13 +46,36 @@ logger = get_logger(__name__)
 
 MODULE = "trl.trainer.utils"
 FUNCTION = "maybe_gather_lm_head_ctx"
+GENERATION_MODULE = "trl.models.utils"
+GENERATION_HOOKS = ("remove_hooks", "add_hooks")
 _PATCHED = "_zerodist_side_table"
 _SAID: set[str] = set()  # the one line saying the gather ran, once per process
 
 
 def patched_spec(finder: Any, fullname: str, path: Any, target: Any) -> importlib.machinery.ModuleSpec | None:
-    """`trl.trainer.utils`'s own spec, its loader wrapped to replace the one function after it runs."""
-    return import_patch.patched_spec(finder, fullname, path, target, replace_lm_head_gather)
+    """`trl.trainer.utils`'s or `trl.models.utils`'s own spec, its loader wrapped to replace what zerodist
+    answers differently after it runs."""
+    return import_patch.patched_spec(finder, fullname, path, target, PATCHES[fullname])
+
+
+def replace_generation_hooks(module: Any) -> None:
+    """Give `module` (trl.models.utils) a `remove_hooks` and an `add_hooks` that leave a zerodist engine as
+    it is ([Note: TRL's generation under the served ZeRO-3]) and call TRL's own for any other model."""
+    for name in GENERATION_HOOKS:
+        original = getattr(module, name, None)
+        if original is None or getattr(original, _PATCHED, False):
+            continue
+
+        def hook(model: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            from zerodist.engine import Engine
+
+            if isinstance(model, Engine):
+                return None  # its units' hooks gather nothing while GatheredParameters holds every parameter
+            return _original(model, *args, **kwargs)
+
+        functools.update_wrapper(hook, original)
+        setattr(hook, _PATCHED, True)
+        setattr(module, name, hook)
 
 
 def replace_lm_head_gather(module: Any) -> None:
@@ -76,3 +111,7 @@ def gather_if_sharded(*params: Any) -> contextlib.AbstractContextManager[Any]:
     if not to_gather:
         return contextlib.nullcontext()
     return GatheredParameters(list(to_gather.values()))
+
+
+# The TRL modules the served import completes, and how.
+PATCHES = {MODULE: replace_lm_head_gather, GENERATION_MODULE: replace_generation_hooks}
