@@ -5,7 +5,8 @@
 10 * h, "zero_optimization.stage3_prefetch_bucket_size": 0.9 * h * h})`. DeepSpeed reads its top level key
 by key, so it drops these silently; zerodist refuses unknown keys, so the run stopped before training.
 A dotted key whose path names a setting zerodist knows is read as that setting, which is what its
-writer meant (they tune buckets only; the results do not change), with one info line on rank 0. A
+writer meant, with one info line on rank 0 (TRL's three tune buckets only; any other dotted setting
+takes effect too, where DeepSpeed would run without it). A
 non-integral number for an integer setting (0.9 * h * h) is rounded down. A dotted key that names no
 setting stays unknown and is refused as any other; one that disagrees with the same setting given
 nested is a problem naming both.
