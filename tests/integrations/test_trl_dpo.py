@@ -18,23 +18,27 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "integrations" / "trl_dpo_script.py"
 
 
-def _launch(out: Path, stage: int | None) -> dict:
+def _launch(out: Path, stage: int | None, sync: bool) -> dict:
     args = [sys.executable, "-m", "zerodist", "run", *(["--as-deepspeed"] if stage is not None else []),
-            "--nproc", "2", str(SCRIPT), "--out", str(out), *(["--stage", str(stage)] if stage is not None else [])]
+            "--nproc", "2", str(SCRIPT), "--out", str(out), *(["--stage", str(stage)] if stage is not None else []),
+            *(["--sync-reference"] if sync else [])]
     result = run_group(args, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads((out / "result.json").read_text())
 
 
 @pytest.mark.slow
-def test_trl_dpo_with_a_reference_model_trains_at_zero_2_and_3_with_ddps_losses(tmp_path):
+@pytest.mark.parametrize("sync", [False, True], ids=["fixed-reference", "synced-reference"])
+def test_trl_dpo_with_a_reference_model_trains_at_zero_2_and_3_with_ddps_losses(tmp_path, sync):
+    """With `sync_ref_model` TRL writes the reference's parameters under `GatheredParameters(...,
+    modifier_rank=0)` every 2 steps (the losses of steps 3 and 4 change with it)."""
     pytest.importorskip("trl", minversion="1.0")
     pytest.importorskip("datasets")
-    ddp = _launch(tmp_path / "ddp", None)
+    ddp = _launch(tmp_path / "ddp", None, sync)
     assert ddp["reference"] == "transformers.models.llama.modeling_llama.LlamaForCausalLM"
     assert ddp["model"] == "torch.nn.parallel.distributed.DistributedDataParallel"
     for stage, reference_stage in ((2, 0), (3, 3)):  # TRL runs its reference at stage 0 unless the run is at 3
-        served = _launch(tmp_path / f"zero{stage}", stage)
+        served = _launch(tmp_path / f"zero{stage}", stage, sync)
         assert served["model"] == served["reference"] == "zerodist.engine.engine.Engine"
         assert served["reference_stage"] == reference_stage
         assert len(served["losses"]) == 4

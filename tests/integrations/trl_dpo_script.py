@@ -28,6 +28,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--stage", type=int, default=None)
+    parser.add_argument("--sync-reference", action="store_true",
+                        help="TRL's sync_ref_model: every 2 steps the reference moves halfway to the policy")
     args = parser.parse_args()
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -48,7 +50,8 @@ def main() -> None:
     training = DPOConfig(output_dir=args.out, per_device_train_batch_size=2, max_steps=4, learning_rate=1e-3,
                          logging_steps=1, deepspeed=deepspeed, report_to=[], save_strategy="no", use_cpu=True,
                          max_length=32, seed=0, dataloader_num_workers=0,
-                         bf16=False)  # TRL's default is bf16 autocast under DDP and bf16 weights under DeepSpeed
+                         bf16=False,  # TRL's default is bf16 autocast under DDP and bf16 weights under DeepSpeed
+                         sync_ref_model=args.sync_reference, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5)
     trainer = DPOTrainer(model=model, ref_model=reference, args=training, train_dataset=data,
                          processing_class=tokenizer)
     trainer.train()
