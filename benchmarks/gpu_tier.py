@@ -65,7 +65,7 @@ def run_tests() -> dict[str, Any]:
     output = log.read_text(errors="replace") + ended
     last = output.strip().splitlines()[-1] if output.strip() else ""
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|error)", last)}
-    return {"counts": counts, "seconds": time.perf_counter() - started, "tail": output[-3000:], "log": str(log)}
+    return {"counts": counts, "seconds": time.perf_counter() - started, "tail": output[-3000:]}
 
 
 # ---------------------------------------------------------------- the overhead benchmark (one rank)

@@ -29,7 +29,7 @@ from zerodist.data.sampler import LayoutInvariantSampler
 from zerodist.engine.dataloader import EngineDataLoader
 from zerodist.engine.deepspeed_args import DEFAULT_PORT, resolve_initialize_arguments, update_args_local_rank
 from zerodist.engine.engine import Engine
-from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer
+from zerodist.engine.optimizers import check_groups_cover_model, resolve_optimizer, steps_nothing
 from zerodist.engine.pipeline import PipelineRunner
 from zerodist.engine.schedulers import build_scheduler
 from zerodist.moe.layer import routing_lines
@@ -289,8 +289,8 @@ def _apply_zero(part: Part, model_parameters: Iterable[Any] | None, optimizer: A
     build_optimizer = offloaded_build(build_optimizer, offload, topology.group(*topology.stage_axes),
                                       comm.device_for_rank())
     # apply_zero makes an all-fp64 model train in fp64 (no bf16/fp16 section): PrecisionPolicy.for_model
-    steps = optimizer is not None or config.optimizer is not None  # else NoOptimizer: nothing ever steps
-    zero = apply_zero(part, topology, validated.zero, OptimizerRecipe(specs, build_optimizer, steps=steps))
+    zero = apply_zero(part, topology, validated.zero,
+                      OptimizerRecipe(specs, build_optimizer, steps=not steps_nothing(optimizer, config)))
     if isinstance(zero.optimizer.inner, SwappedOptimizer):
         # The fp32 master (bf16/fp16) and, with offload_param nvme, the stage-3 parameter shards move into
         # the swap files too ([Note: stepped values elsewhere] in zerodist/zero/stepped_store.py).

@@ -98,6 +98,11 @@ def _check_values(cls: type, params: dict[str, Any]) -> None:
         pass
 
 
+def steps_nothing(optimizer: Any, config: Config) -> bool:
+    """Whether `initialize()` builds a `NoOptimizer`: no optimizer passed and no config section."""
+    return optimizer is None and config.optimizer is None
+
+
 def resolve_optimizer(
     model: torch.nn.Module, model_parameters: Iterable[Any] | None, optimizer: Any, config: Config
 ) -> tuple[list[ParamGroupSpec], OptimizerFactory]:
@@ -122,7 +127,7 @@ def resolve_optimizer(
     if optimizer is not None:
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable params -> optimizer, "
                         f"got {type(optimizer).__name__}")
-    if config.optimizer is None:  # DeepSpeed's engine without an optimizer: forward and backward only
+    if steps_nothing(optimizer, config):  # DeepSpeed's engine without an optimizer: forward and backward only
         return specs, lambda groups: NoOptimizer(groups)
     _check_something_to_train(model, specs, "the config's \"optimizer\" section")
     cls, kwargs = optimizer_from_config(config)

@@ -55,7 +55,7 @@ class FlatParamGroup:
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, policy: ShardingPolicy,
                  domain_group: DomainGroup, bucket_numel: int, use_reduce_scatter: bool, param_dtype: torch.dtype,
                  placements: list[Placement] | None = None, buffer_pool: BufferPool | None = None,
-                 master: bool = True):
+                 keep_master: bool = True):
         # Reverse order: backward produces the last parameters' gradients first, so the first
         # buckets fill first and their collectives start while backward goes on.
         params, names = params[::-1], names[::-1]
@@ -74,16 +74,16 @@ class FlatParamGroup:
             nans, placeholders = sharded_access.placeholders([tuple(p.shape) for p in params], param_dtype,
                                                              params[0].device)
         self.records = make_records(params, names, placements, self.layout.slots, domain_group, placeholders)
-        self.storage, master_values = self._build_storage(param_dtype, nans, master)
+        self.storage, master = self._build_storage(param_dtype, nans, keep_master)
         self.device, self.param_dtype = self.storage.device, param_dtype
         self.grads = GradStorage(self.records, self.views, policy=policy, domain_group=domain_group,
                                  use_reduce_scatter=use_reduce_scatter, dtype=param_dtype, device=self.device,
                                  buffer_pool=buffer_pool)
-        self.optimizer = OptimizerView(self.views, self.storage, master_values)
+        self.optimizer = OptimizerView(self.views, self.storage, master)
         # Fixed for the group's life: the same objects as the parts' (the hot paths read them directly).
         self.plan, self.buckets = self.grads.plan, self.grads.buckets
         self.grad_buffer, self.grad_shard = self.grads.grad_buffer, self.grads.grad_shard
-        self.optimizer_tensors, self.master = self.optimizer.tensors, master_values
+        self.optimizer_tensors, self.master = self.optimizer.tensors, master
 
     def _build_storage(self, param_dtype: torch.dtype, nans: torch.Tensor | None,
                        keep_master: bool) -> tuple[ParamStorage, torch.Tensor | None]:
