@@ -16,7 +16,7 @@ from __future__ import annotations
 import io
 import tempfile
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +30,8 @@ from zerodist.checkpoint.shards import check_parameters, files_needed, load_grou
 from zerodist.checkpoint.state import group_mapping, remap_scheduler_state, restore_optimizer
 from zerodist.comm.domains import logical_keys
 from zerodist.utils import get_logger, log_rank0
+from zerodist.zero.flat_group import FlatParamGroup
+from zerodist.zero.registry import GatheredParameters
 from zerodist.zero.state import Resumable, ZeroState
 
 logger = get_logger(__name__)
@@ -124,9 +126,14 @@ def _read_state(tag_dir: Path, manifest: Manifest, rank: int) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def load_extra(module: torch.nn.Module, manifest: Manifest, reader: RangeReader) -> None:
+def load_extra(module: torch.nn.Module, manifest: Manifest, reader: RangeReader,
+               frozen_groups: Sequence[FlatParamGroup] = ()) -> None:
     """Buffers and frozen parameters, each stored whole once, by logical key. Collective: a key
-    is reported missing only when no rank's model has it (another rank may hold that expert)."""
+    is reported missing only when no rank's model has it (another rank may hold that expert).
+    A sharded frozen parameter (`frozen_groups`: [Note: frozen parameters at stage 3] in zero/apply.py)
+    takes this rank's shard of the saved value."""
+    sharded = {id(p): (group, index) for group in frozen_groups for index, p in enumerate(group.params)}
+    taken: dict[int, dict[int, torch.Tensor]] = {}  # id(group) -> layout index -> saved value
     logical = logical_keys(module)
     live = {logical[key]: value for key, value in module.state_dict(keep_vars=True).items()}
     everyone: list[Any] = [None] * comm.get_world_size()
@@ -140,7 +147,19 @@ def load_extra(module: torch.nn.Module, manifest: Manifest, reader: RangeReader)
             continue
         saved = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
         reader.read_into(info["file"], info["offset"], saved.reshape(-1))
-        live[key].data.copy_(saved)
+        if id(live[key]) in sharded:
+            group, index = sharded[id(live[key])]
+            taken.setdefault(id(group), {})[index] = saved
+        else:
+            live[key].data.copy_(saved)
+    for group in frozen_groups:
+        values = taken.get(id(group), {})
+        if len(values) == len(group.params):
+            group.load_full_values([values[i] for i in range(len(group.params))])
+        elif values:  # some saved, some not: keep what the model holds for the others
+            with GatheredParameters(group.params, modifier_rank=0):
+                for index, value in values.items():
+                    group.params[index].data.copy_(value)
 
 
 def training_state(zero: ZeroState, manifest: Manifest, common: dict[str, Any], own: dict[str, Any] | None,
@@ -302,7 +321,7 @@ def load_checkpoint(zero: ZeroState, resumable: Resumable, load_dir: str | Path,
     reader = RangeReader(tag_dir)
     try:
         elementwise = load_groups(zero.groups, manifest, reader, with_optimizer)
-        load_extra(zero.module, manifest, reader)
+        load_extra(zero.module, manifest, reader, zero.frozen_groups)
     finally:
         reader.close()
     rank0 = _read_state(tag_dir, manifest, 0)

@@ -15,8 +15,8 @@ parameter's first dimension that contain it (at most one partial row more at eac
 the run into the rank's parameter shard and, under mixed precision, into the fp32 master
 weights, and drops the read. No collective runs, no rank ever holds a whole unit, and the
 values are those an eager `load_state_dict` gives, bit for bit (same source values, same casts).
-Parameters every rank holds (stages 0-2, stage 3's persistent ones, frozen ones) and buffers
-are read whole.
+Parameters every rank holds (stages 0-2, stage 3's persistent ones, frozen ones under the
+persistence threshold) and buffers are read whole.
 
 A parameter whose declared placement slices it (a tensor-parallel layer's) holds part of its
 logical tensor (`zerodist.comm.slices`): read whole, the logical tensor is cut to this rank's
@@ -114,7 +114,7 @@ def load_pretrained(engine: HasZeroState, path: str | Path, *, strict: bool = Tr
     report = LoadReport([str(f) for f in source.files], 0)
     in_groups: set[int] = set()
     with torch.no_grad():
-        for group in state.groups:
+        for group in [*state.groups, *state.frozen_groups]:  # stage 3 shards frozen parameters too
             in_groups.update(id(p) for p in group.params)
             _load_group(group, source, names, slicings, report)
         for tensor in [*state.module.parameters(), *state.module.buffers()]:
@@ -217,6 +217,7 @@ def _load_group(group: FlatParamGroup, source: _Source, names: dict[int, list[st
     if held is not None:
         for index, part in enumerate(held.split([t.numel() for t in group.optimizer_tensors])):
             group.write_stepped(index, part)
+    group.storage.drop_secondary()  # hpZ's copy of the old values (no step drops a frozen group's)
     if group.is_unsharded:  # gathered now (a unit kept between steps): its full values too
         for param, key in zip(group.params, keys):
             if key is not None:

@@ -33,6 +33,7 @@ from zerodist.checkpoint.shards import collect_chunks, collect_scalars
 from zerodist.comm.domains import logical_keys
 from zerodist.config import CheckpointConfig
 from zerodist.utils import get_logger, log_rank0
+from zerodist.zero.registry import GatheredParameters
 from zerodist.zero.state import Resumable, ZeroState
 
 logger = get_logger(__name__)
@@ -81,9 +82,12 @@ def agree_on_tag(settings: CheckpointConfig, tag: str, save_dir: Path, global_st
     return everyone[0]["tag"], everyone[0]["id"]
 
 
-def _module_facts(zero: ZeroState) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _module_facts(zero: ZeroState, frozen: dict[int, torch.Tensor | None]
+                  ) -> tuple[dict[str, Any], dict[str, torch.Tensor | None]]:
     """This rank's state-dict keys, tied-weight aliases and the tensors outside the flat groups
-    (buffers, frozen parameters), all by logical key ([Note: logical names] in comm/domains.py)."""
+    (buffers, frozen parameters), all by logical key ([Note: logical names] in comm/domains.py).
+    `frozen`: the sharded frozen parameters' whole values (`frozen_values`); None where another
+    rank of the domain writes them."""
     canonical = {id(r.param): r.name for g in zero.groups for r in g.records}
     logical = logical_keys(zero.module)
     keys, aliases, extra = [], {}, {}
@@ -93,11 +97,27 @@ def _module_facts(zero: ZeroState) -> tuple[dict[str, Any], dict[str, torch.Tens
         if id(value) in canonical:
             if canonical[id(value)] != key:
                 aliases[key] = canonical[id(value)]
+        elif id(value) in frozen:
+            extra[key] = frozen[id(value)]
         elif value.device.type == "meta":
             raise CheckpointError(f"save_checkpoint: {physical} has no values on this rank (a meta tensor)")
         else:
             extra[key] = value.detach()
     return {"state_dict_keys": keys, "aliases": aliases}, extra
+
+
+def frozen_values(zero: ZeroState) -> dict[int, torch.Tensor | None]:
+    """id(param) -> the whole value of each sharded frozen parameter, copied to the host by the first
+    rank of its domain group (the lowest rank holding it, which writes it: `gather_facts`), None on the
+    others. Gathered one unit at a time; collective over each group's domain, so called before
+    anything that can fail on one rank only ([Note: frozen parameters at stage 3] in zero/apply.py)."""
+    values: dict[int, torch.Tensor | None] = {}
+    for group in zero.frozen_groups:
+        with GatheredParameters(group.params):
+            writes = group.domain_group.rank == 0
+            for param in group.params:
+                values[id(param)] = param.detach().to("cpu", copy=True) if writes else None
+    return values
 
 
 def _rank_state(training: dict[str, Any], scalars: dict[str, Any] | None, client_state: Any,
@@ -121,9 +141,10 @@ def gather_facts(zero: ZeroState) -> tuple[dict[str, Any], dict[str, Any], dict[
     them), this rank's module facts, and the extra tensors this rank writes: those whose logical
     key no lower rank holds, so each is written once."""
     failure: Exception | None = None
+    frozen = frozen_values(zero)
     try:  # reads swapped optimizer state: a damaged swap file fails here ([Note: swap checksums])
         scalars = collect_scalars(zero.written_groups(), zero.inner_optimizer)
-        facts, extra = _module_facts(zero)
+        facts, extra = _module_facts(zero, frozen)
         mine: Any = (scalars, list(extra))
     except Exception as err:  # every rank must reach the exchange, then all fail together
         failure = err
@@ -139,7 +160,10 @@ def gather_facts(zero: ZeroState) -> tuple[dict[str, Any], dict[str, Any], dict[
         merged["group_of"].update(other["group_of"])
         merged["scalars"].update(other["scalars"])
     lower = {key for _, keys in everyone[: comm.get_rank()] for key in keys}
-    return merged, facts, {key: t for key, t in extra.items() if key not in lower}
+    mine_to_write = {key: t for key, t in extra.items() if key not in lower}
+    # the lowest rank holding a frozen parameter is the first of its domain group, which copied it
+    assert all(t is not None for t in mine_to_write.values()), "a sharded frozen parameter to write was not copied"
+    return merged, facts, mine_to_write  # type: ignore[return-value]  # no None left (checked above)
 
 
 def write_rank_files(zero: ZeroState, training: dict[str, Any], facts: tuple[dict[str, Any], dict[str, Any], dict[

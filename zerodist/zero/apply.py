@@ -78,20 +78,23 @@ def apply_zero(part: Part, topology: comm.Topology, settings: ZeroSettings, opti
         log_rank0(logger, recast, level=logging.WARNING)
     specs = [s for s in optimizer.specs if s.params]
     positions = {id(p): i for i, p in enumerate(model.parameters())}
-    plan, groups = _flatten(part, specs, topology, settings, device)
-    _sync_untrained_state(model, {id(p) for s in specs for p in s.params}, topology)
+    frozen = frozen_to_shard(model, specs) if sharding.shard_parameters else []
+    plan, built = _flatten(part, specs, frozen, topology, settings, device)
+    groups = [g for g, planned in zip(built, plan.groups) if not planned.frozen]  # what trains
+    frozen_groups = [g for g, planned in zip(built, plan.groups) if planned.frozen]
+    _sync_untrained_state(model, {id(p) for g in built for p in g.params}, topology)
     model.to(precision.param_dtype)  # the rest of the floating state; flattened parameters already are
     reducer = GradReducer(groups, [[positions[id(p)] for p in g.params] for g in groups],
                           max_in_flight=2 if sharding.shard_gradients else None, overlap=settings.overlap)
-    units = [Unit(index, name, module, [groups[i] for i in plan.unit_groups(index)])
+    units = [Unit(index, name, module, [built[i] for i in plan.unit_groups(index)])
              for index, (name, module) in enumerate((("", model), *plan.unit_modules))]
-    persistent = [g for g, planned in zip(groups, plan.groups) if planned.persistent]
+    persistent = [g for g, planned in zip(built, plan.groups) if planned.persistent]
     # The run-order check compares every rank that runs the same units, whatever the domains: the
     # world, or with a pipeline one stage's ranks (every axis but pipe), whose units differ from the others'.
     same_units = topology.world_group if topology.size("pipe") == 1 else topology.group(*PARAMETER_AXES)
     runtime = UnitRuntime(units, persistent, reducer, shard_parameters=sharding.shard_parameters,
                           settings=settings.units, group=same_units, device=device)
-    by_spec = plan.by_spec(len(specs), groups)
+    by_spec = plan.by_spec(len(specs), built)
     inner = optimizer.build([{"params": [t for g in spec_groups for t in g.optimizer_tensors], **s.options}
                              for spec_groups, s in zip(by_spec, specs)])
     # The step's digest check sums over the world, where a pipeline's stages legitimately differ.
@@ -106,11 +109,37 @@ def apply_zero(part: Part, topology: comm.Topology, settings: ZeroSettings, opti
                 bucket.tree = CanonicalSum(recycle=group.plan.persistent_full_grad)
         sharded.exact_norm = True
     schedule = DefaultSchedule(runtime, sharded)
-    return ZeroState(model, groups, reducer, sharded, sharding, topology, precision, runtime, schedule)
+    return ZeroState(model, groups, reducer, sharded, sharding, topology, precision, runtime, schedule,
+                     frozen_groups=frozen_groups)
 
 
-def _flatten(part: Part, specs: list[ParamGroupLike], topology: comm.Topology, settings: ZeroSettings,
-             device: torch.device) -> tuple[FlatPlan, list[Any]]:
+# [Note: frozen parameters at stage 3] A parameter nothing trains (a LoRA base model's weights, a
+# reference or teacher model, a frozen embedding) is sharded at stage 3 like a trained one, as
+# DeepSpeed partitions frozen parameters: otherwise LoRA with ZeRO-3 would keep the whole base model
+# on every rank, the memory ZeRO-3 was chosen to save. Each unit's frozen parameters of one domain
+# are one more flat group of that unit (`GroupPlan.frozen`), gathered and freed with the unit's
+# trained groups, with no gradient buffer, bucket, fp32 master or optimizer state, and in neither
+# the reducer nor the optimizer: `ZeroState.groups` are the trained groups, `ZeroState.frozen_groups`
+# these. Left whole, as before: parameters under the persistence threshold (norms, biases), and
+# parameters that are not plain floating `nn.Parameter`s (quantized weights such as bitsandbytes'
+# 4-bit ones, whose storage and dtype are not their values).
+#
+# A unit's trained gradients all arriving no longer means its backward is done: the input gradient
+# through a frozen weight may come after them (LoRA's adapters run backward before the base
+# layer). So a unit holding frozen groups is freed in backward once its trained buckets are complete
+# *and* the gradients of its forward inputs are (schedule.py's post-backward hook); a unit whose
+# inputs need no gradient has nothing upstream to wait for. Checkpoints store frozen parameters
+# whole, as before (gathered one group at a time to save; checkpoint/save.py).
+def frozen_to_shard(model: torch.nn.Module, specs: Sequence[ParamGroupLike]) -> list[torch.nn.Parameter]:
+    """The parameters of `model` that no optimizer param group trains and that stage 3 can shard:
+    plain floating `nn.Parameter`s that need no gradient ([Note: frozen parameters at stage 3])."""
+    trained = {id(p) for s in specs for p in s.params}
+    return [p for p in model.parameters() if id(p) not in trained and not p.requires_grad
+            and type(p) is torch.nn.Parameter and p.dtype.is_floating_point]
+
+
+def _flatten(part: Part, specs: list[ParamGroupLike], frozen: list[torch.nn.Parameter], topology: comm.Topology,
+             settings: ZeroSettings, device: torch.device) -> tuple[FlatPlan, list[Any]]:
     """The plan and its flat groups, by one plan at every stage ([Note: one plan for every stage]),
     each over its domain's group (declared placements, zerodist.comm.domains)."""
     model = part.module
@@ -118,7 +147,7 @@ def _flatten(part: Part, specs: list[ParamGroupLike], topology: comm.Topology, s
     domains = {key: placement.domain for key, placement in placements.items()}
     plan = plan_groups(model, [s.params for s in specs], unit_classes=settings.unit_classes,
                        persistence_threshold=settings.persistence_threshold, bucket_numel=settings.bucket_numel,
-                       domains=domains)
+                       domains=domains, frozen=frozen)
     domain_groups = {g.domain: domain_group(topology, g.domain, settings.hierarchy) for g in plan.groups}
     return plan, build_groups(model, plan, part.names, settings, domain_groups=domain_groups, placements=placements,
                               device=device)

@@ -55,7 +55,7 @@ class FlatParamGroup:
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, policy: ShardingPolicy,
                  domain_group: DomainGroup, bucket_numel: int, use_reduce_scatter: bool, param_dtype: torch.dtype,
                  placements: list[Placement] | None = None, buffer_pool: BufferPool | None = None,
-                 keep_master: bool = True):
+                 keep_master: bool = True, trainable: bool = True):
         # Reverse order: backward produces the last parameters' gradients first, so the first
         # buckets fill first and their collectives start while backward goes on.
         params, names = params[::-1], names[::-1]
@@ -63,6 +63,9 @@ class FlatParamGroup:
         if any(p.domain != domain_group.domain for p in placements):
             raise ValueError(f"a flat group of domain {domain_group.domain} was given parameters of another domain")
         self.policy, self.domain_group, self.buffer_pool = policy, domain_group, buffer_pool
+        # False: parameters nothing trains, sharded and gathered like the others but with no gradient,
+        # master or optimizer state, and in no reducer or optimizer ([Note: frozen parameters at stage 3]).
+        self.trainable = trainable
         self.group, self.rank, self.world_size = domain_group.group, domain_group.rank, domain_group.size
         self.layout: FlatLayout = plan_layout([p.numel() for p in params], bucket_numel=bucket_numel,
                                               world_size=self.world_size)
@@ -74,11 +77,11 @@ class FlatParamGroup:
             nans, placeholders = sharded_access.placeholders([tuple(p.shape) for p in params], param_dtype,
                                                              params[0].device)
         self.records = make_records(params, names, placements, self.layout.slots, domain_group, placeholders)
-        self.storage, master = self._build_storage(param_dtype, nans, keep_master)
+        self.storage, master = self._build_storage(param_dtype, nans, keep_master and trainable)
         self.device, self.param_dtype = self.storage.device, param_dtype
         self.grads = GradStorage(self.records, self.views, policy=policy, domain_group=domain_group,
                                  use_reduce_scatter=use_reduce_scatter, dtype=param_dtype, device=self.device,
-                                 buffer_pool=buffer_pool)
+                                 buffer_pool=buffer_pool, trainable=trainable)
         self.optimizer = OptimizerView(self.views, self.storage, master)
         # Fixed for the group's life: the same objects as the parts' (the hot paths read them directly).
         self.plan, self.buckets = self.grads.plan, self.grads.buckets
@@ -253,6 +256,21 @@ class FlatParamGroup:
         rank): take this rank's shard and master weights from them again."""
         self.storage.take_shard_from_full()
         self.optimizer.take_from_params()
+
+    @torch.no_grad()
+    def load_full_values(self, values: Sequence[torch.Tensor]) -> None:
+        """Sharded parameters, not gathered: take this rank's shard of the whole values `values`
+        (one per parameter, in `params` order; every rank of the domain passes the same). No
+        collective: a frozen group's load from a checkpoint ([Note: frozen parameters at stage 3])."""
+        storage = self._sharded()
+        assert storage.state is ParamState.SHARDED and storage.param_shard is not None, \
+            f"{self.records[0].name}...: load_full_values while {storage.state.value}"
+        full = torch.zeros(self.layout.total_numel, dtype=self.param_dtype, device=self.device)
+        for slot, value in zip(self.layout.slots, values):
+            full[slot.offset: slot.offset + slot.numel].copy_(value.reshape(-1))
+        storage.drop_secondary()
+        for index in range(self.views.num_buckets):
+            self.views.shard(index, storage.param_shard).copy_(self.views.bucket(index, full, owned=True))
 
     @property
     def stepped_store(self) -> SteppedStore | None:

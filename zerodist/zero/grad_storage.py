@@ -27,7 +27,7 @@ class GradStorage:
 
     def __init__(self, records: list[ParamRecord], views: FlatViews, *, policy: ShardingPolicy,
                  domain_group: DomainGroup, use_reduce_scatter: bool, dtype: torch.dtype, device: torch.device,
-                 buffer_pool: BufferPool | None):
+                 buffer_pool: BufferPool | None, trainable: bool = True):
         # A reduce-scatter leaves only this rank's shard reduced: the optimizer must step shards.
         assert policy.shard_optimizer_state or not use_reduce_scatter, (
             "reduce-scatter with full optimizer state (resolved in ZeroSettings.from_config: stage 0 all-reduces)")
@@ -39,10 +39,14 @@ class GradStorage:
         # No zeros in either: each window's first gradients overwrite the full buffer and only what stays
         # unwritten is zeroed ([Note: no gradient memset] in bucket.py); the first sync of each accumulation
         # overwrites the shard (Bucket.accumulated). Untouched pages cost no memory until backward writes them.
+        # A frozen group's parameters take no gradient: no buffer, no bucket ([Note: frozen parameters at stage 3]).
         layout = views.layout
-        self.grad_buffer = torch.empty(layout.total_numel, dtype=dtype, device=device) if full_grads else None
-        self.grad_shard = None if full_grads else torch.empty(layout.shard_numel, dtype=dtype, device=device)
-        self.buckets = [self._make_bucket(i, domain_group, buffer_pool) for i in range(views.num_buckets)]
+        self.grad_buffer = torch.empty(layout.total_numel, dtype=dtype, device=device) \
+            if full_grads and trainable else None
+        self.grad_shard = torch.empty(layout.shard_numel, dtype=dtype, device=device) \
+            if not full_grads and trainable else None
+        self.buckets = [self._make_bucket(i, domain_group, buffer_pool) for i in range(views.num_buckets)] \
+            if trainable else []
         self._norm_ranges = self._ranges_in_norm()
 
     def _make_bucket(self, index: int, domain_group: DomainGroup, buffer_pool: BufferPool | None) -> Bucket:

@@ -184,7 +184,7 @@ def build_groups(model: torch.nn.Module, plan: FlatPlan, names: dict[int, str], 
                                       use_reduce_scatter=settings.use_reduce_scatter,
                                       param_dtype=settings.precision.param_dtype,
                                       placements=[placements[id(p)] for p in planned.params], buffer_pool=pool,
-                                      keep_master=settings.masters)
+                                      keep_master=settings.masters, trainable=not planned.frozen)
 
     last_module = {id(list(module.modules())[-1]): unit
                    for unit, (_, module) in enumerate(plan.unit_modules, start=1)}

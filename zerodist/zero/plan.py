@@ -26,12 +26,15 @@ from zerodist.comm.topology import DENSE, Domain
 from zerodist.zero.init_shards import external_ids
 from zerodist.zero.units import select_unit_modules
 
+FROZEN = -1  # `GroupPlan.spec` of a group of frozen parameters: [Note: frozen parameters at stage 3]
+
 
 @dataclasses.dataclass(frozen=True)
 class GroupPlan:
     """One flat group: `params` in `model.parameters()` order, all of optimizer param group
-    `spec`, all of `domain`, all of unit `unit` (0 = the root unit), or persistent (`unit` None):
-    parameters under the persistence threshold, which stage 3 never shards."""
+    `spec` (`FROZEN`: parameters nothing trains), all of `domain`, all of unit `unit` (0 = the root
+    unit), or persistent (`unit` None): parameters under the persistence threshold, which stage 3
+    never shards."""
 
     params: tuple[torch.nn.Parameter, ...]
     spec: int
@@ -41,6 +44,10 @@ class GroupPlan:
     @property
     def persistent(self) -> bool:
         return self.unit is None
+
+    @property
+    def frozen(self) -> bool:
+        return self.spec == FROZEN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,26 +101,31 @@ def assign_units(model: torch.nn.Module, unit_modules: Sequence[tuple[str, torch
 
 def plan_groups(model: torch.nn.Module, spec_params: Sequence[Iterable[torch.nn.Parameter]], *,
                 unit_classes: Iterable[str], persistence_threshold: int, bucket_numel: int,
-                domains: Mapping[int, Domain] | None = None) -> FlatPlan:
+                domains: Mapping[int, Domain] | None = None,
+                frozen: Iterable[torch.nn.Parameter] = ()) -> FlatPlan:
     """The groups to flatten `model` into, for the trained parameters `spec_params[k]` of each
     optimizer param group k, and `domains[id(param)]` the domain of each (default: all dense).
     Parameters with fewer than `persistence_threshold` elements go to the persistent groups;
-    every other one to its unit's group."""
+    every other one to its unit's group. `frozen` (stage 3): parameters nothing trains, sharded in
+    groups of their own per unit and domain (spec `FROZEN`, after the unit's trained groups); those
+    under the threshold are left out, whole on every rank ([Note: frozen parameters at stage 3])."""
     unit_modules = tuple(select_unit_modules(model, unit_classes))
     owner = assign_units(model, unit_modules)
     spec_of = {id(p): k for k, params in enumerate(spec_params) for p in params}
+    spec_of.update({id(p): FROZEN for p in frozen if p.numel() >= persistence_threshold and id(p) not in spec_of})
+    specs = [*range(len(spec_params)), FROZEN]
     domains = domains or {}
     domain_order: list[Domain] = []  # first appearance in model.parameters(): the same on every rank
     # (unit, spec, domain) -> params; unit -1: persistent
     members: dict[tuple[int, int, Domain], list[torch.nn.Parameter]] = {}
     for param in model.parameters():
         if id(param) in spec_of:
-            unit = -1 if param.numel() < persistence_threshold else owner[id(param)]
+            unit = -1 if param.numel() < persistence_threshold else owner[id(param)]  # never for FROZEN
             domain = domains.get(id(param), DENSE)
             if domain not in domain_order:
                 domain_order.append(domain)
             members.setdefault((unit, spec_of[id(param)], domain), []).append(param)
     groups = [GroupPlan(tuple(members[key]), key[1], None if key[0] == -1 else key[0], key[2])
-              for unit in [*range(len(unit_modules) + 1), -1] for k in range(len(spec_params))
+              for unit in [*range(len(unit_modules) + 1), -1] for k in specs
               for domain in domain_order if (key := (unit, k, domain)) in members]
     return FlatPlan(unit_modules, tuple(groups), bucket_numel)

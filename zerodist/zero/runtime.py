@@ -143,6 +143,11 @@ class UnitRuntime:
         self.early_gathers = True
         self._early: list[Unit] = []  # issued after a step for the next forward ([Note: early gather])
         self._bucket_owner = {id(b): u for u in units for g in u.groups for b in g.buckets}
+        # Units holding frozen groups, and those of them whose forward inputs' gradients are still to
+        # come in this backward ([Note: frozen parameters at stage 3] in apply.py)
+        self.frozen_units = {u.index for u in units if any(not g.trainable for g in u.groups)}
+        self._awaiting_inputs: set[int] = set()
+        self._grads_in: set[int] = set()  # units whose gradients all arrived in this backward
         # The post-step gathers of full parameters ([Note: overlapped parameter gather]), by the unit whose
         # forward pre-hook waits for them: the root waits for its own and the persistent ones.
         self.gathers_by_unit: dict[int, list[FlatParamGroup]] = {}
@@ -303,12 +308,32 @@ class UnitRuntime:
             self.reshard([unit])
 
     def on_bucket_complete(self, bucket: Any) -> None:
-        """A unit's gradients are all in: its parameters are no longer needed in this backward."""
+        """A unit's gradients are all in: its parameters are no longer needed in this backward
+        (with frozen groups: once its inputs' gradients are in too)."""
         unit = self._bucket_owner.get(id(bucket))
-        if unit is not None and unit is not self.root and all(b.is_complete for g in unit.groups for b in g.buckets):
+        if unit is not None and all(b.is_complete for g in unit.groups for b in g.buckets):
+            self._grads_in.add(unit.index)  # the buckets reset once reduced: remembered for `inputs_done`
+            self._release_if_done(unit)
+
+    def await_inputs(self, unit: Unit) -> None:
+        """A forward of `unit`, which holds frozen groups, took inputs that need gradients: the
+        backward through its frozen weights is done only when theirs are (`inputs_done`)."""
+        self._awaiting_inputs.add(unit.index)
+
+    def inputs_done(self, unit: Unit) -> None:
+        """The gradients of `unit`'s forward inputs are in: nothing in this backward reads its
+        frozen weights any more."""
+        self._awaiting_inputs.discard(unit.index)
+        self._release_if_done(unit)
+
+    def _release_if_done(self, unit: Unit) -> None:
+        trained_in = unit.index in self._grads_in or not any(g.buckets for g in unit.groups)
+        if unit is not self.root and unit.index not in self._awaiting_inputs and trained_in:
             self.release(unit)
 
     def end_backward(self) -> None:
+        self._awaiting_inputs.clear()
+        self._grads_in.clear()
         for unit in self.units:
             self.release(unit)
 
@@ -382,7 +407,8 @@ class UnitRuntime:
         self.reshard()
         for unit in self.units:  # hpZ's secondary copies are stale from here ([Note: secondary partition] in hpz.py)
             for group in unit.groups:
-                group.storage.drop_secondary()
+                if group.trainable:  # a frozen group's values change only through its own verbs, which drop it
+                    group.storage.drop_secondary()
 
     def after_step(self) -> None:
         """The shards changed: the full parameters are stale until gathered again. Issue their

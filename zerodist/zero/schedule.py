@@ -64,6 +64,9 @@ class DefaultSchedule:
             unit_ref = weakref.ref(unit)
             self._handles.append(unit.module.register_forward_pre_hook(functools.partial(_pre_forward, me, unit_ref)))
             self._handles.append(unit.module.register_forward_hook(functools.partial(_post_forward, me, unit_ref)))
+            if unit.index in runtime.frozen_units:  # freed in backward once its inputs' gradients are in too
+                self._handles.append(unit.module.register_forward_hook(
+                    functools.partial(_await_inputs, me, unit_ref), with_kwargs=True))
             if unit.index not in runtime.kept:  # freed after forward: [Note: saved parameter views]
                 views = SavedParameterViews(functools.partial(_gather_for_backward, me, unit_ref))
                 # its pre-hook runs after the gather above
@@ -155,6 +158,27 @@ def _finished_forward(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.r
         # through a cycle Python's collector cannot see (it runs through C++).
         torch.autograd.graph.register_multi_grad_hook(
             tensors, functools.partial(_pre_backward, runtime_ref, unit_ref), mode="any")
+
+
+def _await_inputs(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.ref[Unit], module: torch.nn.Module,
+                  args: Any, kwargs: Any, output: Any) -> None:
+    """A unit with frozen groups ran forward: its backward reads the frozen weights until the
+    gradients of every input that needs one are computed ([Note: frozen parameters at stage 3] in
+    apply.py). Inputs that need none: nothing upstream waits, its trained buckets decide alone."""
+    runtime, unit = runtime_ref(), unit_ref()
+    if runtime is None or unit is None or not torch.is_grad_enabled():
+        return
+    inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if inputs:
+        runtime.await_inputs(unit)
+        torch.autograd.graph.register_multi_grad_hook(
+            inputs, functools.partial(_inputs_done, runtime_ref, unit_ref), mode="all")
+
+
+def _inputs_done(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.ref[Unit], grads: Any) -> None:
+    runtime, unit = runtime_ref(), unit_ref()
+    if runtime is not None and unit is not None:
+        runtime.inputs_done(unit)
 
 
 def _pre_backward(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.ref[Unit], grads: Any) -> None:

@@ -51,6 +51,9 @@ class ZeroState:
     # The verbs that gather, free and reduce (runtime.py), and the hooks that call them by default.
     runtime: UnitRuntime
     schedule: DefaultSchedule
+    # Stage 3: the groups of parameters nothing trains, sharded and gathered with their units but in no
+    # reducer or optimizer ([Note: frozen parameters at stage 3] in apply.py).
+    frozen_groups: list[FlatParamGroup] = dataclasses.field(default_factory=list)
 
     @property
     def units(self) -> tuple[Unit, ...]:
@@ -68,7 +71,7 @@ class ZeroState:
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state on this rank: parameters, gradients, optimizer (master + states)."""
-        params = sum(g.state_bytes()["params"] for g in self.groups)
+        params = sum(g.state_bytes()["params"] for g in [*self.groups, *self.frozen_groups])
         grads = sum(g.state_bytes()["grads"] for g in self.groups)
         optimizer = self.optimizer.state_bytes()
         return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
@@ -101,6 +104,9 @@ class ZeroState:
     def report(self) -> list[str]:
         stage = self.sharding.stage
         lines = [f"ZeRO stage {stage}: {len(self.groups)} flat group(s), {len(self.reducer.order)} bucket(s)"]
+        if self.frozen_groups:
+            frozen = sum(len(g.params) for g in self.frozen_groups)
+            lines[0] += f"; {frozen} frozen parameter(s) sharded in {len(self.frozen_groups)} group(s) of their own"
         if self.units:
             lines.append(f"{len(self.units)} unit(s) gathered around their use, {len(self.runtime.kept)} "
                          "kept from forward to backward")
