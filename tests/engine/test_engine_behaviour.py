@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import math
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -173,6 +174,59 @@ def test_user_optimizer_with_two_param_groups(stage):
     ref_model = make_mlp()
     reference, _ = train_reference(8, rows=8, model=ref_model, optimizer=_two_group_optimizer(ref_model))
     assert_close_relative(state, reference, 1e-6)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@distributed_test(world_size=2)
+def test_an_empty_param_group_stays_a_group_through_training_and_a_checkpoint(stage):
+    """HF's Trainer makes [decay, no_decay] groups, the second empty under LoRA: the returned optimizer
+    keeps both, so a scheduler with one entry per group lines up; it trains like one process, and its
+    checkpoint loads back into the same groups, options and scheduler state included."""
+    import tempfile
+
+    def grouped(model: torch.nn.Module, empty_first: bool) -> torch.optim.Optimizer:
+        groups = [{"params": list(model.parameters()), "weight_decay": 0.1},
+                  {"params": [], "weight_decay": 0.0, "lr": 5e-3}]
+        return torch.optim.AdamW(groups[::-1] if empty_first else groups, lr=1e-2)
+
+    def schedule(optimizer: Any, empty_first: bool) -> Any:
+        lambdas = [lambda s: 1.0 / (s + 1), lambda s: 0.5 ** s]
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas[::-1] if empty_first else lambdas)
+
+    config = base_config(stage, zero_optimization={"stage3_param_persistence_threshold": 0})
+    del config["optimizer"]
+    for empty_first in (False, True):
+        reference = make_mlp()
+        reference_optimizer = grouped(reference, empty_first)
+        reference_schedule = schedule(reference_optimizer, empty_first)
+        for step in range(3):
+            x, y = global_batch(step, 8)
+            reference_optimizer.zero_grad()
+            F.mse_loss(reference(x), y).backward()
+            reference_optimizer.step()
+            reference_schedule.step()
+        model = make_mlp()
+        engine, state = train_distributed(config, 3, model=model, optimizer=grouped(model, empty_first),
+                                          lr_scheduler=lambda opt, e=empty_first: schedule(opt, e))
+        assert_close_relative(state, {k: v.detach() for k, v in reference.state_dict().items()}, 1e-6)
+        groups = engine.optimizer.param_groups
+        assert len(groups) == 2 and groups[0 if empty_first else 1]["params"] == []
+        assert [g["lr"] for g in groups] == [g["lr"] for g in reference_optimizer.param_groups]
+        directory = [tempfile.mkdtemp() if comm.get_rank() == 0 else None]
+        torch.distributed.broadcast_object_list(directory, src=0)
+        engine.save_checkpoint(directory[0], tag="groups")
+        loaded_model = make_mlp(seed=3)
+        loaded, loaded_optimizer, _, _ = zerodist.initialize(
+            model=loaded_model, optimizer=grouped(loaded_model, empty_first), config=config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0, lambda s: 1.0]))
+        loaded.load_checkpoint(directory[0], tag="groups")
+        assert [g["lr"] for g in loaded_optimizer.param_groups] == [g["lr"] for g in groups]
+        assert [g["weight_decay"] for g in loaded_optimizer.param_groups] == [g["weight_decay"] for g in groups]
+        saved, restored = engine.module_state_dict(), loaded.module_state_dict()
+        for key, value in saved.items():
+            assert torch.equal(restored[key], value), key
+        loaded.destroy()
+        engine.destroy()
 
 
 @distributed_test(world_size=1)

@@ -30,7 +30,7 @@ from zerodist.checkpoint.shards import check_parameters, files_needed, load_grou
 from zerodist.checkpoint.state import group_mapping, remap_scheduler_state, restore_optimizer
 from zerodist.comm.domains import logical_keys
 from zerodist.utils import get_logger, log_rank0
-from zerodist.zero.flat_group import FlatParamGroup
+from zerodist.zero.flat_group import FlatParamGroup, ParamState
 from zerodist.zero.registry import GatheredParameters
 from zerodist.zero.state import Resumable, ZeroState
 
@@ -154,9 +154,9 @@ def load_extra(module: torch.nn.Module, manifest: Manifest, reader: RangeReader,
             live[key].data.copy_(saved)
     for group in frozen_groups:
         values = taken.get(id(group), {})
-        if len(values) == len(group.params):
+        if len(values) == len(group.params) and group.state is ParamState.SHARDED:
             group.load_full_values([values[i] for i in range(len(group.params))])
-        elif values:  # some saved, some not: keep what the model holds for the others
+        elif values:  # gathered now, or some saved and some not (the model keeps its own for those)
             with GatheredParameters(group.params, modifier_rank=0):
                 for index, value in values.items():
                     group.params[index].data.copy_(value)

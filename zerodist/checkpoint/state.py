@@ -47,18 +47,22 @@ def restore_rng(state: dict[str, Any]) -> None:
 logger = get_logger(__name__)
 
 
-def _first_names(groups: list[Any], inner: torch.optim.Optimizer) -> list[str]:
-    """The name of the first parameter of each inner param group."""
+def _first_names(groups: list[Any], inner: torch.optim.Optimizer) -> list[str | None]:
+    """The name of the first parameter of each inner param group (None: an empty group)."""
     name_of = {}
     for group in groups:
         for index, tensor in enumerate(group.optimizer_tensors):
             name_of[id(tensor)] = group.records[group.layout.buckets[index].param_indices[0]].name
-    return [name_of[id(pg["params"][0])] for pg in inner.param_groups]
+    return [name_of[id(pg["params"][0])] if pg["params"] else None for pg in inner.param_groups]
 
 
-def group_mapping(groups: list[Any], inner: torch.optim.Optimizer, saved: dict[str, Any]) -> list[int]:
-    """For each param group now, the index of the saved param group its parameters came from."""
-    return [saved["group_of"][name] for name in _first_names(groups, inner)]
+def group_mapping(groups: list[Any], inner: torch.optim.Optimizer, saved: dict[str, Any]) -> list[int | None]:
+    """For each param group now, the index of the saved param group its parameters came from. An
+    empty group has no parameter to go by: the k-th empty group now is the k-th saved group that held
+    no parameter, or None where there is none (a checkpoint from before empty groups were kept)."""
+    held = set(saved["group_of"].values())
+    empty = iter([k for k in range(len(saved["options"])) if k not in held])
+    return [saved["group_of"][name] if name is not None else next(empty, None) for name in _first_names(groups, inner)]
 
 
 def restore_optimizer(groups: list[Any], inner: torch.optim.Optimizer, saved: dict[str, Any],
@@ -76,7 +80,8 @@ def restore_optimizer(groups: list[Any], inner: torch.optim.Optimizer, saved: di
     mapping = group_mapping(groups, inner, saved)
     state_dict = inner.state_dict()
     for pg, old in zip(state_dict["param_groups"], mapping):
-        pg.update({k: v for k, v in saved["options"][old].items() if k in pg})
+        if old is not None:  # an empty group with no saved counterpart keeps its options
+            pg.update({k: v for k, v in saved["options"][old].items() if k in pg})
     first_name = {}
     for group in groups:
         for index, tensor in enumerate(group.optimizer_tensors):
@@ -95,9 +100,11 @@ def restore_optimizer(groups: list[Any], inner: torch.optim.Optimizer, saved: di
     inner.load_state_dict(state_dict)
 
 
-def remap_scheduler_state(state: dict[str, Any], mapping: list[int], saved_groups: int) -> dict[str, Any]:
-    """Per-param-group lists in a scheduler's state (`base_lrs`, `_last_lr`) follow `mapping`."""
+def remap_scheduler_state(state: dict[str, Any], mapping: list[int | None], saved_groups: int) -> dict[str, Any]:
+    """Per-param-group lists in a scheduler's state (`base_lrs`, `_last_lr`) follow `mapping`; an
+    empty group with no saved counterpart takes the first saved group's entry (its rate moves nothing)."""
     if mapping == list(range(saved_groups)):
         return state
-    return {k: ([v[m] for m in mapping] if isinstance(v, (list, tuple)) and len(v) == saved_groups else v)
+    return {k: ([v[0 if m is None else m] for m in mapping] if isinstance(v, (list, tuple)) and len(v) == saved_groups
+                else v)
             for k, v in state.items()}

@@ -76,7 +76,9 @@ def apply_zero(part: Part, topology: comm.Topology, settings: ZeroSettings, opti
         model.to(device)
     if (recast := precision.describe_recast(model)) is not None:  # before flattening and model.to() cast it
         log_rank0(logger, recast, level=logging.WARNING)
-    specs = [s for s in optimizer.specs if s.params]
+    # An empty param group stays one (HF's Trainer makes [decay, no_decay], the second empty under LoRA):
+    # the returned optimizer has the user's groups, and a scheduler's per-group lists line up with them.
+    specs = list(optimizer.specs)
     positions = {id(p): i for i, p in enumerate(model.parameters())}
     frozen = frozen_to_shard(model, specs) if sharding.shard_parameters else []
     plan, built = _flatten(part, specs, frozen, topology, settings, device)
