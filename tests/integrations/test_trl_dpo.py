@@ -5,26 +5,15 @@ refused until it read them. Needs TRL (skipped without it; not in the test extra
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.processes import run_group
-
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "tests" / "integrations" / "trl_dpo_script.py"
+from tests.integrations.trl_common import launch
 
 
 def _launch(out: Path, stage: int | None, sync: bool) -> dict:
-    args = [sys.executable, "-m", "zerodist", "run", *(["--as-deepspeed"] if stage is not None else []),
-            "--nproc", "2", str(SCRIPT), "--out", str(out), *(["--stage", str(stage)] if stage is not None else []),
-            *(["--sync-reference"] if sync else [])]
-    result = run_group(args, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=240)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads((out / "result.json").read_text())
+    return launch("trl_dpo_script.py", out, stage, *(["--sync-reference"] if sync else []))
 
 
 @pytest.mark.slow

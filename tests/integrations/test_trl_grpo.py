@@ -5,19 +5,13 @@ through DeepSpeed's optimizer internals; the served `trl.models.utils` leaves a 
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import types
 from pathlib import Path
 
 import pytest
 
-from tests.processes import run_group
+from tests.integrations.trl_common import launch
 from zerodist.integrations import trl_zero3
-
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "tests" / "integrations" / "trl_grpo_script.py"
 
 
 @pytest.mark.unit
@@ -41,11 +35,7 @@ def test_the_generation_hooks_leave_a_zerodist_engine_alone_and_call_trls_for_ot
 
 
 def _launch(out: Path, stage: int | None) -> dict:
-    args = [sys.executable, "-m", "zerodist", "run", *(["--as-deepspeed"] if stage is not None else []),
-            "--nproc", "2", str(SCRIPT), "--out", str(out), *(["--stage", str(stage)] if stage is not None else [])]
-    result = run_group(args, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=240)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads((out / "result.json").read_text())
+    return launch("trl_grpo_script.py", out, stage)
 
 
 @pytest.mark.slow

@@ -1,10 +1,17 @@
-"""What the TRL scripts (trl_dpo_script.py, trl_grpo_script.py) share: a character-level tokenizer, a tiny
-Llama's config, the command line, and the DeepSpeed config of a ZeRO stage (None: DDP)."""
+"""What the TRL scripts (trl_dpo_script.py, trl_grpo_script.py, trl_sft_lora_script.py) share: a
+character-level tokenizer, a tiny Llama's config, the command line, and the DeepSpeed config of a ZeRO
+stage (None: DDP); and how their tests launch them (`launch`)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tokenizer() -> Any:
@@ -33,6 +40,16 @@ def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Namespa
     return parser.parse_args()
 
 
+def finish() -> None:
+    """End the run's process group before the interpreter exits: a rank left to tear gloo down at exit
+    sometimes aborts ("terminate called without an active exception"), failing a run that trained."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def deepspeed_config(stage: int | None) -> dict[str, Any] | None:
     return None if stage is None else {
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -41,3 +58,16 @@ def deepspeed_config(stage: int | None) -> dict[str, Any] | None:
 
 def type_name(value: Any) -> str:
     return f"{type(value).__module__}.{type(value).__name__}"
+
+
+def launch(script: str, out: Path, stage: int | None, *extra: str) -> dict[str, Any]:
+    """Run tests/integrations/`script` on 2 ranks, under DDP (`stage` None) or served as DeepSpeed at
+    ZeRO `stage` (`zerodist run --as-deepspeed`); returns the OUT/result.json it writes."""
+    from tests.processes import run_group
+
+    args = [sys.executable, "-m", "zerodist", "run", *(["--as-deepspeed"] if stage is not None else []),
+            "--nproc", "2", str(REPO / "tests" / "integrations" / script), "--out", str(out),
+            *(["--stage", str(stage)] if stage is not None else []), *extra]
+    result = run_group(args, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((out / "result.json").read_text())

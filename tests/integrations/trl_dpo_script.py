@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.integrations.trl_common import arguments, deepspeed_config, tiny_llama_config, tokenizer, type_name
+from tests.integrations.trl_common import arguments, deepspeed_config, finish, tiny_llama_config, tokenizer, type_name
 
 
 def main() -> None:
@@ -45,6 +45,7 @@ def main() -> None:
                   "model": type_name(trainer.model_wrapped), "reference": type_name(trainer.ref_model),
                   "reference_stage": None if zero is None else trainer.ref_model.zero_optimization_stage()}
         Path(args.out, "result.json").write_text(json.dumps(result))
+    finish()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tests.integrations.trl_common import arguments, deepspeed_config, tiny_llama_config, tokenizer, type_name
+from tests.integrations.trl_common import arguments, deepspeed_config, finish, tiny_llama_config, tokenizer, type_name
 
 
 def _reward(completions: list[str], **_: object) -> list[float]:
@@ -43,6 +43,7 @@ def main() -> None:
         result = {"losses": [h["loss"] for h in logged], "rewards": [h["reward"] for h in logged],
                   "model": type_name(trainer.model_wrapped), "reference": type_name(trainer.ref_model)}
         Path(args.out, "result.json").write_text(json.dumps(result))
+    finish()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tests.integrations.trl_common import arguments, deepspeed_config, tiny_llama_config, tokenizer, type_name
+from tests.integrations.trl_common import arguments, deepspeed_config, finish, tiny_llama_config, tokenizer, type_name
 
 
 def main() -> None:
@@ -43,6 +43,7 @@ def main() -> None:
                   "model": type_name(trainer.model_wrapped), "frozen": sum(p.numel() for p in frozen),
                   "frozen_held": held, "frozen_groups": None if zero is None else len(zero.frozen_groups)}
         Path(args.out, "result.json").write_text(json.dumps(result))
+    finish()
 
 
 if __name__ == "__main__":

@@ -121,9 +121,10 @@ def _frozen_numel(model: torch.nn.Module) -> int:
 @distributed_test(world_size=2)
 def test_adapters_train_like_one_process_with_the_frozen_base_sharded(checkpointing):
     """Losses and weights within 1e-6 of one process; each rank holds half the frozen weights; every
-    unit is gathered once in forward and once in backward and freed there: no more than the root
-    and two blocks are ever gathered (without freeing in backward it would be the root and all four),
-    and no frozen weight needs a second gather (a unit freed before its frozen weights' backward)."""
+    unit is gathered once in forward and once in backward (reentrant checkpointing: once more) and
+    freed there: no more than the root and two blocks are ever gathered (without freeing in backward
+    it would be the root and all four), and no frozen weight needs a second gather (a unit freed
+    before its frozen weights' backward)."""
     model = AdaptedNet(checkpointing)
     frozen_total = _frozen_numel(model)
     engine, _, _, _ = zerodist.initialize(model=model, config=_config())
