@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from memory_breakdown import reset_peak_rss, rss_status
-from ranks import free_port, run_ranks
+from ranks import enter_rank, free_port, run_ranks
 
 WORLD_SIZE, MICRO_BATCH, SEQ = 2, 4, 128
 TRAINED = ("blocks.7.", "ln_f.", "lm_head.")
@@ -85,16 +85,10 @@ def _engine_step(engine: Any) -> Any:
 
 
 def worker(rank: int, port: int, arm: str, model_name: str, steps: int, folder: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE),
-                      LOCAL_WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    log = os.open(os.path.join(folder, f"{arm}-rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    enter_rank(rank, WORLD_SIZE, port, os.path.join(folder, f"{arm}-rank{rank}.log"))
     try:
         import torch
 
-        torch.set_num_threads(1)
         torch.distributed.init_process_group("gloo")
         model, step, held = build(arm, model_name)
         built = rss_status()["VmRSS"]

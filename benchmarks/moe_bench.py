@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ranks import free_port, run_ranks
+from ranks import enter_rank, free_port, run_ranks
 
 WORLD_SIZE = 2
 MICRO_BATCH, AUX_COEF, LR = 8, 0.01, 1e-3
@@ -151,14 +151,7 @@ def state_formula(engine: Any, stage: int) -> int:
 
 
 def worker(rank: int, port: int, run: Run, preset: str, experts: int, steps: int, folder: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_WORLD_SIZE=str(WORLD_SIZE),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    log = os.open(os.path.join(folder, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    import torch
-
-    torch.set_num_threads(1)
+    enter_rank(rank, WORLD_SIZE, port, os.path.join(folder, f"rank{rank}.log"))
     try:
         result = train(run, preset, experts, steps)
     except BaseException:

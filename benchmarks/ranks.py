@@ -4,6 +4,7 @@ benchmark scripts; they run as `python benchmarks/<script>.py`, so this file is 
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -14,6 +15,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def enter_rank(rank: int, world_size: int, port: int, log_path: str) -> None:
+    """In a rank's fresh process: torchrun's variables for one machine, one thread (torch and OpenMP),
+    DeepSpeed on its CPU accelerator, and stdout and stderr into `log_path`."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def run_ranks(worker: Callable[..., None], args: tuple[Any, ...], *, nprocs: int, timeout_s: float) -> str | None:

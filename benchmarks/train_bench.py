@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from memory_breakdown import measure_step, reset_peak_rss, rss_status, warm_up_kernels
-from ranks import free_port, run_ranks
+from ranks import enter_rank, free_port, run_ranks
 from zerodist.debug.memory import heap_in_use
 from train_bench_report import add_ratios, markdown, summarize_interleaved
 from trainers import TRAINERS, WORLD_SIZE
@@ -312,15 +312,7 @@ def train_interleaved(runs: list[Run], size: Size) -> dict[str, Any]:
 
 def worker(local_rank: int, port: int, phase: str, runs: list[Run], size: Size, folder: str) -> None:
     """One rank: fresh process, one thread, output to a log file, result as JSON."""
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(WORLD_SIZE),
-                      LOCAL_WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    log = os.open(os.path.join(folder, f"rank{local_rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    import torch
-
-    torch.set_num_threads(1)
+    enter_rank(local_rank, WORLD_SIZE, port, os.path.join(folder, f"rank{local_rank}.log"))
     try:
         result = train_isolated(runs[0], size) if phase == "isolated" else train_interleaved(runs, size)
     except BaseException:

@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ranks import free_port, run_ranks
+from ranks import enter_rank, free_port, run_ranks
 
 WORLD_SIZE, NODES, MICRO_BATCH, SEQ = 4, 2, 4, 128
 MODES: dict[str, dict[str, Any]] = {
@@ -98,15 +98,7 @@ def train(model_name: str, rounds: int) -> dict[str, Any]:
 
 
 def worker(rank: int, port: int, model_name: str, rounds: int, folder: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE),
-                      LOCAL_WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1")
-    log = os.open(os.path.join(folder, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    import torch
-
-    torch.set_num_threads(1)
+    enter_rank(rank, WORLD_SIZE, port, os.path.join(folder, f"rank{rank}.log"))
     try:
         result = train(model_name, rounds)
     except BaseException:

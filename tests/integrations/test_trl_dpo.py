@@ -5,15 +5,12 @@ refused until it read them. Needs TRL (skipped without it; not in the test extra
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from tests.integrations.trl_common import launch
 
-
-def _launch(out: Path, stage: int | None, sync: bool) -> dict:
-    return launch("trl_dpo_script.py", out, stage, *(["--sync-reference"] if sync else []))
+SYNC = {False: (), True: ("--sync-reference",)}
 
 
 @pytest.mark.slow
@@ -23,11 +20,11 @@ def test_trl_dpo_with_a_reference_model_trains_at_zero_2_and_3_with_ddps_losses(
     modifier_rank=0)` every 2 steps (the losses of steps 3 and 4 change with it)."""
     pytest.importorskip("trl", minversion="1.0")
     pytest.importorskip("datasets")
-    ddp = _launch(tmp_path / "ddp", None, sync)
+    ddp = launch("trl_dpo_script.py", tmp_path / "ddp", None, *SYNC[sync])
     assert ddp["reference"] == "transformers.models.llama.modeling_llama.LlamaForCausalLM"
     assert ddp["model"] == "torch.nn.parallel.distributed.DistributedDataParallel"
     for stage, reference_stage in ((2, 0), (3, 3)):  # TRL runs its reference at stage 0 unless the run is at 3
-        served = _launch(tmp_path / f"zero{stage}", stage, sync)
+        served = launch("trl_dpo_script.py", tmp_path / f"zero{stage}", stage, *SYNC[sync])
         assert served["model"] == served["reference"] == "zerodist.engine.engine.Engine"
         assert served["reference_stage"] == reference_stage
         assert len(served["losses"]) == 4

@@ -6,7 +6,6 @@ through DeepSpeed's optimizer internals; the served `trl.models.utils` leaves a 
 from __future__ import annotations
 
 import types
-from pathlib import Path
 
 import pytest
 
@@ -34,18 +33,14 @@ def test_the_generation_hooks_leave_a_zerodist_engine_alone_and_call_trls_for_ot
     assert calls == [("remove", other), ("add", other)]
 
 
-def _launch(out: Path, stage: int | None) -> dict:
-    return launch("trl_grpo_script.py", out, stage)
-
-
 @pytest.mark.slow
 def test_trl_grpo_trains_at_zero_2_and_3_with_ddps_losses_and_rewards(tmp_path):
     pytest.importorskip("trl", minversion="1.0")
     pytest.importorskip("datasets")
-    ddp = _launch(tmp_path / "ddp", None)
+    ddp = launch("trl_grpo_script.py", tmp_path / "ddp", None)
     assert ddp["model"] == "torch.nn.parallel.distributed.DistributedDataParallel"
     for stage in (2, 3):
-        served = _launch(tmp_path / f"zero{stage}", stage)
+        served = launch("trl_grpo_script.py", tmp_path / f"zero{stage}", stage)
         assert served["model"] == served["reference"] == "zerodist.engine.engine.Engine"
         assert len(served["losses"]) == 3
         assert served["rewards"] == ddp["rewards"], stage  # the same completions were sampled

@@ -5,15 +5,10 @@ the test extras)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from tests.integrations.trl_common import launch
-
-
-def _launch(out: Path, stage: int | None) -> dict:
-    return launch("trl_sft_lora_script.py", out, stage)
 
 
 @pytest.mark.slow
@@ -21,11 +16,11 @@ def test_trl_sft_with_lora_trains_at_zero_2_and_3_with_ddps_losses_and_the_base_
     pytest.importorskip("trl", minversion="1.0")
     pytest.importorskip("peft")
     pytest.importorskip("datasets")
-    ddp = _launch(tmp_path / "ddp", None)
+    ddp = launch("trl_sft_lora_script.py", tmp_path / "ddp", None)
     assert ddp["model"] == "torch.nn.parallel.distributed.DistributedDataParallel"
     assert len(ddp["losses"]) == 4
     for stage in (2, 3):
-        served = _launch(tmp_path / f"zero{stage}", stage)
+        served = launch("trl_sft_lora_script.py", tmp_path / f"zero{stage}", stage)
         assert served["model"] == "zerodist.engine.engine.Engine"
         assert served["losses"] == pytest.approx(ddp["losses"], abs=1e-5), stage
         if stage == 3:  # the two decoder layers and the root

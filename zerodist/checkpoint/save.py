@@ -160,10 +160,9 @@ def gather_facts(zero: ZeroState) -> tuple[dict[str, Any], dict[str, Any], dict[
         merged["group_of"].update(other["group_of"])
         merged["scalars"].update(other["scalars"])
     lower = {key for _, keys in everyone[: comm.get_rank()] for key in keys}
-    mine_to_write = {key: t for key, t in extra.items() if key not in lower}
     # the lowest rank holding a frozen parameter is the first of its domain group, which copied it
-    assert all(t is not None for t in mine_to_write.values()), "a sharded frozen parameter to write was not copied"
-    return merged, facts, mine_to_write  # type: ignore[return-value]  # no None left (checked above)
+    assert all(extra[key] is not None for key in extra if key not in lower), "a frozen parameter to write was not copied"
+    return merged, facts, {key: t for key, t in extra.items() if key not in lower and t is not None}
 
 
 def write_rank_files(zero: ZeroState, training: dict[str, Any], facts: tuple[dict[str, Any], dict[str, Any], dict[
