@@ -180,6 +180,29 @@ def test_bad_input_raises_on_every_rank():
     engine.destroy()
 
 
+@distributed_test(world_size=2)
+def test_bad_input_raises_on_every_rank_with_two_live_engines():
+    """Two engines alive (TRL's policy and reference model): a rank that passes a parameter neither
+    trains still joins the agreement (it used to return None alone while the other waited: a hang),
+    and the ranks passing different parameters of the same size is named."""
+    first, second = _engine(1), _engine(2)
+    rank = comm.get_rank()
+    for engine in (first, second):
+        param = next(iter(engine.module.parameters()))
+        stranger = torch.nn.Parameter(torch.zeros_like(param))
+        with pytest.raises(ds.AccessorError, match="trained by zerodist on ranks \\[1\\]"):
+            ds.safe_get_full_fp32_param(stranger if rank == 0 else param)
+        with pytest.raises(ds.AccessorError, match="trained by zerodist on ranks \\[0\\]"):
+            ds.safe_get_local_fp32_param(stranger if rank == 1 else param)
+    mine, theirs = (next(iter(e.module.parameters())) for e in (first, second))
+    with pytest.raises(ds.AccessorError, match="different parameters"):
+        ds.safe_get_full_fp32_param(mine if rank == 0 else theirs)
+    assert ds.safe_get_full_fp32_param(torch.nn.Parameter(torch.zeros(3))) is None  # a stranger everywhere
+    torch.testing.assert_close(ds.safe_get_full_fp32_param(theirs), theirs.detach(), rtol=0, atol=0)
+    second.destroy()
+    first.destroy()
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
 @distributed_test(world_size=2)
 def test_gradients_only_between_a_reducing_backward_and_the_step(stage):

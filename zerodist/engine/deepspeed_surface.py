@@ -13,6 +13,7 @@ attribute the engine does not have is looked up on the wrapped model, read-only.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -30,13 +31,18 @@ logger = get_logger(__name__)
 _LATEST: weakref.ref[Any] | None = None
 
 
-# Every engine alive in this process, for DeepSpeed's per-parameter accessors (deepspeed_tensors.py).
-_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
+# Every engine alive in this process, for DeepSpeed's per-parameter accessors (deepspeed_tensors.py),
+# in the order they were built: engines are built collectively, so this order is the same on every
+# rank (a WeakSet's is not: it follows the objects' addresses). Weak, so it keeps no engine alive.
+_ENGINES: list[weakref.ref[Any]] = []
+_BUILT = itertools.count()  # each engine's serial number: the same on every rank (building is collective)
 
 
 def live_engines() -> list[Any]:
-    """The engines `initialize()` built in this process that are alive and not destroyed."""
-    return list(_ENGINES)
+    """The engines `initialize()` built in this process that are alive and not destroyed, oldest first."""
+    alive = [engine for ref in _ENGINES if (engine := ref()) is not None]
+    _ENGINES[:] = [weakref.ref(engine) for engine in alive]
+    return alive
 
 
 def latest_engine() -> Any:
@@ -77,7 +83,8 @@ class DeepSpeedEngineAPI:
         # that was not skipped; False before the first one and after every non-boundary step().
         self._step_applied = False
         self._coalescing = False  # inside coalesce_grad_reduction()
-        _ENGINES.add(self)
+        self._serial = next(_BUILT)  # names this engine alike on every rank (DeepSpeed's accessors' agreement)
+        _ENGINES.append(weakref.ref(self))
         if _sets_process_groups(self):
             global _LATEST
             _LATEST = weakref.ref(self)
@@ -85,7 +92,7 @@ class DeepSpeedEngineAPI:
     def _forget_process_groups(self) -> None:
         """At `destroy()`: `deepspeed.utils.groups` stops answering from this engine."""
         global _LATEST
-        _ENGINES.discard(self)
+        _ENGINES[:] = [ref for ref in _ENGINES if ref() is not None and ref() is not self]
         if latest_engine() is self:
             _LATEST = None
 

@@ -10,8 +10,8 @@ owned pieces of every rank, summed over the group's ranks (each element is owned
 a write goes to the owned pieces; at stage 0 every rank steps every bucket whole, so a whole value is
 this rank's and a write goes to the whole slot (on every rank alike).
 
-Every call first agrees over the engine's data-parallel ranks (one small all_gather_object) that the
-parameter is trained on all of them or none, its size, the state asked for, a written value's size
+Every call first agrees over the engine's data-parallel ranks (one small all_gather_object; a rank
+that passed a parameter no engine trains joins the same group: `_agreement_group`) that the same parameter is trained on all of them or none, its size, the state asked for, a written value's size
 and (gradients) that the call is between a reducing backward and the step: bad input raises the same
 error on every rank, never a hang. fp16 gradients come back loss-scaled, as DeepSpeed's do.
 
@@ -110,12 +110,25 @@ def _grad_window(engine: Any) -> str | None:
     return None
 
 
-def _agreement_engine(found: tuple[Any, FlatParamGroup, int] | None) -> Any:
-    """The engine whose data-parallel ranks agree on the call: `param`'s, or the only live one."""
+def _agreement_group(found: tuple[Any, FlatParamGroup, int] | None) -> Any:
+    """The data-parallel group over which every rank agrees on the call; None without a live engine.
+
+    A rank that passed a parameter no engine trains must join the group the other ranks agree over,
+    or they would wait for it (a hang). Engines over the same mesh share their groups (comm/topology.py
+    makes one group per partition of the world), so when every live engine's data-parallel group is
+    the same group, that is the one, whatever was passed. Engines over different meshes: a trained
+    parameter's own engine's group, and for a rank that passed a stranger the newest engine's (its
+    peers may be in another: there the same parameter on every rank is the caller's part, as in
+    DeepSpeed). Not which engines are alive, which differs between ranks until the garbage collector
+    has run on each."""
     if found is not None:
-        return found[0]
-    engines = live_engines()
-    return engines[0] if len(engines) == 1 else None
+        return _batch_group(found[0])
+    groups = list({id(group): group for group in map(_batch_group, live_engines())}.values())
+    return groups[-1] if groups else None
+
+
+def _batch_group(engine: Any) -> Any:
+    return engine.topology.group(*engine.topology.batch_axes)
 
 
 def _problem(found: tuple[Any, FlatParamGroup, int] | None, kind: str,
@@ -143,16 +156,10 @@ def _agree(param: torch.Tensor, kind: str, value: torch.Tensor | None = None,
     error on every rank (never a hang): `param` trained on all ranks or none (None: none), the same
     size, the state there, a written value's size right, gradients inside their window."""
     found = _locate(param)
-    engine = _agreement_engine(found)
-    if engine is None:
+    agreement = _agreement_group(found)
+    if agreement is None:
         return None
-    if value is not None and kind not in (FP32, GRAD) and isinstance(engine.optimizer.inner, SwappedOptimizer):
-        # the same on every rank (the config's); its state[...] is a copy read back from the swap files
-        raise NotImplementedError(f"setting optimizer state {kind!r} with offload_optimizer device nvme: the "
-                                  "state lives in swap files (reading it works); save a checkpoint, change it "
-                                  "and load it instead")
-    report = (found is not None, param.numel(), _problem(found, kind, value, local))
-    agreement = engine.topology.group(*engine.topology.batch_axes)
+    report = (found is not None, param.numel(), _problem(found, kind, value, local), _position(found))
     reports: list[Any] = [report]
     if comm.is_initialized() and comm.get_world_size(agreement) > 1:
         reports = [None] * comm.get_world_size(agreement)
@@ -160,14 +167,29 @@ def _agree(param: torch.Tensor, kind: str, value: torch.Tensor | None = None,
     _raise_disagreement(reports)
     if not report[0]:
         return None
+    assert found is not None
+    if value is not None and kind not in (FP32, GRAD) and isinstance(found[0].optimizer.inner, SwappedOptimizer):
+        # the same on every rank (agreed: the same parameter of the same engine, whose config says so);
+        # its state[...] is a copy read back from the swap files
+        raise NotImplementedError(f"setting optimizer state {kind!r} with offload_optimizer device nvme: the "
+                                  "state lives in swap files (reading it works); save a checkpoint, change it "
+                                  "and load it instead")
     if any(r[2] is not None and r[2][0] == "state" for r in reports) and value is None:
         return None  # a read of a state not made yet (on some rank): None, as DeepSpeed
-    for rank, (_, _, problem) in enumerate(reports):
+    for rank, (_, _, problem, _) in enumerate(reports):
         if problem is not None:
             error = {"window": RuntimeError, "state": KeyError}.get(problem[0], AccessorError)
             raise error(f"rank {rank}: {problem[1]}")
-    assert found is not None
     return found[1], found[2]
+
+
+def _position(found: tuple[Any, FlatParamGroup, int] | None) -> tuple[int, int, int] | None:
+    """Where a trained parameter sits (its engine's serial number, its flat group, its index there):
+    the same parameter has the same position on every data-parallel rank."""
+    if found is None:
+        return None
+    engine, group, index = found
+    return engine._serial, next(i for i, g in enumerate(engine.zero_state.groups) if g is group), index
 
 
 def _raise_disagreement(reports: list[Any]) -> None:
@@ -179,6 +201,10 @@ def _raise_disagreement(reports: list[Any]) -> None:
     if trained and len(sizes) > 1:
         raise AccessorError(f"the ranks passed parameters of different sizes {sorted(sizes)}: call DeepSpeed's "
                             "accessors with the same parameter on every rank, in the same order")
+    positions = {r[3] for r in reports}
+    if trained and len(positions) > 1:
+        raise AccessorError(f"the ranks passed different parameters (engine, flat group, index: {sorted(positions)}): "
+                            "call DeepSpeed's accessors with the same parameter on every rank, in the same order")
 
 
 def _get_local(param: torch.Tensor, kind: str) -> torch.Tensor | None:
