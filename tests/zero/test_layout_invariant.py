@@ -234,9 +234,11 @@ def _whole(state: dict) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_tensor_parallel_is_bitwise_across_data_layouts_and_within_1e_6_of_one_process():
+def test_tensor_parallel_is_bitwise_across_data_layouts_and_close_to_one_process():
     """Tensor degree 2: data 1 x 8 (ZeRO 0) and data 2 x 4 (ZeRO 3) bitwise equal; against one
-    process the row-parallel matmuls add in another order (docs/determinism.md): the residual."""
+    process the row-parallel matmuls add in another order (docs/determinism.md): the residual,
+    which depends on the CPU's matmul kernels (9.4e-7 on one machine, 1.13e-6 on another), so the
+    bound is 2e-6: ten AdamW steps over rounding of 1e-7, not a layout's error (those are 1e-5 and up)."""
     tensor = {"zerodist": {"tensor_parallel": {"size": 2}}}
     one = run_distributed(train_in_mode, 2, 0, STEPS, timeout=300, **tensor)[0]
     for result in run_distributed(train_in_mode, 4, 3, STEPS, timeout=300, **tensor):
@@ -244,7 +246,7 @@ def test_tensor_parallel_is_bitwise_across_data_layouts_and_within_1e_6_of_one_p
         assert all(torch.equal(result["params"][k], v) for k, v in one["params"].items())
     expected = reference()
     residual = float((_whole(one["params"]) - _whole(expected["params"])).norm() / _whole(expected["params"]).norm())
-    assert 0 < residual <= 1e-6, residual
+    assert 0 < residual <= 2e-6, residual
     assert float((one["losses"] - expected["losses"]).abs().max()) <= 1e-6
 
 
