@@ -6,7 +6,8 @@
               unit pre-hook    gather the unit (and prefetch the next); stages 1/2: wait for its
                                post-step gathers ([Note: overlapped parameter gather])
               unit post-hook   free it (not a unit kept for its backward: [Note: reuse between
-                               forward and backward]), arm its backward pre-hook; for an output
+                               forward and backward], nor one recomputed inside a backward by
+                               activation checkpointing), arm its backward pre-hook; for an output
                                the unit still computes (Domino's inter overlap), both once it
                                has finished ([Note: unfinished outputs] in utils/unfinished.py)
     backward: unit pre-hook    (first gradient reaching the unit's outputs) gather it again if
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from zerodist import compat
 from zerodist.compat import tree_flatten
 from zerodist.utils.unfinished import UnfinishedOutput
 from zerodist.zero import sharded_access
@@ -150,7 +152,10 @@ def _finished_forward(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.r
         return
     tensors = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
     backward_follows = bool(tensors) and grad_enabled
-    if not (backward_follows and unit.index in runtime.kept):
+    # A forward inside a backward pass is an activation-checkpoint recompute (reentrant, or
+    # non-reentrant without early stop): its own backward runs next, so the unit stays gathered
+    # until its gradients are in, as a kept unit does (freeing it here gathered it once more).
+    if not (backward_follows and (unit.index in runtime.kept or compat.in_backward_pass())):
         runtime.release(unit)
     if backward_follows:
         # Weak: the hook lives on the outputs' autograd nodes, which a module may keep (MoE layers
