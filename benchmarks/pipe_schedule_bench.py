@@ -14,7 +14,13 @@ schedule with sleeps, and the cost of building and checking a schedule.
    reference that shares none of its machinery. It reports wall time / simulated makespan and
    the idle share measured from the replay's own trace (`measure_timeline`).
 3. Build + check time of the largest schedules (pure Python; the executor builds once per run).
-4. With DeepSpeed importable (`DS_ACCELERATOR=cpu /work/venv-ds/bin/python benchmarks/...`):
+4. The split's price (`--split-price`): the executor runs an I directly followed by its own W
+   as one B (`fuse_split_backward`); where a schedule keeps them apart, a CPU pays for it (I + W
+   measured 1.05-1.10x one B: W's matmuls read operands the input pass has pushed out of the
+   caches, and write into memory that is not the last freed). The simulator, with each split I
+   and W costing (1 + s) units, gives each schedule's step over `local` (its ranks' compute
+   alone) at 2 ranks, and the s at which ZB-H1 stops beating 1F1B.
+5. With DeepSpeed importable (`DS_ACCELERATOR=cpu /work/venv-ds/bin/python benchmarks/...`):
    whether DeepSpeed's TrainSchedule runs F and B in our 1F1B's order on every stage.
 
 The replay's ratios move with the machine's load (threads wake late): on the shared 2-core
@@ -175,11 +181,42 @@ def markdown(rows: list[dict[str, Any]], builds: list[dict[str, Any]], unit_ms: 
     return "\n".join(lines)
 
 
+def split_price(penalties: tuple[float, ...] = (0.0, 0.03, 0.05, 0.08, 0.10)) -> str:
+    """Step over local at 2 ranks when each I and W that the executor keeps apart costs 1 + s."""
+    from zerodist.pipe.executor import fuse_split_backward
+
+    def x_local(name: str, m: int, s: float) -> float:
+        v = 2 if name in ("zbv", "dualpipev") else 1
+        schedule = build_schedule(name, num_ranks=2, num_microbatches=m, stages_per_rank=v)
+        costs = Costs(backward_input=1 + s, backward_weight=1 + s, stage_scale=1 / v)
+        return simulate([fuse_split_backward(actions) for actions in schedule], costs).makespan / (3 * m)
+
+    def break_even(m: int) -> float:
+        low, high = 0.0, 0.5
+        for _ in range(30):
+            middle = (low + high) / 2
+            low, high = (middle, high) if x_local("zb", m, middle) < x_local("1f1b", m, middle) else (low, middle)
+        return low
+
+    names = ("1f1b", "zb", "zbv", "dualpipev")
+    lines = ["| m | s | " + " | ".join(names) + " |", "| --- | --- | " + " | ".join("---" for _ in names) + " |"]
+    for m in (8, 16):
+        for s in penalties:
+            lines.append(f"| {m} | {s:.2f} | " + " | ".join(f"{x_local(n, m, s):.3f}" for n in names) + " |")
+    lines += ["", "ZB-H1 beats 1F1B while s < " + ", ".join(f"{break_even(m):.3f} (m = {m})" for m in (8, 16))]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--unit-ms", type=float, default=50.0, help="replay time of one F (ms)")
     parser.add_argument("--no-replay", action="store_true", help="simulator only")
+    parser.add_argument("--split-price", action="store_true",
+                        help="only the split's price: step over local at 2 ranks as the split costs more")
     args = parser.parse_args()
+    if args.split_price:
+        print(split_price())
+        return
     unit = args.unit_ms / 1e3
     rows = [bench_one(*case, unit=unit, do_replay=not args.no_replay) for case in GRID]
     builds = [bench_build(p, m) for p, m in ((8, 64), (16, 128))]

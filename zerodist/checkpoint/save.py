@@ -107,16 +107,23 @@ def _module_facts(zero: ZeroState, frozen: dict[int, torch.Tensor | None]
 
 
 def frozen_values(zero: ZeroState) -> dict[int, torch.Tensor | None]:
-    """id(param) -> the whole value of each sharded frozen parameter, copied to the host by the first
-    rank of its domain group (the lowest rank holding it, which writes it: `gather_facts`), None on the
-    others. Gathered one unit at a time; collective over each group's domain, so called before
-    anything that can fail on one rank only ([Note: frozen parameters at stage 3] in zero/apply.py)."""
+    """id(param) -> the whole value of each sharded frozen parameter, copied to the host by the rank of
+    its domain group that writes it, None on the others. The writers take the groups in turn, the
+    next group going to the rank that has copied the fewest bytes so far (the same choice on every
+    rank: the groups and their sizes are), so a rank holds about 1/N of the frozen model on the host
+    while saving, not all of it (a LoRA run's base model). Gathered one group at a time; collective
+    over each group's domain, so called before anything that can fail on one rank only ([Note:
+    frozen parameters at stage 3] in zero/apply.py)."""
     values: dict[int, torch.Tensor | None] = {}
+    copied: dict[tuple[int, ...], list[int]] = {}  # domain group's ranks -> bytes each member copies
     for group in zero.frozen_groups:
+        domain = group.domain_group
+        load = copied.setdefault(domain.ranks, [0] * domain.size)
+        writer = load.index(min(load))
+        load[writer] += sum(p.numel() * p.element_size() for p in group.params)
         with GatheredParameters(group.params):
-            writes = group.domain_group.rank == 0
             for param in group.params:
-                values[id(param)] = param.detach().to("cpu", copy=True) if writes else None
+                values[id(param)] = param.detach().to("cpu", copy=True) if domain.rank == writer else None
     return values
 
 
@@ -139,13 +146,14 @@ def gather_facts(zero: ZeroState) -> tuple[dict[str, Any], dict[str, Any], dict[
     """What only some ranks know (a rank holding some experts, or a slice, alone knows their
     names), exchanged in one collective: every rank's optimizer settings merged (rank 0 stores
     them), this rank's module facts, and the extra tensors this rank writes: those whose logical
-    key no lower rank holds, so each is written once."""
+    key no lower rank holds, so each is written once (a sharded frozen parameter is held, whole, by
+    the one rank of its domain group that copied it: `frozen_values`)."""
     failure: Exception | None = None
     frozen = frozen_values(zero)
     try:  # reads swapped optimizer state: a damaged swap file fails here ([Note: swap checksums])
         scalars = collect_scalars(zero.written_groups(), zero.inner_optimizer)
         facts, extra = _module_facts(zero, frozen)
-        mine: Any = (scalars, list(extra))
+        mine: Any = (scalars, [key for key, tensor in extra.items() if tensor is not None])
     except Exception as err:  # every rank must reach the exchange, then all fail together
         failure = err
         mine = f"rank {comm.get_rank()}: {err}" if isinstance(err, CheckpointError) else \
@@ -160,8 +168,9 @@ def gather_facts(zero: ZeroState) -> tuple[dict[str, Any], dict[str, Any], dict[
         merged["group_of"].update(other["group_of"])
         merged["scalars"].update(other["scalars"])
     lower = {key for _, keys in everyone[: comm.get_rank()] for key in keys}
-    # the lowest rank holding a frozen parameter is the first of its domain group, which copied it
-    assert all(extra[key] is not None for key in extra if key not in lower), "a frozen parameter to write was not copied"
+    held = {key for _, keys in everyone for key in keys}
+    # each frozen parameter this rank did not copy, another rank of its domain group did
+    assert all(key in held for key, t in extra.items() if t is None), "a frozen parameter to write was not copied"
     return merged, facts, {key: t for key, t in extra.items() if key not in lower and t is not None}
 
 
