@@ -107,3 +107,83 @@ def test_dropout_streams_are_saved_and_resumed_bitwise(tmp_path):
     # Attention dropout draws from the tracker's per-tensor-rank stream, the rest from torch's
     # default one: a resume at the same layout restores both, so the run continues bitwise.
     assert run_distributed(_dropout_resume, 4, str(tmp_path), timeout=240) == [True] * 4
+
+
+FROZEN = ("attn.", "tok_emb.")  # sliced by tensor parallelism (qkv and the vocab by columns, proj by rows)
+
+
+def _frozen_engine(stage, tensor):
+    torch.manual_seed(0)
+    model = GPT(SHAPE)
+    for name, param in model.named_parameters():
+        param.requires_grad_(not any(part in name for part in FROZEN))
+    return zerodist.initialize(model=model, config=_config(stage, tensor))[0]
+
+
+def _save_frozen(path, stage):
+    engine = _frozen_engine(stage, tensor=2)
+    _steps(engine, 0, 2)
+    engine.save_checkpoint(path)
+    return engine.module_state_dict()
+
+
+def _load_frozen(path, stage, tensor):
+    engine = _frozen_engine(stage, tensor)
+    engine.load_checkpoint(path)
+    return engine.module_state_dict()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_frozen_sliced_parameters_round_trip_at_every_degree(tmp_path, stage):
+    """Frozen parameters that tensor parallelism slices (and ZeRO-3 shards besides): saved at tensor
+    2, they are whole in the consolidated checkpoint, unchanged by training, and load bitwise at
+    tensor 1 and 2 and at the other stage."""
+    saved = run_distributed(_save_frozen, 2, str(tmp_path), stage, timeout=240)[0]
+    torch.manual_seed(0)
+    initial = GPT(SHAPE).state_dict()
+    frozen = [key for key in saved if any(part in key for part in FROZEN)]
+    assert frozen and [key for key in frozen if not torch.equal(saved[key], initial[key])] == []
+    assert any(not torch.equal(saved[key], initial[key]) for key in saved if key not in frozen)  # it trained
+    consolidated = consolidate_checkpoint(tmp_path)
+    assert consolidated.keys() == saved.keys()
+    assert [key for key in saved if not torch.equal(consolidated[key], saved[key])] == []
+    for world, tensor, load_stage in [(1, 1, stage), (2, 2, 4 - stage)]:
+        loaded = run_distributed(_load_frozen, world, str(tmp_path), load_stage, tensor, timeout=240)[0]
+        for key in saved:
+            assert torch.equal(loaded[key], saved[key]), (world, tensor, load_stage, key)
+
+
+class _WithTable(torch.nn.Module):
+    """The GPT plus a buffer whose length a test can change (the check covers every saved extra: a
+    sliced frozen parameter from an older save has its slice's shape, a buffer another length)."""
+
+    def __init__(self, length):
+        super().__init__()
+        self.gpt = GPT(SHAPE)
+        self.register_buffer("table", torch.arange(float(length)))
+
+    def forward(self, idx, targets):
+        return self.gpt(idx, targets)
+
+
+def _save_then_load_other_shape(path):
+    torch.manual_seed(0)
+    engine = zerodist.initialize(model=_WithTable(4), config=_config(1, 1))[0]
+    engine.save_checkpoint(path)
+    before = engine.module_state_dict()
+    torch.manual_seed(1)  # other weights: a partial load would show
+    other = zerodist.initialize(model=_WithTable(5), config=_config(1, 1))[0]
+    untouched = other.module_state_dict()
+    try:
+        other.load_checkpoint(path)
+    except zerodist.checkpoint.CheckpointError as error:
+        after = other.module_state_dict()
+        same = all(torch.equal(after[k], untouched[k]) for k in after)
+        return str(error), same, torch.equal(before["table"], torch.arange(4.0))
+    return "loaded", False, False
+
+
+def test_a_saved_extra_of_another_shape_is_refused_on_every_rank_before_anything_loads(tmp_path):
+    for message, untouched, saved in run_distributed(_save_then_load_other_shape, 2, str(tmp_path), timeout=240):
+        assert "table is saved with shape (4,), this model's is (5,)" in message
+        assert untouched and saved

@@ -16,7 +16,7 @@ from __future__ import annotations
 import io
 import tempfile
 from pathlib import Path
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from zerodist.checkpoint.manifest import Manifest, list_checkpoints, read_manife
 from zerodist.checkpoint.shards import check_parameters, files_needed, load_groups
 from zerodist.checkpoint.state import group_mapping, remap_scheduler_state, restore_optimizer
 from zerodist.comm.domains import logical_keys
+from zerodist.comm.slices import ParamSlicing, param_slicings
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero.flat_group import FlatParamGroup, ParamState
 from zerodist.zero.registry import GatheredParameters
@@ -125,13 +126,37 @@ def _read_state(tag_dir: Path, manifest: Manifest, rank: int) -> dict[str, Any]:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
+def check_extra(module: torch.nn.Module, manifest: Manifest, slicings: Mapping[int, ParamSlicing]) -> None:
+    """Every saved buffer and frozen parameter this model holds has the model's logical shape; raised
+    on every rank together (collective), before anything is loaded."""
+    logical = logical_keys(module)
+    mine = []
+    for key, value in module.state_dict(keep_vars=True).items():
+        info = manifest.extra.get(logical[key])
+        slicing = slicings.get(id(value))
+        shape = slicing.logical_shape if slicing is not None else tuple(value.shape)
+        if info is not None and tuple(info["shape"]) != shape:
+            mine.append(f"{logical[key]} is saved with shape {tuple(info['shape'])}, this model's is {shape}")
+    everyone: list[Any] = [None] * comm.get_world_size()
+    comm.all_gather_object(everyone, mine)
+    problems = sorted({problem for found in everyone for problem in found})
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {manifest.tag} does not fit this model: {'; '.join(problems)}. (zerodist before 2026-11-28 "
+            "wrote a frozen parameter that tensor parallelism slices as its first slice only; such a checkpoint "
+            "cannot restore that parameter at any degree, since its other slices were never written)")
+
+
 @torch.no_grad()
 def load_extra(module: torch.nn.Module, manifest: Manifest, reader: RangeReader,
-               frozen_groups: Sequence[FlatParamGroup] = ()) -> None:
+               frozen_groups: Sequence[FlatParamGroup] = (), slicings: Mapping[int, ParamSlicing] | None = None
+               ) -> None:
     """Buffers and frozen parameters, each stored whole once, by logical key. Collective: a key
     is reported missing only when no rank's model has it (another rank may hold that expert).
-    A sharded frozen parameter (`frozen_groups`: [Note: frozen parameters at stage 3] in zero/apply.py)
-    takes this rank's shard of the saved value."""
+    A frozen parameter that tensor parallelism slices (`slicings`, by id) takes this rank's slice of
+    the saved logical value, and a sharded one (`frozen_groups`: [Note: frozen parameters at stage
+    3] in zero/apply.py) this rank's shard of that."""
+    slicings = slicings or {}
     sharded = {id(p): (group, index) for group in frozen_groups for index, p in enumerate(group.params)}
     taken: dict[int, dict[int, torch.Tensor]] = {}  # id(group) -> layout index -> saved value
     logical = logical_keys(module)
@@ -147,6 +172,9 @@ def load_extra(module: torch.nn.Module, manifest: Manifest, reader: RangeReader,
             continue
         saved = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
         reader.read_into(info["file"], info["offset"], saved.reshape(-1))
+        slicing = slicings.get(id(live[key]))
+        if slicing is not None:
+            saved = slicing.cut(saved)
         if id(live[key]) in sharded:
             group, index = sharded[id(live[key])]
             taken.setdefault(id(group), {})[index] = saved
@@ -319,9 +347,11 @@ def load_checkpoint(zero: ZeroState, resumable: Resumable, load_dir: str | Path,
     rank, world = comm.get_rank(), comm.get_world_size()
     own_file = own_state_file(zero, manifest)
     reader = RangeReader(tag_dir)
+    slicings = param_slicings(zero.module, zero.topology)
+    check_extra(zero.module, manifest, slicings)
     try:
         elementwise = load_groups(zero.groups, manifest, reader, with_optimizer)
-        load_extra(zero.module, manifest, reader, zero.frozen_groups)
+        load_extra(zero.module, manifest, reader, zero.frozen_groups, slicings)
     finally:
         reader.close()
     rank0 = _read_state(tag_dir, manifest, 0)

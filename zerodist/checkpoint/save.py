@@ -31,6 +31,7 @@ from zerodist.checkpoint.manifest import (MANIFEST, Manifest, check_tag_name, li
                                           write_manifest)
 from zerodist.checkpoint.shards import collect_chunks, collect_scalars
 from zerodist.comm.domains import logical_keys
+from zerodist.comm.slices import ParamSlicing, param_slicings
 from zerodist.config import CheckpointConfig
 from zerodist.utils import get_logger, log_rank0
 from zerodist.zero.registry import GatheredParameters
@@ -86,8 +87,8 @@ def _module_facts(zero: ZeroState, frozen: dict[int, torch.Tensor | None]
                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor | None]]:
     """This rank's state-dict keys, tied-weight aliases and the tensors outside the flat groups
     (buffers, frozen parameters), all by logical key ([Note: logical names] in comm/domains.py).
-    `frozen`: the sharded frozen parameters' whole values (`frozen_values`); None where another
-    rank of the domain writes them."""
+    `frozen`: the whole values of the frozen parameters that are sharded or sliced (`frozen_values`);
+    None where another rank writes them."""
     canonical = {id(r.param): r.name for g in zero.groups for r in g.records}
     logical = logical_keys(zero.module)
     keys, aliases, extra = [], {}, {}
@@ -107,13 +108,18 @@ def _module_facts(zero: ZeroState, frozen: dict[int, torch.Tensor | None]
 
 
 def frozen_values(zero: ZeroState) -> dict[int, torch.Tensor | None]:
-    """id(param) -> the whole value of each sharded frozen parameter, copied to the host by the rank of
-    its domain group that writes it, None on the others. The writers take the groups in turn, the
-    next group going to the rank that has copied the fewest bytes so far (the same choice on every
-    rank: the groups and their sizes are), so a rank holds about 1/N of the frozen model on the host
-    while saving, not all of it (a LoRA run's base model). Gathered one group at a time; collective
-    over each group's domain, so called before anything that can fail on one rank only ([Note:
-    frozen parameters at stage 3] in zero/apply.py)."""
+    """id(param) -> the whole (logical) value of each parameter outside the trained groups that
+    needs a collective to be whole: a sharded frozen parameter (stage 3), a frozen parameter that
+    tensor parallelism slices, or both. Copied to the host by the one rank that writes it, None on
+    the others. Collective, so called before anything that can fail on one rank only ([Note: frozen
+    parameters at stage 3] in zero/apply.py).
+
+    Sharded groups are gathered one at a time, and their writers take the groups in turn, the next
+    going to the rank of the domain group that has copied the fewest bytes so far (the same choice
+    on every rank: the groups and their sizes are), so a rank holds about 1/N of the frozen model on
+    the host while saving, not all of it (a LoRA run's base model). A sliced parameter is joined
+    over its slice axis (every rank of that axis takes part) and kept by the axis's first rank."""
+    slicings = param_slicings(zero.module, zero.topology)
     values: dict[int, torch.Tensor | None] = {}
     copied: dict[tuple[int, ...], list[int]] = {}  # domain group's ranks -> bytes each member copies
     for group in zero.frozen_groups:
@@ -123,8 +129,21 @@ def frozen_values(zero: ZeroState) -> dict[int, torch.Tensor | None]:
         load[writer] += sum(p.numel() * p.element_size() for p in group.params)
         with GatheredParameters(group.params):
             for param in group.params:
-                values[id(param)] = param.detach().to("cpu", copy=True) if domain.rank == writer else None
+                whole = _joined(param, slicings.get(id(param)), zero)
+                values[id(param)] = whole.to("cpu", copy=True) if domain.rank == writer else None
+    trained = {id(r.param) for g in zero.groups for r in g.records}
+    for param in zero.module.parameters():  # the same order on every rank of a slice axis
+        slicing = slicings.get(id(param))
+        if slicing is None or id(param) in trained or id(param) in values:
+            continue
+        whole = _joined(param, slicing, zero)
+        values[id(param)] = whole.to("cpu", copy=True) if slicing.rank == 0 else None
     return values
+
+
+def _joined(param: torch.Tensor, slicing: ParamSlicing | None, zero: ZeroState) -> torch.Tensor:
+    """`param`'s logical value: itself, or its slices joined over their axis (collective)."""
+    return param.detach() if slicing is None else slicing.gather(param, zero.topology)
 
 
 def _rank_state(training: dict[str, Any], scalars: dict[str, Any] | None, client_state: Any,
@@ -146,8 +165,8 @@ def gather_facts(zero: ZeroState) -> tuple[dict[str, Any], dict[str, Any], dict[
     """What only some ranks know (a rank holding some experts, or a slice, alone knows their
     names), exchanged in one collective: every rank's optimizer settings merged (rank 0 stores
     them), this rank's module facts, and the extra tensors this rank writes: those whose logical
-    key no lower rank holds, so each is written once (a sharded frozen parameter is held, whole, by
-    the one rank of its domain group that copied it: `frozen_values`)."""
+    key no lower rank holds, so each is written once (a sharded or sliced frozen parameter is held,
+    whole, by the one rank that copied it: `frozen_values`)."""
     failure: Exception | None = None
     frozen = frozen_values(zero)
     try:  # reads swapped optimizer state: a damaged swap file fails here ([Note: swap checksums])

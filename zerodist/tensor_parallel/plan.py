@@ -219,6 +219,20 @@ def _convert(name: str, module: nn.Module, entry: PlanEntry, region: TensorRegio
     return None
 
 
+def _keep_frozen(old: nn.Module, new: nn.Module) -> None:
+    """A converted layer's parameters are new `nn.Parameter`s (each rank's slices), which need a
+    gradient by default: those cut from a frozen parameter stay frozen (by name; a replacement whose
+    names differ from the module it replaces is frozen whole when all of that module was), so LoRA's
+    frozen base, or any weight frozen before `initialize`, is not trained under tensor parallelism."""
+    frozen = {name for name, param in old.named_parameters() if not param.requires_grad}
+    if not frozen:
+        return
+    everything = len(frozen) == len(list(old.parameters()))
+    for name, param in new.named_parameters():
+        if name in frozen or everything:
+            param.requires_grad_(False)
+
+
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -278,6 +292,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | PlanEntry], topology:
             else:
                 new = _convert(name, module, entry, region, sequence_parallel)
             if new is not None:
+                _keep_frozen(module, new)
                 _set_submodule(model, name, new)
     _prepare_inputs(model, {name: entry for name, _, entry in matched if isinstance(entry, PrepareInput)}, region,
                     sequence_parallel)
