@@ -11,7 +11,8 @@ a write goes to the owned pieces; at stage 0 every rank steps every bucket whole
 this rank's and a write goes to the whole slot (on every rank alike).
 
 Every call first agrees over the engine's data-parallel ranks (one small all_gather_object; a rank
-that passed a parameter no engine trains joins the same group: `_agreement_group`) that the same parameter is trained on all of them or none, its size, the state asked for, a written value's size
+that passed a parameter no engine trains joins the same group: `_agreement_group`) that the same
+parameter is trained on all of them or none, its size, the state asked for, a written value's size
 and (gradients) that the call is between a reducing backward and the step: bad input raises the same
 error on every rank, never a hang. fp16 gradients come back loss-scaled, as DeepSpeed's do.
 
