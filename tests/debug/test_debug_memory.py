@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import zerodist
 import zerodist.comm as comm
 from zerodist.cli.main import main
+from zerodist.debug.estimate import formula
 from zerodist.debug import LeakWatch, estimate_for_engine, heap_in_use, memory_report, padded_num_params
 from zerodist.models import GPT, gpt_config, make_mlp
 from zerodist.utils import format_bytes
@@ -82,6 +83,27 @@ def test_estimate_counts_the_padding_of_every_bucket(stage):
         engine.step()
         assert padded_num_params(engine) > sum(p.numel() for p in engine.module.parameters()) == 1987
         assert estimate_for_engine(engine).model_states == engine.model_state_bytes()["total"]
+    finally:
+        engine.destroy()
+
+
+@distributed_test(world_size=2)
+def test_estimate_counts_the_frozen_shards_at_stage_3():
+    """The MLP with its first layer frozen at ZeRO-3: the frozen shards are in model_state_bytes and
+    in the estimate (Φ/N of their elements' bytes, nothing more), which agree exactly."""
+    model = make_mlp()
+    model[0].requires_grad_(False)
+    engine, _, _, _ = zerodist.initialize(model=model, config=base_config(
+        3, zero_optimization={"stage3_param_persistence_threshold": 0}))
+    try:
+        x, y = global_batch(0, 4)
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+        estimate = estimate_for_engine(engine)
+        frozen = sum(p.numel() for p in model[0].parameters())
+        assert frozen <= estimate.frozen < frozen + 2 * 64 * 2  # padded to N x 64 per bucket
+        assert estimate.model_states == engine.model_state_bytes()["total"]
+        assert "4Φ/N" in formula(3, "fp32", frozen=True)
     finally:
         engine.destroy()
 

@@ -54,6 +54,24 @@ def test_each_buffer_of_mixed_and_fp32_training():
     assert sgd.optimizer_states == (4 + 4) * 334
 
 
+def test_frozen_parameters_cost_their_bytes_whole_at_stages_0_to_2_and_sharded_at_3():
+    psi, phi, n = 1000, 7001, 8  # Φ's shard 876, padded
+    for stage in range(4):
+        plain = estimate_memory(psi, world_size=n, stage=stage, dtype="bf16")
+        with_frozen = estimate_memory(psi, world_size=n, stage=stage, dtype="bf16", frozen=phi)
+        held = 2 * (876 if stage == 3 else phi)
+        assert with_frozen.parameters == plain.parameters + held
+        assert (with_frozen.gradients, with_frozen.optimizer_states, with_frozen.buckets) == \
+            (plain.gradients, plain.optimizer_states, plain.buckets)  # no gradient, state or bucket
+    offloaded = estimate_memory(psi, world_size=n, stage=3, dtype="bf16", frozen=phi, offload_optimizer="nvme",
+                                offload_param="nvme")
+    assert offloaded.parameters == 2 * 876  # the trained shards go to the swap files, the frozen stay
+    assert formula(3, "bf16", frozen=True) == "16Ψ/N + 2Φ/N"
+    assert formula(1, "fp32", frozen=True) == "8Ψ + 8Ψ/N + 4Φ"
+    with pytest.raises(ValueError, match="frozen parameter count"):
+        estimate_memory(psi, world_size=n, stage=0, frozen=-1)
+
+
 def test_formula_strings_match_design():
     assert [formula(s, "bf16") for s in range(4)] == ["16Ψ", "4Ψ + 12Ψ/N", "2Ψ + 14Ψ/N", "16Ψ/N"]
     assert [formula(s, "fp32") for s in range(4)] == ["16Ψ", "8Ψ + 8Ψ/N", "4Ψ + 12Ψ/N", "16Ψ/N"]
@@ -121,5 +139,8 @@ def test_cli_prints_all_stages(capsys):
                  "--layers", "12", "--seq-len", "1024", "--micro-batch", "8"]) == 0
     out = capsys.readouterr().out
     assert "16Ψ/N" in out and "4Ψ" not in out.split("\n", 2)[2]
+    assert main(["estimate", "--params", "40M", "--frozen-params", "7B", "--world-size", "8", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "7,000,000,000 frozen (Φ)" in out and "16Ψ/N + 2Φ/N = 1.70 GiB" in out  # LoRA on a 7B base
     with pytest.raises(SystemExit, match="cannot read '7Q'"):
         main(["estimate", "--params", "7Q", "--world-size", "2"])

@@ -2,6 +2,7 @@
 
     zerodist estimate --params 7B --world-size 64 --dtype bf16
     zerodist estimate --params 125M --world-size 2 --stage 2 --hidden 768 --layers 12 --seq-len 1024 --micro-batch 8
+    zerodist estimate --params 40M --frozen-params 7B --world-size 8 --dtype bf16     # LoRA on a 7B base
 
 Pure arithmetic (no GPU, no processes): the formulas are in zerodist/debug/estimate.py and
 docs/debugging.md.
@@ -16,6 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("estimate", help="per-rank memory for each ZeRO stage (pure formulas)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", required=True, help="number of parameters, e.g. 7B, 125M, 1.5T, 350000")
+    p.add_argument("--frozen-params", default="0",
+                   help="parameters no optimizer steps (a LoRA base, a reference model): their bytes only")
     p.add_argument("--world-size", type=int, required=True, help="number of data-parallel ranks")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None, help="one stage (default: all)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
@@ -45,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         num_params = parse_count(args.params)
+        frozen = 0 if str(args.frozen_params).strip() in ("", "0") else parse_count(args.frozen_params)
         buckets = parse_count(args.reduce_bucket_size), parse_count(args.allgather_bucket_size)
         stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
         estimates = [
@@ -55,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
                 flash_attention=args.flash_attention,
                 reduce_bucket_size=buckets[0], allgather_bucket_size=buckets[1],
                 offload_optimizer=args.offload_optimizer, sub_group_size=parse_count(args.sub_group_size),
-                buffer_count=args.buffer_count, offload_param=args.offload_param,
+                buffer_count=args.buffer_count, offload_param=args.offload_param, frozen=frozen,
             )
             for stage in stages
         ]
@@ -64,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
     precision = "fp32 training" if args.dtype == "fp32" else f"{args.dtype} mixed precision (fp32 master weights)"
     offload = "" if args.offload_optimizer == "none" else f", offload_optimizer {args.offload_optimizer}"
     offload += "" if args.offload_param == "none" else f", offload_param {args.offload_param}"
-    print(f"{num_params:,} parameters (Ψ) on {args.world_size:,} ranks (N), {precision}, {args.optimizer}{offload}; "
+    frozen_text = f" and {frozen:,} frozen (Φ)" if frozen else ""
+    print(f"{num_params:,} parameters (Ψ){frozen_text} on {args.world_size:,} ranks (N), {precision}, "
+          f"{args.optimizer}{offload}; "
           f"bytes per rank (memory: device and host are one on a CPU machine; disk: swap files):")
     print(format_table(estimates))
     if estimates[0].activations is None:

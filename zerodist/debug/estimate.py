@@ -25,6 +25,12 @@ and writes every sub-group file once: (8 + 4)Ψ/N bytes per rank each way (each 
 64 bytes); stage-3 gathers read 4 bytes per shard element more (docs/design/offload.md).
 `cpu` changes nothing when the parameters are on the CPU: device and host are one memory.
 
+Frozen parameters (`frozen`: Φ more parameters that no optimizer steps: a LoRA base, a reference or
+teacher model) cost their element size and nothing else: no gradient, master or optimizer state.
+They are whole on every rank at stages 0-2 and sharded at stage 3 (ceil(Φ/N)), as zerodist shards
+them ([Note: frozen parameters at stage 3] in zerodist/zero/apply.py); `offload_param` leaves them
+in memory (only the trained shards go to the swap files), and the buckets hold only trained ones.
+
 Communication buckets (transient, an upper bound): one gradient bucket of
 min(reduce_bucket_size, Ψ) elements at every stage, plus at stages 1-3 one parameter bucket of
 min(allgather_bucket_size, Ψ) elements for the all-gather. Bucket sizes are element counts,
@@ -77,6 +83,7 @@ class MemoryEstimate:
     disk: int = 0  # nvme: per-element optimizer state (and master, parameter shard) in swap files, not in memory
     swap_buffers: int = 0  # nvme: the host buffers sub-groups stream through (transient, an upper bound)
     offload_param: str = "none"  # offload_param.device
+    frozen: int = 0  # Φ: parameters no optimizer steps, beside the num_params (Ψ) it does
 
     @property
     def model_states(self) -> int:
@@ -115,12 +122,16 @@ def estimate_memory(
     sub_group_size: float = 1e9,
     buffer_count: int = 4,
     offload_param: str = "none",
+    frozen: int = 0,
 ) -> MemoryEstimate:
-    """Per-rank bytes of `num_params` parameters on `world_size` ranks at ZeRO `stage`.
+    """Per-rank bytes of `num_params` trained parameters, and `frozen` more that no optimizer steps,
+    on `world_size` ranks at ZeRO `stage`.
 
     See [Note: memory model] for every formula, and [Note: offloaded state] for `offload_optimizer`.
     """
     _check(num_params, world_size, stage, dtype, optimizer)
+    if not isinstance(frozen, int) or frozen < 0:
+        raise ValueError(f"the frozen parameter count must be a whole number >= 0, got {frozen!r}")
     if offload_optimizer not in ("none", "cpu", "nvme") or offload_param not in ("none", "cpu", "nvme"):
         raise ValueError(f"offload_optimizer and offload_param must be none, cpu or nvme, got {offload_optimizer!r} "
                          f"and {offload_param!r}")
@@ -154,14 +165,17 @@ def estimate_memory(
         sub_group = stepped if sub_group_size <= 0 else min(int(sub_group_size), stepped)
         buffers = max(1, min(buffer_count, -(-stepped // max(1, sub_group))))  # never more than sub-groups
         swap_buffers = buffers * sub_group * (4 * OPTIMIZER_STATES[optimizer] + values)
+    held_frozen = (shard_numel(frozen, world_size) if policy.shard_parameters and frozen else frozen) * element
     return MemoryEstimate(
         num_params, world_size, stage, dtype, optimizer,
-        parameters=0 if offload_param == "nvme" else (shard if policy.shard_parameters else full) * element,
+        parameters=(0 if offload_param == "nvme" else (shard if policy.shard_parameters else full) * element)
+        + held_frozen,
         gradients=(shard if policy.shard_gradients else full) * element,
         optimizer_states=stepped * optimizer_per_param,
         buckets=buckets,
         activations=activations,
         offload=offload_optimizer, disk=disk, swap_buffers=swap_buffers, offload_param=offload_param,
+        frozen=frozen,
     )
 
 
@@ -213,9 +227,11 @@ def parse_count(text: str | int | float) -> int:
     return int(value)
 
 
-def formula(stage: int, dtype: str, optimizer: str = "adam", offload: str = "none", offload_param: str = "none") -> str:
+def formula(stage: int, dtype: str, optimizer: str = "adam", offload: str = "none", offload_param: str = "none",
+            frozen: bool = False) -> str:
     """The per-rank model-state formula in memory, e.g. '4Ψ + 12Ψ/N' (stage 1, mixed precision, Adam);
-    with nvme offload, what is on disk after it: '4Ψ + 4Ψ/N (+ 8Ψ/N on disk)' (stage 2, fp32)."""
+    with nvme offload, what is on disk after it: '4Ψ + 4Ψ/N (+ 8Ψ/N on disk)' (stage 2, fp32); with
+    `frozen` parameters Φ, their term: '16Ψ/N + 2Φ/N' (stage 3, mixed)."""
     element = PARAM_BYTES[dtype]
     master = 4 if element != 4 else 0
     states = 4 * OPTIMIZER_STATES[optimizer] + (master + (4 if offload_param == "nvme" and not master else 0)
@@ -231,6 +247,8 @@ def formula(stage: int, dtype: str, optimizer: str = "adam", offload: str = "non
         else:
             replicated += per_param
     parts = ([f"{replicated}Ψ"] if replicated else []) + ([f"{sharded}Ψ/N"] if sharded else [])
+    if frozen:
+        parts.append(f"{element}Φ{'/N' if policy.shard_parameters else ''}")
     text = " + ".join(parts) or "0"
     if offload == "nvme":
         text += f" (+ {states}Ψ{'/N' if policy.shard_optimizer_state else ''} on disk)"
@@ -250,7 +268,7 @@ def format_table(estimates: list[MemoryEstimate]) -> str:
         lines.append(
             f"{e.stage:>5}  {format_bytes(e.parameters):>10}  {format_bytes(e.gradients):>10}  "
             f"{format_bytes(e.optimizer_states):>10}  {format_bytes(e.buckets):>10}  {activations:>11}{columns}  "
-            f"{format_bytes(e.total):>10}  {formula(e.stage, e.dtype, e.optimizer, e.offload, e.offload_param)} = "
+            f"{format_bytes(e.total):>10}  {formula(e.stage, e.dtype, e.optimizer, e.offload, e.offload_param, bool(e.frozen))} = "
             f"{format_bytes(e.model_states)}"
         )
     return "\n".join(lines)

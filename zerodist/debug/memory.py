@@ -168,6 +168,9 @@ def estimate_for_engine(engine: TrainingEngine, **kwargs: Any) -> MemoryEstimate
     if zero.offload_param is not None and zero.offload_param.device == "nvme":
         kwargs.setdefault("offload_param", "nvme")
     kwargs.setdefault("sub_group_size", zero.sub_group_size)
+    # stage 3's sharded frozen parameters (model_state_bytes counts them); at stages 0-2 frozen
+    # parameters are the model's own, outside zerodist's state, and so outside this estimate
+    kwargs.setdefault("frozen", sum(g.layout.total_numel for g in state.frozen_groups))
     return estimate_memory(state.padded_num_params(), world_size=sizes.pop(), stage=state.sharding.stage,
                            dtype=state.precision.name, optimizer=kind, **kwargs)
 
