@@ -241,13 +241,16 @@ def swap_module_params_on_conversion() -> Iterator[None]:
 _GRAPH_TASK_ID = _resolve("torch._C._current_graph_task_id")
 
 
-def in_backward_pass() -> bool:
+def in_backward_pass(strict: bool = True) -> bool:
     """Whether autograd's engine is running a backward pass on this thread (it has a current graph
     task; -1 elsewhere, in forwards of autograd functions included). Names the phase of tensor
     parallel collectives in the schedule log, and tells ZeRO-3 a unit's forward is an activation
-    checkpoint's recompute. Checked on 2.13.0. Without: UnsupportedTorchError."""
+    checkpoint's recompute. Checked on 2.13.0. Without: UnsupportedTorchError, or False when not
+    `strict` (ZeRO-3 then frees a recomputed unit and gathers it again, as before)."""
     if _GRAPH_TASK_ID is None:
-        raise _unsupported("the tensor-parallel schedule log and ZeRO-3", "torch._C._current_graph_task_id")
+        if not strict:
+            return False
+        raise _unsupported("the tensor-parallel schedule log", "torch._C._current_graph_task_id")
     return _GRAPH_TASK_ID() != -1
 
 
@@ -327,7 +330,7 @@ def _table() -> tuple[PrivateApi, ...]:
          _GET_SWAP is not None and _SET_SWAP is not None, "error materialising a meta module"),
         ("torch._C._current_graph_task_id", "phase of tensor-parallel collectives in the schedule log; "
          "ZeRO-3 keeps a unit recomputed in backward gathered", _GRAPH_TASK_ID is not None,
-         "error in tensor-parallel collectives and ZeRO-3's forward hook"),
+         "error in tensor-parallel collectives; ZeRO-3 gathers a recomputed unit once more"),
         ("torch._C._autograd._profiler_enabled", "label collectives only while a profiler records",
          _PROFILER_ENABLED is not None, "fallback: always labelled"),
         ("torch.distributed.distributed_c10d._get_default_store", "the guard's and exchange's store reads",

@@ -36,6 +36,17 @@ def test_a_differing_parameter_shape_is_named():
     model = make_mlp()
     if comm.get_rank() == 1:
         model[0].bias = torch.nn.Parameter(torch.zeros(model[0].bias.numel() + 1))
-    with pytest.raises(RuntimeError, match=r"disagree on the model's parameter\(s\) \(name: shape dtype\):\n  "
-                                           r"0.bias: '\(\d+,\) torch.float32' on rank\(s\) 0; "):
+    with pytest.raises(RuntimeError, match=r"disagree on the model's parameter\(s\) and buffer\(s\) \(name: shape "
+                                           r"dtype\):\n  0.bias: '\(\d+,\) torch.float32' on rank\(s\) 0; "):
+        zerodist.initialize(model=model, config=base_config(1))
+
+
+@distributed_test(world_size=2)
+def test_a_differing_buffer_shape_is_named_not_a_crash():
+    """Buffers are broadcast from the first rank at initialize: one of another length on rank 1 used
+    to abort that rank inside gloo ("Received data size doesn't match expected size")."""
+    model = make_mlp()
+    model[0].register_buffer("table", torch.arange(4.0 + comm.get_rank()))
+    with pytest.raises(RuntimeError, match=r"0.table \(buffer\): '\(4,\) torch.float32' on rank\(s\) 0; "
+                                           r"'\(5,\) torch.float32' on rank\(s\) 1"):
         zerodist.initialize(model=model, config=base_config(1))

@@ -1,10 +1,13 @@
 """Checkpoints of tensor-parallel engines: saved at data=2 x tensor=2, loaded at tensor 1, 2 and 4."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import zerodist
 from zerodist.checkpoint import consolidate_checkpoint
+from zerodist.checkpoint.manifest import read_manifest
 from zerodist.models.gpt import GPT, GPTConfig
 from tests.harness import run_distributed
 
@@ -125,6 +128,26 @@ def _save_frozen(path, stage):
     _steps(engine, 0, 2)
     engine.save_checkpoint(path)
     return engine.module_state_dict()
+
+
+def _frozen_writers(path):
+    engine = _frozen_engine(3, tensor=2)
+    _steps(engine, 0, 1)
+    engine.save_checkpoint(path)
+    return engine.topology.axis_rank("tensor"), engine.module_state_dict()
+
+
+def test_each_frozen_value_is_written_by_a_rank_of_tensor_index_0_spread_over_the_data_ranks(tmp_path):
+    """data 2 x tensor 2 at ZeRO-3: a frozen value is the same on every rank once joined, so only
+    ranks at tensor index 0 copy and write it, taking the groups in turn (both data ranks write)."""
+    results = run_distributed(_frozen_writers, 4, str(tmp_path), timeout=240)
+    tensor_zero = {f"r{rank:05d}" for rank, (index, _) in enumerate(results) if index == 0}
+    extra = read_manifest(Path(tmp_path) / "global_step1").extra
+    frozen = {key: entry["file"].split("-")[1] for key, entry in extra.items() if any(p in key for p in FROZEN)}
+    assert frozen and set(frozen.values()) == tensor_zero, (frozen, tensor_zero)
+    saved, consolidated = results[0][1], consolidate_checkpoint(tmp_path)
+    for key in frozen:
+        assert torch.equal(consolidated[key], saved[key]), key
 
 
 def _load_frozen(path, stage, tensor):

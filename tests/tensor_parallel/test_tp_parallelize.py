@@ -13,6 +13,7 @@ from zerodist.tensor_parallel import (
     ColumnParallelLinear,
     HeadParallelAttention,
     PlanError,
+    Replace,
     RowParallelLinear,
     VocabParallelEmbedding,
     gpt_plan,
@@ -226,3 +227,32 @@ def test_rng_tracker_replicated_and_sharded_streams():
     tracker.load_state_dict(saved)
     with tracker.fork("sharded"):
         assert torch.equal(torch.rand(4), first)  # streams resume from a saved state
+
+
+class _Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+
+@distributed_test(world_size=2)
+def test_frozen_weights_stay_frozen_through_conversion():
+    """A converted layer's slices are new parameters: those cut from a frozen weight stay frozen (by
+    name), a replacement with other names is frozen whole when its module was, and one whose module
+    was frozen in part is refused (no knowing which new parameter is which)."""
+    topology = comm.Topology(tensor=2)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    model[0].weight.requires_grad_(False)
+    parallelize(model, {"0": "colwise", "1": "rowwise"}, topology)
+    assert [n for n, p in model.named_parameters() if not p.requires_grad] == ["0.weight"]
+
+    def renamed(module, region, sequence_parallel):  # noqa: ANN001, ANN202 - the plan's builder signature
+        return nn.ModuleDict({"first": module.a, "second": module.b})
+
+    frozen_whole = nn.ModuleDict({"pair": _Pair().requires_grad_(False)})
+    parallelize(frozen_whole, {"pair": Replace(renamed)}, topology)
+    assert not any(p.requires_grad for p in frozen_whole.parameters())
+    half = nn.ModuleDict({"pair": _Pair()})
+    half.pair.a.requires_grad_(False)
+    with pytest.raises(PlanError, match="no parameter named a.bias, a.weight, which is frozen"):
+        parallelize(half, {"pair": Replace(renamed)}, topology)

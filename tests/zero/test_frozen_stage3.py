@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import zerodist
+from zerodist.checkpoint import CheckpointWriteError
 from zerodist.checkpoint.manifest import read_manifest
 import zerodist.comm as comm
 from zerodist.zero import GatheredParameters, is_sharded
@@ -68,12 +69,20 @@ class AdaptedNet(torch.nn.Module):
         h = self.embed(x)
         if self.checkpointing == "reentrant":
             h = h.requires_grad_(True)  # what transformers' enable_input_require_grads does for PEFT
+        if self.checkpointing == "reentrant-region":  # one region around every block (checkpoint_sequential's way)
+            h = torch.utils.checkpoint.checkpoint(self._blocks, h.requires_grad_(True), use_reentrant=True)
+            return self.head(h)
         for block in self.blocks:
             if self.checkpointing is None:
                 h = block(h)
             else:
                 h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.checkpointing == "reentrant")
         return self.head(h)
+
+    def _blocks(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h = block(h)
+        return h
 
 
 def _batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,6 +170,57 @@ def test_adapters_train_like_one_process_with_the_frozen_base_sharded(checkpoint
     per_step = 1 + DEPTH * 2
     # and the root once more: the last step gathers it early for a next forward ([Note: early gather])
     assert gathered == 5 * per_step + 1, (gathered, gathers[:per_step * 2])
+    engine.destroy()
+
+
+@distributed_test(world_size=2)
+def test_a_region_of_units_recomputed_in_backward_stays_within_max_live_parameters():
+    """One reentrant checkpoint around all four blocks: the recompute runs every block's forward
+    before the first block's backward. A recomputed unit stays gathered for its backward only while
+    the gathered total fits stage3_max_live_parameters (here the root and two blocks), so the peak
+    stays there, and the losses are one process's."""
+    model = AdaptedNet("reentrant-region")
+    root = sum(p.numel() for m in (model.embed, model.head) for p in m.parameters())
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    config = _config()
+    config["zero_optimization"]["stage3_max_live_parameters"] = root + 2 * block + 64 * 2 * 3  # and padding
+    engine, _, _, _ = zerodist.initialize(model=model, config=config)
+    state = engine.zero_state
+    losses = _train(engine, 3)
+    expected_losses, _ = _reference(3, ROWS * comm.get_world_size(), "reentrant-region")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-6, atol=1e-7)
+    assert state.runtime.peak_live_numel <= state.units[0].numel + 2 * state.units[1].numel, \
+        (state.runtime.peak_live_numel, state.units[0].numel, state.units[1].numel)
+    engine.destroy()
+
+
+@distributed_test(world_size=2)
+def test_a_frozen_copy_failing_on_one_rank_fails_the_save_on_every_rank_and_training_goes_on():
+    """The host copy of a frozen group runs out of memory on rank 0 only (simulated): every rank
+    raises CheckpointWriteError naming it, nothing is committed, and the ranks are still in step
+    (two more steps equal an engine that never tried to save)."""
+    engine, _, _, _ = zerodist.initialize(model=AdaptedNet(), config=_config())
+    _train(engine, 1)
+    directory = [tempfile.mkdtemp() if comm.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(directory, src=0)
+    original = torch.Tensor.to
+
+    def out_of_memory(self, *args, **kwargs):  # noqa: ANN001, ANN202 - torch.Tensor.to's signature
+        if kwargs.get("copy") and str(args[0] if args else kwargs.get("device")) == "cpu":
+            raise MemoryError("host out of memory (simulated)")
+        return original(self, *args, **kwargs)
+
+    if comm.get_rank() == 0:
+        torch.Tensor.to = out_of_memory  # this test's process only, undone below
+    try:
+        with pytest.raises(CheckpointWriteError, match="rank 0: MemoryError: host out of memory"):
+            engine.save_checkpoint(directory[0], tag="t")
+    finally:
+        torch.Tensor.to = original
+    assert not (Path(directory[0]) / "t" / "manifest.json").exists()
+    losses = _train(engine, 2, first=1)
+    expected, _ = _reference(3, ROWS * comm.get_world_size())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected[1:]), rtol=1e-6, atol=1e-7)
     engine.destroy()
 
 

@@ -135,16 +135,19 @@ def check_extra(module: torch.nn.Module, manifest: Manifest, slicings: Mapping[i
         info = manifest.extra.get(logical[key])
         slicing = slicings.get(id(value))
         shape = slicing.logical_shape if slicing is not None else tuple(value.shape)
-        if info is not None and tuple(info["shape"]) != shape:
-            mine.append(f"{logical[key]} is saved with shape {tuple(info['shape'])}, this model's is {shape}")
+        if info is None or tuple(info["shape"]) == shape:
+            continue
+        problem = f"{logical[key]} is saved with shape {tuple(info['shape'])}, this model's is {shape}"
+        if slicing is not None and tuple(info["shape"]) == slicing.local_shape:
+            problem += (" (zerodist before 2026-11-28 wrote a frozen parameter that tensor parallelism slices as "
+                        "its first slice only: its other slices were never written, so this checkpoint cannot "
+                        "restore it at any degree)")
+        mine.append(problem)
     everyone: list[Any] = [None] * comm.get_world_size()
     comm.all_gather_object(everyone, mine)
     problems = sorted({problem for found in everyone for problem in found})
     if problems:
-        raise CheckpointError(
-            f"checkpoint {manifest.tag} does not fit this model: {'; '.join(problems)}. (zerodist before 2026-11-28 "
-            "wrote a frozen parameter that tensor parallelism slices as its first slice only; such a checkpoint "
-            "cannot restore that parameter at any degree, since its other slices were never written)")
+        raise CheckpointError(f"checkpoint {manifest.tag} does not fit this model: {'; '.join(problems)}")
 
 
 @torch.no_grad()

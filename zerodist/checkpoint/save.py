@@ -30,7 +30,7 @@ from zerodist.checkpoint.files import AtomicFile, kill_point, tensor_bytes, writ
 from zerodist.checkpoint.manifest import (MANIFEST, Manifest, check_tag_name, list_checkpoints, write_latest,
                                           write_manifest)
 from zerodist.checkpoint.shards import collect_chunks, collect_scalars
-from zerodist.comm.domains import logical_keys
+from zerodist.comm.domains import logical_keys, parameter_placements
 from zerodist.comm.slices import ParamSlicing, param_slicings
 from zerodist.config import CheckpointConfig
 from zerodist.utils import get_logger, log_rank0
@@ -107,38 +107,64 @@ def _module_facts(zero: ZeroState, frozen: dict[int, torch.Tensor | None]
     return {"state_dict_keys": keys, "aliases": aliases}, extra
 
 
-def frozen_values(zero: ZeroState) -> dict[int, torch.Tensor | None]:
+def frozen_values(zero: ZeroState) -> tuple[dict[int, torch.Tensor | None], Exception | None]:
     """id(param) -> the whole (logical) value of each parameter outside the trained groups that
     needs a collective to be whole: a sharded frozen parameter (stage 3), a frozen parameter that
     tensor parallelism slices, or both. Copied to the host by the one rank that writes it, None on
-    the others. Collective, so called before anything that can fail on one rank only ([Note: frozen
-    parameters at stage 3] in zero/apply.py).
+    the others; and the error a copy raised on this rank (None: none). Collective: every rank takes
+    part in every gather even when its copy failed, and the failure is raised on every rank by
+    `gather_facts`' exchange ([Note: frozen parameters at stage 3] in zero/apply.py).
 
-    Sharded groups are gathered one at a time, and their writers take the groups in turn, the next
-    going to the rank of the domain group that has copied the fewest bytes so far (the same choice
-    on every rank: the groups and their sizes are), so a rank holds about 1/N of the frozen model on
-    the host while saving, not all of it (a LoRA run's base model). A sliced parameter is joined
-    over its slice axis (every rank of that axis takes part) and kept by the axis's first rank."""
-    slicings = param_slicings(zero.module, zero.topology)
+    One rank copies each value: among the ranks holding the same values (after the join), the
+    first of every axis the parameter is replicated over but not reduced over (`tensor` for a dense
+    one), of a sliced one's slice axis and of MiCS's replicas, and there the rank of its reduce axes
+    that has copied the fewest bytes so far (the same choice on every rank: the groups and their
+    sizes are), so a rank holds about 1/N of the frozen model on the host while saving, not all of
+    it (a LoRA run's base model). Sharded groups are gathered one at a time."""
+    topology = zero.topology
+    slicings = param_slicings(zero.module, topology)
+    placements = parameter_placements(zero.module)
     values: dict[int, torch.Tensor | None] = {}
-    copied: dict[tuple[int, ...], list[int]] = {}  # domain group's ranks -> bytes each member copies
+    failure: list[Exception] = []
+    copied: dict[tuple[int, ...], list[int]] = {}  # ranks that hold the same values -> bytes each copies
+
+    def writer(ranks: tuple[int, ...], nbytes: int) -> int:
+        load = copied.setdefault(ranks, [0] * len(ranks))
+        index = load.index(min(load))
+        load[index] += nbytes
+        return ranks[index]
+
+    def first_along(axes: tuple[str, ...]) -> bool:
+        return not axes or topology.axis_rank(*axes) == 0
+
+    def keep(param: torch.Tensor, whole: torch.Tensor, writes: bool) -> None:
+        values[id(param)] = None
+        if writes and not failure:
+            try:
+                values[id(param)] = whole.to("cpu", copy=True)
+            except Exception as err:  # host memory: raised on every rank by gather_facts
+                failure.append(err)
+
     for group in zero.frozen_groups:
         domain = group.domain_group
-        load = copied.setdefault(domain.ranks, [0] * domain.size)
-        writer = load.index(min(load))
-        load[writer] += sum(p.numel() * p.element_size() for p in group.params)
+        chosen = writer(domain.ranks, sum(p.numel() * p.element_size() for p in group.params))
+        first_replica = domain.replica_group is None or comm.get_rank(domain.replica_group) == 0
         with GatheredParameters(group.params):
             for param in group.params:
-                whole = _joined(param, slicings.get(id(param)), zero)
-                values[id(param)] = whole.to("cpu", copy=True) if domain.rank == writer else None
+                slicing = slicings.get(id(param))
+                writes = (comm.get_rank() == chosen and first_replica and first_along(domain.domain.norm_axes)
+                          and (slicing is None or slicing.rank == 0))
+                keep(param, _joined(param, slicing, zero), writes)
     trained = {id(r.param) for g in zero.groups for r in g.records}
     for param in zero.module.parameters():  # the same order on every rank of a slice axis
         slicing = slicings.get(id(param))
         if slicing is None or id(param) in trained or id(param) in values:
             continue
-        whole = _joined(param, slicing, zero)
-        values[id(param)] = whole.to("cpu", copy=True) if slicing.rank == 0 else None
-    return values
+        where = placements[id(param)].domain
+        chosen = writer(tuple(topology.ranks(*where.reduce_axes)), param.numel() * param.element_size())
+        writes = comm.get_rank() == chosen and first_along(where.norm_axes) and slicing.rank == 0
+        keep(param, _joined(param, slicing, zero), writes)
+    return values, (failure[0] if failure else None)
 
 
 def _joined(param: torch.Tensor, slicing: ParamSlicing | None, zero: ZeroState) -> torch.Tensor:
@@ -167,9 +193,10 @@ def gather_facts(zero: ZeroState) -> tuple[dict[str, Any], dict[str, Any], dict[
     them), this rank's module facts, and the extra tensors this rank writes: those whose logical
     key no lower rank holds, so each is written once (a sharded or sliced frozen parameter is held,
     whole, by the one rank that copied it: `frozen_values`)."""
-    failure: Exception | None = None
-    frozen = frozen_values(zero)
+    frozen, failure = frozen_values(zero)
     try:  # reads swapped optimizer state: a damaged swap file fails here ([Note: swap checksums])
+        if failure is not None:
+            raise failure
         scalars = collect_scalars(zero.written_groups(), zero.inner_optimizer)
         facts, extra = _module_facts(zero, frozen)
         mine: Any = (scalars, [key for key, tensor in extra.items() if tensor is not None])

@@ -156,7 +156,7 @@ def estimate_for_engine(engine: TrainingEngine, **kwargs: Any) -> MemoryEstimate
     domains (the formula has one N), or a dtype it has none for (fp64)."""
     state = state_of(engine)
     kind = optimizer_kind(state.optimizer)
-    sizes = {g.world_size for g in state.groups}
+    sizes = {g.world_size for g in [*state.groups, *state.frozen_groups]}
     if kind is None or kind not in OPTIMIZER_STATES or len(sizes) != 1 or state.precision.name not in PARAM_BYTES:
         return None
     zero = engine.config.zero_optimization

@@ -14,7 +14,7 @@ Every call first agrees over the engine's data-parallel ranks (one small all_gat
 that passed a parameter no engine trains joins the same group: `_agreement_group`) that the same
 parameter is trained on all of them or none, its size, the state asked for, a written value's size
 and (gradients) that the call is between a reducing backward and the step: bad input raises the same
-error on every rank, never a hang. fp16 gradients come back loss-scaled, as DeepSpeed's do.
+error on every rank, not a hang (one limit: `_agreement_group`, engines over different meshes). fp16 gradients come back loss-scaled, as DeepSpeed's do.
 
 A parameter zerodist does not train (frozen, or not in any engine) gives None, as in DeepSpeed.
 Writes: the fp32 value also reaches the parameter itself (cast to its dtype); a gradient written
@@ -117,11 +117,12 @@ def _agreement_group(found: tuple[Any, FlatParamGroup, int] | None) -> Any:
     A rank that passed a parameter no engine trains must join the group the other ranks agree over,
     or they would wait for it (a hang). Engines over the same mesh share their groups (comm/topology.py
     makes one group per partition of the world), so when every live engine's data-parallel group is
-    the same group, that is the one, whatever was passed. Engines over different meshes: a trained
-    parameter's own engine's group, and for a rank that passed a stranger the newest engine's (its
-    peers may be in another: there the same parameter on every rank is the caller's part, as in
-    DeepSpeed). Not which engines are alive, which differs between ranks until the garbage collector
-    has run on each."""
+    the same group, that is the one, whatever was passed and whichever engines the garbage collector
+    has freed on each rank so far. The limit: engines over different meshes (a tensor-parallel policy
+    beside a plain reference model) have different groups; a trained parameter agrees over its own
+    engine's, a stranger over the newest engine's, and a rank that passed a stranger while its peers
+    passed a trained parameter of another mesh's engine waits for them as they wait for it. There,
+    as in DeepSpeed, the same parameter on every rank is the caller's part."""
     if found is not None:
         return _batch_group(found[0])
     groups = list({id(group): group for group in map(_batch_group, live_engines())}.values())

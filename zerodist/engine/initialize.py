@@ -327,9 +327,16 @@ def _build_engine(model: torch.nn.Module, parts: PartStates, batch: BatchSizes, 
 
 def _fingerprint(model: torch.nn.Module, config: Config) -> tuple[str, str]:
     # A PipelineModule's ranks hold different layers: they agree on the whole pipeline's plan instead.
-    shapes = pipeline_fingerprint(model) or [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    shapes = pipeline_fingerprint(model) or _tensor_facts(model)
     digest = lambda obj: hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return digest(config.to_dict()), digest(shapes)
+
+
+def _tensor_facts(model: torch.nn.Module) -> dict[str, str]:
+    """Name -> "shape dtype" of every parameter and buffer (buffers are broadcast from the first rank
+    of their group at initialize: of another shape on one rank, that broadcast would abort the rank)."""
+    return {**{n: f"{tuple(p.shape)} {p.dtype}" for n, p in model.named_parameters()},
+            **{f"{n} (buffer)": f"{tuple(b.shape)} {b.dtype}" for n, b in model.named_buffers()}}
 
 
 def _check_ranks_agree(model: torch.nn.Module, config: Config) -> None:
@@ -342,9 +349,8 @@ def _check_ranks_agree(model: torch.nn.Module, config: Config) -> None:
         return
     # Rare path, every rank alike: the whole config and parameter list, to name what differs.
     details: list[Any] = [None] * comm.get_world_size()
-    comm.all_gather_object(details, (flatten(config.to_dict()),
-                                     {n: f"{tuple(p.shape)} {p.dtype}" for n, p in model.named_parameters()}))
-    for index, what in enumerate(("config key(s)", "model's parameter(s) (name: shape dtype)")):
+    comm.all_gather_object(details, (flatten(config.to_dict()), _tensor_facts(model)))
+    for index, what in enumerate(("config key(s)", "model's parameter(s) and buffer(s) (name: shape dtype)")):
         lines = differing_entries([d[index] for d in details])
         if lines:
             raise RuntimeError(f"initialize(): the ranks disagree on the {what}:\n  " + "\n  ".join(lines) +

@@ -219,17 +219,24 @@ def _convert(name: str, module: nn.Module, entry: PlanEntry, region: TensorRegio
     return None
 
 
-def _keep_frozen(old: nn.Module, new: nn.Module) -> None:
+def _keep_frozen(name: str, old: nn.Module, new: nn.Module) -> None:
     """A converted layer's parameters are new `nn.Parameter`s (each rank's slices), which need a
-    gradient by default: those cut from a frozen parameter stay frozen (by name; a replacement whose
-    names differ from the module it replaces is frozen whole when all of that module was), so LoRA's
-    frozen base, or any weight frozen before `initialize`, is not trained under tensor parallelism."""
-    frozen = {name for name, param in old.named_parameters() if not param.requires_grad}
+    gradient by default: those cut from a frozen parameter stay frozen, so LoRA's frozen base, or any
+    weight frozen before `initialize`, is not trained under tensor parallelism. Matched by name; a
+    replacement (`Replace`) whose names differ from the module it replaces is frozen whole when all
+    of that module was (its own new parameters too), and refused when only part of it was."""
+    frozen = {key for key, param in old.named_parameters() if not param.requires_grad}
     if not frozen:
         return
+    params = dict(new.named_parameters())
     everything = len(frozen) == len(list(old.parameters()))
-    for name, param in new.named_parameters():
-        if name in frozen or everything:
+    unmatched = sorted(frozen - set(params))
+    if unmatched and not everything:
+        raise PlanError(f"plan entry for {name!r}: the module that replaces it has no parameter named "
+                        f"{', '.join(unmatched)}, which is frozen (requires_grad=False), so there is no knowing "
+                        "which of its parameters to freeze; freeze all of the module or none, or keep the names")
+    for key, param in params.items():
+        if key in frozen or everything:
             param.requires_grad_(False)
 
 
@@ -292,7 +299,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | PlanEntry], topology:
             else:
                 new = _convert(name, module, entry, region, sequence_parallel)
             if new is not None:
-                _keep_frozen(module, new)
+                _keep_frozen(name, module, new)
                 _set_submodule(model, name, new)
     _prepare_inputs(model, {name: entry for name, _, entry in matched if isinstance(entry, PrepareInput)}, region,
                     sequence_parallel)

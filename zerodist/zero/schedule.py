@@ -121,7 +121,8 @@ def _pre_forward(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.ref[Un
 
 def _post_forward(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.ref[Unit], module: torch.nn.Module,
                   args: Any, output: Any) -> None:
-    finish = functools.partial(_finished_forward, runtime_ref, unit_ref, torch.is_grad_enabled())
+    finish = functools.partial(_finished_forward, runtime_ref, unit_ref, torch.is_grad_enabled(),
+                               compat.in_backward_pass(strict=False))
     if isinstance(output, UnfinishedOutput):  # the block runs on: [Note: unfinished outputs] in utils/unfinished.py
         output.when_finished(finish)
         return
@@ -145,17 +146,21 @@ def _post_forward(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.ref[U
 
 
 def _finished_forward(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.ref[Unit], grad_enabled: bool,
-                      outputs: list[Any]) -> None:
-    """The unit's forward is done (its forward hook ran, or its unfinished output finished)."""
+                      recompute: bool, outputs: list[Any]) -> None:
+    """The unit's forward is done (its forward hook ran, or its unfinished output finished).
+    `grad_enabled` and `recompute` (the forward ran inside a backward pass) are read when it ran."""
     runtime, unit = runtime_ref(), unit_ref()
     if runtime is None or unit is None:
         return
     tensors = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
     backward_follows = bool(tensors) and grad_enabled
-    # A forward inside a backward pass is an activation-checkpoint recompute (reentrant, or
-    # non-reentrant without early stop): its own backward runs next, so the unit stays gathered
-    # until its gradients are in, as a kept unit does (freeing it here gathered it once more).
-    if not (backward_follows and (unit.index in runtime.kept or compat.in_backward_pass())):
+    # A forward inside a backward pass is an activation-checkpoint recompute: its own backward runs
+    # next, so the unit stays gathered until its gradients are in, as a kept unit does (freeing it
+    # here gathered it once more), while what is gathered leaves room in stage3_max_live_parameters
+    # for one more unit of its size (a region of several units recomputes them all before the first
+    # one's backward: the later ones are freed and gathered again, as before).
+    recomputed = recompute and runtime.live_numel + unit.numel <= runtime.max_live_numel
+    if not (backward_follows and (unit.index in runtime.kept or recomputed)):
         runtime.release(unit)
     if backward_follows:
         # Weak: the hook lives on the outputs' autograd nodes, which a module may keep (MoE layers
