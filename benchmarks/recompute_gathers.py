@@ -11,7 +11,7 @@ runtime's `unshard`, the benchmark's own engine), the median step time over roun
 warm-up step, and the last loss (the same in every arm: checkpointing changes no result).
 
 A block's forward inside a backward pass (a recompute) keeps it gathered for the backward that
-follows (the unit post-hook in zerodist/zero/schedule.py);
+follows (`UnitRuntime.hold_recomputed`, from the unit post-hook in zerodist/zero/schedule.py);
 before that change a reentrant checkpoint freed it after the recompute and gathered it once more.
 """
 

@@ -28,7 +28,7 @@ register_pytree_node(Pending, lambda pending: ([torch.ones(4)], None), lambda le
 @pytest.mark.unit
 def test_a_unit_returning_unfinished_outputs_in_a_container_is_done_when_all_have_finished(monkeypatch):
     done = []
-    monkeypatch.setattr(schedule, "_finished_forward", lambda runtime, unit, grad, outputs: done.append(outputs))
+    monkeypatch.setattr(schedule, "_finished_forward", lambda runtime, unit, grad, recompute, outputs: done.append(outputs))
     first, second, plain = Pending(), Pending(), torch.ones(1)
     schedule._post_forward(None, None, None, (), (first, [second, plain]))
     assert done == []
@@ -41,6 +41,6 @@ def test_a_unit_returning_unfinished_outputs_in_a_container_is_done_when_all_hav
 @pytest.mark.unit
 def test_a_unit_with_finished_outputs_is_done_at_its_forward_hook(monkeypatch):
     done = []
-    monkeypatch.setattr(schedule, "_finished_forward", lambda runtime, unit, grad, outputs: done.append(outputs))
+    monkeypatch.setattr(schedule, "_finished_forward", lambda runtime, unit, grad, recompute, outputs: done.append(outputs))
     schedule._post_forward(None, None, None, (), (torch.ones(1), {"x": torch.ones(2)}))
     assert len(done) == 1 and len(done[0]) == 2

@@ -148,6 +148,9 @@ class UnitRuntime:
         self.frozen_units = {u.index for u in units if any(not g.trainable for g in u.groups)}
         self._awaiting_inputs: set[int] = set()
         self._grads_in: set[int] = set()  # units whose gradients all arrived in this backward
+        # The unit last recomputed inside a backward pass (activation checkpointing) and kept gathered
+        # for its backward, which has not started yet (`hold_recomputed`)
+        self._recomputed: Unit | None = None
         # The post-step gathers of full parameters ([Note: overlapped parameter gather]), by the unit whose
         # forward pre-hook waits for them: the root waits for its own and the persistent ones.
         self.gathers_by_unit: dict[int, list[FlatParamGroup]] = {}
@@ -331,7 +334,28 @@ class UnitRuntime:
         if unit is not self.root and unit.index not in self._awaiting_inputs and trained_in:
             self.release(unit)
 
+    def hold_recomputed(self, unit: Unit) -> bool:
+        """`unit`'s forward ran inside a backward pass (an activation-checkpoint recompute): keep it
+        gathered for its own backward, which comes next, instead of freeing it and gathering it
+        again. Only the last such unit is held: in a region of several units, all recompute before
+        the first one's backward, so an earlier one still held (its backward not started) is freed
+        now and gathered again for its backward, as without this. Not beyond
+        stage3_max_live_parameters. False: free `unit` as after any forward."""
+        previous, self._recomputed = self._recomputed, None
+        if previous is not None and previous is not unit:
+            self.release(previous)
+        if self.live_numel > self.max_live_numel:
+            return False
+        self._recomputed = unit
+        return True
+
+    def backward_started(self, unit: Unit) -> None:
+        """`unit`'s backward began: if it was held after a recompute, its gradients free it now."""
+        if self._recomputed is unit:
+            self._recomputed = None
+
     def end_backward(self) -> None:
+        self._recomputed = None
         self._awaiting_inputs.clear()
         self._grads_in.clear()
         for unit in self.units:

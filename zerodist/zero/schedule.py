@@ -156,11 +156,8 @@ def _finished_forward(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.r
     backward_follows = bool(tensors) and grad_enabled
     # A forward inside a backward pass is an activation-checkpoint recompute: its own backward runs
     # next, so the unit stays gathered until its gradients are in, as a kept unit does (freeing it
-    # here gathered it once more), while what is gathered leaves room in stage3_max_live_parameters
-    # for one more unit of its size (a region of several units recomputes them all before the first
-    # one's backward: the later ones are freed and gathered again, as before).
-    recomputed = recompute and runtime.live_numel + unit.numel <= runtime.max_live_numel
-    if not (backward_follows and (unit.index in runtime.kept or recomputed)):
+    # here gathered it once more): `hold_recomputed` says when.
+    if not (backward_follows and (unit.index in runtime.kept or (recompute and runtime.hold_recomputed(unit)))):
         runtime.release(unit)
     if backward_follows:
         # Weak: the hook lives on the outputs' autograd nodes, which a module may keep (MoE layers
@@ -194,6 +191,7 @@ def _inputs_done(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.ref[Un
 def _pre_backward(runtime_ref: weakref.ref[UnitRuntime], unit_ref: weakref.ref[Unit], grads: Any) -> None:
     runtime, unit = runtime_ref(), unit_ref()
     if runtime is not None and unit is not None:
+        runtime.backward_started(unit)
         runtime.gather_for(unit, BACKWARD, prefetch_step=-1)
 
 
