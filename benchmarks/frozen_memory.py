@@ -1,12 +1,14 @@
 """Memory per rank when most of the model is frozen (partial fine-tuning, a LoRA base model): DDP, zerodist's
 ZeRO-3 and, where installed, DeepSpeed's ZeRO-3, each in its own pair of processes (2 gloo ranks, fp32).
 
-    PYTHONPATH=. python benchmarks/frozen_memory.py [--model bench-25m] [--steps 3] [--arms ddp zerodist ...]
+    PYTHONPATH=. python benchmarks/frozen_memory.py [--model bench-25m] [--steps 3] [--arms ddp zerodist ...] [--save]
 
 The GPT with every parameter frozen but its last block, final norm and head; AdamW on what trains; the
 same seed, weights and batches in every arm. Per rank 0: the parameter bytes held between steps (DDP:
 every parameter; zerodist: `model_state_bytes()["params"]`; DeepSpeed: its partitions, `ds_tensor`),
-the peak RSS of the steps (VmHWM, reset after the build) and the loss of the last step. The
+the peak RSS of the steps (VmHWM, reset after the build) and the loss of the last step. With `--save`,
+each rank's heap growth while it saves a checkpoint (malloc's bytes in use, sampled; DDP: rank 0's
+`torch.save` of the state dict). The
 "-bounded" arms gather at most about two blocks at once; the others keep DeepSpeed's defaults, which
 keep every unit gathered from its forward to its backward (the whole model at the peak). At stage 3
 zerodist shards frozen parameters as it shards trained ones ([Note: frozen parameters at stage 3] in
@@ -43,8 +45,9 @@ def config(arm: str) -> dict[str, Any]:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3, **bounded}}
 
 
-def build(arm: str, model_name: str) -> tuple[Any, Any, Any]:
-    """(model, what runs a step, parameter bytes this rank holds between steps)."""
+def build(arm: str, model_name: str) -> tuple[Any, Any, Any, Any]:
+    """(model, what runs a step, parameter bytes this rank holds between steps, what saves a checkpoint
+    into a folder)."""
     import torch
 
     from zerodist.models import GPT, gpt_config
@@ -63,16 +66,21 @@ def build(arm: str, model_name: str) -> tuple[Any, Any, Any]:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return float(loss)
-        return model, step, lambda: sum(p.numel() * p.element_size() for p in model.parameters())
+        def save(folder: str) -> None:  # DDP's way: rank 0 writes the state dict
+            if torch.distributed.get_rank() == 0:
+                os.makedirs(folder, exist_ok=True)
+                torch.save(model.state_dict(), os.path.join(folder, "model.pt"))
+            torch.distributed.barrier()
+        return model, step, lambda: sum(p.numel() * p.element_size() for p in model.parameters()), save
     if arm.startswith("zerodist"):
         import zerodist
         engine = zerodist.initialize(model=model, config=config(arm))[0]
-        return model, _engine_step(engine), lambda: engine.model_state_bytes()["params"]
+        return model, _engine_step(engine), lambda: engine.model_state_bytes()["params"], engine.save_checkpoint
     import deepspeed
     engine = deepspeed.initialize(model=model, config=config(arm),
                                   model_parameters=[p for p in model.parameters() if p.requires_grad])[0]
     return model, _engine_step(engine), lambda: sum(p.ds_tensor.numel() * p.ds_tensor.element_size()
-                                                    for p in model.parameters())
+                                                    for p in model.parameters()), engine.save_checkpoint
 
 
 def _engine_step(engine: Any) -> Any:
@@ -84,13 +92,13 @@ def _engine_step(engine: Any) -> Any:
     return step
 
 
-def worker(rank: int, port: int, arm: str, model_name: str, steps: int, folder: str) -> None:
+def worker(rank: int, port: int, arm: str, model_name: str, steps: int, folder: str, saving: bool) -> None:
     enter_rank(rank, WORLD_SIZE, port, os.path.join(folder, f"{arm}-rank{rank}.log"))
     try:
         import torch
 
         torch.distributed.init_process_group("gloo")
-        model, step, held = build(arm, model_name)
+        model, step, held, save = build(arm, model_name)
         built = rss_status()["VmRSS"]
         reset_peak_rss()
         loss = 0.0
@@ -101,12 +109,42 @@ def worker(rank: int, port: int, arm: str, model_name: str, steps: int, folder: 
         result = {"held": held(), "built_rss": built, "peak_rss": rss_status()["VmHWM"], "loss": loss,
                   "frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad),
                   "params": sum(p.numel() for p in model.parameters())}
+        if saving:  # how much a checkpoint save adds to this rank's heap in use (sampled every 2 ms)
+            Path(folder, f"{arm}-rank{rank}-save.json").write_text(json.dumps(
+                _heap_growth(lambda: save(os.path.join(folder, f"{arm}-checkpoint")))))
         if rank == 0:
             Path(folder, f"{arm}.json").write_text(json.dumps(result))
         torch.distributed.destroy_process_group()
     except BaseException:
         traceback.print_exc()
         raise
+
+
+def _heap_growth(run: Any) -> int:
+    """The most malloc'ed bytes in use while `run()` runs, over those in use before it (glibc's
+    mallinfo2, sampled every 2 ms on a thread: RSS would not show it, the heap keeps the steps'
+    freed memory resident)."""
+    import threading
+    import time
+
+    from zerodist.debug import heap_in_use
+
+    before = heap_in_use() or 0
+    peak, done = [before], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], heap_in_use() or 0)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        run()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak[0], heap_in_use() or 0) - before
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,18 +154,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", nargs="+", default=["ddp", "zerodist", "zerodist-bounded", "deepspeed",
                                                        "deepspeed-bounded"])
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--save", action="store_true",
+                        help="also save a checkpoint after the steps and report each rank's RSS growth during it")
     args = parser.parse_args(argv)
     arms = [a for a in args.arms if not a.startswith("deepspeed") or _has_deepspeed()]
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="frozen_memory_") as folder:
         for arm in arms:
-            error = run_ranks(worker, (free_port(), arm, args.model, args.steps, folder), nprocs=WORLD_SIZE,
-                              timeout_s=args.timeout)
+            error = run_ranks(worker, (free_port(), arm, args.model, args.steps, folder, args.save),
+                              nprocs=WORLD_SIZE, timeout_s=args.timeout)
             if error is not None:
                 tail = Path(folder, f"{arm}-rank0.log").read_text(errors="replace").strip().splitlines()[-5:]
                 print(f"frozen_memory: {arm}: {error}: {' | '.join(tail)}", file=sys.stderr)
                 return 1
             results[arm] = json.loads(Path(folder, f"{arm}.json").read_text())
+            if args.save:
+                results[arm]["save_growth"] = [json.loads(Path(folder, f"{arm}-rank{r}-save.json").read_text())
+                                               for r in range(WORLD_SIZE)]
     base = results[arms[0]]
     print(f"{args.model}: {base['params']:,} parameters, {base['frozen']:,} frozen; {WORLD_SIZE} gloo ranks, fp32, "
           f"AdamW, {args.steps} steps of {MICRO_BATCH}x{SEQ}; rank 0; ratios against {arms[0]}")
@@ -137,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {arm} | {r['held'] / 2**20:.1f} MiB | {r['held'] / base['held']:.3f} | {r['peak_rss'] / 2**20:.0f} MiB "
               f"| {r['peak_rss'] / base['peak_rss']:.3f} | {r['built_rss'] / 2**20:.0f} MiB | "
               f"{r['built_rss'] / base['built_rss']:.3f} | {r['loss']:.6f} |")
+    if args.save:
+        print("\nHeap growth while saving a checkpoint (malloc'ed bytes in use, peak during the save over before it), "
+              "per rank:")
+        print("| arm | " + " | ".join(f"rank {r}" for r in range(WORLD_SIZE)) + " |")
+        print("| --- | " + " | ".join("---" for _ in range(WORLD_SIZE)) + " |")
+        for arm, r in results.items():
+            print(f"| {arm} | " + " | ".join(f"{g / 2**20:.1f} MiB" for g in r["save_growth"]) + " |")
     return 0
 
 
