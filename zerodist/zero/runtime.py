@@ -338,9 +338,9 @@ class UnitRuntime:
         """`unit`'s forward ran inside a backward pass (an activation-checkpoint recompute): keep it
         gathered for its own backward, which comes next, instead of freeing it and gathering it
         again. Only the last such unit is held: in a region of several units, all recompute before
-        the first one's backward, so an earlier one still held (its backward not started) is freed
-        now and gathered again for its backward, as without this. Not beyond
-        stage3_max_live_parameters. False: free `unit` as after any forward."""
+        any of their backwards (the last one's runs first), so an earlier one still held (its
+        backward not started) is freed now and gathered again for its backward, as without this.
+        Not beyond stage3_max_live_parameters. False: free `unit` as after any forward."""
         previous, self._recomputed = self._recomputed, None
         if previous is not None and previous is not unit:
             self.release(previous)
