@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from memory_breakdown import reset_peak_rss, rss_status
-from ranks import enter_rank, free_port, run_ranks
+from ranks import enter_rank, run_arm
 
 WORLD_SIZE, MICRO_BATCH, SEQ = 2, 4, 128
 TRAINED = ("blocks.7.", "ln_f.", "lm_head.")
@@ -161,13 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="frozen_memory_") as folder:
         for arm in arms:
-            error = run_ranks(worker, (free_port(), arm, args.model, args.steps, folder, args.save),
-                              nprocs=WORLD_SIZE, timeout_s=args.timeout)
-            if error is not None:
-                tail = Path(folder, f"{arm}-rank0.log").read_text(errors="replace").strip().splitlines()[-5:]
-                print(f"frozen_memory: {arm}: {error}: {' | '.join(tail)}", file=sys.stderr)
+            result = run_arm("frozen_memory", arm, worker, (arm, args.model, args.steps, folder, args.save),
+                             folder=folder, nprocs=WORLD_SIZE, timeout_s=args.timeout)
+            if result is None:
                 return 1
-            results[arm] = json.loads(Path(folder, f"{arm}.json").read_text())
+            results[arm] = result
             if args.save:
                 results[arm]["save_growth"] = [json.loads(Path(folder, f"{arm}-rank{r}-save.json").read_text())
                                                for r in range(WORLD_SIZE)]

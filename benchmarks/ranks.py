@@ -54,3 +54,24 @@ def run_ranks(worker: Callable[..., None], args: tuple[Any, ...], *, nprocs: int
             if process.is_alive():
                 process.terminate()
     return error
+
+
+def run_arm(script: str, arm: str, worker: Callable[..., None], args: tuple[Any, ...], *, folder: str, nprocs: int,
+            timeout_s: float) -> dict[str, Any] | None:
+    """One arm in fresh processes: `worker(rank, port, *args)`, which logs to `folder/<arm>-rank<r>.log`
+    (`enter_rank`) and leaves its result in `folder/<arm>.json`. That result, or None after printing
+    why the arm failed and the end of every rank's log to stderr."""
+    import json
+    import sys
+    from pathlib import Path
+
+    error = run_ranks(worker, (free_port(), *args), nprocs=nprocs, timeout_s=timeout_s)
+    if error is not None:
+        print(f"{script}: {arm}: {error}", file=sys.stderr)
+        for rank in range(nprocs):
+            log = Path(folder, f"{arm}-rank{rank}.log")
+            tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log.exists() else ["(no log)"]
+            print(f"  rank {rank}: {' | '.join(tail)}", file=sys.stderr)
+        return None
+    result: dict[str, Any] = json.loads(Path(folder, f"{arm}.json").read_text())
+    return result

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ranks import enter_rank, free_port, run_ranks
+from ranks import enter_rank, run_arm
 
 WORLD_SIZE, MICRO_BATCH, SEQ = 2, 4, 128
 ARMS = ("none", "non-reentrant", "reentrant")
@@ -109,13 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="recompute_gathers_") as folder:
         for how in ARMS:
-            error = run_ranks(worker, (free_port(), how, args.model, args.steps, args.rounds, folder),
-                              nprocs=WORLD_SIZE, timeout_s=args.timeout)
-            if error is not None:
-                tail = Path(folder, f"{how}-rank0.log").read_text(errors="replace").strip().splitlines()[-5:]
-                print(f"recompute_gathers: {how}: {error}: {' | '.join(tail)}", file=sys.stderr)
+            result = run_arm("recompute_gathers", how, worker, (how, args.model, args.steps, args.rounds, folder),
+                             folder=folder, nprocs=WORLD_SIZE, timeout_s=args.timeout)
+            if result is None:
                 return 1
-            results[how] = json.loads(Path(folder, f"{how}.json").read_text())
+            results[how] = result
     base = results["none"]
     print(f"{args.model}, {base['blocks']} blocks, ZeRO-3 bounded, {WORLD_SIZE} gloo ranks, fp32, AdamW, "
           f"{MICRO_BATCH}x{SEQ} per rank; rank 0, median of {args.rounds * args.steps} steps after one warm-up")
