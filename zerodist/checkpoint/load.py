@@ -128,35 +128,40 @@ def _read_state(tag_dir: Path, manifest: Manifest, rank: int) -> dict[str, Any]:
 
 def check_extra(module: torch.nn.Module, manifest: Manifest, slicings: Mapping[int, ParamSlicing]) -> None:
     """Every saved buffer and frozen parameter this model holds has the model's logical shape; raised
-    on every rank together (collective), before anything is loaded."""
+    on every rank together, before anything is loaded. Collective (one exchange, which also finds the
+    saved keys no rank's model has: logged, as another rank may hold an expert this one does not)."""
     logical = logical_keys(module)
+    live = {logical[key]: value for key, value in module.state_dict(keep_vars=True).items()}
     mine = []
-    for key, value in module.state_dict(keep_vars=True).items():
-        info = manifest.extra.get(logical[key])
+    for key, value in live.items():
+        info = manifest.extra.get(key)
         slicing = slicings.get(id(value))
         shape = slicing.logical_shape if slicing is not None else tuple(value.shape)
         if info is None or tuple(info["shape"]) == shape:
             continue
-        problem = f"{logical[key]} is saved with shape {tuple(info['shape'])}, this model's is {shape}"
+        problem = f"{key} is saved with shape {tuple(info['shape'])}, this model's is {shape}"
         if slicing is not None and tuple(info["shape"]) == slicing.local_shape:
             problem += (" (zerodist before 2026-11-28 wrote a frozen parameter that tensor parallelism slices as "
                         "its first slice only: its other slices were never written, so this checkpoint cannot "
                         "restore it at any degree)")
         mine.append(problem)
     everyone: list[Any] = [None] * comm.get_world_size()
-    comm.all_gather_object(everyone, mine)
-    problems = sorted({problem for found in everyone for problem in found})
+    comm.all_gather_object(everyone, (mine, [k for k in manifest.extra if k not in live]))
+    problems = sorted({problem for found, _ in everyone for problem in found})
     if problems:
         raise CheckpointError(f"checkpoint {manifest.tag} does not fit this model: {'; '.join(problems)}")
+    missing = [k for k in manifest.extra if all(k in keys for _, keys in everyone)]
+    if missing:
+        log_rank0(logger, "checkpoint %s holds %s, which this model does not have; ignored", manifest.tag, missing,
+                  level=30)
 
 
 @torch.no_grad()
 def load_extra(module: torch.nn.Module, manifest: Manifest, reader: RangeReader,
                frozen_groups: Sequence[FlatParamGroup] = (), slicings: Mapping[int, ParamSlicing] | None = None
                ) -> None:
-    """Buffers and frozen parameters, each stored whole once, by logical key. Collective: a key
-    is reported missing only when no rank's model has it (another rank may hold that expert).
-    A frozen parameter that tensor parallelism slices (`slicings`, by id) takes this rank's slice of
+    """Buffers and frozen parameters, each stored whole once, by logical key (`check_extra` has
+    checked their shapes and named the saved keys no rank holds). A frozen parameter that tensor parallelism slices (`slicings`, by id) takes this rank's slice of
     the saved logical value, and a sharded one (`frozen_groups`: [Note: frozen parameters at stage
     3] in zero/apply.py) this rank's shard of that."""
     slicings = slicings or {}
@@ -164,12 +169,6 @@ def load_extra(module: torch.nn.Module, manifest: Manifest, reader: RangeReader,
     taken: dict[int, dict[int, torch.Tensor]] = {}  # id(group) -> layout index -> saved value
     logical = logical_keys(module)
     live = {logical[key]: value for key, value in module.state_dict(keep_vars=True).items()}
-    everyone: list[Any] = [None] * comm.get_world_size()
-    comm.all_gather_object(everyone, [k for k in manifest.extra if k not in live])
-    missing = [k for k in manifest.extra if all(k in keys for keys in everyone)]
-    if missing:
-        log_rank0(logger, "checkpoint %s holds %s, which this model does not have; ignored", manifest.tag, missing,
-                  level=30)
     for key, info in manifest.extra.items():
         if key not in live:
             continue
