@@ -40,9 +40,8 @@ _BUILT = itertools.count()  # each engine's serial number: the same on every ran
 
 def live_engines() -> list[Any]:
     """The engines `initialize()` built in this process that are alive and not destroyed, oldest first."""
-    alive = [engine for ref in _ENGINES if (engine := ref()) is not None]
-    _ENGINES[:] = [weakref.ref(engine) for engine in alive]
-    return alive
+    _ENGINES[:] = [ref for ref in _ENGINES if ref() is not None]
+    return [engine for ref in _ENGINES if (engine := ref()) is not None]
 
 
 def latest_engine() -> Any:
@@ -92,7 +91,7 @@ class DeepSpeedEngineAPI:
     def _forget_process_groups(self) -> None:
         """At `destroy()`: `deepspeed.utils.groups` stops answering from this engine."""
         global _LATEST
-        _ENGINES[:] = [ref for ref in _ENGINES if ref() is not None and ref() is not self]
+        _ENGINES[:] = [ref for ref in _ENGINES if ref() is not self]
         if latest_engine() is self:
             _LATEST = None
 
